@@ -1,0 +1,38 @@
+# Two user-facing targets: `make demo` and `make test`; both install on their own.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+export NO_ALBUMENTATIONS_UPDATE := 1
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: install demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Pin torch first so pip takes the CPU wheel rather than a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m jobs.track --preset demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not ray and not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,244 @@
+"""Typed configuration: frozen dataclasses, named presets, YAML files and ``--set a.b=value`` overrides.
+
+Every job resolves its config the same way: preset → optional YAML file → ``--set`` overrides, each layer
+checked against the dataclass fields so an unknown key or a wrong type fails at start naming the key.
+This module holds that machinery plus the dataset-build config; the training side reuses the machinery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or has a value of the wrong type; the message names the key."""
+
+
+# --- generic machinery --------------------------------------------------------------------------------
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{key}: {value!r} does not fit {tp}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, prefix=key + ".")
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = [v for v in (s.strip() for s in value.split(",")) if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key}: expected a bool, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an int, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: expected a float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a (possibly partial) mapping; unknown keys raise naming the key."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown config key {prefix}{key} (known: {', '.join(sorted(names))})")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def merge(cfg: T, updates: Mapping[str, Any], prefix: str = "") -> T:
+    """A copy of ``cfg`` with nested ``updates`` applied, type-checked field by field."""
+    hints = typing.get_type_hints(type(cfg))
+    names = {f.name for f in dataclasses.fields(cfg)}
+    changes: dict[str, Any] = {}
+    for key, value in updates.items():
+        if key not in names:
+            raise ConfigError(f"unknown config key {prefix}{key} (known: {', '.join(sorted(names))})")
+        current = getattr(cfg, key)
+        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+            changes[key] = merge(current, value, prefix=f"{prefix}{key}.")
+        else:
+            changes[key] = _coerce(value, hints[key], prefix + key)
+    return dataclasses.replace(cfg, **changes)
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` → nested dict; values parsed as YAML scalars so ``true``/``0.5``/``[1,2]`` work."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else ""
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def resolve(
+    presets: Mapping[str, T], preset: str, config_file: str | None = None, sets: list[str] | None = None
+) -> T:
+    """preset → YAML file → ``--set`` overrides."""
+    if preset not in presets:
+        raise ConfigError(f"unknown preset {preset!r} (known: {', '.join(sorted(presets))})")
+    cfg = presets[preset]
+    if config_file:
+        with open(config_file) as fh:
+            data = yaml.safe_load(fh) or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{config_file}: top level must be a mapping")
+        cfg = merge(cfg, data)
+    if sets:
+        cfg = merge(cfg, parse_set(sets))
+    return cfg
+
+
+# --- dataset build ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DownloadConfig:
+    """DataComp's download settings (img2dataset as called by DataComp's ``download_upstream.py``)."""
+
+    image_size: int = 512  # longest side; downscale only
+    jpeg_quality: int = 95
+    timeout_s: float = 10.0
+    retries: int = 2
+    threads_per_actor: int = 16
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 89_478_485  # Pillow's decompression-bomb limit
+    verify_sha256: bool = True
+    blur_faces: bool = True
+    honor_robots: bool = True
+    allow_hosts: list[str] = field(default_factory=list)  # private/loopback hosts explicitly allowed
+    user_agent: str = "prolip-ray/0.1 (+https://github.com/prolip-ray)"
+
+
+@dataclass(frozen=True)
+class DedupeConfig:
+    near_duplicates: bool = False
+    phash_threshold: int = 4  # max Hamming distance (of 64 bits) to call two images near-duplicates
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    """Which DataComp baseline filters write a subset, and their parameters."""
+
+    names: list[str] = field(default_factory=lambda: ["no_filter", "basic"])
+    random_fraction: float = 0.3
+    random_seed: int = 0
+    clip_threshold: float = 0.3
+    clip_fraction: float = 0.3
+    clip_column: str = "clip_l14_similarity_score"
+    laion_threshold: float = 0.28
+    text_concepts_file: str = ""
+    image_embeddings_file: str = ""
+    image_centroids_file: str = ""
+    image_centroid_ids_file: str = ""
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    metadata: str = ""  # local dir, glob, single parquet, or s3://; empty = generate the demo pool
+    output: str = "runs/demo"  # run directory, local or s3://
+    samples_per_shard: int = 10_000
+    part_size: int = 1_000  # input rows per download task (the unit of resume)
+    download_actors: int = 2
+    num_cpus: int = 0  # local Ray: 0 = all cores
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server
+    keep_parts: bool = False
+    demo_n: int = 2000
+    demo_seed: int = 0
+    download: DownloadConfig = field(default_factory=DownloadConfig)
+    dedupe: DedupeConfig = field(default_factory=DedupeConfig)
+    filters: FilterConfig = field(default_factory=FilterConfig)
+
+
+BUILD_PRESETS: dict[str, BuildConfig] = {
+    "demo": BuildConfig(
+        output="runs/demo",
+        samples_per_shard=500,
+        part_size=250,
+        download=DownloadConfig(timeout_s=1.0, retries=1, allow_hosts=["127.0.0.1"], threads_per_actor=16),
+        dedupe=DedupeConfig(near_duplicates=True),
+        filters=FilterConfig(names=["no_filter", "basic", "english", "random"]),
+    ),
+    "datacomp-small": BuildConfig(
+        output="s3://my-bucket/datacomp-small",
+        samples_per_shard=10_000,
+        part_size=10_000,
+        download_actors=64,
+        filters=FilterConfig(names=["no_filter", "basic", "english", "clip_score", "laion2b"]),
+    ),
+}
