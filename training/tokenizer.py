@@ -1,0 +1,211 @@
+"""Caption tokenizer: HF ``tokenizers`` BPE wrapped with the special ids the model and masking need.
+
+- ``train_tokenizer`` trains a byte-level BPE (GPT-2/CLIP style: every string is encodable, no UNK) with
+  NFKC + lowercase normalisation (CLIP lowercases too) on an iterable of captions, offline. Special
+  tokens come first: ``<pad>`` = 0 (``ModelConfig.pad_id`` default), ``<end>`` = 1, ``<mask>`` = 2.
+- ``TextTokenizer.from_file`` wraps any ``tokenizer.json`` (CLIP's, SigLIP's, ...). Pad/end/mask tokens
+  are given by name or detected among common spellings; a missing pad or mask token is *added* (CLIP's BPE
+  has neither; padding with a real token id would hide that token from attention), which grows
+  ``vocab_size`` — build the model config from ``tok.vocab_size`` and ``tok.pad_id``.
+- ``encode_batch(texts, C)`` → int64 (B, C): ``[start?] tokens… <end> <pad>…``, truncated so that the end
+  token always fits (the text tower pools CLS/UNC, not the end token, but the end token marks where a
+  truncated caption stops and is never masked, ProLIP §4.1 / MATH.md "masked variants").
+  Special-token spellings inside captions are encoded as plain text, so a caption cannot inject ``<pad>``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+TOKENIZER_FILE = "tokenizer.json"
+SPECIAL_IDS_FILE = "special_tokens.json"
+
+PAD_TOKEN, END_TOKEN, MASK_TOKEN = "<pad>", "<end>", "<mask>"
+_PAD_CANDIDATES = (PAD_TOKEN, "[PAD]", "<|pad|>", "<|padding|>")
+_END_CANDIDATES = (END_TOKEN, "<|endoftext|>", "</s>", "[SEP]", "<eos>", "[EOS]")
+_MASK_CANDIDATES = (MASK_TOKEN, "[MASK]", "<|mask|>")
+
+
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` plus pad/end/mask (and optional start) token ids."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, pad_id: int, end_id: int, mask_id: int, start_id: int | None = None
+    ) -> None:
+        ids = {"pad": pad_id, "end": end_id, "mask": mask_id}
+        if len(set(ids.values())) != 3:
+            raise ValueError(f"pad, end and mask ids must differ, got {ids}")
+        self._tokenizer = tokenizer
+        # Captions are data: "<pad>" typed in a caption must not become the pad id.
+        self._tokenizer.encode_special_tokens = True
+        self._pad_id, self._end_id, self._mask_id, self._start_id = pad_id, end_id, mask_id, start_id
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad_id
+
+    @property
+    def end_id(self) -> int:
+        return self._end_id
+
+    @property
+    def mask_id(self) -> int:
+        return self._mask_id
+
+    @property
+    def start_id(self) -> int | None:
+        return self._start_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_ids(self) -> dict[str, int | None]:
+        return {
+            "pad_id": self.pad_id,
+            "end_id": self.end_id,
+            "mask_id": self.mask_id,
+            "start_id": self.start_id,
+        }
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | Path,
+        pad_token: str | None = None,
+        end_token: str | None = None,
+        mask_token: str | None = None,
+        start_token: str | None = None,
+    ) -> TextTokenizer:
+        """Wrap a ``tokenizer.json``; tokens not named are detected, and a missing pad/mask is added.
+
+        ``start_token`` (e.g. CLIP's ``<|startoftext|>``) is prepended only when given.
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / TOKENIZER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer file missing: {path}")
+        tokenizer = Tokenizer.from_file(str(path))
+        end_id = _find_token(tokenizer, end_token, _END_CANDIDATES, "end", path)
+        if end_id is None:
+            raise ValueError(f"{path}: no end token among {_END_CANDIDATES}; pass end_token=")
+        pad_id = _find_token(tokenizer, pad_token, _PAD_CANDIDATES, "pad", path)
+        if pad_id is None:
+            pad_id = _add_special(tokenizer, PAD_TOKEN)
+        mask_id = _find_token(tokenizer, mask_token, _MASK_CANDIDATES, "mask", path)
+        if mask_id is None:
+            mask_id = _add_special(tokenizer, MASK_TOKEN)
+        start_id = None
+        if start_token is not None:
+            start_id = _find_token(tokenizer, start_token, (), "start", path)
+        return cls(tokenizer, pad_id=pad_id, end_id=end_id, mask_id=mask_id, start_id=start_id)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``tokenizer.json`` and ``special_tokens.json`` into ``directory``; returns the directory."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tokenizer.save(str(directory / TOKENIZER_FILE))
+        (directory / SPECIAL_IDS_FILE).write_text(json.dumps(self.special_ids, indent=2) + "\n")
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TextTokenizer:
+        """Read what ``save`` wrote; a missing or unreadable file raises naming it."""
+        directory = Path(directory)
+        tok_path, ids_path = directory / TOKENIZER_FILE, directory / SPECIAL_IDS_FILE
+        for p in (tok_path, ids_path):
+            if not p.is_file():
+                raise FileNotFoundError(f"tokenizer file missing: {p}")
+        try:
+            ids = json.loads(ids_path.read_text())
+            return cls(
+                Tokenizer.from_file(str(tok_path)),
+                pad_id=int(ids["pad_id"]),
+                end_id=int(ids["end_id"]),
+                mask_id=int(ids["mask_id"]),
+                start_id=None if ids.get("start_id") is None else int(ids["start_id"]),
+            )
+        except Exception as e:  # tokenizers raises a bare Exception for a corrupt tokenizer.json
+            raise ValueError(
+                f"cannot read tokenizer from {directory} ({TOKENIZER_FILE}, {SPECIAL_IDS_FILE}): {e}"
+            ) from e
+
+    def encode_batch(self, texts: Sequence[str] | Iterable[str], context_length: int) -> np.ndarray:
+        """int64 (B, context_length): ``[start] ids… end pad…``; the end token always fits."""
+        texts = list(texts)
+        n_prefix = 0 if self._start_id is None else 1
+        room = context_length - 1 - n_prefix
+        if room < 0:
+            raise ValueError(f"context_length {context_length} leaves no room for the end token")
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        lengths = np.fromiter((min(len(e.ids), room) for e in encodings), dtype=np.int64, count=len(texts))
+        flat = np.fromiter(chain.from_iterable(e.ids[:room] for e in encodings), dtype=np.int64)
+        out = np.full((len(texts), context_length), self._pad_id, dtype=np.int64)  # (B, C)
+        cols = np.arange(context_length)[None, :]  # (1, C)
+        # Row-major boolean assignment fills each row's content slots in order with that row's ids.
+        out[(cols >= n_prefix) & (cols < n_prefix + lengths[:, None])] = flat
+        if n_prefix:
+            out[:, 0] = self._start_id
+        out[np.arange(len(texts)), n_prefix + lengths] = self._end_id
+        return out
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Text of one row, stopping at the end token and skipping pad/start."""
+        ids = [int(i) for i in ids]
+        if self._end_id in ids:
+            ids = ids[: ids.index(self._end_id)]
+        skip = {self._pad_id, self._start_id}
+        return self._tokenizer.decode([i for i in ids if i not in skip], skip_special_tokens=False).strip()
+
+
+def _find_token(
+    tokenizer: Tokenizer, name: str | None, candidates: Sequence[str], role: str, path: Path
+) -> int | None:
+    if name is not None:
+        token_id = tokenizer.token_to_id(name)
+        if token_id is None:
+            raise ValueError(f"{path}: {role} token {name!r} is not in the vocabulary")
+        return token_id
+    for candidate in candidates:
+        token_id = tokenizer.token_to_id(candidate)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def _add_special(tokenizer: Tokenizer, token: str) -> int:
+    tokenizer.add_special_tokens([token])
+    return tokenizer.token_to_id(token)
+
+
+def train_tokenizer(captions: Iterable[str], vocab_size: int = 4096, min_frequency: int = 2) -> TextTokenizer:
+    """Train a lowercase byte-level BPE on ``captions`` (offline); ``<pad>``=0, ``<end>``=1, ``<mask>``=2.
+
+    The result may hold fewer than ``vocab_size`` tokens when the corpus has too few frequent pairs.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[PAD_TOKEN, END_TOKEN, MASK_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator((str(c) for c in captions), trainer=trainer)
+    return TextTokenizer(
+        tokenizer,
+        pad_id=tokenizer.token_to_id(PAD_TOKEN),
+        end_id=tokenizer.token_to_id(END_TOKEN),
+        mask_id=tokenizer.token_to_id(MASK_TOKEN),
+    )

@@ -1,0 +1,251 @@
+"""Transformer towers of ProLIP: a ViT image encoder and a text encoder, each ending in a Gaussian head.
+
+Architecture (ProLIP paper §3.2, Fig. 2; ../shared/MATH.md "Architecture"):
+
+- Image tower: tokens ``[CLS, UNC, patch_1..patch_N]`` with learned positional embeddings for all N+2.
+  Patch drop (MAE-style, He et al. 2022, used for the masked inputs of Eq. 6 with 25% kept) gathers the
+  kept patches *and* their positional embeddings before the transformer; CLS/UNC are always kept.
+- Text tower: ``[tok_1..tok_L, UNC, CLS]`` — UNC and CLS are appended at the end as in the paper (CLIP's
+  text tower pools the final EOS position, and ProLIP keeps that convention).
+- Heads: ``mu = normalize(W_mu · LN(h_CLS))``, ``logvar = W_sigma · LN(h_UNC) + b`` with ``b`` initialised to
+  −10 (σ² ≈ 4.5e−5, §4.1). The official code feeds the projected text CLS into the text σ head; we follow
+  the paper and use the UNC output in both towers.
+- ``probabilistic=False`` drops the UNC token and the σ head and keeps everything else, so the CLIP/SigLIP
+  baselines differ from ProLIP only in the objective (Table C.6 "Deterministic").
+
+Judgement calls (documented in the reply and docs/fidelity.md):
+
+- The μ projection has no bias (CLIP's ``proj``): a bias before L2 normalisation only shifts every
+  embedding towards one direction.
+- One final LayerNorm (``ln_post``) feeds both heads, so UNC costs one token, one positional row and one
+  linear layer per tower (≈0.6M for ViT-B/16-768, Table C.6 "+0.6M").
+- Text padding is never attended to (key padding mask), and UNC/CLS always sit at the fixed positional
+  rows ``C`` and ``C+1`` (C = context length) whatever the input length, so their outputs do not depend on
+  how much padding a sequence carries (a (B, 20) batch and its (B, C) padded copy encode identically).
+- Text attention is bidirectional or causal per config (``text_causal``): CLIP is causal, SigLIP — whose
+  text setup ProLIP B/16 follows (§4.1) — is bidirectional, and [MASK] inputs (BERT-style) profit from
+  seeing both sides. Either way every query may attend to itself, so no attention row is ever empty
+  (an all-masked softmax row gives NaN, whose gradient would poison the batch).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from training.model import ModelConfig
+
+# Init scales: ViT/GPT-2 style (std 0.02 for weights and token rows, 0.01 for positional rows).
+_INIT_STD = 0.02
+_POS_INIT_STD = 0.01
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + Attn(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, width: int, heads: int, mlp_ratio: float) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not divisible by heads {heads}")
+        self.heads = heads
+        hidden = int(width * mlp_ratio)
+        self.ln_1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.attn_out = nn.Linear(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.fc_1 = nn.Linear(width, hidden)
+        self.fc_2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, d = x.shape
+        qkv = self.qkv(self.ln_1(x)).view(b, s, 3, self.heads, d // self.heads)  # (B, S, 3, H, Dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, S, Dh)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, S, Dh)
+        x = x + self.attn_out(attn.transpose(1, 2).reshape(b, s, d))  # (B, S, D)
+        x = x + self.fc_2(F.gelu(self.fc_1(self.ln_2(x))))  # (B, S, D)
+        return x
+
+
+class Transformer(nn.Module):
+    """A stack of pre-LN blocks with optional activation checkpointing (recompute in backward)."""
+
+    def __init__(self, width: int, layers: int, heads: int, mlp_ratio: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio) for _ in range(layers))
+        self.grad_checkpointing = False
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, attn_mask, use_reentrant=False)  # (B, S, D)
+            else:
+                x = block(x, attn_mask)  # (B, S, D)
+        return x
+
+
+class GaussianHead(nn.Module):
+    """Maps the final CLS (and UNC) states to ``(mu, logvar)``; ``logvar`` is None when deterministic."""
+
+    def __init__(self, width: int, embed_dim: int, probabilistic: bool, unc_bias_init: float) -> None:
+        super().__init__()
+        self.mu_proj = nn.Linear(width, embed_dim, bias=False)
+        self.logvar_proj = nn.Linear(width, embed_dim) if probabilistic else None
+        self.unc_bias_init = unc_bias_init
+
+    def reset_logvar_bias(self) -> None:
+        if self.logvar_proj is not None:
+            nn.init.constant_(self.logvar_proj.bias, self.unc_bias_init)
+
+    def forward(
+        self, h_cls: torch.Tensor, h_unc: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Heads return float32 so the losses' exp/normalise never run in bf16.
+        mu = F.normalize(self.mu_proj(h_cls).float(), dim=-1)  # (B, E)
+        if self.logvar_proj is None or h_unc is None:
+            return mu, None
+        logvar = self.logvar_proj(h_unc).float()  # (B, E)
+        return mu, logvar
+
+
+def _init_weights(module: nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=_INIT_STD)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=_INIT_STD)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+class VisionTower(nn.Module):
+    """ViT over ``[CLS, UNC, patches]``; ``forward(images, keep_idx)`` returns ``(mu, logvar)``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.image_size % cfg.patch_size:
+            raise ValueError(f"image_size {cfg.image_size} is not divisible by patch_size {cfg.patch_size}")
+        width = cfg.vision_width
+        self.image_size = cfg.image_size
+        self.patch_size = cfg.patch_size
+        self.grid = cfg.image_size // cfg.patch_size
+        self.n_patches = self.grid * self.grid
+        self.n_special = 2 if cfg.probabilistic else 1
+        # A linear layer on flattened patches equals a stride-p convolution; no bias because ln_pre follows.
+        self.patch_embed = nn.Linear(3 * cfg.patch_size * cfg.patch_size, width, bias=False)
+        self.cls_token = nn.Parameter(torch.empty(width))
+        self.unc_token = nn.Parameter(torch.empty(width)) if cfg.probabilistic else None
+        self.pos_embed = nn.Parameter(torch.empty(self.n_special + self.n_patches, width))
+        self.ln_pre = nn.LayerNorm(width)
+        self.transformer = Transformer(width, cfg.vision_layers, cfg.vision_heads, cfg.mlp_ratio)
+        self.ln_post = nn.LayerNorm(width)
+        self.head = GaussianHead(width, cfg.embed_dim, cfg.probabilistic, cfg.unc_bias_init)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_weights(self)
+        nn.init.normal_(self.cls_token, std=_INIT_STD)
+        if self.unc_token is not None:
+            nn.init.normal_(self.unc_token, std=_INIT_STD)
+        nn.init.normal_(self.pos_embed, std=_POS_INIT_STD)
+        self.head.reset_logvar_bias()
+
+    def patchify(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) → (B, N, 3·p·p), patches in row-major grid order (index = row·grid + col)."""
+        b, c, h, w = images.shape
+        if (c, h, w) != (3, self.image_size, self.image_size):
+            raise ValueError(
+                f"expected images (B, 3, {self.image_size}, {self.image_size}), got {tuple(images.shape)}"
+            )
+        p, g = self.patch_size, self.grid
+        x = images.reshape(b, c, g, p, g, p)  # (B, 3, g, p, g, p)
+        return x.permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)  # (B, N, 3·p·p)
+
+    def special_tokens(self) -> torch.Tensor:
+        tokens = [self.cls_token] if self.unc_token is None else [self.cls_token, self.unc_token]
+        return torch.stack(tokens) + self.pos_embed[: self.n_special]  # (S0, D)
+
+    def forward(
+        self, images: torch.Tensor, keep_idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        patches = self.patchify(images)  # (B, N, 3·p·p)
+        b = patches.shape[0]
+        pos = self.pos_embed[self.n_special :].expand(b, -1, -1)  # (B, N, D)
+        if keep_idx is not None:
+            # Gather before embedding: dropped patches cost nothing and cannot leak into the output.
+            idx = keep_idx.long()  # (B, K)
+            patches = torch.gather(
+                patches, 1, idx.unsqueeze(-1).expand(-1, -1, patches.shape[-1])
+            )  # (B, K, P)
+            pos = torch.gather(pos, 1, idx.unsqueeze(-1).expand(-1, -1, pos.shape[-1]))  # (B, K, D)
+        x = self.patch_embed(patches) + pos  # (B, K, D)
+        special = self.special_tokens().unsqueeze(0).expand(b, -1, -1).to(x.dtype)  # (B, S0, D)
+        x = torch.cat([special, x], dim=1)  # (B, S0 + K, D)
+        x = self.transformer(self.ln_pre(x))  # (B, S0 + K, D)
+        x = self.ln_post(x)  # (B, S0 + K, D)
+        h_unc = x[:, 1] if self.unc_token is not None else None  # (B, D)
+        return self.head(x[:, 0], h_unc)
+
+
+class TextTower(nn.Module):
+    """Transformer over ``[tok_1..tok_L, UNC, CLS]``; ``forward(tokens)`` returns ``(mu, logvar)``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        width = cfg.text_width
+        self.context_length = cfg.context_length
+        self.pad_id = cfg.pad_id
+        self.causal = cfg.text_causal
+        self.n_special = 2 if cfg.probabilistic else 1
+        self.token_embed = nn.Embedding(cfg.vocab_size, width)
+        self.unc_token = nn.Parameter(torch.empty(width)) if cfg.probabilistic else None
+        self.cls_token = nn.Parameter(torch.empty(width))
+        # Rows 0..C-1 for text positions, C (UNC) and C+1 (CLS): fixed rows whatever the input length.
+        self.pos_embed = nn.Parameter(torch.empty(cfg.context_length + self.n_special, width))
+        self.transformer = Transformer(width, cfg.text_layers, cfg.text_heads, cfg.mlp_ratio)
+        self.ln_post = nn.LayerNorm(width)
+        self.head = GaussianHead(width, cfg.embed_dim, cfg.probabilistic, cfg.unc_bias_init)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_weights(self)
+        nn.init.normal_(self.cls_token, std=_INIT_STD)
+        if self.unc_token is not None:
+            nn.init.normal_(self.unc_token, std=_INIT_STD)
+        nn.init.normal_(self.pos_embed, std=_POS_INIT_STD)
+        self.head.reset_logvar_bias()
+
+    def special_tokens(self) -> torch.Tensor:
+        tokens = [self.cls_token] if self.unc_token is None else [self.unc_token, self.cls_token]
+        return torch.stack(tokens) + self.pos_embed[self.context_length :]  # (S0, D)
+
+    def attention_mask(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Boolean (B, 1, S, S) mask, True = may attend: no padding keys, causal if configured, self always."""
+        b, length = tokens.shape
+        s = length + self.n_special
+        special_ok = torch.ones(b, self.n_special, dtype=torch.bool, device=tokens.device)  # (B, S0)
+        key_ok = torch.cat([tokens != self.pad_id, special_ok], dim=1)  # (B, S)
+        mask = key_ok[:, None, None, :].expand(b, 1, s, s)  # (B, 1, S, S)
+        eye = torch.eye(s, dtype=torch.bool, device=tokens.device)  # (S, S)
+        if self.causal:
+            mask = mask & torch.ones(s, s, dtype=torch.bool, device=tokens.device).tril()  # (B, 1, S, S)
+        return mask | eye  # (B, 1, S, S)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, length = tokens.shape
+        if length > self.context_length:
+            raise ValueError(f"tokens have length {length} > context_length {self.context_length}")
+        x = self.token_embed(tokens) + self.pos_embed[:length]  # (B, L, D)
+        special = self.special_tokens().unsqueeze(0).expand(b, -1, -1).to(x.dtype)  # (B, S0, D)
+        x = torch.cat([x, special], dim=1)  # (B, L + S0, D)
+        x = self.transformer(x, self.attention_mask(tokens))  # (B, L + S0, D)
+        x = self.ln_post(x)  # (B, L + S0, D)
+        h_unc = x[:, -2] if self.unc_token is not None else None  # (B, D)
+        return self.head(x[:, -1], h_unc)
