@@ -20,6 +20,6 @@ def phash64(image: Image.Image) -> int:
 
 def hamming(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Elementwise Hamming distance of int64 hashes (broadcasts)."""
+    # Count on the unsigned view: for signed ints bitwise_count counts the bits of the absolute value.
     x = np.bitwise_xor(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)).view(np.uint64)
-    x = np.ascontiguousarray(x)
-    return np.unpackbits(x.view(np.uint8).reshape(*x.shape, 8), axis=-1).sum(axis=-1)
+    return np.bitwise_count(x).astype(np.int64)

@@ -1,0 +1,93 @@
+"""Nearest-centroid assignment and the files behind DataComp's image-based filter.
+
+DataComp's ``image_based`` baseline (Gadre et al. 2023, §3.4; ``baselines/apply_filter.py``) clusters the
+pool's CLIP L/14 image embeddings with k-means (100k centroids at small scale), marks the centroids nearest
+to some ImageNet-1k training image as targets, and keeps pool images whose nearest centroid is a target.
+Assignment is the argmax of the dot product with the centroids; we normalise the centroids, so it is
+cosine similarity (identical for DataComp's spherical k-means centroids, scale-free otherwise).
+
+Files (any path ``open_file`` can open; default local ``open``; nothing is unpickled):
+
+- embeddings: ``.npz`` with arrays ``uid`` (32-hex strings or DataComp ``u8,u8`` pairs) and
+  ``embedding`` (n, d); or ``.parquet`` with columns ``uid`` (string) and ``embedding`` (list of floats);
+  or ``X.npy`` (n, d) with the uids in ``X.uid.npy`` beside it (same two uid encodings).
+- centroids: ``.npy`` (k, d) floats.
+- target centroid ids: ``.npy`` of ints, or text with ints separated by newlines, spaces or commas.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.schema import UID_DTYPE, u8pairs_to_uids
+
+Opener = Callable[[str], BinaryIO]
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    uids: list[str]
+    vectors: np.ndarray  # (n, d) float32
+
+
+def _read(path: str, open_file: Opener | None) -> io.BytesIO:
+    with (open_file or (lambda p: open(p, "rb")))(path) as fh:
+        return io.BytesIO(fh.read())
+
+
+def _npy(path: str, open_file: Opener | None) -> np.ndarray:
+    return np.load(_read(path, open_file), allow_pickle=False)
+
+
+def _uid_strings(arr: np.ndarray) -> list[str]:
+    return u8pairs_to_uids(arr) if arr.dtype == UID_DTYPE else [str(u) for u in arr.tolist()]
+
+
+def load_embeddings(path: str, open_file: Opener | None = None) -> Embeddings:
+    if path.endswith(".npz"):
+        with np.load(_read(path, open_file), allow_pickle=False) as z:
+            return Embeddings(_uid_strings(z["uid"]), np.asarray(z["embedding"], dtype=np.float32))
+    if path.endswith(".parquet"):
+        t = pq.read_table(_read(path, open_file), columns=["uid", "embedding"])
+        values = pc.list_flatten(t.column("embedding").combine_chunks()).to_numpy(zero_copy_only=False)
+        vectors = values.astype(np.float32).reshape(t.num_rows, -1) if t.num_rows else np.zeros((0, 0))
+        return Embeddings(t.column("uid").to_pylist(), vectors)
+    if path.endswith(".npy"):
+        uids = _npy(path[: -len(".npy")] + ".uid.npy", open_file)
+        return Embeddings(_uid_strings(uids), _npy(path, open_file).astype(np.float32))
+    raise ValueError(f"embeddings must be .npz, .parquet or .npy, got {path}")
+
+
+def load_centroids(path: str, open_file: Opener | None = None) -> np.ndarray:
+    centroids = _npy(path, open_file)
+    if centroids.ndim != 2:
+        raise ValueError(f"{path}: centroids must be a (k, d) array, got shape {centroids.shape}")
+    return centroids.astype(np.float32)
+
+
+def load_centroid_ids(path: str, open_file: Opener | None = None) -> np.ndarray:
+    data = _read(path, open_file)
+    if path.endswith(".npy"):
+        return np.load(data, allow_pickle=False).astype(np.int64).ravel()
+    return np.array([int(t) for t in data.read().decode().replace(",", " ").split()], dtype=np.int64)
+
+
+def nearest_centroid(vectors: np.ndarray, centroids: np.ndarray, batch_size: int = 65536) -> np.ndarray:
+    """Index of the most cosine-similar centroid per row, in batches to bound the (B, k) score matrix."""
+    c = centroids / np.maximum(np.linalg.norm(centroids, axis=1, keepdims=True), 1e-12)
+    out = np.empty(len(vectors), dtype=np.int64)
+    for a in range(0, len(vectors), batch_size):
+        out[a : a + batch_size] = np.argmax(vectors[a : a + batch_size] @ c.T, axis=1)  # (B, k)
+    return out
+
+
+def target_centroid_ids(target_vectors: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    """DataComp's target set: the centroids nearest to some target embedding (ImageNet-1k train images)."""
+    return np.unique(nearest_centroid(target_vectors, centroids))

@@ -1,0 +1,443 @@
+"""DataComp's baseline filters as pure mask functions with drop reasons, plus the registry the build runs.
+
+Filters never drop rows: each returns ``FilterResult(keep, reason)`` over the rows of a metadata table
+(a ``pyarrow.Table`` or a dict of arrays), reason "" where kept. Rules follow DataComp's baselines code
+(``baselines/apply_filter.py``) and paper (Gadre et al. 2023, §3.4, App. G):
+
+- ``english``: fastText lid.176 top-1 label == "en", no threshold (``pipeline.langid``).
+- ``basic``: english AND caption > 2 whitespace words AND > 5 characters AND min(original w, h) ≥ 200
+  AND max/min ≤ 3.0, on the metadata sizes.
+- ``text_based``: english AND the caption contains a concept lemma (DataComp: ImageNet-21k synsets via
+  WordNet; here a lemma file, matched as whole lower-cased words, see ``load_concepts``).
+- ``clip_score``: score ≥ threshold; for a fraction, the threshold is DataComp's ``get_threshold``: the
+  ``int(N·f)``-th largest score over *all* N rows (nulls count in N).
+- ``laion2b``: B/32 score ≥ 0.28 AND english (DataComp used gcld3 here; we use the same fastText rule).
+- ``image_based``: DataComp's caption pre-filter (english, > 1 word, > 5 chars) AND the nearest pool
+  centroid of the image embedding lies in the target set (``pipeline.centroids``).
+- ``random``: exactly round(f·n) rows, the ones with the smallest hash of (seed, uid).
+
+The embedding, centroid and target-id file formats for ``image_based`` are in ``pipeline.centroids``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import centroids as C
+from pipeline import schema as S
+from pipeline.config import FilterConfig
+
+Table = pa.Table | Mapping[str, Any]
+LANG = "lang"  # optional precomputed column of fastText labels
+NEEDS_LANGUAGE = frozenset({"english", "basic", "text_based", "laion2b", "image_based"})
+
+
+class FilterError(ValueError):
+    """A filter cannot run: unknown name, missing column or missing input file; the message names it."""
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    keep: np.ndarray  # (n,) bool
+    reason: np.ndarray  # (n,) object: "" where kept, else why dropped
+
+    def counts(self) -> dict[str, int]:
+        values, counts = np.unique(self.reason.astype(str), return_counts=True)
+        return {("kept" if v == "" else v): int(c) for v, c in zip(values, counts, strict=True)}
+
+
+def _from_drops(n: int, drops: list[tuple[np.ndarray, str]]) -> FilterResult:
+    """Reason = the first failing rule, in the order given."""
+    reason = np.full(n, "", dtype=object)
+    dropped = np.zeros(n, dtype=bool)
+    for mask, why in drops:
+        take = np.asarray(mask, dtype=bool) & ~dropped
+        reason[take] = why
+        dropped |= take
+    return FilterResult(keep=~dropped, reason=reason)
+
+
+def intersect(*results: FilterResult) -> FilterResult:
+    """Keep = AND of all; reason = the first failing result's reason, in argument order."""
+    if not results:
+        raise ValueError("intersect needs at least one FilterResult")
+    n = len(results[0].keep)
+    if any(len(r.keep) != n for r in results):
+        raise ValueError("intersect: results cover different numbers of rows")
+    reason = np.full(n, "", dtype=object)
+    dropped = np.zeros(n, dtype=bool)
+    for r in results:
+        take = ~np.asarray(r.keep, dtype=bool) & ~dropped
+        reason[take] = r.reason[take]
+        dropped |= take
+    return FilterResult(keep=~dropped, reason=reason)
+
+
+# --- column access ------------------------------------------------------------------------------------
+
+
+def _num_rows(table: Table) -> int:
+    if isinstance(table, pa.Table):
+        return table.num_rows
+    return len(next(iter(table.values()))) if table else 0
+
+
+def _col(table: Table, name: str, filt: str) -> pa.Array:
+    names = table.column_names if isinstance(table, pa.Table) else list(table)
+    if name not in names:
+        raise FilterError(f"filter {filt!r} needs column {name!r}; the table has {sorted(names)}")
+    col = table.column(name) if isinstance(table, pa.Table) else table[name]
+    if isinstance(col, pa.ChunkedArray):
+        return col.combine_chunks()
+    if isinstance(col, pa.Array):
+        return col
+    arr = np.asarray(col)
+    return pa.array(arr.tolist() if arr.dtype.kind in "OUS" else arr, from_pandas=True)
+
+
+def _floats(table: Table, name: str, filt: str) -> np.ndarray:
+    """Float column with NaN for nulls (an all-null column arrives as Arrow type null)."""
+    col = _col(table, name, filt)
+    return pc.fill_null(col.cast(pa.float64()), np.nan).to_numpy(zero_copy_only=False)
+
+
+def _language(table: Table, lang: Any, filt: str) -> np.ndarray:
+    """fastText labels per row: the ``lang`` argument (labels, or a LanguageId), else a ``lang`` column."""
+    if lang is None:
+        names = table.column_names if isinstance(table, pa.Table) else list(table)
+        if LANG not in names:
+            raise FilterError(
+                f"filter {filt!r} needs language labels: a {LANG!r} column or lang= (labels or a LanguageId)"
+            )
+        labels = _col(table, LANG, filt)
+    elif callable(lang):
+        labels = list(lang(_col(table, S.TEXT, filt))[0])
+    elif isinstance(lang, (pa.Array, pa.ChunkedArray)):
+        labels = lang
+    else:
+        labels = [None if v is None else str(v) for v in lang]
+    if len(labels) != _num_rows(table):
+        raise FilterError(f"filter {filt!r}: {len(labels)} language labels for {_num_rows(table)} rows")
+    if isinstance(labels, pa.ChunkedArray):
+        labels = labels.combine_chunks()
+    labels = labels.cast(pa.string()) if isinstance(labels, pa.Array) else pa.array(labels, pa.string())
+    return pc.fill_null(labels, "").to_numpy(zero_copy_only=False)
+
+
+def _words_and_chars(table: Table, filt: str) -> tuple[np.ndarray, np.ndarray]:
+    """Python ``len(text.split())`` and ``len(text)`` (DataComp's counts), vectorised; null text → 0, 0."""
+    text = _col(table, S.TEXT, filt).cast(pa.string())
+    trimmed = pc.utf8_trim_whitespace(text)
+    words = pc.list_value_length(pc.utf8_split_whitespace(trimmed))
+    words = pc.if_else(pc.equal(trimmed, ""), 0, words)
+    words = pc.fill_null(words, 0).to_numpy(zero_copy_only=False)
+    chars = pc.fill_null(pc.utf8_length(text), 0).to_numpy(zero_copy_only=False)
+    return words, chars
+
+
+# --- the rules ----------------------------------------------------------------------------------------
+
+
+def no_filter(table: Table) -> FilterResult:
+    return _from_drops(_num_rows(table), [])
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _byte_words(strings: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(n, w) uint64 view of each string's UTF-8 bytes, zero-padded, and the byte lengths. Copy-free
+    when all lengths match (32-hex uids): no Python object per row."""
+    strings = pc.fill_null(strings.cast(pa.string()), "")
+    n = len(strings)
+    lengths = pc.binary_length(strings).to_numpy(zero_copy_only=False).astype(np.int64)
+    width = int(lengths.max()) if n else 0
+    if n and (lengths == width).all():
+        offsets = np.frombuffer(strings.buffers()[1], np.int32)[strings.offset : strings.offset + n + 1]
+        rows = np.frombuffer(strings.buffers()[2], np.uint8)[offsets[0] : offsets[0] + n * width]
+        rows = rows.reshape(n, width)
+    else:
+        rows = np.array([v.encode() for v in strings.to_pylist()], dtype=f"S{max(width, 1)}")
+        rows = rows.view(np.uint8).reshape(n, -1)
+    padded = np.zeros((n, -(-max(rows.shape[1], 1) // 8) * 8), dtype=np.uint8)
+    padded[:, : rows.shape[1]] = rows
+    return padded.view(np.uint64), lengths
+
+
+def uid_hash(uids: pa.Array | list[str | None], seed: int) -> np.ndarray:
+    """A 64-bit hash of each uid string and ``seed`` (splitmix64 over its bytes), vectorised; depends on
+    the string alone, not on the other rows. Null hashes like ""."""
+    words, lengths = _byte_words(uids if isinstance(uids, pa.Array) else pa.array(uids, pa.string()))
+    h = _splitmix64(np.uint64(seed % (1 << 64)) ^ lengths.astype(np.uint64))
+    for k in range(words.shape[1]):
+        h = np.where(lengths > 8 * k, _splitmix64(h ^ words[:, k]), h)
+    return h
+
+
+def random_subset(table: Table, fraction: float, seed: int = 0) -> FilterResult:
+    """Exactly ``round(fraction·n)`` rows, chosen by the smallest hash of (seed, uid): the same uids
+    whatever the row order, and nested as the fraction grows."""
+    if not 0.0 <= fraction <= 1.0:
+        raise FilterError(f"filter 'random': fraction must be in [0, 1], got {fraction}")
+    uids = _col(table, S.UID, "random")
+    n = len(uids)
+    k = int(np.floor(fraction * n + 0.5))
+    key = uid_hash(uids, seed)
+    order = np.argsort(key, kind="stable")
+    if n > 1 and (key[order][1:] == key[order][:-1]).any():  # a 64-bit tie: break it by the uid bytes
+        words = _byte_words(uids)[0]
+        order = np.lexsort([words[:, c] for c in reversed(range(words.shape[1]))] + [key])
+    chosen = np.zeros(n, dtype=bool)
+    chosen[order[:k]] = True
+    return _from_drops(n, [(~chosen, "random_not_selected")])
+
+
+def english(table: Table, lang: Any = None) -> FilterResult:
+    labels = _language(table, lang, "english")
+    return _from_drops(len(labels), [(labels != "en", "not_english")])
+
+
+def basic(table: Table, lang: Any = None) -> FilterResult:
+    labels = _language(table, lang, "basic")
+    words, chars = _words_and_chars(table, "basic")
+    w = _floats(table, S.ORIGINAL_WIDTH, "basic")
+    h = _floats(table, S.ORIGINAL_HEIGHT, "basic")
+    short, long = np.fmin(w, h), np.fmax(w, h)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        aspect = long / short
+    missing = np.isnan(w) | np.isnan(h)
+    return _from_drops(
+        len(labels),
+        [
+            (labels != "en", "not_english"),
+            (words <= 2, "too_few_words"),
+            (chars <= 5, "too_short"),
+            (missing, "missing_size"),
+            (~(short >= 200), "too_small"),
+            (~(aspect <= 3.0), "too_elongated"),
+        ],
+    )
+
+
+def load_concepts(source: str | list[str] | BinaryIO) -> list[str]:
+    """Lemmas from a file (path or binary file) or lines: one per line, or comma-separated synonyms per
+    line (ImageNet-21k's ``lemmas`` style); blank lines and ``#`` comments skipped."""
+    if isinstance(source, list):
+        lines = source
+    elif isinstance(source, str):
+        with open(source, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    else:
+        lines = source.read().decode("utf-8").splitlines()
+    out = [t.strip() for line in lines if not line.lstrip().startswith("#") for t in line.split(",")]
+    return [t for t in out if t]
+
+
+def _tokens(text: pa.Array) -> pa.Array:
+    """Lower-cased words: runs of letters/digits; '_' '-' and punctuation separate ('hot_dog' = 'hot dog')."""
+    norm = pc.replace_substring_regex(pc.utf8_lower(text.cast(pa.string())), r"[^\p{L}\p{N}]+", " ")
+    return pc.utf8_split_whitespace(pc.utf8_trim_whitespace(norm))
+
+
+def concept_match(texts: pa.Array | list[str | None], concepts: list[str]) -> np.ndarray:
+    """True where the text contains a concept as a whole word sequence (case-insensitive)."""
+    text = texts if isinstance(texts, pa.Array) else pa.array(texts, type=pa.string())
+    n = len(text)
+    by_len: dict[int, set[str]] = {}
+    for toks in _tokens(pa.array(concepts, type=pa.string())).to_pylist():
+        toks = [t for t in toks if t]
+        if toks:
+            by_len.setdefault(len(toks), set()).add(" ".join(toks))
+    tokens = _tokens(text)
+    flat = pc.list_flatten(tokens)
+    parent = pc.list_parent_indices(tokens).to_numpy(zero_copy_only=False)
+    hit = np.zeros(n, dtype=bool)
+    for size, grams in by_len.items():
+        if len(flat) < size:
+            continue
+        m = len(flat) - size + 1
+        same_row = parent[:m] == parent[size - 1 :]
+        pieces = [flat.slice(k, m) for k in range(size)]
+        joined = pieces[0] if size == 1 else pc.binary_join_element_wise(*pieces, " ")
+        found = pc.fill_null(pc.is_in(joined, value_set=pa.array(sorted(grams))), False)
+        found = found.to_numpy(zero_copy_only=False) & same_row
+        hit[parent[:m][found]] = True
+    return hit
+
+
+def text_based(table: Table, concepts: list[str], lang: Any = None) -> FilterResult:
+    labels = _language(table, lang, "text_based")
+    english_rows = np.flatnonzero(labels == "en")  # only they can pass: match just those
+    match = np.zeros(len(labels), dtype=bool)
+    match[english_rows] = concept_match(_col(table, S.TEXT, "text_based").take(english_rows), concepts)
+    return _from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_concept_match")])
+
+
+def clip_score_threshold(
+    table: Table, column: str, threshold: float, filt: str = "clip_score"
+) -> FilterResult:
+    s = _floats(table, column, filt)
+    return _from_drops(
+        len(s), [(np.isnan(s), "missing_clip_score"), (~(s >= threshold), "clip_score_below_threshold")]
+    )
+
+
+def clip_fraction_threshold(scores: np.ndarray, fraction: float) -> float:
+    """DataComp's ``get_threshold``: the ``int(N·fraction)``-th largest score, N = all rows incl. nulls.
+    (≥ it keeps that many rows plus one, plus ties — as DataComp does.) When the index runs past the
+    non-null scores (DataComp would get NaN and keep nothing) we keep every scored row instead."""
+    if not 0.0 <= fraction <= 1.0:
+        raise FilterError(f"filter 'clip_score': fraction must be in [0, 1], got {fraction}")
+    scores = np.asarray(scores, dtype=np.float64)
+    valid = np.sort(scores[~np.isnan(scores)])[::-1]
+    if len(valid) == 0:
+        return float("inf")
+    return float(valid[min(int(len(scores) * fraction), len(valid) - 1)])
+
+
+def clip_score_fraction(
+    table: Table, column: str, fraction: float, pool_scores: np.ndarray | None = None
+) -> FilterResult:
+    """Top ``fraction`` by score; the threshold comes from ``pool_scores`` (all metadata rows) when the
+    table is only part of the pool, else from the table itself."""
+    scores = _floats(table, column, "clip_score") if pool_scores is None else pool_scores
+    return clip_score_threshold(table, column, clip_fraction_threshold(scores, fraction))
+
+
+def laion2b(table: Table, threshold: float = 0.28, lang: Any = None) -> FilterResult:
+    return intersect(english(table, lang), clip_score_threshold(table, S.CLIP_B32, threshold, "laion2b"))
+
+
+# --- image-based (nearest centroid) -------------------------------------------------------------------
+
+
+def _read_bytes(path: str, open_file: Callable[[str], BinaryIO] | None, filt: str) -> bytes:
+    try:
+        with (open_file or (lambda p: open(p, "rb")))(path) as fh:
+            return fh.read()
+    except FileNotFoundError as exc:
+        raise FilterError(f"filter {filt!r}: file not found: {path}") from exc
+
+
+def centroid_membership(
+    table: Table, embeddings: C.Embeddings | np.ndarray, centroids: np.ndarray, target_ids: np.ndarray
+) -> FilterResult:
+    n = _num_rows(table)
+    if isinstance(embeddings, C.Embeddings):
+        idx = pc.index_in(
+            _col(table, S.UID, "image_based").cast(pa.string()), value_set=pa.array(embeddings.uids)
+        )
+        present = idx.is_valid().to_numpy(zero_copy_only=False)
+        rows = embeddings.vectors[pc.fill_null(idx, 0).to_numpy(zero_copy_only=False)[present]]
+    else:
+        if len(embeddings) != n:
+            raise FilterError(f"filter 'image_based': {len(embeddings)} embeddings for {n} rows")
+        present, rows = np.ones(n, dtype=bool), np.asarray(embeddings)
+    inside = np.zeros(n, dtype=bool)
+    inside[present] = np.isin(C.nearest_centroid(rows, np.asarray(centroids, np.float32)), target_ids)
+    return _from_drops(n, [(~present, "missing_embedding"), (~inside, "not_in_centroid")])
+
+
+def image_based(
+    table: Table,
+    embeddings: C.Embeddings | np.ndarray,
+    centroids: np.ndarray,
+    target_ids: np.ndarray,
+    lang: Any = None,
+) -> FilterResult:
+    labels = _language(table, lang, "image_based")
+    words, chars = _words_and_chars(table, "image_based")
+    caption = _from_drops(
+        len(labels),
+        [(labels != "en", "not_english"), (words <= 1, "too_few_words"), (chars <= 5, "too_short")],
+    )
+    return intersect(caption, centroid_membership(table, embeddings, centroids, target_ids))
+
+
+# --- registry -----------------------------------------------------------------------------------------
+
+
+def _image_based_from_cfg(table: Table, cfg: FilterConfig, lang: Any, open_file: Any) -> FilterResult:
+    paths = {}
+    for key in ("image_embeddings_file", "image_centroids_file", "image_centroid_ids_file"):
+        if not getattr(cfg, key):
+            raise FilterError(f"filter 'image_based' needs filters.{key}")
+        paths[key] = getattr(cfg, key)
+    try:
+        emb = C.load_embeddings(paths["image_embeddings_file"], open_file)
+        centroids = C.load_centroids(paths["image_centroids_file"], open_file)
+        target = C.load_centroid_ids(paths["image_centroid_ids_file"], open_file)
+    except (FileNotFoundError, ValueError) as exc:
+        raise FilterError(f"filter 'image_based': {exc}") from exc
+    return image_based(table, emb, centroids, target, lang)
+
+
+def _text_based_from_cfg(table: Table, cfg: FilterConfig, lang: Any, open_file: Any) -> FilterResult:
+    if not cfg.text_concepts_file:
+        raise FilterError("filter 'text_based' needs filters.text_concepts_file")
+    concepts = load_concepts(io.BytesIO(_read_bytes(cfg.text_concepts_file, open_file, "text_based")))
+    return text_based(table, concepts, lang)
+
+
+def _clip_from_cfg(table: Table, cfg: FilterConfig, lang: Any, open_file: Any) -> FilterResult:
+    if cfg.clip_fraction > 0:  # a fraction wins; set clip_fraction=0 to use clip_threshold
+        return clip_score_fraction(table, cfg.clip_column, cfg.clip_fraction)
+    return clip_score_threshold(table, cfg.clip_column, cfg.clip_threshold)
+
+
+Runner = Callable[[Table, FilterConfig, Any, Any], FilterResult]
+FILTERS: dict[str, Runner] = {
+    "no_filter": lambda t, cfg, lang, op: no_filter(t),
+    "random": lambda t, cfg, lang, op: random_subset(t, cfg.random_fraction, cfg.random_seed),
+    "english": lambda t, cfg, lang, op: english(t, lang),
+    "basic": lambda t, cfg, lang, op: basic(t, lang),
+    "text_based": _text_based_from_cfg,
+    "clip_score": _clip_from_cfg,
+    "laion2b": lambda t, cfg, lang, op: laion2b(t, cfg.laion_threshold, lang),
+    "image_based": _image_based_from_cfg,
+}
+
+
+def parse_names(names: list[str]) -> list[list[str]]:
+    """``["basic+clip_score", ...]`` → ``[["basic", "clip_score"], ...]``; unknown names raise FilterError."""
+    out = []
+    for name in names:
+        parts = [p.strip() for p in name.split("+")]
+        for p in parts:
+            if p not in FILTERS:
+                raise FilterError(f"unknown filter {p!r} in {name!r} (known: {', '.join(sorted(FILTERS))})")
+        out.append(parts)
+    return out
+
+
+def apply_filters(
+    table: Table,
+    cfg: FilterConfig,
+    lang: Any = None,
+    open_file: Callable[[str], BinaryIO] | None = None,
+) -> dict[str, FilterResult]:
+    """Run every filter named in ``cfg.names`` over all rows of ``table`` (the whole pool, so fraction
+    thresholds are DataComp's). ``lang``: fastText labels aligned with the rows, or a ``LanguageId``;
+    else a ``lang`` column is used. ``open_file(path)`` opens input files (e.g. S3); default ``open``."""
+    plans = parse_names(list(cfg.names))
+    if lang is not None and callable(lang) and any(set(p) & NEEDS_LANGUAGE for p in plans):
+        lang = _language(table, lang, "english")  # predict once, share across filters
+    cache: dict[str, FilterResult] = {}
+    results: dict[str, FilterResult] = {}
+    for name, parts in zip(cfg.names, plans, strict=True):
+        for p in parts:
+            if p not in cache:
+                cache[p] = FILTERS[p](table, cfg, lang, open_file)
+        results[name] = intersect(*(cache[p] for p in parts))
+    return results

@@ -1,0 +1,104 @@
+"""DataComp subset files: the decision of a filter, separate from materialising it (resharding).
+
+Format (DataComp's submission format, read by its ``resharder.py``): a NumPy ``.npy`` holding a 1-D
+structured array of dtype ``u8,u8`` — high and low 64 bits of each 128-bit uid — sorted, because the
+resharder binary-searches it (``np.searchsorted`` left/right: the count of equal entries is how many
+copies of a sample it writes, so repeated uids mean up-sampling and are kept). ``np.sort`` on this dtype
+orders by ``f0`` then ``f1``, i.e. by the 128-bit uid. Like the resharder, ``read_subset`` also accepts a
+raw headerless ``u8,u8`` memmap.
+
+Paths are local; for ``s3://`` the caller passes a binary file object (e.g. from ``pipeline.storage``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from typing import BinaryIO
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.schema import UID_DTYPE, u8pairs_to_uids, uids_to_u8pairs
+
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+class SubsetError(ValueError):
+    """A subset file is not DataComp's sorted ``u8,u8`` array; the message names the file."""
+
+
+def to_subset_array(uids: Sequence[str] | np.ndarray | pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """32-hex uids (or an existing ``u8,u8`` array) → the sorted ``u8,u8`` array; duplicates kept."""
+    if isinstance(uids, np.ndarray) and uids.dtype == UID_DTYPE:
+        pairs = uids.copy()
+    else:
+        if isinstance(uids, (pa.Array, pa.ChunkedArray)):
+            uids = uids.to_pylist()
+        pairs = uids_to_u8pairs([str(u).lower() for u in uids])
+    return np.sort(pairs.reshape(-1))
+
+
+def _is_remote(path: object) -> bool:
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def write_subset(
+    uids: Sequence[str] | np.ndarray | pa.Array | pa.ChunkedArray, dest: str | os.PathLike | BinaryIO
+) -> int:
+    """Write the sorted subset to ``dest`` (a local path, written as named, or a binary file object).
+    Returns the number of entries."""
+    arr = to_subset_array(uids)
+    if hasattr(dest, "write"):
+        np.save(dest, arr, allow_pickle=False)
+        return len(arr)
+    if _is_remote(dest):
+        raise SubsetError(f"{dest}: pass a binary file object for remote paths (pipeline.storage opens one)")
+    path = os.fspath(dest)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as fh:  # np.save(path) would append ".npy" to a name without it
+        np.save(fh, arr, allow_pickle=False)
+    os.replace(tmp, path)  # a reader never sees a half-written subset
+    return len(arr)
+
+
+def read_subset(src: str | os.PathLike | BinaryIO, name: str | None = None) -> np.ndarray:
+    """Load and validate a subset: 1-D, dtype ``u8,u8``, sorted. ``name`` labels errors for file objects."""
+    label = name or (os.fspath(src) if not hasattr(src, "read") else getattr(src, "name", "<subset stream>"))
+    if hasattr(src, "read"):
+        data = src.read()
+    else:
+        if _is_remote(src):
+            raise SubsetError(f"{label}: pass a binary file object for remote paths")
+        with open(src, "rb") as fh:
+            data = fh.read()
+    if data[:6] == _NPY_MAGIC:
+        try:
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+        except ValueError as exc:
+            raise SubsetError(f"{label}: not a plain numpy array ({exc})") from exc
+    elif len(data) % UID_DTYPE.itemsize == 0:
+        arr = np.frombuffer(data, dtype=UID_DTYPE).copy()  # DataComp's raw memmap variant
+    else:
+        raise SubsetError(f"{label}: neither a .npy file nor a raw u8,u8 array ({len(data)} bytes)")
+    validate_subset(arr, label)
+    return arr
+
+
+def validate_subset(arr: np.ndarray, label: str = "subset") -> None:
+    if arr.dtype != UID_DTYPE:
+        raise SubsetError(f"{label}: dtype {arr.dtype}, expected DataComp's u8,u8 ({UID_DTYPE})")
+    if arr.ndim != 1:
+        raise SubsetError(f"{label}: expected a 1-D array, got shape {arr.shape}")
+    hi, lo = arr["f0"], arr["f1"]
+    ordered = (hi[1:] > hi[:-1]) | ((hi[1:] == hi[:-1]) & (lo[1:] >= lo[:-1]))
+    if not ordered.all():
+        first = int(np.flatnonzero(~ordered)[0])
+        raise SubsetError(f"{label}: not sorted at entry {first + 1} (the resharder binary-searches it)")
+
+
+def subset_uids(src: str | os.PathLike | BinaryIO) -> list[str]:
+    """The 32-hex uids of a subset file, in file (sorted) order, repeats included."""
+    return u8pairs_to_uids(read_subset(src))
