@@ -230,14 +230,20 @@ BUILD_PRESETS: dict[str, BuildConfig] = {
         output="runs/demo",
         samples_per_shard=500,
         part_size=250,
-        download=DownloadConfig(timeout_s=1.0, retries=1, allow_hosts=["127.0.0.1"], threads_per_actor=16),
+        download=DownloadConfig(
+            timeout_s=1.0,
+            retries=1,
+            max_bytes=2 * 1024 * 1024,  # the demo pool serves a 3 MB body to exercise the size bound
+            allow_hosts=["127.0.0.1"],
+            threads_per_actor=16,
+        ),
         dedupe=DedupeConfig(near_duplicates=True),
         filters=FilterConfig(names=["no_filter", "basic", "english", "random"]),
     ),
     "datacomp-small": BuildConfig(
         output="s3://my-bucket/datacomp-small",
         samples_per_shard=10_000,
-        part_size=10_000,
+        part_size=2_000,  # ~100 MB of JPEGs per actor call
         download_actors=64,
         filters=FilterConfig(names=["no_filter", "basic", "english", "clip_score", "laion2b"]),
     ),
