@@ -1,0 +1,216 @@
+"""ProLIP objective, forward + backward on CPU: time and peak memory against two baselines in one run.
+
+Cases per batch size B (D = 512 by default), single process (B rows x B columns), plus one worker-shaped
+row (--worker-shape, default 512 local rows x 16,384 global columns: the paper's 512 per GPU x 32 GPUs,
+the share one worker computes under training/losses.py's distributed contract):
+  prolip  `training.losses.prolip_objective`: PPCL + inclusion (v in t) + masked inclusion on B/8 + VIB
+  ppcl    `training.losses.ppcl_loss` alone, the pairwise term that replaces SigLIP's
+  naive   the full objective with the PPCL variance term built as the official code does, from a
+          (B, B, D) tensor of sigma^2 sums; skipped when that tensor alone would exceed --naive-limit-gib
+  siglip  `training.losses.siglip_loss` on the same means
+Memory: peak resident set size (`getrusage(RUSAGE_SELF).ru_maxrss`) during the first forward + backward,
+minus the resident size (/proc/self/statm) just before it, inputs already allocated; one fresh
+subprocess per case so no earlier case can hide a peak. It counts all the loss allocates, autograd
+buffers included, but is coarse below a few MiB (allocator arenas, page granularity).
+Time: the cases run round-robin in one subprocess per B (so load on a shared machine hits them alike);
+we report the minimum and the median over --repeats warm passes and take ratios of the minima.
+Threads: --threads (default 1). On a busy machine OpenMP's spinning barriers make small multi-threaded
+ops 10-100x slower (measured on our 2-core CI box), which would swamp the comparison.
+Writes bench/results/loss_memory.json. Usage: python bench/loss_memory.py [--sizes 256 1024 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from training.losses import inclusion_loss, ppcl_loss, prolip_objective, siglip_loss, vib_kl  # noqa: E402
+
+CASES = ("prolip", "ppcl", "naive", "siglip")
+MASKED_KEYS = ("mu_v_masked", "logvar_v_masked", "mu_t_masked", "logvar_t_masked")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _naive_objective(mu_v, logvar_v, mu_t_all, logvar_t_all, log_scale, bias, masked, index):
+    b, n = mu_v.shape[0], mu_t_all.shape[0]
+    mu_t, logvar_t = mu_t_all[:b], logvar_t_all[:b]
+    # The official formulation: an explicit (B, N, D) tensor of variance sums, reduced over D.
+    var = (logvar_v.exp()[:, None, :] + logvar_t_all.exp()[None, :, :]).sum(-1)
+    logits = log_scale.exp() * (mu_v @ mu_t_all.T - 0.5 * var) + bias
+    ppcl = -F.logsigmoid((2 * torch.eye(b, n) - 1) * logits).sum() / n
+    kw = dict(c=1000.0, log_eps=-20.0)
+    inc_vt = inclusion_loss(mu_v, logvar_v, mu_t, logvar_t, **kw).sum() / n
+    inc_v = inclusion_loss(mu_v[index], logvar_v[index], masked[0], masked[1], **kw).mean()
+    inc_t = inclusion_loss(mu_t[index], logvar_t[index], masked[2], masked[3], **kw).mean()
+    vib = (vib_kl(mu_v, logvar_v).sum() + vib_kl(mu_t, logvar_t).sum()) / n
+    return ppcl + 1e-7 * inc_vt + 1e-3 * (inc_v + inc_t) + 1e-4 * vib
+
+
+def make_steps(batch: int, dim: int, columns: int) -> dict[str, Callable[[], None]]:
+    """One forward + backward per case, all on the same inputs: `batch` local rows, `columns` text columns."""
+    g = torch.Generator().manual_seed(0)
+    mu_v = F.normalize(torch.randn(batch, dim, generator=g), dim=-1).requires_grad_()
+    logvar_v = (torch.randn(batch, dim, generator=g) - 10).requires_grad_()
+    mu_t_all = F.normalize(torch.randn(columns, dim, generator=g), dim=-1).requires_grad_()
+    logvar_t_all = (torch.randn(columns, dim, generator=g) - 9).requires_grad_()
+    mu_t, logvar_t = mu_t_all[:batch], logvar_t_all[:batch]  # this worker's texts are global rows 0..B-1
+    index = torch.randperm(batch, generator=g)[: batch // 8]
+    masked = [mu_v[index], logvar_v[index] + 1, mu_t[index], logvar_t[index] + 1]
+    masked = [t.detach().clone().requires_grad_() for t in masked]
+    log_scale = torch.tensor(2.3, requires_grad=True)
+    bias = torch.tensor(-10.0, requires_grad=True)
+    leaves = [mu_v, mu_t_all, logvar_v, logvar_t_all, log_scale, bias, *masked]
+    gaussians = (mu_v, logvar_v, mu_t, logvar_t, log_scale, bias)
+    cols = dict(mu_t_all=mu_t_all, logvar_t_all=logvar_t_all)
+
+    losses = {
+        "prolip": lambda: prolip_objective(
+            *gaussians, **cols, masked_index=index, **dict(zip(MASKED_KEYS, masked, strict=True))
+        )["total"],
+        "ppcl": lambda: ppcl_loss(*gaussians, **cols),
+        "naive": lambda: _naive_objective(
+            mu_v, logvar_v, mu_t_all, logvar_t_all, log_scale, bias, masked, index
+        ),
+        "siglip": lambda: siglip_loss(mu_v, mu_t, log_scale, bias, mu_t_all=mu_t_all),
+    }
+
+    def stepper(loss_fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def step() -> None:
+            loss_fn().backward()
+            for t in leaves:
+                t.grad = None
+
+        return step
+
+    return {name: stepper(fn) for name, fn in losses.items()}
+
+
+def measure_memory(case: str, batch: int, dim: int, columns: int) -> dict:
+    step = make_steps(batch, dim, columns)[case]
+    before = _rss_bytes()
+    step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"peak_mib": max(peak - before, 0) / 2**20}
+
+
+def measure_time(cases: list[str], batch: int, dim: int, columns: int, repeats: int) -> dict:
+    steps = make_steps(batch, dim, columns)
+    times: dict[str, list[float]] = {c: [] for c in cases}
+    for c in cases:  # warm-up
+        steps[c]()
+    for _ in range(repeats):
+        for c in cases:
+            start = time.perf_counter()
+            steps[c]()
+            times[c].append(time.perf_counter() - start)
+    return {c: {"min_s": min(t), "median_s": statistics.median(t)} for c, t in times.items()}
+
+
+def _child(args: list[str]) -> dict:
+    cmd = [sys.executable, __file__, *args]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--naive-limit-gib", type=float, default=6.0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--worker-shape", type=int, nargs=2, default=[512, 16384], metavar=("ROWS", "COLS"))
+    parser.add_argument("--no-worker-shape", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "loss_memory.json")
+    parser.add_argument("--child", choices=["memory", "time"], help=argparse.SUPPRESS)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--columns", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    if args.child == "memory":
+        print(json.dumps(measure_memory(args.cases[0], args.batch, args.dim, args.columns)))
+        return 0
+    if args.child == "time":
+        print(json.dumps(measure_time(args.cases, args.batch, args.dim, args.columns, args.repeats)))
+        return 0
+
+    rows = []
+    shapes = [(b, b) for b in args.sizes] + ([] if args.no_worker_shape else [tuple(args.worker_shape)])
+    for batch, columns in shapes:
+        naive_gib = batch * columns * args.dim * 4 / 2**30
+        cases = [c for c in CASES if c != "naive" or naive_gib <= args.naive_limit_gib]
+        common = ["--batch", str(batch), "--columns", str(columns), "--dim", str(args.dim)]
+        common += ["--threads", str(args.threads)]
+        memory = {c: _child(["--child", "memory", "--cases", c, *common])["peak_mib"] for c in cases}
+        timing = _child(["--child", "time", "--cases", *cases, "--repeats", str(args.repeats), *common])
+        row: dict = {"rows": batch, "columns": columns, "dim": args.dim, "peak_mib": memory, "time": timing}
+        if "naive" not in cases:
+            row["naive_skipped"] = f"(rows, columns, D) float32 tensor alone is {naive_gib:.0f} GiB"
+        t = {c: timing[c]["min_s"] for c in cases}
+        row["ratios"] = {
+            "prolip/siglip time": t["prolip"] / t["siglip"],
+            "ppcl/siglip time": t["ppcl"] / t["siglip"],
+            "prolip peak / (rows*columns*4 bytes)": memory["prolip"] * 2**20 / (4 * batch * columns),
+        }
+        if "naive" in cases:
+            row["ratios"]["prolip/naive time"] = t["prolip"] / t["naive"]
+            row["ratios"]["prolip/naive memory"] = memory["prolip"] / memory["naive"]
+        rows.append(row)
+
+    cols = ["prolip", "ppcl", "naive", "siglip"]
+    print(
+        f"time: min of {args.repeats} forward+backward (s); memory: peak RSS increase (MiB); D = {args.dim}"
+    )
+    head = " ".join(f"{c + ' s':>9}" for c in cols) + " " + " ".join(f"{c + ' MiB':>11}" for c in cols)
+    print(f"{'rows x cols':>12} {head}")
+    for r in rows:
+        times = " ".join(
+            f"{r['time'][c]['min_s']:9.4f}" if c in r["time"] else f"{'skipped':>9}" for c in cols
+        )
+        mems = " ".join(
+            f"{r['peak_mib'][c]:11.1f}" if c in r["peak_mib"] else f"{'skipped':>11}" for c in cols
+        )
+        print(f"{r['rows']:>5} x {r['columns']:<5} {times} {mems}")
+    print()
+    for r in rows:
+        print(f"{r['rows']} x {r['columns']}: " + ", ".join(f"{k} = {v:.3f}" for k, v in r["ratios"].items()))
+    result = {
+        "benchmark": "loss_memory",
+        "device": f"cpu {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+        "torch": torch.__version__,
+        "memory_method": "peak RSS (getrusage ru_maxrss) minus RSS before the first forward+backward, "
+        "one subprocess per case",
+        "time_method": f"cases round-robin in one process, min and median of {args.repeats} warm passes",
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
