@@ -215,6 +215,7 @@ class BuildConfig:
     samples_per_shard: int = 10_000
     part_size: int = 1_000  # input rows per download task (the unit of resume)
     download_actors: int = 2
+    download_cpus: float = 0.5  # Ray CPUs reserved per download actor (I/O-bound; see build.py)
     num_cpus: int = 0  # local Ray: 0 = all cores
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server
     keep_parts: bool = False

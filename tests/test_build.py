@@ -1,0 +1,117 @@
+"""The build end to end on the served demo pool: accounting against the generator's truth, resume, S3."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import schema as S
+from pipeline.build import build
+from pipeline.config import BUILD_PRESETS, merge
+from pipeline.reshard import reshard
+from pipeline.shards import iter_shard
+from pipeline.subset import read_subset
+from tests.fixtures_demo import demo_pool  # noqa: F401
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def _cfg(demo_pool, out, **kw):
+    cfg = dataclasses.replace(BUILD_PRESETS["demo"], metadata=str(demo_pool.metadata_path), output=str(out))
+    cfg = merge(cfg, {"samples_per_shard": 200, "part_size": 150})
+    return merge(cfg, kw) if kw else cfg
+
+
+def _shard_uids(shards):
+    return [s["json"]["uid"] for path in shards for s in iter_shard(path)]
+
+
+@pytest.fixture(scope="module")
+def built(ray_local, demo_pool, tmp_path_factory):
+    out = tmp_path_factory.mktemp("build")
+    cfg = _cfg(demo_pool, out)
+    return cfg, build(cfg, log=lambda m: None)
+
+
+def test_status_counts_equal_injected_truth(built, demo_pool):
+    _cfg_, result = built
+    truth = pq.read_table(Path(demo_pool.pool_dir) / "truth.parquet")
+    expected = Counter(truth.column("expected_status").to_pylist())
+    assert result.status_counts == dict(expected)
+    assert sum(result.status_counts.values()) == result.n_input == truth.num_rows
+
+
+def test_every_uid_gets_its_expected_status(built, demo_pool):
+    cfg, _ = built
+    status = pq.read_table(os.path.join(cfg.output, "metadata", "status.parquet"))
+    got = dict(zip(status.column("uid").to_pylist(), status.column("status").to_pylist(), strict=True))
+    truth = pq.read_table(Path(demo_pool.pool_dir) / "truth.parquet")
+    want = dict(zip(truth.column("uid").to_pylist(), truth.column("expected_status").to_pylist(), strict=True))
+    wrong = {u: (got.get(u), s) for u, s in want.items() if got.get(u) != s}
+    assert not wrong, f"{len(wrong)} uids with another status, e.g. {list(wrong.items())[:5]}"
+
+
+def test_shards_hold_exactly_the_successes(built):
+    cfg, result = built
+    uids = _shard_uids(result.shards)
+    assert len(uids) == len(set(uids)) == result.status_counts["success"]
+    for path in result.shards:
+        stats = Path(path.replace(".tar", "_stats.json"))
+        assert stats.exists()
+
+
+def test_subsets_are_datacomp_format_and_subsets_of_successes(built):
+    cfg, result = built
+    assert set(result.subsets) >= {"no_filter", "basic", "english", "random"}
+    success = result.status_counts["success"]
+    for name, path in result.subsets.items():
+        arr = np.load(path)
+        assert arr.dtype == np.dtype("u8,u8"), name
+        assert np.array_equal(arr, np.sort(arr)), name
+    assert len(read_subset(result.subsets["no_filter"])) == success
+    assert len(read_subset(result.subsets["basic"])) < success
+
+
+def test_reshard_materialises_the_basic_subset(built, tmp_path):
+    cfg, result = built
+    res = reshard(result.shards, result.subsets["basic"], str(tmp_path / "basic"), samples_per_shard=100)
+    want = sorted(S.u8pairs_to_uids(read_subset(result.subsets["basic"])))
+    assert sorted(_shard_uids(res.shards)) == want
+
+
+def test_resume_after_driver_killed(ray_local, demo_pool, built, tmp_path):
+    """Kill the build driver once a part is done, re-run: same uid set as the uninterrupted build."""
+    _, full = built
+    out = tmp_path / "resumed"
+    env = dict(os.environ, RAY_ADDRESS=ray_local.address_info["address"], PYTHONUNBUFFERED="1")
+    args = [
+        sys.executable, "-m", "jobs.build_dataset", "--preset", "demo",
+        "--set", f"metadata={demo_pool.metadata_path}", "--set", f"output={out}",
+        "--set", "part_size=150", "--set", "samples_per_shard=200",
+    ]  # fmt: skip
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    parts = out / "work" / "parts"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(parts.glob("*.done")):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_first = len(list(parts.glob("*.done")))
+    assert 1 <= done_first
+    rerun = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"{done_first} already done" in rerun.stdout or "already done" in rerun.stdout
+    shards = sorted(str(p) for p in (out / "shards").glob("*.tar"))
+    uids = _shard_uids(shards)
+    assert len(uids) == len(set(uids))
+    assert sorted(uids) == sorted(_shard_uids(full.shards))
