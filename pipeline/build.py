@@ -146,7 +146,8 @@ def pre_statuses(uids: pa.Array, urls: pa.Array) -> np.ndarray:
 class DownloadPart:
     """Ray Data UDF: one group = one part. Downloads it, writes tar + parquet + marker, returns the rows."""
 
-    def __init__(self, download: DownloadConfig, parts_dir: str, s3_endpoint: str = ""):
+    def __init__(self, download: DownloadConfig, parts_dir: str, s3_endpoint: str = "", env=None):
+        storage.adopt_env(env or {})
         self.worker = DownloadWorker(download)
         self.parts_dir = parts_dir
         self.s3_endpoint = s3_endpoint
@@ -258,7 +259,7 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print) -> BuildResult:
         grouped = ds.map_batches(tag, batch_format="pyarrow").groupby("part", num_partitions=min(todo_parts, 64))
         results = grouped.map_groups(
             DownloadPart,
-            fn_constructor_args=(cfg.download, paths["parts"], ep),
+            fn_constructor_args=(cfg.download, paths["parts"], ep, storage.forwarded_env()),
             compute=ray.data.ActorPoolStrategy(size=max(1, cfg.download_actors)),
             # Downloads mostly wait on the network: a fractional CPU leaves room for the read and shuffle
             # tasks (a whole CPU per actor deadlocks a 2-CPU machine).

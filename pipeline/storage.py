@@ -347,3 +347,29 @@ def list_files(path_or_glob: str, suffix: str | None = None, s3_endpoint: str = 
     if suffix is not None:
         out = [o for o in out if o.endswith(suffix)]
     return sorted(_unresolve(o, path_or_glob) for o in out)
+
+
+_FORWARDED_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+)
+
+
+def forwarded_env() -> dict[str, str]:
+    """The driver's AWS settings, to hand to Ray actors whose processes started without them.
+
+    Passed as a constructor argument (object store), never through runtime_env or logs. On a cluster with
+    an instance profile this is usually empty and the SDK's own chain applies.
+    """
+    return {k: os.environ[k] for k in _FORWARDED_ENV if os.environ.get(k)}
+
+
+def adopt_env(env: dict[str, str]) -> None:
+    """In a worker: take the forwarded settings that this process does not have already."""
+    for key, value in env.items():
+        os.environ.setdefault(key, value)

@@ -115,3 +115,28 @@ def test_resume_after_driver_killed(ray_local, demo_pool, built, tmp_path):
     uids = _shard_uids(shards)
     assert len(uids) == len(set(uids))
     assert sorted(uids) == sorted(_shard_uids(full.shards))
+
+
+def test_build_reads_and_writes_s3(ray_local, demo_pool, s3_server):
+    """Metadata on s3://, run directory on s3:// (SeaweedFS on loopback): same accounting as local."""
+    from pipeline import storage
+
+    meta = s3_server.url("meta", "part-00000.parquet")
+    storage.write_bytes(Path(demo_pool.metadata_path).read_bytes(), meta, s3_server.endpoint)
+    out = s3_server.url("run")
+    cfg = _cfg(demo_pool, out, metadata=s3_server.url("meta"), s3_endpoint=s3_server.endpoint)
+    cfg = merge(cfg, {"filters": {"names": ["no_filter"]}})
+    result = build(cfg, log=lambda m: None)
+    truth = pq.read_table(Path(demo_pool.pool_dir) / "truth.parquet")
+    assert result.status_counts == dict(Counter(truth.column("expected_status").to_pylist()))
+    assert all(p.startswith("s3://") for p in result.shards)
+    uids = _shard_uids_s3(result.shards, s3_server.endpoint)
+    assert len(uids) == len(set(uids)) == result.status_counts["success"]
+    with storage.open_input(result.subsets["no_filter"], s3_server.endpoint) as fh:
+        assert len(read_subset(fh)) == result.status_counts["success"]
+    status = storage.read_parquet(storage.join(out, "metadata", "status.parquet"), s3_server.endpoint)
+    assert status.num_rows == truth.num_rows
+
+
+def _shard_uids_s3(shards, endpoint):
+    return [s["json"]["uid"] for path in shards for s in iter_shard(path, endpoint)]
