@@ -25,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         run_cfg.output,
         job="build_dataset",
         config=to_dict(run_cfg),
-        counts={"input_rows": result.n_input, "status": result.status_counts, "subsets": result.filter_counts},
+        counts={
+            "input_rows": result.n_input,
+            "status": result.status_counts,
+            "subsets": result.filter_counts,
+        },
         timings=result.timings,
         s3_endpoint=run_cfg.s3_endpoint,
     )

@@ -16,7 +16,9 @@ from pipeline.config import ConfigError, resolve
 T = TypeVar("T")
 
 
-def config_parser(description: str, presets: Mapping[str, Any], default: str = "demo") -> argparse.ArgumentParser:
+def config_parser(
+    description: str, presets: Mapping[str, Any], default: str = "demo"
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--preset", default=default, choices=sorted(presets), help="named configuration")
     parser.add_argument("--config", default=None, help="YAML file layered over the preset")
@@ -71,5 +73,9 @@ def print_table(title: str, rows: Sequence[tuple[Any, ...]], headers: Sequence[s
     print(line)
     print("-" * len(line))
     for r in cols[1:]:
-        print("  ".join(str(c).rjust(w) if str(c).replace(".", "").isdigit() else str(c).ljust(w)
-                        for c, w in zip(r, widths, strict=True)))
+        print(
+            "  ".join(
+                str(c).rjust(w) if str(c).replace(".", "").isdigit() else str(c).ljust(w)
+                for c, w in zip(r, widths, strict=True)
+            )
+        )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -26,7 +27,7 @@ import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline import storage
-from pipeline.config import BuildConfig, DownloadConfig, to_dict
+from pipeline.config import BuildConfig, DownloadConfig
 from pipeline.dedupe import exact_duplicates, near_duplicates, url_duplicates
 from pipeline.download import DownloadWorker
 from pipeline.filters import NEEDS_LANGUAGE, apply_filters
@@ -243,7 +244,9 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print) -> BuildResult:
     t1 = time.perf_counter()
     # Ship the (few) excluded uids to the tasks, not the (many) live ones. A repeated uid stays in: both
     # rows land in the same part, where DownloadPart keeps one.
-    excluded = set(pc.filter(narrow.column(S.UID), pa.array(np.isin(status_pre, [S.STATUS_DUPLICATE_URL]))).to_pylist())
+    excluded = set(
+        pc.filter(narrow.column(S.UID), pa.array(np.isin(status_pre, [S.STATUS_DUPLICATE_URL]))).to_pylist()
+    )
 
     def tag(batch: pa.Table) -> pa.Table:
         uids = batch.column(S.UID).to_pylist()
@@ -256,7 +259,9 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print) -> BuildResult:
     todo_parts = n_parts - len(done)
     if todo_parts > 0:
         # Few shuffle partitions: a part is the unit of work, more partitions than parts is pure overhead.
-        grouped = ds.map_batches(tag, batch_format="pyarrow").groupby("part", num_partitions=min(todo_parts, 64))
+        grouped = ds.map_batches(tag, batch_format="pyarrow").groupby(
+            "part", num_partitions=min(todo_parts, 64)
+        )
         results = grouped.map_groups(
             DownloadPart,
             fn_constructor_args=(cfg.download, paths["parts"], ep, storage.forwarded_env()),
@@ -277,7 +282,9 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print) -> BuildResult:
     t2 = time.perf_counter()
     part_files = [part_stem(paths["parts"], p) + ".parquet" for p in range(n_parts)]
     part_files = [p for p in part_files if storage.exists(p, ep)]
-    parts = storage.read_parquet(part_files, ep) if part_files else pa.table({S.UID: pa.array([], pa.string())})
+    parts = (
+        storage.read_parquet(part_files, ep) if part_files else pa.table({S.UID: pa.array([], pa.string())})
+    )
     status = decide_image_duplicates(parts, cfg)
     status_table = _status_table(narrow, status_pre, parts, status)
     storage.write_parquet(status_table, paths["status"], ep)
@@ -292,7 +299,12 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print) -> BuildResult:
     part_tars = [part_stem(paths["parts"], p) + ".tar" for p in range(n_parts)]
     part_tars = [p for p in part_tars if storage.exists(p, ep)]
     res = reshard(
-        part_tars, success_pairs, paths["shards"], samples_per_shard=cfg.samples_per_shard, s3_endpoint=ep, overwrite=True
+        part_tars,
+        success_pairs,
+        paths["shards"],
+        samples_per_shard=cfg.samples_per_shard,
+        s3_endpoint=ep,
+        overwrite=True,
     )
     timings["shards"] = time.perf_counter() - t3
     log(f"shards: {res.n_written} samples in {len(res.shards)} shards")
@@ -300,8 +312,8 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print) -> BuildResult:
     t4 = time.perf_counter()
     filter_counts, subsets = run_filters(ds, cfg, status_table, paths, log)
     timings["filters"] = time.perf_counter() - t4
-    if not cfg.keep_parts and counts.get(S.STATUS_SUCCESS, 0) == res.n_written:
-        pass  # parts are kept until the user asks: they are the resume state (see docs/formats.md)
+    if cfg.tokenizer_vocab > 0:
+        train_build_tokenizer(ds, status_table, cfg, log)
     timings["total"] = time.perf_counter() - t0
     return BuildResult(
         output=cfg.output,
@@ -376,7 +388,9 @@ class _LangTag:
         return pa.table({S.UID: batch.column(S.UID), "lang": pa.array(list(labels), pa.string())})
 
 
-def run_filters(ds, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log) -> tuple[dict, dict]:
+def run_filters(
+    ds, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log
+) -> tuple[dict, dict]:
     """Apply each requested filter to the whole pool; a subset keeps filter-passing *successful* uids."""
     import ray.data
 
@@ -396,7 +410,9 @@ def run_filters(ds, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, s
         lang = np.array(lang_tab.column("lang").to_pylist(), dtype=object)[idx]
     results = apply_filters(meta, cfg.filters, lang=lang)
 
-    status_of = dict(zip(status_table.column(S.UID).to_pylist(), status_table.column(S.STATUS).to_pylist(), strict=True))
+    status_of = dict(
+        zip(status_table.column(S.UID).to_pylist(), status_table.column(S.STATUS).to_pylist(), strict=True)
+    )
     uids = meta.column(S.UID).to_pylist()
     success = np.array([status_of.get(u) == S.STATUS_SUCCESS for u in uids], dtype=bool)
     columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
@@ -417,9 +433,39 @@ def run_filters(ds, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, s
     return counts, subsets
 
 
+def train_build_tokenizer(ds, status_table: pa.Table, cfg: BuildConfig, log) -> str:
+    """Offline BPE tokenizer on the captions of successful rows, saved beside the shards for training."""
+    import tempfile
+
+    from training.tokenizer import train_tokenizer
+
+    meta = _collect(ds, [S.UID, S.TEXT])
+    ok = set(
+        pc.filter(
+            status_table.column(S.UID), pc.equal(status_table.column(S.STATUS), S.STATUS_SUCCESS)
+        ).to_pylist()
+    )
+    captions = [
+        t
+        for u, t in zip(meta.column(S.UID).to_pylist(), meta.column(S.TEXT).to_pylist(), strict=True)
+        if u in ok and t
+    ]
+    tok = train_tokenizer(captions, vocab_size=cfg.tokenizer_vocab)
+    out = storage.join(cfg.output, "tokenizer")
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save(tmp)
+        for name in sorted(os.listdir(tmp)):
+            with open(os.path.join(tmp, name), "rb") as fh:
+                storage.write_bytes(fh.read(), storage.join(out, name), cfg.s3_endpoint)
+    log(f"tokenizer: BPE vocab {tok.vocab_size} trained on {len(captions)} captions → {out}")
+    return out
+
+
 def summary_json(result: BuildResult) -> str:
     return json.dumps(
-        {"status_counts": result.status_counts, "filter_counts": result.filter_counts}, indent=2, sort_keys=True
+        {"status_counts": result.status_counts, "filter_counts": result.filter_counts},
+        indent=2,
+        sort_keys=True,
     )
 
 
@@ -446,7 +492,9 @@ class demo_source:
         generate_pool(pool_dir, n=self.cfg.demo_n, seed=self.cfg.demo_seed)
         self.server = serve_pool(pool_dir)
         meta = write_metadata(pool_dir, self.server.base_url)
-        self.log(f"demo pool: {self.cfg.demo_n} rows served at {self.server.base_url} ({time.perf_counter() - t:.1f}s)")
+        self.log(
+            f"demo pool: {self.cfg.demo_n} rows served at {self.server.base_url} ({time.perf_counter() - t:.1f}s)"
+        )
         return dataclasses.replace(self.cfg, metadata=str(meta))
 
     def __exit__(self, *exc) -> None:

@@ -219,6 +219,7 @@ class BuildConfig:
     num_cpus: int = 0  # local Ray: 0 = all cores
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server
     keep_parts: bool = False
+    tokenizer_vocab: int = 0  # >0: train a BPE tokenizer on the successful captions into <output>/tokenizer
     demo_n: int = 2000
     demo_seed: int = 0
     download: DownloadConfig = field(default_factory=DownloadConfig)

@@ -39,7 +39,7 @@ def _shard_uids(shards):
 @pytest.fixture(scope="module")
 def built(ray_local, demo_pool, tmp_path_factory):
     out = tmp_path_factory.mktemp("build")
-    cfg = _cfg(demo_pool, out)
+    cfg = _cfg(demo_pool, out, tokenizer_vocab=300)
     return cfg, build(cfg, log=lambda m: None)
 
 
@@ -56,9 +56,21 @@ def test_every_uid_gets_its_expected_status(built, demo_pool):
     status = pq.read_table(os.path.join(cfg.output, "metadata", "status.parquet"))
     got = dict(zip(status.column("uid").to_pylist(), status.column("status").to_pylist(), strict=True))
     truth = pq.read_table(Path(demo_pool.pool_dir) / "truth.parquet")
-    want = dict(zip(truth.column("uid").to_pylist(), truth.column("expected_status").to_pylist(), strict=True))
+    want = dict(
+        zip(truth.column("uid").to_pylist(), truth.column("expected_status").to_pylist(), strict=True)
+    )
     wrong = {u: (got.get(u), s) for u, s in want.items() if got.get(u) != s}
     assert not wrong, f"{len(wrong)} uids with another status, e.g. {list(wrong.items())[:5]}"
+
+
+def test_build_trains_a_tokenizer_on_the_captions(built):
+    from training.tokenizer import TextTokenizer
+
+    cfg, _ = built
+    tok = TextTokenizer.load(os.path.join(cfg.output, "tokenizer"))
+    ids = tok.encode_batch(["a red circle"], context_length=16)
+    assert ids.shape == (1, 16) and tok.end_id in ids[0]
+    assert tok.vocab_size <= 300
 
 
 def test_shards_hold_exactly_the_successes(built):
@@ -99,7 +111,9 @@ def test_resume_after_driver_killed(ray_local, demo_pool, built, tmp_path):
         "--set", f"metadata={demo_pool.metadata_path}", "--set", f"output={out}",
         "--set", "part_size=150", "--set", "samples_per_shard=200",
     ]  # fmt: skip
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     parts = out / "work" / "parts"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not list(parts.glob("*.done")):
