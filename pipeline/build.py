@@ -461,14 +461,6 @@ def train_build_tokenizer(ds, status_table: pa.Table, cfg: BuildConfig, log) -> 
     return out
 
 
-def summary_json(result: BuildResult) -> str:
-    return json.dumps(
-        {"status_counts": result.status_counts, "filter_counts": result.filter_counts},
-        indent=2,
-        sort_keys=True,
-    )
-
-
 # --- the demo source ----------------------------------------------------------------------------------
 
 

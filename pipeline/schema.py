@@ -130,7 +130,7 @@ def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
 UID_DTYPE = np.dtype("u8,u8")
 
 
-def uids_to_u8pairs(uids: "list[str] | np.ndarray") -> np.ndarray:
+def uids_to_u8pairs(uids: list[str] | np.ndarray) -> np.ndarray:
     """32-hex-char uids → DataComp's structured ``u8,u8`` array (high 64 bits, low 64 bits), unsorted."""
     arr = np.asarray(uids, dtype="U32")
     out = np.empty(len(arr), dtype=UID_DTYPE)
