@@ -13,7 +13,6 @@ uid set an uninterrupted one would.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
