@@ -1,0 +1,344 @@
+"""Training ingest (Ray Data): shards → shuffle → decode/augment/tokenize → masked variants.
+
+Stages (pure pieces first, the Ray wiring in ``build_train_dataset``):
+
+1. **Read** (pipeline/shard_source.py): ``read_webdataset(decoder=None)``'s file-based read with a strict
+   tar parser — one task per shard, raw bytes (``key``, ``jpg``, ``txt``), shard order shuffled per epoch
+   (``FileShuffleConfig(seed, reseed_after_execution=True)``; random without a seed); damaged shards are
+   counted and skipped up to ``DataConfig.max_bad_shards``, then the job stops naming the shard.
+2. **Windowed shuffle** (``shuffle_window``): a permutation inside windows of raw rows (a few MB of JPEG
+   bytes), the webdataset-style shuffle buffer, so no worker holds a large buffer of decoded images.
+3. **Decode + augment + tokenize** (``DecodeAugment``, in Ray Data tasks): simplejpeg with DCT downscaling
+   to the smallest size that still covers the crop (Pillow for other formats); a sample that fails to decode
+   is dropped and counted, never fatal. Augmentation as ProLIP App. B.1 (RandomResizedCrop area
+   (0.8, 1.0), colour jitter (0.32, 0.32, 0.32, 0.08) p 0.8 applied in a random order per image as
+   torchvision does, grayscale p 0.2), written in numpy (no torchvision, ENVIRONMENT.md); without
+   augmentation, resize the short side and centre-crop (open_clip's eval transform). Normalise with
+   mean/std, tokenize with ``TextTokenizer.encode_batch``.
+4. **Masked variants** (``MaskedVariants``), run in ``iter_torch_batches``' collate step (``TrainCollate``)
+   on the exact training batch: 12.5% of the batch selected by ``pipeline.masking.select_for_masking``
+   (hash of uid and epoch), 75% of their content tokens → [MASK], 25% of patches kept. Output: fixed-shape
+   arrays ``images (B,3,H,W) f32, tokens (B,L) i64, masked_tokens (B,L) i64, keep_idx (B,K) i64,
+   selected (B,) bool`` plus ``masked_index (M,)``, so the loop does no per-sample work. Why the collate
+   step rather than a ``map_batches`` stage: Ray Data re-batches (and splits across workers) after every
+   stage, so only here is "per batch" the training batch, and only here is the epoch known (the dataset
+   plan is the same object for every epoch).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline import storage
+from pipeline.augment import (
+    center_crop_box,
+    color_jitter,
+    decode_image,
+    random_grayscale,
+    random_resized_crop_box,
+)
+from pipeline.masking import choose_kept_patches, mask_text_tokens, sample_hash, select_for_masking
+from pipeline.shard_source import (  # noqa: F401  (re-exported: the ingest's public API)
+    IngestCounters,
+    TooManyBadShards,
+    counters_handle,
+    list_shards,
+    make_shard_datasource,
+    read_counters,
+    start_counters,
+)
+
+log = logging.getLogger(__name__)
+
+DECODE_MARGIN = 1.3  # decode at >= this × output size: the smallest crop side is ~0.77 of the image
+
+
+# --- 2. windowed shuffle ------------------------------------------------------------------------------
+
+
+def window_shuffle(table: pa.Table, seed: int | None = None) -> pa.Table:
+    """Rows of one window in random order; seeded by (seed, the window's keys) when ``seed`` is given."""
+    if seed is None:
+        rng = np.random.default_rng()
+    else:
+        keys = table.column("key").to_numpy(zero_copy_only=False)
+        rng = np.random.default_rng([seed, int(np.bitwise_xor.reduce(sample_hash(keys, 0, seed)))])
+    return table.take(pa.array(rng.permutation(table.num_rows)))
+
+
+# --- 3. decode, augment, tokenize ---------------------------------------------------------------------
+
+
+class DecodeAugment:
+    """Ray Data stage: {key, jpg, txt} → {key, image (B,3,S,S) f32 normalised, tokens (B,L) i64}.
+
+    Undecodable images are dropped (the row disappears) and counted in ``self.bad_images`` and in the
+    shared counters actor when one is named.
+    """
+
+    def __init__(
+        self,
+        image_size: int,
+        context_length: int,
+        tokenizer: Any,
+        data: Any,
+        counters: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        from training.tokenizer import TextTokenizer
+
+        if isinstance(tokenizer, dict):  # {"json": str, "ids": {...}}: what travels to remote actors
+            tokenizer = tokenizer_from_state(tokenizer)
+        assert isinstance(tokenizer, TextTokenizer)
+        self.tokenizer = tokenizer
+        self.size, self.context_length = image_size, context_length
+        self.cfg = data
+        self.mean = np.asarray(data.mean, np.float32)
+        self.std = np.asarray(data.std, np.float32)
+        self.counters = counters
+        self.rng = np.random.default_rng(seed)
+        self.bad_images = 0
+
+    def _crop(self, arr: np.ndarray) -> np.ndarray:
+        from PIL import Image
+
+        h, w = arr.shape[:2]
+        if self.cfg.augment:
+            box = random_resized_crop_box(h, w, self.cfg.crop_scale, self.cfg.crop_ratio, self.rng)
+        else:
+            box = center_crop_box(h, w)
+        img = Image.fromarray(arr)
+        return np.asarray(img.resize((self.size, self.size), Image.BICUBIC, box=box))
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        min_side = math.ceil(self.size * DECODE_MARGIN)
+        keep, images, errors = [], [], []
+        for i, data in enumerate(batch["jpg"]):
+            try:
+                arr = decode_image(bytes(data), min_side)
+                if arr.ndim != 3 or arr.shape[2] != 3 or min(arr.shape[:2]) < 1:
+                    raise ValueError(f"unexpected decoded shape {arr.shape}")
+                images.append(self._crop(arr))
+                keep.append(i)
+            except Exception as exc:  # any decoder error: a bad image must never stop training
+                errors.append(f"{batch['key'][i]}: {type(exc).__name__}: {exc}"[:200])
+        if errors:
+            self._count_bad(errors)
+        n = len(keep)
+        x = (np.stack(images) if n else np.zeros((0, self.size, self.size, 3), np.uint8)).astype(np.float32)
+        x /= 255.0  # (n, S, S, 3)
+        if self.cfg.augment and n:
+            if self.cfg.color_jitter_p > 0:
+                x = color_jitter(x, self.cfg.color_jitter, self.cfg.color_jitter_p, self.rng)
+            if self.cfg.grayscale_p > 0:
+                x = random_grayscale(x, self.cfg.grayscale_p, self.rng)
+        x = ((x - self.mean) / self.std).transpose(0, 3, 1, 2)  # (n, 3, S, S)
+        texts = [str(batch["txt"][i]) for i in keep]
+        return {
+            "key": np.asarray([str(batch["key"][i]) for i in keep], dtype=object),
+            "image": np.ascontiguousarray(x, dtype=np.float32),
+            "tokens": self.tokenizer.encode_batch(texts, self.context_length)
+            if n
+            else np.zeros((0, self.context_length), np.int64),
+        }
+
+    def _count_bad(self, errors: list[str]) -> None:
+        self.bad_images += len(errors)
+        log.warning("dropped %d undecodable image(s), e.g. %s", len(errors), errors[0])
+        handle = counters_handle(self.counters)
+        if handle is not None:
+            handle.add_bad_images.remote(len(errors), errors[:3])
+
+
+_STAGE_CACHE: dict[tuple, DecodeAugment] = {}
+
+
+def decode_augment_batch(batch: dict[str, np.ndarray], **kwargs: Any) -> dict[str, np.ndarray]:
+    """``DecodeAugment`` as a Ray Data *task* function: one instance per worker process and settings.
+
+    Tasks reuse Ray's worker processes, so the instance (tokenizer included) is built once per process;
+    an actor pool would be re-created — seconds each time — at every epoch's re-execution.
+    """
+    key = (kwargs["image_size"], kwargs["context_length"], hash(kwargs["tokenizer"]["json"]),
+           repr(kwargs["data"]), kwargs.get("counters"), kwargs.get("seed"))  # fmt: skip
+    stage = _STAGE_CACHE.get(key)
+    if stage is None:
+        _STAGE_CACHE.clear()  # one configuration at a time per process is the common case
+        stage = _STAGE_CACHE[key] = DecodeAugment(**kwargs)
+    return stage(batch)
+
+
+def tokenizer_state(tokenizer: Any) -> dict[str, Any]:
+    """A plain-data form of a ``TextTokenizer`` (JSON string + special ids) for Ray configs and actors."""
+    return {"json": tokenizer._tokenizer.to_str(), "ids": tokenizer.special_ids}
+
+
+def tokenizer_from_state(state: dict[str, Any]) -> Any:
+    from tokenizers import Tokenizer
+
+    from training.tokenizer import TextTokenizer
+
+    ids = state["ids"]
+    return TextTokenizer(
+        Tokenizer.from_str(state["json"]),
+        pad_id=ids["pad_id"],
+        end_id=ids["end_id"],
+        mask_id=ids["mask_id"],
+        start_id=ids.get("start_id"),
+    )
+
+
+# --- 4. masked variants -------------------------------------------------------------------------------
+
+
+class MaskedVariants:
+    """Adds the masked variants to a training batch (see module docstring, stage 4).
+
+    Reproducible: the selection depends on (uid, epoch, seed) and the batch's membership; the masks of
+    the selected samples come from one generator seeded by (seed, epoch, their hashes), assigned in hash
+    order, so a rerun with the same batch — in any row order — gives the same variants.
+    """
+
+    def __init__(
+        self,
+        n_patches: int,
+        pad_id: int,
+        end_id: int,
+        mask_id: int,
+        fraction: float = 0.125,
+        text_ratio: float = 0.75,
+        keep_ratio: float = 0.25,
+        seed: int = 0,
+        protected_ids: Sequence[int] = (),
+    ) -> None:
+        self.n_patches, self.fraction = n_patches, fraction
+        self.ids = dict(pad_id=pad_id, end_id=end_id, mask_id=mask_id)
+        self.text_ratio, self.keep_ratio, self.seed = text_ratio, keep_ratio, seed
+        self.protected_ids = tuple(protected_ids)
+        self.n_keep = max(1, int(math.floor(keep_ratio * n_patches + 0.5)))
+
+    def __call__(self, batch: dict[str, np.ndarray], epoch: int) -> dict[str, np.ndarray]:
+        keys, tokens = np.asarray(batch["key"]), np.asarray(batch["tokens"])
+        b = len(keys)
+        selected = select_for_masking(keys, epoch, batch_size=None, fraction=self.fraction, seed=self.seed)
+        rows = np.flatnonzero(selected)
+        hashes = sample_hash(keys[rows], epoch, self.seed)
+        order = np.argsort(hashes, kind="stable")
+        rows, hashes = rows[order], hashes[order]
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch, *map(int, hashes)]))
+        masked = tokens.copy()  # (B, L); unselected rows keep their tokens (unused)
+        keep_idx = np.broadcast_to(np.arange(self.n_keep, dtype=np.int64), (b, self.n_keep)).copy()  # (B, K)
+        if rows.size:
+            masked[rows] = mask_text_tokens(
+                tokens[rows], ratio=self.text_ratio, rng=rng, protected_ids=self.protected_ids, **self.ids
+            )
+            keep_idx[rows] = choose_kept_patches(self.n_patches, rows.size, self.keep_ratio, rng=rng)
+        return {**batch, "masked_tokens": masked, "keep_idx": keep_idx, "selected": selected}
+
+
+def _collate_base() -> type:
+    try:
+        from ray.data.collate_fn import NumpyBatchCollateFn
+
+        return NumpyBatchCollateFn
+    except ImportError:  # Ray-free use (tests, benchmarks)
+        return object
+
+
+class TrainCollate(_collate_base()):  # type: ignore[misc]
+    """``iter_torch_batches`` collate: masked variants for ``epoch``, then CPU torch tensors.
+
+    With ``pad_id``, token columns that are padding in every row are cut off (the batch keeps its
+    longest caption): the text tower encodes a trimmed batch exactly as the padded one (its UNC/CLS sit
+    at fixed positional rows and padding is never attended to, training/towers.py), and short captions
+    stop paying for the full context — for CLIP and ProLIP alike.
+    """
+
+    def __init__(self, masker: MaskedVariants | None, epoch: int, pad_id: int | None = None) -> None:
+        self.masker, self.epoch, self.pad_id = masker, epoch, pad_id
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        import torch
+
+        out = self.masker(batch, self.epoch) if self.masker is not None else dict(batch)
+        tokens = np.asarray(out["tokens"], dtype=np.int64)
+        width = tokens.shape[1]
+        if self.pad_id is not None and tokens.size:
+            width = max(1, int((tokens != self.pad_id).sum(axis=1).max()))  # content is a prefix
+        tensors = {
+            "images": torch.from_numpy(np.ascontiguousarray(out["image"], dtype=np.float32)),
+            "tokens": torch.from_numpy(np.ascontiguousarray(tokens[:, :width])),
+        }
+        if "selected" in out:
+            masked = np.asarray(out["masked_tokens"], dtype=np.int64)[:, :width]
+            tensors["masked_tokens"] = torch.from_numpy(np.ascontiguousarray(masked))
+            tensors["keep_idx"] = torch.from_numpy(out["keep_idx"])
+            tensors["selected"] = torch.from_numpy(out["selected"])
+            tensors["masked_index"] = torch.from_numpy(np.flatnonzero(out["selected"]).astype(np.int64))
+        return tensors
+
+
+# --- Ray wiring ---------------------------------------------------------------------------------------
+
+
+def build_train_dataset(
+    data: Any,
+    tokenizer: Any,
+    image_size: int,
+    context_length: int,
+    counters: str | None = None,
+) -> Any:
+    """The training ``ray.data.Dataset`` (stages 1–3); stage 4 is ``TrainCollate`` in the train loop.
+
+    ``data`` is a ``training.config.DataConfig``; ``counters`` the name of a running ``IngestCounters``
+    actor (``start_counters()``), else damaged shards are only logged.
+    """
+    import ray
+    from ray.data import FileShuffleConfig, TaskPoolStrategy
+
+    paths = list_shards(data.shards, data.s3_endpoint)
+    fs, resolved = storage.ray_filesystem(paths, data.s3_endpoint)
+    shuffle: Any = (
+        "files"
+        if data.shuffle_seed is None
+        else FileShuffleConfig(seed=data.shuffle_seed, reseed_after_execution=True)
+    )
+    source = make_shard_datasource(
+        resolved,
+        filesystem=fs,
+        shuffle=shuffle,
+        s3=storage.is_s3(paths[0]),
+        s3_endpoint=data.s3_endpoint,
+        counters=counters,
+        max_bad_shards=data.max_bad_shards,
+    )
+    ds = ray.data.read_datasource(source, num_cpus=data.read_cpus)
+    if data.shuffle_window > 1:
+        ds = ds.map_batches(
+            window_shuffle,
+            fn_kwargs={"seed": data.shuffle_seed},
+            batch_size=data.shuffle_window,
+            batch_format="pyarrow",
+            num_cpus=data.read_cpus,
+        )
+    return ds.map_batches(
+        decode_augment_batch,
+        fn_kwargs={
+            "image_size": image_size,
+            "context_length": context_length,
+            "tokenizer": tokenizer_state(tokenizer),
+            "data": data,
+            "counters": counters,
+            "seed": data.augment_seed,
+        },
+        batch_size=data.decode_batch_size,
+        batch_format="numpy",
+        compute=TaskPoolStrategy(size=max(1, data.decode_tasks)),
+        num_cpus=data.decode_cpus,
+    )

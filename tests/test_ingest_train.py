@@ -1,0 +1,223 @@
+"""Training ingest: augmentation, the decode/augment/tokenize stage, masked variants, shards on Ray."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import numpy as np
+import pytest
+
+from pipeline import augment as A
+from pipeline.ingest_train import DecodeAugment, MaskedVariants, TrainCollate, window_shuffle
+from pipeline.masking import round_half_up
+from tests.fixtures_train import demo_samples, write_demo_shards
+from training.config import DataConfig
+from training.tokenizer import train_tokenizer
+
+SAMPLES = demo_samples(64, size=48)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer([s["txt"] for s in SAMPLES], vocab_size=300)
+
+
+def raw_batch(samples):
+    return {
+        "key": np.array([s["__key__"] for s in samples], dtype=object),
+        "jpg": np.array([s["jpg"] for s in samples], dtype=object),
+        "txt": np.array([s["txt"] for s in samples], dtype=object),
+    }
+
+
+# --- augmentation -------------------------------------------------------------------------------------
+
+
+def test_random_resized_crop_box_respects_area_and_bounds() -> None:
+    rng = np.random.default_rng(0)
+    for h, w in [(100, 100), (60, 200), (300, 40)]:
+        for _ in range(50):
+            x0, y0, x1, y1 = A.random_resized_crop_box(h, w, (0.8, 1.0), (3 / 4, 4 / 3), rng)
+            assert 0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h
+    boxes = [A.random_resized_crop_box(200, 200, (0.8, 1.0), (0.75, 4 / 3), rng) for _ in range(200)]
+    fractions = np.array([(b[2] - b[0]) * (b[3] - b[1]) / 200**2 for b in boxes])
+    assert fractions.min() >= 0.78 and fractions.max() <= 1.0
+
+
+def test_hsv_round_trip_and_jitter_identities() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.random((4, 8, 8, 3)).astype(np.float32)
+    np.testing.assert_allclose(A.hsv_to_rgb(A.rgb_to_hsv(x)), x, atol=1e-5)
+    np.testing.assert_array_equal(A.color_jitter(x, (0.32, 0.32, 0.32, 0.08), 0.0, rng), x)
+    np.testing.assert_allclose(A.color_jitter(x, (0.0, 0.0, 0.0, 0.0), 1.0, rng), x, atol=1e-6)
+    jittered = A.color_jitter(x, (0.32, 0.32, 0.32, 0.08), 1.0, rng)
+    assert jittered.shape == x.shape and jittered.min() >= 0 and jittered.max() <= 1
+    assert not np.allclose(jittered, x)
+    gray = A.random_grayscale(x, 1.0, rng)
+    np.testing.assert_allclose(gray[..., 0], gray[..., 2])
+    np.testing.assert_allclose(
+        gray[..., 0], x[..., 0] * 0.299 + x[..., 1] * 0.587 + x[..., 2] * 0.114, atol=1e-6
+    )
+
+
+# --- decode / augment / tokenize ----------------------------------------------------------------------
+
+
+def test_decode_augment_drops_and_counts_bad_images(tokenizer) -> None:
+    batch = raw_batch(SAMPLES[:8])
+    batch["jpg"][3] = b"not an image"
+    batch["jpg"][5] = SAMPLES[5]["jpg"][:40]  # truncated JPEG
+    stage = DecodeAugment(32, 16, tokenizer, DataConfig(), seed=0)
+    out = stage(batch)
+    assert stage.bad_images == 2
+    assert out["image"].shape == (6, 3, 32, 32) and out["image"].dtype == np.float32
+    assert out["tokens"].shape == (6, 16) and out["tokens"].dtype == np.int64
+    assert list(out["key"]) == [k for i, k in enumerate(batch["key"]) if i not in (3, 5)]
+    # Normalised with CLIP's mean/std: values centred near 0, not in [0, 1].
+    assert out["image"].min() < -0.5 and abs(float(out["image"].mean())) < 1.5
+
+
+def test_decode_without_augmentation_is_deterministic_centre_crop(tokenizer) -> None:
+    batch = raw_batch(SAMPLES[:4])
+    cfg = DataConfig(augment=False)
+    a = DecodeAugment(32, 16, tokenizer, cfg, seed=1)(batch)
+    b = DecodeAugment(32, 16, tokenizer, cfg, seed=2)(batch)
+    np.testing.assert_array_equal(a["image"], b["image"])
+    np.testing.assert_array_equal(a["tokens"][0], tokenizer.encode_batch([SAMPLES[0]["txt"]], 16)[0])
+
+
+def test_window_shuffle_is_a_seeded_permutation() -> None:
+    import pyarrow as pa
+
+    table = pa.table({"key": [f"{i:032x}" for i in range(50)], "v": list(range(50))})
+    a, b = window_shuffle(table, seed=3), window_shuffle(table, seed=3)
+    assert a.column("v").to_pylist() == b.column("v").to_pylist()
+    assert sorted(a.column("v").to_pylist()) == list(range(50)) and a.column("v").to_pylist() != list(
+        range(50)
+    )
+
+
+# --- masked variants ----------------------------------------------------------------------------------
+
+
+def masked_batch(tokenizer, n=64, start=0):
+    samples = demo_samples(n, size=16, seed=7, start=start)
+    return {
+        "key": np.array([s["__key__"] for s in samples], dtype=object),
+        "image": np.zeros((n, 3, 16, 16), np.float32),
+        "tokens": tokenizer.encode_batch([s["txt"] + " with extra words here" for s in samples], 16),
+    }
+
+
+def masker(tokenizer, **kw):
+    return MaskedVariants(64, tokenizer.pad_id, tokenizer.end_id, tokenizer.mask_id, **kw)
+
+
+def test_masking_selection_and_mask_fractions(tokenizer) -> None:
+    batch = masked_batch(tokenizer)
+    out = masker(tokenizer)(batch, epoch=0)
+    sel = out["selected"]
+    assert sel.dtype == bool and sel.sum() == 8  # 12.5% of 64
+    tokens, masked = batch["tokens"], out["masked_tokens"]
+    assert out["keep_idx"].shape == (64, 16) and out["keep_idx"].dtype == np.int64  # 25% of 64 patches
+    np.testing.assert_array_equal(masked[~sel], tokens[~sel])
+    for row in np.flatnonzero(sel):
+        content = (tokens[row] != tokenizer.pad_id) & (tokens[row] != tokenizer.end_id)
+        n_masked = int((masked[row] == tokenizer.mask_id).sum())
+        assert n_masked == round_half_up(0.75 * content.sum())
+        np.testing.assert_array_equal(masked[row][~content], tokens[row][~content])  # pad/end untouched
+        keep = out["keep_idx"][row]
+        assert len(set(keep)) == 16 and (np.diff(keep) > 0).all() and keep.max() < 64
+
+
+def test_masking_is_reproducible_and_order_free(tokenizer) -> None:
+    batch = masked_batch(tokenizer)
+    m = masker(tokenizer, seed=5)
+    a, b = m(batch, epoch=2), m(batch, epoch=2)
+    for k in ("selected", "masked_tokens", "keep_idx"):
+        np.testing.assert_array_equal(a[k], b[k])
+    perm = np.random.default_rng(0).permutation(64)
+    c = m({k: v[perm] for k, v in batch.items()}, epoch=2)
+    for k in ("selected", "masked_tokens", "keep_idx"):
+        np.testing.assert_array_equal(c[k], a[k][perm])
+    other = m(batch, epoch=3)
+    assert other["selected"].sum() == 8 and not np.array_equal(other["selected"], a["selected"])
+
+
+def test_train_collate_emits_fixed_shape_tensors(tokenizer) -> None:
+    import torch
+
+    out = TrainCollate(masker(tokenizer), epoch=0)(masked_batch(tokenizer, n=32))
+    assert out["images"].shape == (32, 3, 16, 16) and out["images"].dtype == torch.float32
+    assert out["tokens"].dtype == out["masked_tokens"].dtype == out["keep_idx"].dtype == torch.int64
+    assert out["selected"].dtype == torch.bool and int(out["selected"].sum()) == 4
+    assert torch.equal(out["masked_index"], out["selected"].nonzero().squeeze(1))
+    plain = TrainCollate(None, epoch=0)(masked_batch(tokenizer, n=8))
+    assert set(plain) == {"images", "tokens"}
+
+
+def test_trimmed_padding_encodes_exactly_like_the_full_context(tokenizer) -> None:
+    import torch
+
+    from training.model import ProLIP, model_config
+
+    batch = masked_batch(tokenizer, n=16)
+    batch["tokens"] = tokenizer.encode_batch([f"a {c} square" for c in "ab" * 8], 24)
+    full = TrainCollate(masker(tokenizer), epoch=0)(batch)
+    cut = TrainCollate(masker(tokenizer), epoch=0, pad_id=tokenizer.pad_id)(batch)
+    width = int((batch["tokens"] != tokenizer.pad_id).sum(1).max())
+    assert full["tokens"].shape[1] == 24 and width < 24
+    assert cut["tokens"].shape[1] == cut["masked_tokens"].shape[1] == width
+    assert torch.equal(cut["tokens"], full["tokens"][:, :width])
+    torch.manual_seed(0)
+    model = ProLIP(model_config("tiny", context_length=24, vocab_size=tokenizer.vocab_size)).eval()
+    with torch.no_grad():
+        for a, b in zip(
+            model.encode_text(full["masked_tokens"]), model.encode_text(cut["masked_tokens"]), strict=True
+        ):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# --- shards on Ray ------------------------------------------------------------------------------------
+
+
+def _damage(path: str, out: str, how: str) -> None:
+    data = open(path, "rb").read()
+    with tarfile.open(fileobj=io.BytesIO(data)) as t:
+        offsets = [m.offset for m in t.getmembers()]
+    cut = offsets[len(offsets) // 2 // 3 * 3]  # a member boundary at a sample start
+    if how == "truncate":
+        data = data[:cut]
+    else:
+        data = data[:cut] + b"\xff" * 512 + data[cut + 512 :]
+    open(out, "wb").write(data)
+
+
+@pytest.mark.ray
+def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_path, tokenizer) -> None:
+    import ray
+
+    from pipeline.ingest_train import TooManyBadShards, build_train_dataset, read_counters, start_counters
+
+    good = write_demo_shards(tmp_path / "src", n_shards=3, per_shard=20, size=48)
+    _damage(good[1], good[1], "truncate")  # cut at a member boundary: tarfile reads it as complete
+    _damage(good[2], good[2], "corrupt")
+    cfg = DataConfig(shards=str(tmp_path / "src"), max_bad_shards=2, decode_cpus=0.5, shuffle_window=16,
+                     decode_batch_size=16)  # fmt: skip
+    name = start_counters()
+    ds = build_train_dataset(cfg, tokenizer, 32, 16, name)
+    batches = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
+    rows = sum(len(b["key"]) for b in batches)
+    assert 20 < rows < 60  # the good shard plus the intact part of each damaged one
+    assert batches[0]["image"].shape[1:] == (3, 32, 32)
+    counts = read_counters(name)
+    assert counts["bad_shards"] == 2 and counts["bad_images"] == 0
+    assert sorted(counts["bad_shard_paths"]) == sorted(good[1:])
+
+    strict = build_train_dataset(
+        DataConfig(**{**cfg.__dict__, "max_bad_shards": 0}), tokenizer, 32, 16, start_counters()
+    )
+    with pytest.raises((TooManyBadShards, ray.exceptions.RayTaskError)) as err:
+        strict.materialize()
+    assert "max_bad_shards=0" in str(err.value) and "0000000" in str(err.value)
