@@ -1,0 +1,186 @@
+"""Training step and ingest on CPU, as ratios measured in one run.
+
+1. Step: one optimizer step (forward, loss, backward, AdamW) of the ``tiny`` model at batch B, median over
+   ``--steps`` after warm-up, single process:
+     prolip       probabilistic towers, ProLIP objective, masked variants for 12.5% of the batch
+     clip         deterministic towers (no UNC token / σ head), CLIP InfoNCE — the baseline we train
+     prolip_loss  the probabilistic towers with the CLIP objective (isolates the objective's share)
+   Ratio: prolip ÷ clip (goal ≤ 1.10). Batches come through the ingest's collate step (masked variants,
+   all-padding token columns trimmed as in training; ``--no-trim`` keeps the full 32-token context).
+2. Ingest: samples/s delivered to a consumer by the real pipeline (Ray Data read → window shuffle →
+   decode/augment/tokenize tasks → ``iter_torch_batches`` with the masked-variant collate) on a local
+   Ray with ``--cpus`` CPUs, against the ceiling: ``DecodeAugment`` called in-process on the same raw
+   samples (one core, no Ray). Ratio: delivered ÷ ceiling. Both use ``--ingest-samples`` 64-px demo
+   pictures (tests/fixtures_train.py) so the figures compare like with like.
+Writes bench/results/train_step.json. Usage: python bench/train_step.py [--batch 64] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.ingest_train import DecodeAugment, MaskedVariants, TrainCollate  # noqa: E402
+from tests.fixtures_train import demo_samples, write_demo_shards  # noqa: E402
+from training.config import DataConfig, LossConfig, loss_kwargs  # noqa: E402
+from training.loop import TrainModule, loss_shares  # noqa: E402
+from training.losses import build_loss  # noqa: E402
+from training.model import ProLIP, model_config, param_groups  # noqa: E402
+from training.tokenizer import train_tokenizer  # noqa: E402
+
+
+class StepCase:
+    """One objective/tower combination with its model, optimizer and a fixed batch."""
+
+    def __init__(self, objective: str, probabilistic: bool, batch: int, tokenizer, trim: bool) -> None:
+        torch.manual_seed(0)
+        self.objective = objective
+        self.loss = build_loss(objective, **loss_kwargs(LossConfig(name=objective)))
+        cfg = model_config("tiny", vocab_size=tokenizer.vocab_size, probabilistic=probabilistic)
+        self.module = TrainModule(ProLIP(cfg), self.loss, objective)
+        self.opt = torch.optim.AdamW(param_groups(self.module, 0.2), lr=5e-4, betas=(0.9, 0.98))
+        samples = demo_samples(batch, size=16, seed=3)
+        raw = {
+            "key": np.array([s["__key__"] for s in samples], dtype=object),
+            "image": np.random.default_rng(0).standard_normal((batch, 3, cfg.image_size, cfg.image_size)),
+            "tokens": tokenizer.encode_batch([s["txt"] for s in samples], cfg.context_length),
+        }
+        masker = None
+        if getattr(self.loss, "uses_masked", False):
+            masker = MaskedVariants(cfg.n_patches, tokenizer.pad_id, tokenizer.end_id, tokenizer.mask_id)
+        # The batch the loop gets: masked variants and padding trimmed by the ingest's collate step.
+        b = TrainCollate(masker, 0, tokenizer.pad_id if trim else None)(raw)
+        self.images, self.tokens = b["images"], b["tokens"]
+        self.extra = (b.get("masked_tokens"), b.get("keep_idx"), b.get("masked_index"))
+        self.times: list[float] = []
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        feats = self.module(self.images, self.tokens, *self.extra)
+        terms = loss_shares(self.loss, self.objective, feats, self.extra[2])
+        self.opt.zero_grad(set_to_none=True)
+        terms["total"].backward()
+        self.opt.step()
+        return time.perf_counter() - t0
+
+
+def step_times(batch: int, steps: int, tokenizer, trim: bool = True) -> dict[str, float]:
+    """Median seconds per step; the cases take turns so machine load hits them alike."""
+    cases = {
+        "prolip": StepCase("prolip", True, batch, tokenizer, trim),
+        "clip": StepCase("clip", False, batch, tokenizer, trim),
+        "prolip_towers_clip_loss": StepCase("clip", True, batch, tokenizer, trim),
+    }
+    for _ in range(3):  # warm-up
+        for case in cases.values():
+            case.step()
+    for _ in range(steps):
+        for case in cases.values():
+            case.times.append(case.step())
+    return {k: statistics.median(c.times) for k, c in cases.items()}
+
+
+def ingest(n: int, cpus: int, tokenizer, batch: int) -> dict[str, float]:
+    import ray
+
+    from pipeline.ingest_train import build_train_dataset
+
+    with tempfile.TemporaryDirectory() as d:
+        per_shard = max(1, n // 8)
+        write_demo_shards(d, n_shards=8, per_shard=per_shard, size=256)
+        samples = [s for i in range(8) for s in demo_samples(per_shard, size=256, start=i * per_shard)]
+        data = DataConfig(
+            shards=d, decode_cpus=0.5, decode_tasks=cpus, decode_batch_size=64, shuffle_window=256
+        )
+        cfg = model_config("tiny")
+        # Ceiling: the stage itself, in this process, on the same raw samples.
+        stage = DecodeAugment(cfg.image_size, cfg.context_length, tokenizer, data, seed=0)
+        t0 = time.perf_counter()
+        for i in range(0, len(samples), 64):
+            chunk = samples[i : i + 64]
+            stage({k: np.array([s[m] for s in chunk], dtype=object) for k, m in
+                   (("key", "__key__"), ("jpg", "jpg"), ("txt", "txt"))})  # fmt: skip
+        ceiling = len(samples) / (time.perf_counter() - t0)
+
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        try:
+            ds = build_train_dataset(data, tokenizer, cfg.image_size, cfg.context_length)
+            masker = MaskedVariants(cfg.n_patches, tokenizer.pad_id, tokenizer.end_id, tokenizer.mask_id)
+            delivered = []
+            for epoch in range(2):  # the first pass warms Ray's worker processes
+                count, t_first = 0, None
+                for b in ds.iterator().iter_torch_batches(
+                    batch_size=batch,
+                    drop_last=True,
+                    collate_fn=TrainCollate(masker, epoch),
+                    prefetch_batches=2,
+                ):
+                    if t_first is None:
+                        t_first = time.perf_counter()  # steady state: from the first batch on
+                    else:
+                        count += b["images"].shape[0]
+                delivered.append(count / (time.perf_counter() - t_first))
+        finally:
+            ray.shutdown()
+    return {"ceiling_samples_per_s": ceiling, "delivered_samples_per_s": delivered[-1],
+            "first_epoch_samples_per_s": delivered[0], "ratio": delivered[-1] / ceiling}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--ingest-samples", type=int, default=2048)
+    ap.add_argument("--cpus", type=int, default=2)
+    ap.add_argument("--skip-ingest", action="store_true")
+    ap.add_argument("--no-trim", action="store_true", help="keep full-context token batches")
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    torch.set_flush_denormal(True)  # as the train loop does on CPU (training/loop.py)
+    tokenizer = train_tokenizer([s["txt"] for s in demo_samples(500, size=16)], vocab_size=512)
+
+    steps = step_times(args.batch, args.steps, tokenizer, trim=not args.no_trim)
+    result = {
+        "device": "cpu",
+        "cpu": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        "batch": args.batch,
+        "trim_text_padding": not args.no_trim,
+        "step_s": steps,
+        "prolip_over_clip": steps["prolip"] / steps["clip"],
+        "goal_prolip_over_clip": 1.10,
+    }
+    print(f"{'case':<26}{'ms/step':>10}")
+    for k, v in steps.items():
+        print(f"{k:<26}{1000 * v:>10.1f}")
+    print(f"ProLIP ÷ CLIP step time: {result['prolip_over_clip']:.3f} (goal ≤ 1.10)")
+    if not args.skip_ingest:
+        result["ingest"] = ingest(args.ingest_samples, args.cpus, tokenizer, args.batch)
+        ing = result["ingest"]
+        print(
+            f"ingest: ceiling {ing['ceiling_samples_per_s']:.0f}/s (1 core, in-process), delivered "
+            f"{ing['delivered_samples_per_s']:.0f}/s on {args.cpus} CPUs → ratio {ing['ratio']:.2f}"
+        )
+    out = ROOT / "bench" / "results" / "train_step.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""``python -m jobs.train --preset NAME [--shards P] [--tokenizer P] [--config F] [--set k=v ...]``.
+
+Presets: demo, datacomp-small, prolip-b16 (training/config.py).
+
+Trains (or resumes: same ``run.storage_path`` + ``run.name``) a ProLIP / CLIP / SigLIP / PCME++ model on
+webdataset shards with Ray Train. Without ``--tokenizer`` a BPE is trained on the shards' captions and
+saved in the run directory and in every checkpoint. Writes ``manifest.json`` into the run directory.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jobs.common import config_parser, init_ray, print_table, resolve_config
+from pipeline.config import ConfigError, merge
+from pipeline.manifest import write_manifest
+from training.config import TRAIN_PRESETS, to_plain, validate
+from training.trainer import train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = config_parser(__doc__.splitlines()[0], TRAIN_PRESETS)
+    parser.add_argument("--shards", default=None, help="shard directory, glob or list (sets data.shards)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or tokenizer.json")
+    args = parser.parse_args(argv)
+    cfg = resolve_config(args, TRAIN_PRESETS)
+    updates = {k: v for k, v in (("tokenizer", args.tokenizer),) if v}
+    if args.shards:
+        updates["data"] = {"shards": args.shards}
+    try:
+        cfg = validate(merge(cfg, updates))
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    init_ray()
+    out = train(cfg)
+    final = out.metrics[-1] if out.metrics else {}
+    write_manifest(
+        out.run_dir,
+        job="train",
+        config=to_plain(cfg),
+        counts={"steps": out.return_value.get("final_step"), "ingest": out.ingest},
+        timings={"train": out.wall_s},
+        s3_endpoint=cfg.run.s3_endpoint,
+        extra={"checkpoint": out.checkpoint_path, "final_metrics": final},
+    )
+    rows = [(k, f"{v:.4g}" if isinstance(v, float) else v) for k, v in final.items()]
+    print_table(
+        f"{cfg.loss.name} · {cfg.model} · checkpoint {out.checkpoint_path}", rows, ("metric", "value")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Typed training configuration and its presets (``demo``, ``datacomp-small``, ``prolip-b16``).
+
+Resolved like every job's config (``pipeline.config.resolve``: preset → YAML file → ``--set a.b=v``), so
+an unknown key or a wrong type stops ``python -m jobs.train`` at start naming the key.
+
+Sources of the defaults:
+
+- ``datacomp-small``: DataComp's small-track recipe (Gadre et al. 2023, Table 2 / App. N): ViT-B/32,
+  12.8M samples seen, global batch 4096, lr 5e-4, 500 warmup steps, AdamW β2 0.98, ε 1e-6, wd 0.2,
+  cosine schedule. Objective ``prolip`` by default; ``--set loss.name=clip`` gives DataComp's CLIP.
+- ``prolip-b16``: ProLIP App. B.1 (MATH.md "Training"): ViT-B/16, 1.28B seen, batch 16,384 (512 × 32
+  GPUs), lr 5e-4, β (0.9, 0.95), wd 0.2, 10k warmup then cosine, bf16, α₁ 1e-7, α₂ 1e-3, β_VIB 1e-4,
+  augmentation RandomResizedCrop (0.8, 1.0), colour jitter (0.32, 0.32, 0.32, 0.08) p 0.8, grayscale p 0.2.
+- ``demo``: the tiny model on two CPU workers; lr 5e-4 with normalised pixels and no weight decay on the
+  logit scale/bias (ENVIRONMENT.md: 1e-3 collapsed, 5e-4 trained, un-normalised pixels plateaued).
+- Pixel mean/std: OpenAI CLIP's, as open_clip uses for every CLIP/SigLIP-style model trained from scratch.
+
+Elastic training: ``scaling.min_workers > 0`` turns ``num_workers`` into the range
+``(min_workers, num_workers)`` given to Ray Train. The *global* batch stays ``global_batch_size``: each
+worker takes ``global_batch_size // world_size`` samples per step, so every world size in the range must
+divide the global batch (checked at start). Steps, the LR schedule and the checkpoint cadence count
+optimizer steps, so a resize (which Ray Train handles as a restart from the latest checkpoint) changes
+neither the schedule nor the samples seen per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from pipeline.config import ConfigError
+
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+LOSSES = ("prolip", "clip", "siglip", "pcmepp")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training ingest (pipeline/ingest_train.py)."""
+
+    shards: str = ""  # directory, glob or comma-separated .tar paths; local or s3://
+    s3_endpoint: str = ""
+    augment: bool = True
+    crop_scale: tuple[float, float] = (0.8, 1.0)  # RandomResizedCrop area range (ProLIP B.1)
+    crop_ratio: tuple[float, float] = (0.75, 4.0 / 3.0)  # aspect range (torchvision's default)
+    color_jitter: tuple[float, float, float, float] = (0.32, 0.32, 0.32, 0.08)  # b, c, s, hue
+    color_jitter_p: float = 0.8
+    grayscale_p: float = 0.2
+    mean: tuple[float, float, float] = OPENAI_MEAN
+    std: tuple[float, float, float] = OPENAI_STD
+    shuffle_window: int = 1024  # rows per windowed shuffle of raw samples (before decode); 0 = off
+    shuffle_seed: int | None = None  # None: fresh entropy every epoch; set for reproducible order
+    local_shuffle_buffer: int = 0  # extra per-worker buffer (decoded rows) in iter_torch_batches; 0 = off
+    augment_seed: int | None = None  # None: fresh entropy per decode actor
+    read_cpus: float = 0.25  # CPUs reserved per shard-read task (I/O bound)
+    decode_batch_size: int = 64
+    decode_tasks: int = 2  # max concurrent decode/augment tasks
+    decode_cpus: float = 1.0  # CPUs reserved per decode task
+    prefetch_batches: int = 2
+    trim_text_padding: bool = True  # cut all-padding token columns per batch (exact; off for static shapes)
+    max_bad_shards: int = 10  # distinct corrupt/truncated shards tolerated before the job stops
+    mask_fraction: float = 0.125  # samples per batch with a masked variant (ProLIP §4.1)
+    text_mask_ratio: float = 0.75  # text tokens replaced by [MASK] (§4.1)
+    patch_keep_ratio: float = 0.25  # image patches kept (75% dropped, §4.1)
+    mask_seed: int = 0
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Objective and its weights (training/losses.py, training/pcmepp.py)."""
+
+    name: str = "prolip"
+    alpha1: float = 1e-7  # ProLIP L_inc(v ⊂ t) weight (B.1)
+    alpha2: float = 1e-3  # masked inclusion weight (B.1)
+    beta: float = 1e-4  # VIB weight (official runs)
+    c: float = 1000.0  # inclusion-loss scale, with log ε = −20 (paper's runs)
+    log_eps: float = -20.0
+    pcme_alpha: float = 0.1  # PCME++ pseudo-positive weight
+    pcme_beta: float = 1e-4  # PCME++ VIB weight
+    mix_fraction: float = 0.25  # PCME++ Mixup/CutMix share of a local batch
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-6
+    weight_decay: float = 0.2
+    warmup_steps: int = 500
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    grad_clip: float = 0.0  # max global grad norm; 0 = off
+
+
+@dataclass(frozen=True)
+class ScalingSettings:
+    num_workers: int = 2  # fixed size, or the maximum when min_workers > 0
+    min_workers: int = 0  # > 0: elastic (min_workers, num_workers)
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 1.0  # only with use_gpu
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    storage_path: str = "runs/train"  # local directory or s3://bucket/prefix
+    name: str = "demo"  # same storage_path + name = resume from the latest checkpoint
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333; else AWS_ENDPOINT_URL(_S3)
+    max_failures: int = 0  # automatic worker-group restarts from the last checkpoint
+    checkpoint_every: int = 100  # optimizer steps
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    tensorboard: bool = True
+    fail_at_step: int = 0  # test hook: rank `fail_rank` raises at this step on a run not resumed
+    fail_rank: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "tiny"  # training.model.MODEL_CONFIGS name
+    grad_checkpointing: bool = False
+    tokenizer: str = ""  # a tokenizer directory or tokenizer.json; empty = train BPE on the captions
+    tokenizer_vocab: int = 4096
+    global_batch_size: int = 128
+    samples_seen: int = 60_000  # total training samples; steps = samples_seen // global_batch_size
+    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    seed: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scaling: ScalingSettings = field(default_factory=ScalingSettings)
+    run: RunSettings = field(default_factory=RunSettings)
+
+    @property
+    def total_steps(self) -> int:
+        return self.samples_seen // self.global_batch_size
+
+    def world_sizes(self) -> list[int]:
+        lo = self.scaling.min_workers or self.scaling.num_workers
+        return list(range(lo, self.scaling.num_workers + 1))
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Checks that need more than one field; raises ``ConfigError`` naming the key."""
+    from training.model import MODEL_CONFIGS
+
+    if cfg.model not in MODEL_CONFIGS:
+        raise ConfigError(f"model: unknown {cfg.model!r} (known: {', '.join(MODEL_CONFIGS)})")
+    if cfg.loss.name not in LOSSES:
+        raise ConfigError(f"loss.name: unknown {cfg.loss.name!r} (known: {', '.join(LOSSES)})")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError(f"precision: {cfg.precision!r} not in {PRECISIONS}")
+    if cfg.total_steps < 1:
+        raise ConfigError(
+            f"samples_seen={cfg.samples_seen} is less than one global batch ({cfg.global_batch_size})"
+        )
+    s = cfg.scaling
+    if s.num_workers < 1 or s.min_workers < 0 or s.min_workers > s.num_workers:
+        raise ConfigError(f"scaling: need 0 <= min_workers <= num_workers >= 1, got {s}")
+    bad = [w for w in cfg.world_sizes() if cfg.global_batch_size % w]
+    if bad:
+        raise ConfigError(
+            f"global_batch_size={cfg.global_batch_size} is not divisible by world size(s) {bad} "
+            f"(scaling.num_workers={s.num_workers}, scaling.min_workers={s.min_workers})"
+        )
+    if cfg.run.checkpoint_every < 1 or cfg.run.log_every < 1:
+        raise ConfigError("run.checkpoint_every and run.log_every must be >= 1")
+    for name in ("mask_fraction", "text_mask_ratio", "patch_keep_ratio", "color_jitter_p", "grayscale_p"):
+        value = getattr(cfg.data, name)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"data.{name} must be in [0, 1], got {value}")
+    if not 0.0 < cfg.data.crop_scale[0] <= cfg.data.crop_scale[1] <= 1.0:
+        raise ConfigError(f"data.crop_scale must satisfy 0 < lo <= hi <= 1, got {cfg.data.crop_scale}")
+    return cfg
+
+
+_DEMO = TrainConfig(
+    model="tiny",
+    global_batch_size=128,
+    samples_seen=60_000,
+    # Logical CPUs on a 2-core laptop: two 0.5-CPU workers leave room for the ingest tasks.
+    data=DataConfig(shards="runs/demo/shards", decode_batch_size=64, shuffle_window=512, decode_cpus=0.5),
+    optim=OptimConfig(lr=5e-4, betas=(0.9, 0.98), warmup_steps=50, weight_decay=0.2),
+    scaling=ScalingSettings(num_workers=2, cpus_per_worker=0.5),
+    run=RunSettings(storage_path="runs/demo/train", name="demo", checkpoint_every=100, log_every=10),
+)
+
+TRAIN_PRESETS: dict[str, TrainConfig] = {
+    "demo": _DEMO,
+    "datacomp-small": TrainConfig(
+        model="ViT-B-32",
+        global_batch_size=4096,
+        samples_seen=12_800_000,
+        data=DataConfig(
+            shards="s3://my-bucket/datacomp-small/shards",
+            decode_tasks=32,
+            decode_batch_size=128,
+            shuffle_window=4096,
+        ),
+        optim=OptimConfig(lr=5e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.2, warmup_steps=500),
+        scaling=ScalingSettings(num_workers=8, use_gpu=True, cpus_per_worker=4),
+        run=RunSettings(
+            storage_path="s3://my-bucket/datacomp-small/train", name="datacomp-small", checkpoint_every=500
+        ),
+    ),
+    "prolip-b16": TrainConfig(
+        model="ViT-B-16-ProLIP",
+        grad_checkpointing=False,
+        global_batch_size=16_384,
+        samples_seen=1_280_000_000,
+        precision="bf16",
+        data=DataConfig(
+            shards="s3://my-bucket/datacomp-1b/shards",
+            decode_tasks=256,
+            decode_batch_size=256,
+            shuffle_window=8192,
+        ),
+        loss=LossConfig(name="prolip", alpha1=1e-7, alpha2=1e-3, beta=1e-4),
+        optim=OptimConfig(lr=5e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.2, warmup_steps=10_000),
+        scaling=ScalingSettings(num_workers=32, use_gpu=True, cpus_per_worker=8),
+        run=RunSettings(
+            storage_path="s3://my-bucket/prolip-b16/train",
+            name="prolip-b16",
+            checkpoint_every=2000,
+            max_failures=3,
+            log_every=50,
+        ),
+    ),
+}
+
+
+def loss_kwargs(cfg: LossConfig) -> dict[str, float]:
+    """Constructor arguments of ``training.losses.build_loss(cfg.name, ...)``."""
+    if cfg.name == "prolip":
+        return dict(alpha1=cfg.alpha1, alpha2=cfg.alpha2, beta=cfg.beta, c=cfg.c, log_eps=cfg.log_eps)
+    if cfg.name == "pcmepp":
+        return dict(alpha=cfg.pcme_alpha, beta=cfg.pcme_beta)
+    return {}
+
+
+def to_plain(cfg: TrainConfig) -> dict:
+    """A JSON-able dict (tuples as lists) that ``from_plain`` turns back into the same config."""
+    return dataclasses.asdict(cfg)
+
+
+def from_plain(data: dict) -> TrainConfig:
+    from pipeline.config import from_dict
+
+    return from_dict(TrainConfig, data)

@@ -1,0 +1,192 @@
+"""Builds and runs the Ray Train ``TorchTrainer`` for a ``TrainConfig``: ``train(cfg) -> TrainResult``.
+
+- Scaling: ``ScalingConfig(num_workers, use_gpu, resources_per_worker)``; with ``scaling.min_workers > 0``
+  the range ``(min_workers, num_workers)`` (Ray Train elastic). The global batch is constant: each worker
+  takes ``global_batch_size // world_size`` per step (training/config.py checks divisibility for every
+  size in the range), and the loop reads the world size at each (re)start.
+- Storage: ``RunConfig(storage_path, name)``, local or ``s3://`` (a ``pyarrow.fs.S3FileSystem`` built with
+  the endpoint and, when set in the environment, explicit credentials, so the controller and the
+  workers — other processes, possibly other machines — can write checkpoints). Re-running with the same
+  ``storage_path`` and ``name`` resumes from the latest checkpoint (Ray Train V2 has no
+  ``resume_from_checkpoint``). ``FailureConfig(max_failures)`` restarts the worker group from it
+  automatically; ``CheckpointConfig(num_to_keep)`` prunes old ones.
+- Tokenizer: a given one (``cfg.tokenizer``), else the one saved in the run directory by an earlier
+  attempt (so a resumed run tokenizes identically), else a BPE trained on the shards' captions and saved
+  there (``<storage_path>/<name>/tokenizer/``); every checkpoint carries it too.
+- TensorBoard event files go to ``<storage_path>/<name>/tensorboard`` for local storage (rank 0 writes
+  them); for ``s3://`` storage to ``run.tensorboard`` off-cluster is not attempted — the same metrics are
+  in every checkpoint's ``metrics.json`` and in ``Result.return_value``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import time
+from itertools import islice
+from typing import Any
+
+from pipeline import storage
+from pipeline.ingest_train import (
+    build_train_dataset,
+    list_shards,
+    read_counters,
+    start_counters,
+    tokenizer_state,
+)
+from training.config import TrainConfig, to_plain, validate
+from training.loop import train_loop_per_worker
+from training.tokenizer import SPECIAL_IDS_FILE, TOKENIZER_FILE, TextTokenizer, train_tokenizer
+
+TOKENIZER_CAPTIONS = 200_000  # captions read to train a BPE when none is given
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a finished run left: Ray's ``Result``, the loop's return value, the last checkpoint."""
+
+    result: Any  # ray.train.Result
+    return_value: dict[str, Any]
+    checkpoint_path: str | None  # local path or s3://…
+    run_dir: str
+    tokenizer: TextTokenizer
+    ingest: dict[str, Any]
+    wall_s: float
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        return list(self.return_value.get("metrics", []))
+
+
+def run_dir(cfg: TrainConfig) -> str:
+    return storage.join(cfg.run.storage_path, cfg.run.name)
+
+
+def storage_target(cfg: TrainConfig) -> tuple[str, Any]:
+    """(storage_path for RunConfig, filesystem or None). S3 paths lose their scheme, as Ray expects."""
+    path = cfg.run.storage_path
+    if not storage.is_s3(path):
+        return os.path.abspath(path), None
+    import pyarrow.fs as pafs
+
+    endpoint = (
+        cfg.run.s3_endpoint
+        or os.environ.get("AWS_ENDPOINT_URL_S3", "")
+        or os.environ.get("AWS_ENDPOINT_URL", "")
+    )
+    kwargs: dict[str, Any] = {}
+    if endpoint:
+        scheme, _, host = endpoint.partition("://") if "://" in endpoint else ("https", "", endpoint)
+        kwargs.update(endpoint_override=host.rstrip("/"), scheme=scheme)
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        # Explicit keys travel with the pickled filesystem to the controller and workers.
+        kwargs.update(
+            access_key=os.environ["AWS_ACCESS_KEY_ID"],
+            secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+            session_token=os.environ.get("AWS_SESSION_TOKEN") or None,
+        )
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        kwargs["region"] = region
+    return path[len(storage.S3_PREFIX) :].rstrip("/"), pafs.S3FileSystem(**kwargs)
+
+
+def prepare_tokenizer(cfg: TrainConfig) -> TextTokenizer:
+    """The run's tokenizer (see module docstring for the order of preference)."""
+    if cfg.tokenizer:
+        path = cfg.tokenizer
+        if os.path.isdir(path) and os.path.isfile(os.path.join(path, SPECIAL_IDS_FILE)):
+            return TextTokenizer.load(path)
+        return TextTokenizer.from_file(path)
+    saved = storage.join(run_dir(cfg), "tokenizer")
+    endpoint = cfg.run.s3_endpoint
+    if storage.exists(storage.join(saved, SPECIAL_IDS_FILE), endpoint):
+        with tempfile.TemporaryDirectory() as d:
+            for name in (TOKENIZER_FILE, SPECIAL_IDS_FILE):
+                with open(os.path.join(d, name), "wb") as f:
+                    f.write(storage.read_bytes(storage.join(saved, name), endpoint))
+            return TextTokenizer.load(d)
+    tokenizer = train_tokenizer(_captions(cfg), vocab_size=cfg.tokenizer_vocab)
+    with tempfile.TemporaryDirectory() as d:
+        tokenizer.save(d)
+        for name in (TOKENIZER_FILE, SPECIAL_IDS_FILE):
+            with open(os.path.join(d, name), "rb") as f:
+                storage.write_bytes(f.read(), storage.join(saved, name), endpoint)
+    return tokenizer
+
+
+def _captions(cfg: TrainConfig):
+    from pipeline.shards import ShardError, iter_shard
+
+    def gen():
+        for path in list_shards(cfg.data.shards, cfg.data.s3_endpoint):
+            try:
+                for sample in iter_shard(path, cfg.data.s3_endpoint, extensions={"txt"}):
+                    yield sample.get("txt", "")
+            except ShardError:
+                continue  # the ingest counts damaged shards; a tokenizer needs only their intact part
+
+    return islice(gen(), TOKENIZER_CAPTIONS)
+
+
+def build_trainer(cfg: TrainConfig, tokenizer: TextTokenizer, dataset: Any, counters: str | None) -> Any:
+    """The ``TorchTrainer`` (not yet fitted)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    s = cfg.scaling
+    resources = {"CPU": s.cpus_per_worker}
+    if s.use_gpu:
+        resources["GPU"] = s.gpus_per_worker
+    num_workers: int | tuple[int, int] = (s.min_workers, s.num_workers) if s.min_workers else s.num_workers
+    storage_path, filesystem = storage_target(cfg)
+    tensorboard = None
+    if cfg.run.tensorboard and filesystem is None:
+        tensorboard = os.path.join(storage_path, cfg.run.name, "tensorboard")
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={
+            "train": to_plain(cfg),
+            "tokenizer": tokenizer_state(tokenizer),
+            "counters": counters,
+            "tensorboard_dir": tensorboard,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources
+        ),
+        run_config=RunConfig(
+            name=cfg.run.name,
+            storage_path=storage_path,
+            storage_filesystem=filesystem,
+            failure_config=FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+        ),
+        datasets={"train": dataset},
+    )
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Run (or resume) training to ``cfg.total_steps``; needs Ray initialised (jobs.common.init_ray)."""
+    from training.model import model_config
+
+    validate(cfg)
+    t0 = time.perf_counter()
+    tokenizer = prepare_tokenizer(cfg)
+    mcfg = model_config(cfg.model)
+    counters = start_counters()
+    dataset = build_train_dataset(cfg.data, tokenizer, mcfg.image_size, mcfg.context_length, counters)
+    result = build_trainer(cfg, tokenizer, dataset, counters).fit()
+    ckpt = result.checkpoint
+    ckpt_path = None
+    if ckpt is not None:
+        ckpt_path = ckpt.path if not storage.is_s3(cfg.run.storage_path) else storage.S3_PREFIX + ckpt.path
+    return TrainResult(
+        result=result,
+        return_value=dict(result.return_value or {}),
+        checkpoint_path=ckpt_path,
+        run_dir=run_dir(cfg),
+        tokenizer=tokenizer,
+        ingest=read_counters(counters),
+        wall_s=time.perf_counter() - t0,
+    )
