@@ -1,0 +1,64 @@
+"""``python -m jobs.filter --preset NAME --checkpoint C --shards S --out O [--config F] [--set k=v ...]``.
+
+Presets: demo, datacomp-small (``pipeline/filter_job.py``). Scores every pool pair with a trained
+checkpoint (CSD, cosine, per-tower uncertainty; Ray batch inference), runs the score filters, writes one
+DataComp subset ``.npy`` per filter (and, with ``reshard``, its shards) and ``manifest.json`` into the
+run directory. A missing or corrupt checkpoint, or a bad config, stops the job at start (exit code 2).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jobs.common import config_parser, init_ray, print_table, resolve_config
+from pipeline.config import ConfigError, merge, to_dict
+from pipeline.filter_job import FILTER_PRESETS, check_checkpoint, run_filter_job, validate
+from pipeline.manifest import write_manifest
+from training.model import CheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = config_parser(__doc__.splitlines()[0], FILTER_PRESETS)
+    parser.add_argument("--checkpoint", default=None, help="checkpoint directory (sets checkpoint)")
+    parser.add_argument("--shards", default=None, help="pool shards: directory, glob or list (sets shards)")
+    parser.add_argument("--out", default=None, help="run directory, local or s3:// (sets out)")
+    args = parser.parse_args(argv)
+    cfg = resolve_config(args, FILTER_PRESETS)
+    updates = {k: v for k, v in vars(args).items() if k in ("checkpoint", "shards", "out") and v}
+    try:
+        cfg = merge(cfg, updates)
+        check_checkpoint(cfg, validate(cfg))
+    except (ConfigError, CheckpointError) as exc:
+        print(f"filter: {exc}", file=sys.stderr)
+        return 2
+    init_ray()
+    res = run_filter_job(cfg)
+    write_manifest(
+        cfg.out,
+        job="filter",
+        config=to_dict(cfg),
+        counts={
+            "scored": res.n_scored,
+            "image_failed": res.n_failed,
+            **{f"subset.{k}": v.size for k, v in res.subsets.items()},
+        },
+        timings=res.timings,
+        s3_endpoint=cfg.s3_endpoint,
+        extra={
+            "checkpoint": cfg.checkpoint,
+            "scores": res.scores_path,
+            "subsets": {k: v.path for k, v in res.subsets.items()},
+            "pairs_per_s": round(res.score.pairs_per_s, 1) if res.score else None,
+        },
+    )
+    rows = [(k, v.size, f"{v.fraction:.3f}") for k, v in res.subsets.items()]
+    print_table(
+        f"filters · {res.n_scored} pairs scored ({res.n_failed} images failed) · {res.scores_path}",
+        rows,
+        ("filter", "kept", "fraction"),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

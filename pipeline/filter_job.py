@@ -1,0 +1,199 @@
+"""The filter job as a library function: score the pool with a checkpoint, run score filters, write
+DataComp subsets, optionally reshard each one.
+
+Run directory (local or ``s3://``), DESIGN.md §3:
+
+- ``<out>/scores/scores.parquet`` — one row per pool sample (``pipeline.scoring.SCORE_COLUMNS``, by uid);
+- ``<out>/subsets/<label>.npy`` — DataComp's sorted ``u8,u8`` uid array per filter;
+- ``<out>/subsets/<label>/shards/`` — with ``reshard``, the subset materialised by ``pipeline.reshard``;
+- ``<out>/filters.json`` — per filter: spec, size, fraction of the scorable pool, counts per reason.
+
+Filters are spec strings ``name[:k=v,…]`` (``pipeline.score_filters.parse_filter_spec``), e.g.
+``csd_best:fraction=0.2`` (ProLIP App. C.8's 20%), ``clip_score_best:fraction=0.3`` (DataComp's best
+CLIP-score fraction on the small track), ``random_same_size:of=csd_best,seed=0`` (the control, sized
+like the filter labelled ``csd_best``); ``label=`` names the subset when a filter appears twice.
+``reuse_scores`` skips scoring when ``scores.parquet`` already exists (re-running only the filters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline import storage
+from pipeline.config import ConfigError
+from pipeline.reshard import reshard
+from pipeline.score_filters import NEEDS_UNCERTAINTY, FilterSpec, apply, parse_filter_specs
+from pipeline.scoring import ScoreResult, score_shards, verify_checkpoint
+from pipeline.subset import write_subset
+
+
+@dataclass(frozen=True)
+class FilterJobConfig:
+    shards: str = ""  # directory, glob or comma list of pool shards (local or s3://)
+    checkpoint: str = ""  # checkpoint directory (local or s3://)
+    out: str = "runs/demo/filter"  # run directory (local or s3://)
+    s3_endpoint: str = ""
+    num_actors: int = 1  # scoring actors, each holding one model
+    num_gpus: float = 0.0  # per actor; 0 on CPU (a GPU request on a CPU-only cluster waits forever)
+    cpus_per_actor: float = 1.0
+    batch_size: int = 256
+    filters: tuple[str, ...] = (
+        "csd_best:fraction=0.2",
+        "csd_uncertainty_aware:fraction=0.2",
+        "clip_score_best:fraction=0.3",
+        "random_same_size:of=csd_best,seed=0",
+    )
+    reshard: bool = False
+    samples_per_shard: int = 10_000  # DataComp's resharder default
+    reshard_workers: int = 1  # input shards read ahead in parallel while resharding (hides S3 latency)
+    reuse_scores: bool = False
+
+
+FILTER_PRESETS: dict[str, FilterJobConfig] = {
+    "demo": FilterJobConfig(out="runs/demo/filter", reshard=True, samples_per_shard=500, batch_size=128),
+    "datacomp-small": FilterJobConfig(
+        shards="s3://my-bucket/datacomp-small/shards",
+        out="s3://my-bucket/datacomp-small/filter",
+        num_actors=8,
+        num_gpus=1.0,
+        cpus_per_actor=4.0,
+        batch_size=1024,
+        reshard=True,
+        reshard_workers=8,
+    ),
+}
+
+
+@dataclass
+class SubsetResult:
+    label: str
+    spec: str
+    path: str
+    size: int
+    fraction: float  # of the rows whose image decoded
+    counts: dict[str, int]
+    shards: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FilterJobResult:
+    scores_path: str
+    n_scored: int
+    n_failed: int
+    subsets: dict[str, SubsetResult]
+    timings: dict[str, float]
+    score: ScoreResult | None = None  # None when the scores were reused
+
+
+def validate(cfg: FilterJobConfig) -> list[FilterSpec]:
+    """Field checks that need no I/O; raises ConfigError naming the field."""
+    if not cfg.shards:
+        raise ConfigError("shards: give the pool shards (--shards or --set shards=…)")
+    if not cfg.checkpoint:
+        raise ConfigError("checkpoint: give a checkpoint directory (--checkpoint)")
+    if not cfg.out:
+        raise ConfigError("out: give a run directory")
+    for name in ("num_actors", "batch_size", "samples_per_shard", "reshard_workers"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}: must be ≥ 1, got {getattr(cfg, name)}")
+    for name in ("num_gpus", "cpus_per_actor"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"{name}: must be ≥ 0, got {getattr(cfg, name)}")
+    return parse_filter_specs(list(cfg.filters))
+
+
+def check_checkpoint(cfg: FilterJobConfig, specs: list[FilterSpec]) -> bool:
+    """Load the checkpoint once on the driver (raises CheckpointError naming the file) before any
+    actor starts; a filter that needs σ² with a deterministic checkpoint is a ConfigError."""
+    model_cfg = verify_checkpoint(cfg.checkpoint, cfg.s3_endpoint)
+    for i, spec in enumerate(specs):
+        if spec.name in NEEDS_UNCERTAINTY and not model_cfg.probabilistic:
+            raise ConfigError(
+                f"filters[{i}]: {spec.name} needs a probabilistic checkpoint; {cfg.checkpoint} is deterministic"
+            )
+    return bool(model_cfg.probabilistic)
+
+
+def _spec_string(spec: FilterSpec) -> str:
+    params = dict(spec.params, **({"of": spec.of} if spec.of else {}))
+    return spec.name + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else "")
+
+
+def run_filter_job(cfg: FilterJobConfig) -> FilterJobResult:
+    """Score → filter → write subsets (→ reshard); see the module docstring for the outputs."""
+    specs = validate(cfg)
+    check_checkpoint(cfg, specs)
+    ep = cfg.s3_endpoint
+    timings: dict[str, float] = {}
+    scores_path = storage.join(cfg.out, "scores", "scores.parquet")
+    score = None
+    t0 = time.perf_counter()
+    if not (cfg.reuse_scores and storage.exists(scores_path, ep)):
+        score = score_shards(
+            cfg.shards,
+            cfg.checkpoint,
+            scores_path,
+            s3_endpoint=ep,
+            num_actors=cfg.num_actors,
+            num_gpus=cfg.num_gpus,
+            batch_size=cfg.batch_size,
+            cpus_per_actor=cfg.cpus_per_actor,
+        )
+    timings["score"] = time.perf_counter() - t0
+    table = storage.read_parquet(scores_path, ep)
+
+    t0 = time.perf_counter()
+    outcomes: dict[str, Any] = {}
+    # Filters with a size of their own first, then the controls that copy a size (``of=``).
+    for spec in sorted(specs, key=lambda s: bool(s.of)):
+        params = dict(spec.params)
+        if spec.of:
+            params["n_keep"] = len(outcomes[spec.of].uids_kept)
+        outcomes[spec.label] = apply(spec.name, table, **params)
+    timings["filter"] = time.perf_counter() - t0
+
+    ok = table.column("ok").to_numpy(zero_copy_only=False)
+    n_ok = max(int(ok.sum()), 1)
+    subsets: dict[str, SubsetResult] = {}
+    t0 = time.perf_counter()
+    for spec in specs:
+        outcome = outcomes[spec.label]
+        path = storage.join(cfg.out, "subsets", f"{spec.label}.npy")
+        with storage.open_output(path, ep) as fh:
+            write_subset(outcome.uids_kept, fh)
+        subsets[spec.label] = SubsetResult(
+            spec.label,
+            _spec_string(spec),
+            path,
+            len(outcome.uids_kept),
+            len(outcome.uids_kept) / n_ok,
+            outcome.counts_by_reason,
+        )
+    timings["subsets"] = time.perf_counter() - t0
+    if cfg.reshard:
+        t0 = time.perf_counter()
+        for label, sub in subsets.items():
+            res = reshard(
+                cfg.shards.split(","),
+                sub.path,
+                storage.join(cfg.out, "subsets", label, "shards"),
+                samples_per_shard=cfg.samples_per_shard,
+                s3_endpoint=ep,
+                workers=cfg.reshard_workers,
+                overwrite=True,
+                skip_corrupt=True,
+            )
+            sub.shards = list(res.shards)
+        timings["reshard"] = time.perf_counter() - t0
+
+    summary = {
+        "scores": scores_path,
+        "n_scored": table.num_rows,
+        "n_image_failed": int((~ok).sum()),
+        "filters": {k: dataclasses.asdict(v) for k, v in subsets.items()},
+    }
+    storage.write_json(summary, storage.join(cfg.out, "filters.json"), ep)
+    return FilterJobResult(scores_path, table.num_rows, int((~ok).sum()), subsets, timings, score)

@@ -1,0 +1,286 @@
+"""Filters on model scores (the table ``pipeline.scoring`` writes): masks with reasons, and a registry.
+
+Every filter is a pure function over a scores table (``pyarrow.Table`` or a mapping of arrays with the
+columns of ``pipeline.scoring.SCORE_COLUMNS``) returning ``(keep, reason)``: a bool mask and, per row, ""
+when kept or a short reason. Only *scorable* rows compete: ``ok`` (the image decoded) and a finite
+score; the others are dropped as ``image_failed`` / ``score_missing``. n_ok below counts scorable rows.
+
+Rules (exact counts, so subsets of different filters compare at equal size):
+
+- ``csd_best(fraction)``: the round(fraction·n_ok) rows with the smallest CSD (ProLIP App. C.8 /
+  Table C.7 keeps the best 20%); ties broken by uid ascending, so the result does not depend on row order.
+- ``csd_uncertainty_aware(fraction, text_unc_quantile=0.9)``: first drop the round((1 − q)·n_ok) rows with
+  the largest text uncertainty Σ_d σ²_t (the top decile for q = 0.9: the least informative captions,
+  ProLIP §4.3 — short/general captions have large σ²), ties by uid; then keep the round(fraction·n_ok)
+  smallest-CSD rows among the rest — the same size as ``csd_best`` (all the rest when fewer remain).
+  Needs a probabilistic checkpoint (text_unc is NaN for deterministic ones).
+- ``clip_score_best(fraction)``: the round(fraction·n_ok) rows with the largest cosine (DataComp's
+  CLIP-score top-k%, with our model as the scorer), ties by uid. DataComp's own rule — keep every score
+  ≥ the int(N·f)-th largest over all N rows — is ``pipeline.filters.clip_score_fraction``; to run it and
+  the other CLIP-score baselines (``laion2b``) with our scorer, ``with_clip_scores`` puts our cosine into
+  a metadata table's CLIP-score column.
+- ``clip_score_threshold(threshold)``: cosine ≥ threshold (DataComp's rule).
+- ``random_same_size(n_keep, seed)``: n_keep scorable rows uniformly at random (the control for a
+  filter of that size); the draw is a permutation of the uid-sorted rows, so it is independent of order.
+
+Round is half-up. ``apply(name, scores, **params)`` → ``FilterOutcome`` (sorted kept uids and counts per
+reason); ``parse_filter_spec("csd_best:fraction=0.2")`` validates a spec string for the filter job.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline import schema as S
+from pipeline.config import ConfigError
+
+Scores = pa.Table | Mapping[str, Any]
+Mask = tuple[np.ndarray, np.ndarray]
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+
+def _column(scores: Scores, name: str) -> np.ndarray:
+    if isinstance(scores, pa.Table):
+        if name not in scores.column_names:
+            raise KeyError(f"scores table has no column {name!r} (columns: {scores.column_names})")
+        return scores.column(name).to_numpy(zero_copy_only=False)
+    return np.asarray(scores[name])
+
+
+def _pct(fraction: float) -> str:
+    return f"{100 * fraction:g}%"
+
+
+def _round(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def _check_fraction(name: str, value: float, low_open: bool = True) -> None:
+    if not (0.0 < value <= 1.0 if low_open else 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+
+def _scorable(scores: Scores, score: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(uids as str, score values float64, reason with the unscorable rows filled in)."""
+    uids = _column(scores, "uid").astype(str)
+    values = _column(scores, score).astype(np.float64)
+    ok = _column(scores, "ok").astype(bool)
+    reason = np.full(len(uids), "", dtype=object)
+    reason[~ok] = "image_failed"
+    reason[ok & ~np.isfinite(values)] = "score_missing"
+    return uids, values, reason
+
+
+def _order(values: np.ndarray, uids: np.ndarray, rows: np.ndarray, descending: bool) -> np.ndarray:
+    """``rows`` sorted by value (ascending, or descending), ties by uid ascending."""
+    key = -values[rows] if descending else values[rows]
+    return rows[np.lexsort((uids[rows], key))]
+
+
+def _keep_first(order: np.ndarray, n_keep: int, reason: np.ndarray, why: str) -> Mask:
+    keep = np.zeros(len(reason), bool)
+    keep[order[:n_keep]] = True
+    reason[order[n_keep:]] = why
+    return keep, reason
+
+
+# --- filters ------------------------------------------------------------------------------------------
+
+
+def csd_best(scores: Scores, fraction: float = 0.2) -> Mask:
+    """Keep the round(fraction·n_ok) smallest-CSD rows (Eq. 1; App. C.8 keeps 20%)."""
+    _check_fraction("fraction", fraction)
+    uids, csd, reason = _scorable(scores, "csd")
+    rows = np.flatnonzero(reason == "")
+    order = _order(csd, uids, rows, descending=False)
+    return _keep_first(order, _round(fraction * len(rows)), reason, f"csd_not_in_best_{_pct(fraction)}")
+
+
+def csd_uncertainty_aware(scores: Scores, fraction: float = 0.2, text_unc_quantile: float = 0.9) -> Mask:
+    """Drop the round((1−q)·n_ok) most uncertain captions, then keep round(fraction·n_ok) smallest CSD."""
+    _check_fraction("fraction", fraction)
+    if not 0.0 < text_unc_quantile < 1.0:
+        raise ValueError(f"text_unc_quantile must be in (0, 1), got {text_unc_quantile}")
+    uids, csd, reason = _scorable(scores, "csd")
+    text_unc = _column(scores, "text_unc").astype(np.float64)
+    rows = np.flatnonzero(reason == "")
+    if len(rows) and not np.isfinite(text_unc[rows]).all():
+        raise ValueError("csd_uncertainty_aware needs text_unc: score with a probabilistic checkpoint")
+    n_ok = len(rows)
+    n_drop = _round((1.0 - text_unc_quantile) * n_ok)
+    by_unc = _order(text_unc, uids, rows, descending=True)
+    reason[by_unc[:n_drop]] = f"text_uncertainty_top_{_pct(1.0 - text_unc_quantile)}"
+    order = _order(csd, uids, by_unc[n_drop:], descending=False)
+    return _keep_first(order, _round(fraction * n_ok), reason, f"csd_not_in_best_{_pct(fraction)}")
+
+
+def clip_score_best(scores: Scores, fraction: float = 0.3) -> Mask:
+    """Keep the round(fraction·n_ok) rows with the largest cosine (DataComp CLIP score), ties by uid."""
+    _check_fraction("fraction", fraction)
+    uids, cosine, reason = _scorable(scores, "cosine")
+    rows = np.flatnonzero(reason == "")
+    order = _order(cosine, uids, rows, descending=True)
+    return _keep_first(order, _round(fraction * len(rows)), reason, f"clip_score_not_in_top_{_pct(fraction)}")
+
+
+def clip_score_threshold(scores: Scores, threshold: float = 0.3) -> Mask:
+    """Keep rows with cosine ≥ threshold (DataComp's threshold rule)."""
+    _, cosine, reason = _scorable(scores, "cosine")
+    below = (reason == "") & ~(cosine >= threshold)
+    reason[below] = f"clip_score_below_{threshold:g}"
+    return reason == "", reason
+
+
+def random_same_size(scores: Scores, n_keep: int, seed: int = 0) -> Mask:
+    """Keep ``n_keep`` scorable rows drawn uniformly (seeded); the control at a filter's size."""
+    uids, _, reason = _scorable(scores, "ok")
+    rows = np.flatnonzero(reason == "")
+    if not 0 <= n_keep <= len(rows):
+        raise ValueError(f"n_keep must be in [0, {len(rows)}] (scorable rows), got {n_keep}")
+    by_uid = rows[np.argsort(uids[rows], kind="stable")]
+    order = by_uid[np.random.default_rng(seed).permutation(len(by_uid))]
+    return _keep_first(order, n_keep, reason, "random_not_selected")
+
+
+SCORE_FILTERS: dict[str, Callable[..., Mask]] = {
+    "csd_best": csd_best,
+    "csd_uncertainty_aware": csd_uncertainty_aware,
+    "clip_score_best": clip_score_best,
+    "clip_score_threshold": clip_score_threshold,
+    "random_same_size": random_same_size,
+}
+NEEDS_UNCERTAINTY = frozenset({"csd_uncertainty_aware"})
+
+
+@dataclass(frozen=True)
+class FilterOutcome:
+    name: str
+    uids_kept: np.ndarray  # sorted str uids
+    counts_by_reason: dict[str, int]  # "kept" plus one entry per drop reason
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def counts(reason: np.ndarray) -> dict[str, int]:
+    values, n = np.unique(np.asarray(reason, dtype=str), return_counts=True)
+    return {("kept" if v == "" else v): int(c) for v, c in zip(values, n, strict=True)}
+
+
+def apply(name: str, scores: Scores, **params: Any) -> FilterOutcome:
+    """Run filter ``name`` of ``SCORE_FILTERS`` with ``params``."""
+    if name not in SCORE_FILTERS:
+        raise KeyError(f"unknown score filter {name!r} (known: {', '.join(sorted(SCORE_FILTERS))})")
+    keep, reason = SCORE_FILTERS[name](scores, **params)
+    uids = np.sort(_column(scores, "uid").astype(str)[keep])
+    return FilterOutcome(name, uids, counts(reason), dict(params))
+
+
+def with_clip_scores(metadata: pa.Table, scores: Scores, column: str = S.CLIP_B32) -> pa.Table:
+    """``metadata`` with ``column`` replaced by our cosine (null where a uid was not scored or failed),
+    so ``pipeline.filters``' CLIP-score baselines (clip_score, laion2b) run with our scorer."""
+    uids = _column(scores, "uid").astype(str)
+    cosine = np.where(_column(scores, "ok").astype(bool), _column(scores, "cosine"), np.nan)
+    order = np.argsort(uids)
+    meta_uids = metadata.column(S.UID).to_numpy(zero_copy_only=False).astype(str)
+    pos = np.clip(np.searchsorted(uids[order], meta_uids), 0, max(len(uids) - 1, 0))
+    found = (uids[order][pos] == meta_uids) if len(uids) else np.zeros(len(meta_uids), bool)
+    values = np.where(found, cosine[order][pos] if len(uids) else np.nan, np.nan)
+    arr = pa.array(values, pa.float64(), mask=~np.isfinite(values))
+    if column in metadata.column_names:
+        return metadata.set_column(metadata.column_names.index(column), column, arr)
+    return metadata.append_column(column, arr)
+
+
+# --- spec strings (the filter job's config) -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FilterSpec:
+    label: str  # subset name: ``label=`` if given, else the filter name
+    name: str
+    params: dict[str, Any]
+    of: str = ""  # random_same_size: the label whose size it copies
+
+
+def _typed(value: str, kind: Any, key: str) -> Any:
+    try:
+        if kind is int:
+            return int(value)
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}") from None
+
+
+def parse_filter_spec(spec: str, key: str = "filters") -> FilterSpec:
+    """``name[:k=v[,k=v…]]`` → FilterSpec; an unknown filter/param or a bad value raises naming ``key``."""
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip()
+    if name not in SCORE_FILTERS:
+        raise ConfigError(f"{key}: unknown score filter {name!r} (known: {', '.join(sorted(SCORE_FILTERS))})")
+    fn = SCORE_FILTERS[name]
+    hints = typing.get_type_hints(fn)
+    allowed = {p: v.default for p, v in list(inspect.signature(fn).parameters.items())[1:]}
+    if name == "random_same_size":
+        allowed["of"] = ""
+    params: dict[str, Any] = {}
+    label, of = name, ""
+    for item in (p.strip() for p in rest.replace(";", ",").split(",")):
+        if not item:
+            continue
+        k, eq, v = (s.strip() for s in item.partition("="))
+        if not eq:
+            raise ConfigError(f"{key}: expected key=value, got {item!r} in {spec!r}")
+        if k == "label":
+            label = v
+        elif k == "of" and "of" in allowed:
+            of = v
+        elif k not in allowed:
+            known = ", ".join(sorted([*allowed, "label"]))
+            raise ConfigError(f"{key}.{k}: unknown parameter of {name} (known: {known})")
+        else:
+            params[k] = _typed(v, hints.get(k, float), f"{key}.{k}")
+    for k, default in allowed.items():
+        if k != "of" and default is inspect.Parameter.empty and k not in params and not of:
+            raise ConfigError(f"{key}.{k}: {name} needs {k}=… (or of=LABEL)")
+    for k in ("fraction", "text_unc_quantile"):
+        if k in params and not 0.0 < params[k] <= 1.0:
+            raise ConfigError(f"{key}.{k}: must be in (0, 1], got {params[k]}")
+    if not label or not label.replace("_", "").replace("-", "").replace(".", "").isalnum():
+        raise ConfigError(f"{key}.label: {label!r} is not a usable subset name")
+    return FilterSpec(label, name, params, of)
+
+
+def parse_filter_specs(items: Any, key: str = "filters") -> list[FilterSpec]:
+    """Specs from a list (or one comma-separated string: a ``k=v`` item without ``name:`` continues the
+    previous spec, so ``--set filters=csd_best:fraction=0.2,random_same_size:of=csd_best,seed=0`` works)."""
+    if isinstance(items, str):
+        items = items.split(",")
+    merged: list[str] = []
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        if merged and "=" in item and ":" not in item.split("=", 1)[0]:
+            merged[-1] += "," + item
+        else:
+            merged.append(item)
+    if not merged:
+        raise ConfigError(f"{key}: no filters given")
+    specs = [parse_filter_spec(s, f"{key}[{i}]") for i, s in enumerate(merged)]
+    labels = [s.label for s in specs]
+    for i, s in enumerate(specs):
+        if s.label in labels[:i]:
+            raise ConfigError(f"{key}[{i}].label: subset name {s.label!r} used twice; add label=…")
+        if s.of and s.of not in labels:
+            raise ConfigError(f"{key}[{i}].of: no filter labelled {s.of!r} (labels: {', '.join(labels)})")
+        if s.of and specs[labels.index(s.of)].of:
+            raise ConfigError(f"{key}[{i}].of: {s.of!r} takes its size from another filter itself")
+    return specs

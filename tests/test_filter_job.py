@@ -1,0 +1,111 @@
+"""The filter and embed jobs end to end on a local Ray: tiny checkpoint, two demo shards."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from jobs import embed as embed_job
+from jobs import filter as filter_job
+from pipeline import storage
+from pipeline.shards import iter_shard
+from pipeline.subset import read_subset, subset_uids
+from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
+from tests.fixtures_train import write_demo_shards
+
+pytestmark = pytest.mark.ray
+N_SHARDS, PER_SHARD = 2, 64
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("filter_pool")
+    paths = write_demo_shards(directory, N_SHARDS, PER_SHARD)
+    uids = [s["json"]["uid"] for p in paths for s in iter_shard(p)]
+    return str(directory), sorted(uids)
+
+
+def test_filter_job_scores_filters_and_reshards(ray_local, pool, tiny_checkpoint, tmp_path, capsys):
+    shards, uids = pool
+    out = str(tmp_path / "run")
+    rc = filter_job.main(
+        ["--preset", "demo", "--checkpoint", tiny_checkpoint, "--shards", shards, "--out", out]
+        + ["--set", "filters=csd_best:fraction=0.2,clip_score_best:fraction=0.3,random_same_size:of=csd_best"]
+        + ["--set", "samples_per_shard=10"]
+    )
+    assert rc == 0
+    scores = pq.read_table(os.path.join(out, "scores", "scores.parquet"))
+    assert scores.column("uid").to_pylist() == uids  # one row per sample, sorted by uid
+    assert np.asarray(scores.column("ok")).all()
+    n = len(uids)
+    sizes = {
+        "csd_best": round(0.2 * n),
+        "clip_score_best": round(0.3 * n),
+        "random_same_size": round(0.2 * n),
+    }
+    for label, size in sizes.items():
+        kept = subset_uids(os.path.join(out, "subsets", f"{label}.npy"))
+        assert len(kept) == size and set(kept) <= set(uids)
+        resharded = [
+            s["json"]["uid"] for p in storage.list_files(os.path.join(out, "subsets", label, "shards"), ".tar")
+            for s in iter_shard(p)
+        ]  # fmt: skip
+        assert sorted(resharded) == kept
+    csd = dict(zip(scores.column("uid").to_pylist(), scores.column("csd").to_pylist(), strict=True))
+    best = subset_uids(os.path.join(out, "subsets", "csd_best.npy"))
+    assert max(csd[u] for u in best) <= min(csd[u] for u in set(uids) - set(best))
+    report = json.load(open(os.path.join(out, "filters.json")))
+    assert report["filters"]["csd_best"]["counts"] == {"kept": 26, "csd_not_in_best_20%": n - 26}
+    assert "filter" in json.load(open(os.path.join(out, "manifest.json")))["jobs"]
+    assert "csd_best" in capsys.readouterr().out
+    assert len(read_subset(os.path.join(out, "subsets", "random_same_size.npy"))) == 26
+
+
+def test_missing_checkpoint_stops_at_start(pool, tmp_path, capsys):
+    missing = str(tmp_path / "no-such-ckpt")
+    rc = filter_job.main(["--checkpoint", missing, "--shards", pool[0], "--out", str(tmp_path / "o")])
+    assert rc == 2 and missing in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_uncertainty_filter_with_deterministic_checkpoint_is_a_config_error(
+    pool, clip_checkpoint, tmp_path, capsys
+):
+    rc = filter_job.main(["--checkpoint", clip_checkpoint, "--shards", pool[0], "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "filters[1]: csd_uncertainty_aware needs a probabilistic checkpoint" in err
+
+
+def test_embed_job_writes_fixed_size_vectors(ray_local, pool, tiny_checkpoint, tmp_path):
+    out = str(tmp_path / "emb.parquet")
+    assert embed_job.main(["--checkpoint", tiny_checkpoint, "--shards", pool[0], "--out", out]) == 0
+    table = pq.read_table(out)
+    assert sorted(table.column("uid").to_pylist()) == pool[1]
+    cfg = json.load(open(os.path.join(tiny_checkpoint, "model_config.json")))
+    d = cfg["embed_dim"]
+    for name in ("image_mu", "text_mu", "image_logvar", "text_logvar"):
+        vectors = table.column(name).combine_chunks().flatten().to_numpy().reshape(-1, d)
+        assert vectors.shape == (N_SHARDS * PER_SHARD, d) and np.isfinite(vectors).all()
+    assert table.column("text").to_pylist()[0].startswith("a photo of a ")
+
+
+def test_filter_job_on_s3(ray_local, pool, tiny_checkpoint, s3_server):
+    shards_url = s3_server.url("pool")
+    for name in sorted(os.listdir(pool[0])):
+        with open(os.path.join(pool[0], name), "rb") as fh:
+            storage.write_bytes(fh.read(), storage.join(shards_url, name), s3_server.endpoint)
+    out = s3_server.url("filter-run")
+    rc = filter_job.main(
+        ["--checkpoint", tiny_checkpoint, "--shards", shards_url, "--out", out]
+        + ["--set", f"s3_endpoint={s3_server.endpoint}", "--set", "filters=[csd_best:fraction=0.5]"]
+        + ["--set", "reshard=false"]
+    )
+    assert rc == 0
+    scores = storage.read_parquet(storage.join(out, "scores", "scores.parquet"), s3_server.endpoint)
+    assert scores.column("uid").to_pylist() == pool[1]
+    with storage.open_input(storage.join(out, "subsets", "csd_best.npy"), s3_server.endpoint) as fh:
+        assert len(read_subset(fh)) == len(pool[1]) // 2

@@ -1,0 +1,124 @@
+"""PairScorer / PairEmbedder on a hand-built batch, checked against a float64 formula and the loss code."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.scoring import SCORE_COLUMNS, PairEmbedder, PairScorer, embedding_table, pair_scores
+from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
+from tests.fixtures_train import demo_samples
+from training import losses
+
+
+def _batch(n: int = 8, corrupt: int | None = 3, with_json: bool = False) -> dict[str, np.ndarray]:
+    samples = demo_samples(n, seed=1)
+    batch = {
+        "__key__": np.array([f"{i:09d}" if with_json else s["__key__"] for i, s in enumerate(samples)]),
+        "jpg": np.array([s["jpg"] for s in samples], dtype=object),
+        "txt": np.array([s["txt"] for s in samples], dtype=object),
+    }
+    if with_json:
+        batch["json"] = np.array([json.dumps(s["json"]).encode() for s in samples], dtype=object)
+    if corrupt is not None:
+        batch["jpg"][corrupt] = b"\xff\xd8 not a jpeg"
+    return batch
+
+
+@pytest.fixture(scope="module")
+def scorer(tiny_checkpoint):
+    return PairScorer(tiny_checkpoint, batch_size=4)
+
+
+def test_csd_matches_loss_code_on_encoder_outputs(scorer):
+    batch = _batch(corrupt=None)
+    out = scorer(batch)
+    assert list(out) == list(SCORE_COLUMNS)
+    mu_v, lv_v, ok = scorer.encoder.images(list(batch["jpg"]))
+    mu_t, lv_t = scorer.encoder.texts(list(batch["txt"]))
+    assert ok.all() and out["ok"].all()
+    ref = losses.csd(*(torch.from_numpy(a).double() for a in (mu_v, lv_v, mu_t, lv_t))).numpy()
+    np.testing.assert_allclose(out["csd"], ref, atol=1e-5)
+    # float64 numpy reference for every column
+    v, t = mu_v.astype(np.float64), mu_t.astype(np.float64)
+    np.testing.assert_allclose(out["dot"], (v * t).sum(1), atol=1e-6)
+    np.testing.assert_allclose(out["image_unc"], np.exp(lv_v.astype(np.float64)).sum(1), rtol=1e-5)
+    np.testing.assert_allclose(out["text_unc"], np.exp(lv_t.astype(np.float64)).sum(1), rtol=1e-5)
+    # unit μ: cosine = dot and CSD = 2 − 2·dot + Σσ²_v + Σσ²_t
+    np.testing.assert_allclose(out["cosine"], out["dot"], atol=1e-5)
+    np.testing.assert_allclose(out["csd"], 2 - 2 * out["dot"] + out["image_unc"] + out["text_unc"], atol=1e-5)
+    assert (out["image_unc"] > 0).all() and (out["text_unc"] > 0).all()
+
+
+def test_text_len_counts_non_special_tokens(scorer):
+    # The tokenizer was trained on these captions: each word is one token; a long caption is cut so
+    # that the end token fits in the context (tiny: 32 → 31 content tokens).
+    texts = ["a photo of a red circle", "", "red " * 100]
+    out = scorer({"uid": np.array(["a" * 32] * 3), "jpg": _batch(3, corrupt=None)["jpg"], "txt": texts})
+    assert out["text_len"].tolist() == [6, 0, scorer.encoder.config.context_length - 1]
+
+
+def test_corrupt_image_row_is_flagged_not_raised(scorer):
+    out = scorer(_batch(corrupt=3))
+    assert out["ok"].tolist() == [i != 3 for i in range(8)]
+    for name in ("dot", "image_unc", "text_unc", "csd", "cosine"):
+        assert np.isnan(out[name][3]) and np.isfinite(np.delete(out[name], 3)).all()
+
+
+def test_uid_comes_from_json_else_key(scorer):
+    with_json = scorer(_batch(4, corrupt=None, with_json=True))
+    assert with_json["uid"].tolist() == [s["__key__"] for s in demo_samples(4, seed=1)]
+    keyed = scorer({"__key__": np.array(["000000001"]), "jpg": _batch(1, corrupt=None)["jpg"], "txt": ["x"]})
+    assert keyed["uid"].tolist() == ["000000001"]
+
+
+def test_deterministic_checkpoint_gives_cosine_csd_and_nan_uncertainty(clip_checkpoint):
+    scorer = PairScorer(clip_checkpoint)
+    out = scorer(_batch(corrupt=None))
+    assert np.isnan(out["image_unc"]).all() and np.isnan(out["text_unc"]).all()
+    np.testing.assert_allclose(out["csd"], 2 - 2 * out["cosine"], atol=1e-5)
+
+
+def test_pair_scores_uses_exact_distance_for_non_unit_mu():
+    rng = np.random.default_rng(0)
+    mv, mt, lv, lt = (rng.normal(size=(5, 3)) for _ in range(4))
+    s = pair_scores(mv, lv, mt, lt)
+    ref = ((mv - mt) ** 2).sum(1) + np.exp(lv).sum(1) + np.exp(lt).sum(1)
+    np.testing.assert_allclose(s["csd"], ref, rtol=1e-12)
+    cos = (mv * mt).sum(1) / np.linalg.norm(mv, axis=1) / np.linalg.norm(mt, axis=1)
+    np.testing.assert_allclose(s["cosine"], cos, rtol=1e-12)
+
+
+def test_embedder_shapes_and_arrow_columns(tiny_checkpoint, clip_checkpoint):
+    out = PairEmbedder(tiny_checkpoint)(_batch(corrupt=2))
+    d = out["image_mu"].shape[1]
+    assert out["image_mu"].shape == out["text_logvar"].shape == (8, d)
+    assert np.isnan(out["image_mu"][2]).all() and not out["ok"][2]
+    np.testing.assert_allclose(np.linalg.norm(out["text_mu"], axis=1), 1.0, atol=1e-5)
+    table = embedding_table(out)
+    assert str(table.schema.field("image_mu").type) == f"fixed_size_list<item: float>[{d}]"
+    back = table.column("text_mu").combine_chunks().flatten().to_numpy().reshape(-1, d)
+    np.testing.assert_array_equal(back, out["text_mu"])
+    det = PairEmbedder(clip_checkpoint)(_batch(2, corrupt=None))
+    assert "image_logvar" not in det and "text_logvar" not in det
+
+
+def test_threaded_decode_gives_the_same_rows(tiny_checkpoint):
+    batch = _batch(32, corrupt=17)  # 2 threads × 16 rows: the smallest batch that is split
+    plain = PairScorer(tiny_checkpoint, batch_size=64)
+    threaded = PairScorer(tiny_checkpoint, batch_size=64, decode_threads=2)
+    a, b = plain(batch), threaded(batch)
+    assert a["ok"].tolist() == b["ok"].tolist() and not b["ok"][17]
+    np.testing.assert_allclose(a["csd"], b["csd"], atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.slow  # bf16 matmuls are emulated on most CPUs: seconds, not milliseconds
+def test_bf16_autocast_path_stays_close_to_float32(tiny_checkpoint, scorer):
+    # The path GPUs take (bf16 autocast), run on CPU: outputs stay float32 and near the fp32 scores.
+    batch = _batch(4, corrupt=None)
+    amp = PairScorer(tiny_checkpoint, amp=True)(batch)
+    assert amp["csd"].dtype == np.float32
+    np.testing.assert_allclose(amp["csd"], scorer(batch)["csd"], atol=0.05)
