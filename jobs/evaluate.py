@@ -1,0 +1,96 @@
+"""``python -m jobs.evaluate --checkpoint C [--tasks demo|datacomp|FILE.yaml] [--eval-root R] --out DIR``.
+
+Options: ``--num-actors N --num-gpus G --batch-size B --max-samples K --no-analyses --s3-endpoint URL``,
+``--preset demo|datacomp-small|prolip-b16``, ``--config FILE``, ``--set key=value``.
+
+Zero-shot classification, retrieval and the uncertainty analyses of a ProLIP (or deterministic CLIP)
+checkpoint on a task list in clip_benchmark layout (``training/eval_run.py``). Prints one row per task and
+the DataComp aggregates; writes ``eval_results.jsonl``, ``aggregates.json``, ``analyses.json``,
+``plots/`` and ``manifest.json`` into ``--out``. A bad checkpoint or eval set exits 2 naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from jobs.common import config_parser, init_ray, print_table, resolve_config
+from pipeline.config import ConfigError, merge, to_dict
+from pipeline.manifest import write_manifest
+from training.eval_run import EVAL_PRESETS, evaluate
+from training.eval_sets import EvalSetError, load_tasks
+from training.model import CheckpointError
+
+_FLAGS = (
+    "checkpoint",
+    "tasks",
+    "eval_root",
+    "out",
+    "s3_endpoint",
+    "num_actors",
+    "num_gpus",
+    "batch_size",
+    "max_samples",
+)
+
+
+def _fmt(v: object) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = config_parser(__doc__.splitlines()[0], EVAL_PRESETS)
+    for name in _FLAGS:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+    parser.add_argument("--no-analyses", action="store_true", help="skip the uncertainty analyses")
+    args = parser.parse_args(argv)
+    cfg = resolve_config(args, EVAL_PRESETS)
+    updates = {k: getattr(args, k) for k in _FLAGS if getattr(args, k) is not None}
+    if args.no_analyses:
+        updates["analyses"] = False
+    try:
+        cfg = merge(cfg, updates)
+        for key in ("checkpoint", "out"):
+            if not getattr(cfg, key):
+                raise ConfigError(f"{key} is required (--{key})")
+        tasks = load_tasks(cfg.tasks, root=cfg.eval_root or None)
+    except (ConfigError, EvalSetError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    for key in ("checkpoint", "tasks", "eval_root", "out"):
+        kwargs.pop(key)
+    t0 = time.perf_counter()
+    try:
+        report = evaluate(cfg.checkpoint, tasks, cfg.out, init=init_ray, **kwargs)
+    except (CheckpointError, EvalSetError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    wall = time.perf_counter() - t0
+    write_manifest(
+        cfg.out,
+        job="evaluate",
+        config=to_dict(cfg),
+        counts={r["task"]: r["metrics"].get("n", r["metrics"].get("n_images")) for r in report.results},
+        timings={"evaluate": wall},
+        s3_endpoint=cfg.s3_endpoint,
+        extra={
+            "aggregates": report.aggregates,
+            "missing_aggregates": report.missing_aggregates,
+            "skipped": report.skipped,
+        },
+    )
+    rows = [(r["task"], r["main_metric"], _fmt(r["value"])) for r in report.results]
+    print_table(f"evaluation of {cfg.checkpoint}", rows, ("task", "main metric", "value"))
+    agg_rows = [(k, _fmt(v)) for k, v in report.aggregates.items()]
+    agg_rows += [(k, "missing: " + ", ".join(v)) for k, v in report.missing_aggregates.items()]
+    print_table("aggregates", agg_rows, ("aggregate", "value"))
+    if report.skipped:
+        print(f"skipped (no eval set under the root): {', '.join(report.skipped)}")
+    print(f"results in {cfg.out} ({wall:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""``python -m jobs.evaluate``: the demo eval sets end to end (Ray), and bad inputs stopping at start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from jobs.evaluate import main
+from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
+from tests.fixtures_demo import demo_pool  # noqa: F401
+from training.uncertainty import NOT_APPLICABLE
+
+
+def test_corrupt_checkpoint_exits_2_naming_file(tmp_path, tiny_checkpoint, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, ckpt)
+    (ckpt / "weights.pt").write_bytes(b"not a zip archive")
+    code = main(["--checkpoint", str(ckpt), "--eval-root", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert str(ckpt / "weights.pt") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_checkpoint_and_bad_eval_set_exit_2(tmp_path, tiny_checkpoint, capsys):
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(tmp_path / "nope"),
+                "--eval-root",
+                str(tmp_path),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
+    assert str(tmp_path / "nope") in capsys.readouterr().err
+    shapes = tmp_path / "eval" / "shapes"
+    shapes.mkdir(parents=True)
+    (shapes / "classnames.txt").write_text("circle\n")  # no templates file, no shards
+    code = main(
+        ["--checkpoint", tiny_checkpoint, "--eval-root", str(tmp_path / "eval"), "--out", str(tmp_path / "o")]
+    )
+    assert code == 2
+    assert str(shapes / "zeroshot_classification_templates.txt") in capsys.readouterr().err
+
+
+@pytest.mark.ray
+def test_demo_eval_end_to_end(ray_local, demo_pool, tiny_checkpoint, clip_checkpoint, tmp_path, capsys):
+    eval_root = str(Path(demo_pool.pool_dir) / "eval")
+    out = tmp_path / "prolip"
+    assert (
+        main(
+            ["--checkpoint", tiny_checkpoint, "--tasks", "demo", "--eval-root", eval_root, "--out", str(out)]
+        )
+        == 0
+    )
+    lines = [json.loads(x) for x in (out / "eval_results.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in lines] == ["shapes", "colours", "retrieval", "hierarchy"]
+    assert all(0.0 <= r["value"] <= 1.0 for r in lines)
+    assert lines[0]["metrics"]["n"] == 32  # 8 shapes × 4 per class in the fixture's eval sizes
+    aggs = json.loads((out / "aggregates.json").read_text())["aggregates"]
+    assert aggs["average"] == pytest.approx(sum(r["value"] for r in lines) / 4)
+    analyses = json.loads((out / "analyses.json").read_text())
+    assert 0.0 <= analyses["hierarchy_order"]["ordered_fraction"] <= 1.0
+    assert {"image_in_caption", "original_in_masked_text", "original_in_masked_image"} <= set(
+        analyses["inclusion"]
+    )
+    plots = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert plots == sorted(
+        [
+            "sigma2_modality.png",
+            "sigma2_vs_length.png",
+            "sigma2_vs_level.png",
+            "inclusion.png",
+            "bprw.png",
+            "traversal.png",
+        ]
+    )
+    assert json.loads((out / "manifest.json").read_text())["jobs"]["evaluate"]["config"]["tasks"] == "demo"
+    assert "average" in capsys.readouterr().out
+
+    # Deterministic checkpoint on one retrieval task: cosine scores, σ² analyses not applicable.
+    tasks = tmp_path / "one.yaml"
+    tasks.write_text(
+        "tasks:\n  - {name: retrieval, path: retrieval, kind: retrieval, main_metric: mean_recall@1}\n"
+    )
+    out = tmp_path / "clip"
+    argv = [
+        "--checkpoint",
+        clip_checkpoint,
+        "--tasks",
+        str(tasks),
+        "--eval-root",
+        eval_root,
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    assert len((out / "eval_results.jsonl").read_text().splitlines()) == 1
+    analyses = json.loads((out / "analyses.json").read_text())
+    assert analyses["sigma2_modality"] == analyses["hierarchy_order"] == NOT_APPLICABLE

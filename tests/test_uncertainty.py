@@ -1,0 +1,89 @@
+"""Uncertainty analyses on constructed embeddings: level ordering, inclusion, traversal, length, plots."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from training import uncertainty as U
+
+
+def test_hierarchy_order_fraction():
+    # 3 images × 4 levels; adjacent pairs ordered (general larger): 3, 2, 1 of 3 → 6/9
+    tr = np.array([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 3.5, 1.0], [1.0, 2.0, 3.0, 0.5]])
+    out = U.hierarchy_order(tr)
+    assert out["ordered_fraction"] == pytest.approx(6 / 9)
+    assert out["ordered_fraction_per_pair"] == pytest.approx([2 / 3, 1 / 3, 1.0])
+    assert out["mean_trace_per_level"][0] == pytest.approx(3.0)
+
+
+def test_inclusion_rate_sign():
+    mu = np.zeros((2, 4))
+    small, big = np.full((2, 4), math.log(0.01)), np.full((2, 4), math.log(1.0))
+    assert U.inclusion_rate(mu, small, mu, big)["rate"] == 1.0  # narrow inside wide
+    assert U.inclusion_rate(mu, big, mu, small)["rate"] == 0.0
+
+
+def test_length_correlation_negative_when_short_is_uncertain():
+    caps = ["a", "a b", "a b c", "a b c d"]
+    lv = np.log(np.array([[4.0], [3.0], [2.0], [1.0]]))
+    assert U.length_correlation(caps, lv)["spearman_words_vs_trace"] == pytest.approx(-1.0)
+
+
+def _csd(m1, v1, m2, v2):
+    return float(((m1 - m2) ** 2).sum() + v1.sum() + v2.sum())
+
+
+def _h(m1, v1, m2, v2):  # Eq. 4 per the simplified per-dimension form (MATH.md), float64
+    a = 0.5 * np.log(v2 / v1) + 0.5 * np.log((v2 + 2 * v1) / (v1 + 2 * v2))
+    b = (m1 - m2) ** 2 * (1 / (v2 + 2 * v1) - 1 / (v1 + 2 * v2))
+    return float((a + b).sum())
+
+
+def test_traversal_matches_bruteforce_and_climbs_levels():
+    # Captions along an arc: level k at angle 90° − 30°·k with σ² shrinking; the image sits at 0°.
+    ang = np.radians([90, 60, 30, 0])
+    cap_mu = np.stack([np.cos(ang), np.sin(ang)], 1)
+    cap_var = np.array([0.8, 0.2, 0.05, 0.005])[:, None].repeat(2, 1)
+    img_mu, img_var = np.array([[1.0, 0.0]]), np.full((1, 2), 0.001)
+    e_mu, e_var = np.array([0.0, 1.0]), np.full(2, 1.0)
+    out = U.traversal(
+        img_mu, np.log(img_var), cap_mu, np.log(cap_var), np.arange(4), e_mu, np.log(e_var), steps=50
+    )
+    # brute force in float64 with the formulas written out
+    root = int(np.argmax([_h(img_mu[0], img_var[0], cap_mu[k], cap_var[k]) for k in range(4)]))
+    near = int(np.argmin([_csd(img_mu[0], img_var[0], cap_mu[k], cap_var[k]) for k in range(4)]))
+    r_mu, r_var = 0.5 * (cap_mu[root] + e_mu), 0.5 * (cap_var[root] + e_var)
+    path = []
+    for t in np.linspace(0, 1, 50):
+        m, v = (1 - t) * r_mu + t * cap_mu[near], (1 - t) * r_var + t * cap_var[near]
+        path.append(int(np.argmin([_csd(m, v, cap_mu[k], cap_var[k]) for k in range(4)])))
+    assert out["paths"][0] == path
+    assert root == 0 and near == 3  # the widest caption includes the image most; the tightest is nearest
+    assert out["root_mean_level"] == 0.0 and out["end_mean_level"] == 3.0
+    assert out["non_decreasing_fraction"] == 1.0
+
+
+def test_bprw_analysis_reports_before_after():
+    rng = np.random.default_rng(0)
+    c, n, d = 3, 4, 8
+    centres = np.eye(d)[:c]
+    prompt_mu = centres[:, None, :] + 0.3 * rng.normal(size=(c, n, d))
+    prompt_lv = np.full((c, n, d), math.log(0.01))
+    labels = np.repeat(np.arange(c), 5)
+    img_mu = centres[labels] + 0.3 * rng.normal(size=(15, d))
+    out = U.bprw_analysis(prompt_mu, prompt_lv, img_mu, np.full((15, d), math.log(0.01)), labels, shots=2)
+    zs, fs = out["zero_shot"], out["few_shot"]
+    assert 0 <= zs["acc1_before"] <= 1 and 0 <= zs["acc1_after"] <= 1
+    assert fs["shots"] == 2 and fs["n_eval"] == 9
+
+
+@pytest.mark.slow  # matplotlib import alone takes seconds on a loaded machine
+def test_plots_written(tmp_path):
+    analyses = {"bprw": {"zero_shot": {"acc1_before": 0.5, "acc1_after": 0.6}}}
+    arrays = {"image_trace": np.array([1.0, 2.0]), "text_trace": np.array([3.0, 4.0])}
+    paths = U.plot_all(analyses, arrays, str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["bprw.png", "sigma2_modality.png"]
+    assert all((tmp_path / p.rsplit("/", 1)[1]).stat().st_size > 1000 for p in paths)

@@ -1,0 +1,150 @@
+"""Runs the uncertainty analyses of ``training/uncertainty.py`` on gathered eval embeddings.
+
+Which set serves which analysis: σ² per modality and image ⊂ own caption on the first retrieval task;
+σ² vs caption length on every retrieval and hierarchy caption; level ordering and traversal on the first
+hierarchy task; BPRW on the first classification task. Original ⊂ masked needs fresh encodings of masked
+inputs: the driver's ``Encoder`` encodes the first ``MASKED_SAMPLES`` images/captions of the retrieval
+task (text: 75% of content tokens → [MASK] with ``pipeline.masking.mask_text_tokens``, never pad/end;
+image: 25% of patches kept with ``choose_kept_patches`` — the §4.1 masking of training).
+Deterministic checkpoints get ``uncertainty.NOT_APPLICABLE`` for every analysis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.masking import choose_kept_patches, mask_text_tokens
+from training import eval_sets, uncertainty
+from training.encode import Encoder
+
+MASKED_SAMPLES = 128
+ANALYSES = ("sigma2_modality", "sigma2_length", "hierarchy_order", "inclusion", "bprw", "traversal")
+
+
+def _first(data: list, kind: str) -> Any:
+    return next((d for d in data if d.task.kind == kind), None)
+
+
+@torch.inference_mode()
+def masked_inclusion(
+    encoder: Encoder, images: list[bytes], captions: list[str], seed: int = 0
+) -> tuple[dict, dict]:
+    """Fractions with H(Z ⊂ Z_masked) > 0 for texts and images; also the H arrays for plotting."""
+    model, cfg, tok = encoder.model, encoder.config, encoder.tokenizer
+    device = encoder.device
+    tokens = tok.encode_batch(captions, cfg.context_length)
+    protected = () if tok.start_id is None else (tok.start_id,)
+    masked = mask_text_tokens(
+        tokens, tok.pad_id, tok.end_id, tok.mask_id, 0.75, rng=seed, protected_ids=protected
+    )
+    t_mu, t_lv = model.encode_text(torch.as_tensor(tokens).to(device))
+    m_mu, m_lv = model.encode_text(torch.as_tensor(masked).to(device))
+    out = {"text": uncertainty.inclusion_rate(*(x.float().cpu().numpy() for x in (t_mu, t_lv, m_mu, m_lv)))}
+    h = {
+        "text ⊂ masked": uncertainty.hypothesis(*(x.float().cpu().numpy() for x in (t_mu, t_lv, m_mu, m_lv)))
+    }
+    pixels, ok = encoder.preprocess(images)
+    pixels = torch.from_numpy(pixels[ok]).to(device)
+    keep = torch.from_numpy(choose_kept_patches(cfg.n_patches, len(pixels), 0.25, rng=seed + 1)).to(device)
+    v = model.encode_image(pixels) + model.encode_image(pixels, keep)  # (μ, log σ², μ_masked, log σ²_masked)
+    v = [x.float().cpu().numpy() for x in v]
+    out["image"] = uncertainty.inclusion_rate(*v)
+    h["image ⊂ masked"] = uncertainty.hypothesis(*v)
+    out["text"]["mask_ratio"], out["image"]["keep_ratio"] = 0.75, 0.25
+    return out, h
+
+
+def run_analyses(
+    data: list, encoder: Encoder, plot_dir: str, seed: int = 0, s3_endpoint: str = ""
+) -> tuple[dict, list[str]]:
+    """(analyses dict, PNG paths) for the gathered ``TaskData`` list."""
+    if not encoder.probabilistic:
+        return {name: uncertainty.NOT_APPLICABLE for name in ANALYSES}, []
+    found: dict[str, Any] = {}
+    arrays: dict[str, np.ndarray] = {}
+    ret, hier, cls = (
+        _first(data, "retrieval"),
+        _first(data, "hierarchy"),
+        _first(data, "zeroshot_classification"),
+    )
+    missing = "not run: the task list has no {} task"
+    if ret is not None:
+        found["sigma2_modality"] = {
+            "task": ret.task.name,
+            **uncertainty.modality_sigma2(ret.image_logvar, ret.text_logvar),
+        }
+        arrays["image_trace"] = uncertainty.trace(ret.image_logvar)
+        arrays["text_trace"] = uncertainty.trace(ret.text_logvar)
+        own = np.repeat(np.arange(len(ret.captions)), [len(c) for c in ret.captions])
+        inc = {
+            "image_in_caption": uncertainty.inclusion_rate(
+                ret.image_mu[own], ret.image_logvar[own], ret.text_mu, ret.text_logvar
+            )
+        }
+        arrays["H_image ⊂ caption"] = uncertainty.hypothesis(
+            ret.image_mu[own], ret.image_logvar[own], ret.text_mu, ret.text_logvar
+        )
+        n = min(MASKED_SAMPLES, len(ret.captions))
+        first_shard = eval_sets.shard_paths(ret.task, s3_endpoint)[0]
+        rows = list(eval_sets.iter_rows(first_shard, ret.task.kind, s3_endpoint, limit=n))
+        masked, h = masked_inclusion(
+            encoder,
+            [r["image"] for r in rows],
+            [eval_sets.split_captions(r["captions"])[0] for r in rows],
+            seed,
+        )
+        inc.update({"original_in_masked_text": masked["text"], "original_in_masked_image": masked["image"]})
+        inc["paper_original_in_masked"] = "> 0.70"
+        found["inclusion"] = {"task": ret.task.name, **inc}
+        arrays.update({f"H_{k}": v for k, v in h.items()})
+    else:
+        found["sigma2_modality"] = found["inclusion"] = missing.format("retrieval")
+    texts = [d for d in data if d.task.kind in ("retrieval", "hierarchy")]
+    if texts:
+        caps = [c for d in texts for cs in d.captions for c in cs]
+        lv = np.concatenate([d.text_logvar for d in texts])
+        found["sigma2_length"] = {
+            "tasks": [d.task.name for d in texts],
+            **uncertainty.length_correlation(caps, lv),
+        }
+        arrays["caption_words"] = np.array([len(c.split()) for c in caps])
+        arrays["caption_trace"] = uncertainty.trace(lv)
+    else:
+        found["sigma2_length"] = missing.format("retrieval or hierarchy")
+    if hier is not None:
+        levels = min(len(c) for c in hier.captions)
+        counts = [len(c) for c in hier.captions]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        idx = starts[:, None] + np.arange(levels)[None, :]  # (n, L): level k of image i
+        tr = uncertainty.trace(hier.text_logvar)[idx]
+        found["hierarchy_order"] = {"task": hier.task.name, **uncertainty.hierarchy_order(tr)}
+        arrays["level_traces"] = tr
+        level = np.concatenate([np.arange(c) for c in counts])
+        e_mu, e_lv = encoder.texts([""])
+        found["traversal"] = {
+            "task": hier.task.name,
+            **uncertainty.traversal(
+                hier.image_mu, hier.image_logvar, hier.text_mu, hier.text_logvar, level, e_mu[0], e_lv[0]
+            ),
+        }
+    else:
+        found["hierarchy_order"] = found["traversal"] = missing.format("hierarchy")
+    if cls is not None:
+        c, t = len(cls.classnames), len(cls.templates)
+        found["bprw"] = {
+            "task": cls.task.name,
+            **uncertainty.bprw_analysis(
+                cls.text_mu.reshape(c, t, -1),
+                cls.text_logvar.reshape(c, t, -1),
+                cls.image_mu,
+                cls.image_logvar,
+                cls.labels,
+                seed=seed,
+            ),
+        }
+    else:
+        found["bprw"] = missing.format("classification")
+    return found, uncertainty.plot_all(found, arrays, plot_dir)

@@ -1,0 +1,265 @@
+"""Uncertainty analyses of a probabilistic checkpoint (ProLIP §4.3–4.4, C.7) and their PNG plots.
+
+Everything takes gathered embeddings (numpy μ, log σ²) and returns JSON-able dicts; plots are written with
+matplotlib's Agg backend. The claims measured in miniature (MATH.md "Uncertainty of an input"):
+
+- text σ² > image σ² (mean tr(Σ) = Σ_d σ²_d per modality);
+- shorter / more general captions have larger σ² (Spearman of word count vs tr(Σ); per hierarchy level,
+  and the fraction of adjacent levels (k, k+1) where the more general one has the larger tr(Σ) —
+  paper: 90.0% on HierarCaps);
+- inclusion: fraction of pairs with H(Z₁ ⊂ Z₂) > 0 (Eq. 4) for image ⊂ own caption and original ⊂ masked
+  (paper: > 70%). H is evaluated with ε = 1 (log ε = 0), i.e. of the Gaussians as they are, not of the
+  ε-rescaled ones the training loss uses;
+- image traversal (§4.4, B.4): root = the caption including the image most, averaged with the
+  empty-caption embedding; 50 linear steps of (μ, σ²) from the root to the image's nearest caption,
+  retrieving the nearest caption (CSD) at each step and recording its hierarchy level;
+- BPRW (``training/bprw.py``) zero-shot and few-shot, accuracy before/after.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from training import bprw
+from training.evaluate import classification_metrics, gaussian_mean, score_matrix, topk
+from training.losses import inclusion_hypothesis
+
+NOT_APPLICABLE = "not applicable: deterministic checkpoint (no σ²)"
+
+
+def trace(logvar: np.ndarray) -> np.ndarray:
+    """tr(Σ) = Σ_d σ²_d per row, float64."""
+    return np.exp(logvar.astype(np.float64)).sum(-1)
+
+
+def modality_sigma2(image_logvar: np.ndarray, text_logvar: np.ndarray) -> dict:
+    ti, tt = trace(image_logvar), trace(text_logvar)
+    return {
+        "image_mean_trace": float(ti.mean()),
+        "text_mean_trace": float(tt.mean()),
+        "text_gt_image": bool(tt.mean() > ti.mean()),
+        "n_images": int(len(ti)),
+        "n_texts": int(len(tt)),
+    }
+
+
+def length_correlation(captions: Sequence[str], text_logvar: np.ndarray) -> dict:
+    """Spearman ρ of caption length (words) vs tr(Σ); the claim predicts ρ < 0."""
+    from scipy.stats import spearmanr
+
+    words = np.array([len(c.split()) for c in captions], dtype=np.float64)
+    tr = trace(text_logvar)
+    rho = spearmanr(words, tr).statistic if len(set(words)) > 1 and np.ptp(tr) > 0 else float("nan")
+    return {"spearman_words_vs_trace": float(rho), "n": int(len(words))}
+
+
+def hierarchy_order(level_traces: np.ndarray) -> dict:
+    """``level_traces`` (n, L): tr(Σ) of each image's level-k caption (k = 0 most general).
+
+    ordered_fraction = fraction of the n·(L−1) adjacent pairs with tr(level k) > tr(level k+1)."""
+    ordered = level_traces[:, :-1] > level_traces[:, 1:]  # (n, L-1)
+    return {
+        "mean_trace_per_level": [float(x) for x in level_traces.mean(0)],
+        "ordered_fraction": float(ordered.mean()),
+        "ordered_fraction_per_pair": [float(x) for x in ordered.mean(0)],
+        "n": int(level_traces.shape[0]),
+        "paper_ordered_fraction": 0.900,
+    }
+
+
+def hypothesis(mu1: np.ndarray, logvar1: np.ndarray, mu2: np.ndarray, logvar2: np.ndarray) -> np.ndarray:
+    """H(Z₁ ⊂ Z₂) per row (Eq. 4, log ε = 0), float64 (n,)."""
+    t = [torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64)) for x in (mu1, logvar1, mu2, logvar2)]
+    return inclusion_hypothesis(*t, log_eps=0.0).numpy()
+
+
+def inclusion_rate(mu1: np.ndarray, logvar1: np.ndarray, mu2: np.ndarray, logvar2: np.ndarray) -> dict:
+    h = hypothesis(mu1, logvar1, mu2, logvar2)
+    return {"rate": float(np.mean(h > 0)), "median_H": float(np.median(h)), "n": int(len(h))}
+
+
+def _nearest(mu: np.ndarray, var: np.ndarray, pool_mu: np.ndarray, pool_logvar: np.ndarray) -> np.ndarray:
+    return np.argmax(score_matrix(mu, np.log(var), pool_mu, pool_logvar), axis=1)
+
+
+def traversal(
+    image_mu: np.ndarray,
+    image_logvar: np.ndarray,
+    caption_mu: np.ndarray,
+    caption_logvar: np.ndarray,
+    caption_level: np.ndarray,
+    empty_mu: np.ndarray,
+    empty_logvar: np.ndarray,
+    steps: int = 50,
+) -> dict:
+    """Image traversal (module docstring); returns per-step mean level and the per-image level paths."""
+    n, m = len(image_mu), len(caption_mu)
+    cap_var = np.exp(caption_logvar.astype(np.float64))
+    paths = np.zeros((n, steps), dtype=np.int64)
+    roots = np.zeros(n, dtype=np.int64)
+    nearest = np.argmax(score_matrix(image_mu, image_logvar, caption_mu, caption_logvar), axis=1)  # (n,)
+    ts = np.linspace(0.0, 1.0, steps)[:, None]
+    for i in range(n):
+        h = hypothesis(
+            np.repeat(image_mu[i : i + 1], m, 0),
+            np.repeat(image_logvar[i : i + 1], m, 0),
+            caption_mu,
+            caption_logvar,
+        )
+        roots[i] = int(np.argmax(h))
+        root_mu = 0.5 * (caption_mu[roots[i]] + empty_mu)
+        root_var = 0.5 * (cap_var[roots[i]] + np.exp(empty_logvar.astype(np.float64)))
+        mu_t = (1 - ts) * root_mu + ts * caption_mu[nearest[i]]  # (steps, D)
+        var_t = (1 - ts) * root_var + ts * cap_var[nearest[i]]
+        paths[i] = caption_level[_nearest(mu_t, var_t, caption_mu, caption_logvar)]
+    non_decreasing = (np.diff(paths, axis=1) >= 0).all(axis=1)
+    return {
+        "steps": int(steps),
+        "mean_level_per_step": [float(x) for x in paths.mean(0)],
+        "start_mean_level": float(paths[:, 0].mean()),
+        "end_mean_level": float(paths[:, -1].mean()),
+        "root_mean_level": float(caption_level[roots].mean()),
+        "non_decreasing_fraction": float(non_decreasing.mean()),
+        "n": int(n),
+        "paths": paths.tolist(),
+    }
+
+
+def bprw_analysis(
+    prompt_mu: np.ndarray,
+    prompt_logvar: np.ndarray,
+    image_mu: np.ndarray,
+    image_logvar: np.ndarray,
+    labels: np.ndarray,
+    shots: int = 4,
+    seed: int = 0,
+) -> dict:
+    """BPRW on a classification set: prompts (C, N, D), images (n, D). Zero-shot: each class's 5 nearest
+    images (CSD to the ensemble) × 10 samples, α = 5, scored on all images. Few-shot: the first ``shots``
+    labelled images per class (capped so one is left), α = 2, scored on the remaining images."""
+    labels = np.asarray(labels)
+    c = prompt_mu.shape[0]
+    mu_c, logvar_c = gaussian_mean(prompt_mu, prompt_logvar, axis=1)
+    before = score_matrix(image_mu, image_logvar, mu_c, logvar_c)
+    zs = bprw.ZERO_SHOT
+    near = topk(before.T, zs["n_images"])  # (C, m): images nearest to each class
+    new_mu, new_logvar, pi = bprw.reweight_classes(
+        prompt_mu, prompt_logvar, image_mu, image_logvar, list(near), zs["alpha"], zs["n_samples"], seed=seed
+    )
+    after = score_matrix(image_mu, image_logvar, new_mu, new_logvar)
+    out = {
+        "zero_shot": {
+            "acc1_before": classification_metrics(before, labels)["acc1"],
+            "acc1_after": classification_metrics(after, labels)["acc1"],
+            "alpha": zs["alpha"],
+            "n_images": zs["n_images"],
+            "n_samples": zs["n_samples"],
+            "mean_max_weight": float(pi.max(1).mean()),
+        }
+    }
+    counts = np.bincount(labels, minlength=c)
+    k = int(min(shots, counts.min() - 1)) if counts.min() > 1 else 0
+    if k < 1:
+        out["few_shot"] = "skipped: needs at least 2 images per class"
+        return out
+    shot_idx = [np.flatnonzero(labels == j)[:k] for j in range(c)]
+    held = np.setdiff1d(np.arange(len(labels)), np.concatenate(shot_idx))
+    fs = bprw.FEW_SHOT
+    new_mu, new_logvar, pi = bprw.reweight_classes(
+        prompt_mu, prompt_logvar, image_mu, image_logvar, shot_idx, fs["alpha"], fs["n_samples"], seed=seed
+    )
+    after = score_matrix(image_mu[held], image_logvar[held], new_mu, new_logvar)
+    out["few_shot"] = {
+        "shots": k,
+        "acc1_before": classification_metrics(before[held], labels[held])["acc1"],
+        "acc1_after": classification_metrics(after, labels[held])["acc1"],
+        "alpha": fs["alpha"],
+        "n_eval": int(len(held)),
+    }
+    return out
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_all(analyses: dict, arrays: dict[str, np.ndarray], plot_dir: str) -> list[str]:
+    """PNGs for whichever analyses are present; ``arrays`` holds the raw per-sample values plotted."""
+    plt = _figure()
+    os.makedirs(plot_dir, exist_ok=True)
+    paths = []
+
+    def save(fig, name: str) -> None:
+        path = os.path.join(plot_dir, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+
+    if "image_trace" in arrays and "text_trace" in arrays:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.hist([arrays["image_trace"], arrays["text_trace"]], bins=30, label=["images", "captions"])
+        ax.set_xlabel("tr(Σ) = Σ_d σ²_d")
+        ax.set_ylabel("count")
+        ax.legend()
+        save(fig, "sigma2_modality.png")
+    if "caption_words" in arrays:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.scatter(arrays["caption_words"], arrays["caption_trace"], s=6, alpha=0.5)
+        ax.set_xlabel("caption length (words)")
+        ax.set_ylabel("tr(Σ_text)")
+        save(fig, "sigma2_vs_length.png")
+    if "level_traces" in arrays:
+        lt = arrays["level_traces"]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.boxplot([lt[:, k] for k in range(lt.shape[1])])
+        ax.set_xticks(range(1, lt.shape[1] + 1), [str(k) for k in range(lt.shape[1])])
+        ax.set_xlabel("hierarchy level (0 = general)")
+        ax.set_ylabel("tr(Σ_text)")
+        save(fig, "sigma2_vs_level.png")
+    inc = {k[len("H_") :]: v for k, v in arrays.items() if k.startswith("H_")}
+    if inc:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for name, h in inc.items():
+            ax.hist(h, bins=30, alpha=0.5, label=name)
+        ax.axvline(0.0, color="k", lw=0.8)
+        ax.set_xlabel("H(Z₁ ⊂ Z₂)")
+        ax.legend()
+        save(fig, "inclusion.png")
+    bp = analyses.get("bprw")
+    if isinstance(bp, dict):
+        labels, before, after = [], [], []
+        for mode in ("zero_shot", "few_shot"):
+            if isinstance(bp.get(mode), dict):
+                labels.append(mode)
+                before.append(bp[mode]["acc1_before"])
+                after.append(bp[mode]["acc1_after"])
+        if labels:
+            fig, ax = plt.subplots(figsize=(5, 3.5))
+            x = np.arange(len(labels))
+            ax.bar(x - 0.2, before, 0.4, label="prompt ensemble")
+            ax.bar(x + 0.2, after, 0.4, label="BPRW")
+            ax.set_xticks(x, labels)
+            ax.set_ylabel("top-1 accuracy")
+            ax.legend()
+            save(fig, "bprw.png")
+    tr = analyses.get("traversal")
+    if isinstance(tr, dict):
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot(np.linspace(0, 1, tr["steps"]), tr["mean_level_per_step"])
+        ax.set_xlabel("root → nearest caption")
+        ax.set_ylabel("mean level of retrieved caption")
+        save(fig, "traversal.png")
+    return paths
