@@ -6,6 +6,7 @@ Jobs stay thin: parse → resolve config → call one library function → write
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -60,6 +61,8 @@ def init_ray(num_cpus: int = 0, **kwargs: Any) -> None:
         )
     import ray.data
 
+    # Our jobs print their own progress lines; Ray Data's per-dataset INFO lines would drown them.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

@@ -32,12 +32,21 @@ class TooManyBadShards(RuntimeError):
 
 
 class IngestCounters:
-    """Counts shared by every ingest task (run as a named Ray actor): damaged shards and dropped images."""
+    """Counts shared by every ingest task (run as a named Ray actor): damaged shards and dropped images;
+    also the train loop's latest metrics, so the driver can print progress without worker log streaming."""
 
     def __init__(self) -> None:
         self.bad_shards: dict[str, str] = {}
         self.bad_images = 0
         self.bad_image_examples: list[str] = []
+        self.progress: dict[str, Any] = {}
+
+    def set_progress(self, metrics: dict[str, Any]) -> None:
+        """The train loop's latest logged metrics, for the driver's progress line."""
+        self.progress = dict(metrics)
+
+    def latest_progress(self) -> dict[str, Any]:
+        return self.progress
 
     def bad_shard(self, path: str, error: str) -> int:
         self.bad_shards.setdefault(path, error)
@@ -85,6 +94,55 @@ def read_counters(name: str) -> dict[str, Any]:
 
     handle = counters_handle(name)
     return ray.get(handle.snapshot.remote()) if handle is not None else {}
+
+
+def publish_progress(name: str | None, metrics: dict[str, Any]) -> None:
+    """Fire-and-forget: the loop never waits on the driver's progress line."""
+    handle = counters_handle(name)
+    if handle is not None:
+        handle.set_progress.remote(metrics)
+
+
+class ProgressPrinter:
+    """A driver-side thread printing the train loop's latest metrics every ``every_s`` seconds:
+    step/total, loss, samples/s and an ETA, so a long run is never silent."""
+
+    def __init__(self, name: str, label: str, every_s: float = 15.0, log: Any = print) -> None:
+        import threading
+
+        self.name, self.label, self.every_s, self.log = name, label, every_s, log
+        self._stop = threading.Event()
+        self._last_step = -1
+        self._thread = threading.Thread(target=self._run, name="train-progress", daemon=True)
+
+    def __enter__(self) -> ProgressPrinter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import ray
+
+        while not self._stop.wait(self.every_s):
+            handle = counters_handle(self.name)
+            try:
+                m = ray.get(handle.latest_progress.remote(), timeout=5) if handle is not None else {}
+            except Exception:  # a progress line is best effort; training is unaffected
+                continue
+            step, total = int(m.get("step", 0)), int(m.get("total_steps", 0))
+            if not m or step == self._last_step:
+                continue
+            self._last_step = step
+            rate = float(m.get("samples_per_s", 0.0))
+            left = (total - step) * (m.get("samples_seen", 0) / max(step, 1)) / rate if rate > 0 else 0.0
+            self.log(
+                f"[train {self.label}] step {step}/{total} loss {m.get('loss/total', float('nan')):.4f} "
+                f"{rate:.0f} samples/s, data wait {100 * float(m.get('data_wait_fraction', 0.0)):.0f}%, "
+                f"~{left:.0f}s left"
+            )
 
 
 def list_shards(spec: str, s3_endpoint: str = "") -> list[str]:

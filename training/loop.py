@@ -243,6 +243,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     import ray.train.torch
 
     from pipeline.ingest_train import MaskedVariants, TrainCollate, read_counters, tokenizer_from_state
+    from pipeline.shard_source import publish_progress
     from training.config import from_plain
 
     cfg = from_plain(config["train"])
@@ -352,6 +353,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
                 if rank == 0 and config.get("counters"):
                     metrics.update({f"ingest/{k}": v for k, v in read_counters(config["counters"]).items()
                                     if isinstance(v, int)})  # fmt: skip
+                    publish_progress(config["counters"], {**metrics, "total_steps": total})
                 logged.append(metrics)
                 if writer is not None:
                     for k, v in metrics.items():
