@@ -30,6 +30,7 @@ from pipeline.config import BuildConfig, DownloadConfig
 from pipeline.dedupe import exact_duplicates, near_duplicates, url_duplicates
 from pipeline.download import DownloadWorker
 from pipeline.filters import NEEDS_LANGUAGE, apply_filters
+from pipeline.placement import scope_dataset
 from pipeline.reshard import reshard
 from pipeline.shards import write_shard
 from pipeline.subset import write_subset
@@ -225,7 +226,7 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print) -> BuildResult:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
 
-    ds = read_metadata(cfg.metadata, ep)
+    ds = scope_dataset(read_metadata(cfg.metadata, ep), cfg.data_label_selector)  # derived datasets inherit
     narrow = _collect(ds, [S.UID, S.URL])
     n_input = narrow.num_rows
     status_pre = pre_statuses(narrow.column(S.UID), narrow.column(S.URL))

@@ -220,6 +220,9 @@ class BuildConfig:
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server
     keep_parts: bool = False
     tokenizer_vocab: int = 0  # >0: train a BPE tokenizer on the successful captions into <output>/tokenizer
+    # Node labels every Ray Data task/actor of the build must match, e.g. {prolip-role: data} on the
+    # clusters in cluster/ (pipeline/placement.py); empty = no constraint.
+    data_label_selector: dict[str, str] = field(default_factory=dict)
     demo_n: int = 2000
     demo_seed: int = 0
     download: DownloadConfig = field(default_factory=DownloadConfig)

@@ -44,6 +44,7 @@ from pipeline.augment import (
     random_resized_crop_box,
 )
 from pipeline.masking import choose_kept_patches, mask_text_tokens, sample_hash, select_for_masking
+from pipeline.placement import scope_dataset
 from pipeline.shard_source import (  # noqa: F401  (re-exported: the ingest's public API)
     IngestCounters,
     TooManyBadShards,
@@ -318,7 +319,7 @@ def build_train_dataset(
         counters=counters,
         max_bad_shards=data.max_bad_shards,
     )
-    ds = ray.data.read_datasource(source, num_cpus=data.read_cpus)
+    ds = scope_dataset(ray.data.read_datasource(source, num_cpus=data.read_cpus), data.label_selector)
     if data.shuffle_window > 1:
         ds = ds.map_batches(
             window_shuffle,

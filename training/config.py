@@ -65,6 +65,7 @@ class DataConfig:
     text_mask_ratio: float = 0.75  # text tokens replaced by [MASK] (§4.1)
     patch_keep_ratio: float = 0.25  # image patches kept (75% dropped, §4.1)
     mask_seed: int = 0
+    label_selector: dict[str, str] = field(default_factory=dict)  # ingest nodes (pipeline/placement.py)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class LossConfig:
     """Objective and its weights (training/losses.py, training/pcmepp.py)."""
 
     name: str = "prolip"
+    # Sigmoid losses (prolip, siglip): initial logit bias b. SigLIP's −10 ≈ −log(32k), i.e. p ≈ 1/B at its
+    # batch of 32k; at a small batch, −log(B) starts at the same prior instead of first collapsing every
+    # embedding together to lift all logits (the plateau of ENVIRONMENT.md at B = 128).
+    init_bias: float = -10.0
     alpha1: float = 1e-7  # ProLIP L_inc(v ⊂ t) weight (B.1)
     alpha2: float = 1e-3  # masked inclusion weight (B.1)
     beta: float = 1e-4  # VIB weight (official runs)
@@ -100,6 +105,7 @@ class ScalingSettings:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 1.0  # only with use_gpu
+    label_selector: dict[str, str] = field(default_factory=dict)  # Train worker nodes; empty = anywhere
 
 
 @dataclass(frozen=True)
@@ -233,7 +239,16 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
 def loss_kwargs(cfg: LossConfig) -> dict[str, float]:
     """Constructor arguments of ``training.losses.build_loss(cfg.name, ...)``."""
     if cfg.name == "prolip":
-        return dict(alpha1=cfg.alpha1, alpha2=cfg.alpha2, beta=cfg.beta, c=cfg.c, log_eps=cfg.log_eps)
+        return dict(
+            alpha1=cfg.alpha1,
+            alpha2=cfg.alpha2,
+            beta=cfg.beta,
+            c=cfg.c,
+            log_eps=cfg.log_eps,
+            init_bias=cfg.init_bias,
+        )
+    if cfg.name == "siglip":
+        return dict(init_bias=cfg.init_bias)
     if cfg.name == "pcmepp":
         return dict(alpha=cfg.pcme_alpha, beta=cfg.pcme_beta)
     return {}

@@ -35,6 +35,8 @@ from pipeline.ingest_train import (
     start_counters,
     tokenizer_state,
 )
+from pipeline.placement import train_dataset_config, worker_label_selector
+from pipeline.shard_source import ProgressPrinter
 from training.config import TrainConfig, to_plain, validate
 from training.loop import train_loop_per_worker
 from training.tokenizer import SPECIAL_IDS_FILE, TOKENIZER_FILE, TextTokenizer, train_tokenizer
@@ -153,7 +155,10 @@ def build_trainer(cfg: TrainConfig, tokenizer: TextTokenizer, dataset: Any, coun
             "tensorboard_dir": tensorboard,
         },
         scaling_config=ScalingConfig(
-            num_workers=num_workers, use_gpu=s.use_gpu, resources_per_worker=resources
+            num_workers=num_workers,
+            use_gpu=s.use_gpu,
+            resources_per_worker=resources,
+            label_selector=worker_label_selector(s.label_selector),
         ),
         run_config=RunConfig(
             name=cfg.run.name,
@@ -163,6 +168,7 @@ def build_trainer(cfg: TrainConfig, tokenizer: TextTokenizer, dataset: Any, coun
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         ),
         datasets={"train": dataset},
+        dataset_config=train_dataset_config(cfg.data.label_selector),
     )
 
 
@@ -176,7 +182,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     mcfg = model_config(cfg.model)
     counters = start_counters()
     dataset = build_train_dataset(cfg.data, tokenizer, mcfg.image_size, mcfg.context_length, counters)
-    result = build_trainer(cfg, tokenizer, dataset, counters).fit()
+    with ProgressPrinter(counters, cfg.run.name):
+        result = build_trainer(cfg, tokenizer, dataset, counters).fit()
     ckpt = result.checkpoint
     ckpt_path = None
     if ckpt is not None:
