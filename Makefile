@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m jobs.build_dataset --preset demo
+	$(BIN)/python -m jobs.track --preset demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra

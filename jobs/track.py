@@ -1,0 +1,51 @@
+"""``python -m jobs.track --preset demo|tiny|datacomp-small [--config F] [--set k=v ...]``.
+
+The DataComp-style filtering track in one job: build → scorer → CSD scores → filters → reshard → one
+model per subset at equal samples seen → evaluation → ``report.md`` (pipeline/track.py). ``make demo``
+runs the demo preset on a generated pool served on 127.0.0.1. Re-running with the same ``output``
+resumes: finished steps are skipped, an interrupted training resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jobs.common import config_parser, init_ray, resolve_config
+from pipeline.config import ConfigError, to_dict
+from pipeline.manifest import write_manifest
+from pipeline.track import TRACK_PRESETS, run_track, validate_track
+from pipeline.track_report import markdown_table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = config_parser(__doc__.splitlines()[0], TRACK_PRESETS)
+    args = parser.parse_args(argv)
+    cfg = resolve_config(args, TRACK_PRESETS)
+    try:
+        validate_track(cfg)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    init_ray(cfg.num_cpus)
+    result = run_track(cfg)
+    write_manifest(
+        cfg.output,
+        job="track",
+        config=to_dict(cfg),
+        counts={"subsets": {r["subset"]: r["size"] for r in result.table}},
+        timings=result.timings,
+        s3_endpoint=cfg.s3_endpoint,
+        extra={"report": result.report, "verdict": result.comparisons},
+    )
+    print(f"\nreport: {result.report}\n")
+    for key, v in result.comparisons.items():
+        cand, ctrl = key.split("_vs_")
+        word = "beats" if v["beats"] else "does not beat"
+        print(f"{cand} {word} {ctrl}: mean average difference {v['mean_diff']:+.4f} over seeds {v['seeds']}")
+    print()
+    print(markdown_table(result.table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The DataComp-style filtering track as one library call: ``run_track(cfg) -> TrackResult``.
+
+Steps, all under one run directory (local or ``s3://``):
+
+1. **build** — ``pipeline.build`` (the demo preset generates the pool and serves it on 127.0.0.1);
+   baseline subsets ``no_filter`` and ``basic`` come out of it.
+2. **scorer** — a ProLIP trained on the *unfiltered* pool (``train/scorer``), as ProLIP App. C.8 scores
+   DataComp with a model trained on uncurated data.
+3. **score** — CSD, μ_v·μ_t and Σσ² of every pool pair (``scores/scores.parquet``, Ray batch inference).
+4. **filters** — CSD best ``csd_fraction`` (paper 20%; the demo pool has ≈35% bad captions, so the demo
+   keeps 50%), an uncertainty-aware variant (drop the most uncertain captions first, same size), and a
+   random subset of the same size as the control; each a DataComp ``.npy`` in ``subsets/``.
+5. **reshard** each subset (``subset_shards/<name>/``) and **train** one model per (subset, seed) with the
+   *same samples seen* (DataComp's rule: the compute budget is fixed, smaller subsets repeat more).
+6. **evaluate** every model on the task list (demo: shapes, colours, retrieval, hierarchy) and the scorer
+   with the uncertainty analyses; 7. **report** — ``report.md`` with the DataComp-style table.
+
+A re-run with the same output resumes: finished steps are recorded in ``track_state.json`` and skipped;
+an interrupted training resumes from its last checkpoint (same run name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline import storage
+from pipeline.config import BUILD_PRESETS, BuildConfig, ConfigError, merge
+from training.config import TRAIN_PRESETS, TrainConfig
+
+SUBSET_KINDS = ("no_filter", "basic", "english", "csd", "csd_uncertainty", "clip_score", "random")
+
+
+@dataclass(frozen=True)
+class TrackConfig:
+    output: str = "runs/demo"  # the run directory, local or s3://
+    s3_endpoint: str = ""
+    num_cpus: int = 0  # local Ray: 0 = all cores
+    build: BuildConfig = field(default_factory=lambda: BUILD_PRESETS["demo"])
+    scorer: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])
+    train: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])  # one per subset and seed
+    subsets: tuple[str, ...] = ("no_filter", "basic", "csd", "csd_uncertainty", "random")
+    csd_fraction: float = 0.5  # of the scored (successful) pairs; App. C.8 keeps 20% of DataComp
+    clip_fraction: float = 0.3  # DataComp's CLIP-score top-30% baseline (``clip_score`` subset)
+    text_unc_quantile: float = 0.9  # csd_uncertainty: captions above this Σσ²_t quantile go first
+    random_of: str = "csd"  # the random control matches this subset's size
+    seeds: tuple[int, ...] = (0,)
+    eval_tasks: str = "demo"  # a task-list name (training/tasks/<name>.yaml) or a YAML path
+    eval_root: str = ""  # where the task paths resolve; empty = <output>/pool/eval (the demo pool's)
+    eval_max_samples: int = 0  # 0 = whole sets
+    score_actors: int = 1
+    score_gpus: float = 0.0  # per scoring actor; 0 on CPU-only clusters (a GPU ask there waits forever)
+    eval_gpus: float = 0.0
+    share_tokenizer: bool = True  # one BPE from the build for every model (local output only)
+
+
+def _demo_train(samples_seen: int, name: str) -> TrainConfig:
+    """The demo training preset for the track. Colour is half of what demo captions say, so colour jitter and
+    grayscale (label-destroying here) are off, and the sigmoid bias starts at −log(B) (docs/track.md)."""
+    return merge(
+        TRAIN_PRESETS["demo"],
+        {
+            "samples_seen": samples_seen,
+            "data": {"augment": False},
+            "loss": {"init_bias": -math.log(TRAIN_PRESETS["demo"].global_batch_size)},
+            "run": {"name": name},
+        },
+    )
+
+
+TRACK_PRESETS: dict[str, TrackConfig] = {
+    "demo": TrackConfig(
+        build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096}),
+        scorer=_demo_train(38_400, "scorer"),
+        # DataComp's protocol: one fixed CLIP recipe per subset, so only the data differs between rows.
+        train=merge(_demo_train(12_800, "subset"), {"loss": {"name": "clip"}}),
+    ),
+    # Runs inside ``make test``: the same steps on a 300-row pool with a few dozen steps per model.
+    "tiny": TrackConfig(
+        build=merge(BUILD_PRESETS["demo"], {"demo_n": 300, "tokenizer_vocab": 1024, "part_size": 150}),
+        scorer=merge(
+            _demo_train(512, "scorer"),
+            {
+                "global_batch_size": 32,
+                "loss": {"init_bias": -math.log(32)},
+                "run": {"checkpoint_every": 8, "log_every": 4},
+            },
+        ),
+        train=merge(
+            _demo_train(256, "subset"),
+            {
+                "global_batch_size": 32,
+                "loss": {"name": "clip"},
+                "run": {"checkpoint_every": 8, "log_every": 4},
+            },
+        ),
+        subsets=("no_filter", "csd", "random"),
+        eval_max_samples=64,
+    ),
+    "datacomp-small": TrackConfig(
+        output="s3://my-bucket/datacomp-small-track",
+        build=BUILD_PRESETS["datacomp-small"],
+        scorer=merge(
+            TRAIN_PRESETS["datacomp-small"], {"loss": {"name": "prolip"}, "run": {"name": "scorer"}}
+        ),
+        train=merge(TRAIN_PRESETS["datacomp-small"], {"loss": {"name": "clip"}, "run": {"name": "subset"}}),
+        subsets=("no_filter", "basic", "csd", "csd_uncertainty", "clip_score", "random"),
+        csd_fraction=0.2,
+        eval_tasks="datacomp",
+        eval_root="s3://my-bucket/datacomp-eval",
+        score_actors=8,
+        score_gpus=1.0,
+        eval_gpus=1.0,
+        share_tokenizer=False,
+    ),
+}
+
+
+def validate_track(cfg: TrackConfig) -> TrackConfig:
+    unknown = [s for s in cfg.subsets if s not in SUBSET_KINDS]
+    if unknown:
+        raise ConfigError(f"subsets: unknown {unknown} (known: {', '.join(SUBSET_KINDS)})")
+    if not cfg.seeds:
+        raise ConfigError("seeds: need at least one seed")
+    for name in ("csd_fraction", "clip_fraction", "text_unc_quantile"):
+        if not 0.0 < getattr(cfg, name) <= 1.0:
+            raise ConfigError(f"{name} must be in (0, 1], got {getattr(cfg, name)}")
+    if "random" in cfg.subsets and cfg.random_of not in cfg.subsets:
+        raise ConfigError(f"random_of: {cfg.random_of!r} is not one of subsets {list(cfg.subsets)}")
+    if cfg.scorer.loss.name != "prolip" and any(s.startswith("csd") for s in cfg.subsets):
+        raise ConfigError(f"scorer.loss.name: CSD subsets need a prolip scorer, got {cfg.scorer.loss.name!r}")
+    return cfg
+
+
+@dataclass
+class TrackResult:
+    output: str
+    report: str  # path of report.md
+    table: list[dict[str, Any]]  # one row per subset (means over seeds)
+    comparisons: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _State:
+    """``track_state.json``: finished steps and what they produced, so a re-run skips them."""
+
+    def __init__(self, output: str, s3_endpoint: str) -> None:
+        self.path, self.endpoint = storage.join(output, "track_state.json"), s3_endpoint
+        self.data: dict[str, Any] = (
+            storage.read_json(self.path, s3_endpoint) if storage.exists(self.path, s3_endpoint) else {}
+        )
+
+    def get(self, step: str) -> Any:
+        return self.data.get(step)
+
+    def done(self, step: str, value: Any) -> Any:
+        self.data[step] = value
+        storage.write_json(self.data, self.path, self.endpoint)
+        return value
+
+
+def _paths(cfg: TrackConfig) -> dict[str, str]:
+    o = cfg.output
+    return {
+        "shards": storage.join(o, "shards"),
+        "subsets": storage.join(o, "subsets"),
+        "train": storage.join(o, "train"),
+        "scores": storage.join(o, "scores", "scores.parquet"),
+        "subset_shards": storage.join(o, "subset_shards"),
+        "eval": storage.join(o, "eval"),
+        "tokenizer": storage.join(o, "tokenizer"),
+        "eval_root": cfg.eval_root or storage.join(o, "pool", "eval"),
+    }
+
+
+def train_config(cfg: TrackConfig, base: TrainConfig, name: str, shards: str, seed: int) -> TrainConfig:
+    """``base`` pointed at ``shards`` and this run's storage, seeded for a reproducible run."""
+    p = _paths(cfg)
+    updates: dict[str, Any] = {
+        "seed": seed,
+        "data": {"shards": shards, "s3_endpoint": cfg.s3_endpoint, "shuffle_seed": seed, "mask_seed": seed},
+        "run": {"storage_path": p["train"], "name": name, "s3_endpoint": cfg.s3_endpoint},
+    }
+    if cfg.share_tokenizer and not storage.is_s3(cfg.output) and cfg.build.tokenizer_vocab > 0:
+        updates["tokenizer"] = p["tokenizer"]
+    return merge(base, updates)
+
+
+def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResult:
+    """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
+    from pipeline.build import build, demo_source
+    from pipeline.track_report import write_report
+    from pipeline.track_steps import evaluate_models, make_subsets, reshard_subsets, score_pool, train_models
+
+    validate_track(cfg)
+    t_start = time.perf_counter()
+    p = _paths(cfg)
+    state = _State(cfg.output, cfg.s3_endpoint)
+    timings: dict[str, float] = dict(state.get("timings") or {})
+
+    def step(name: str, fn: Callable[[], Any]) -> Any:
+        cached = state.get(name)
+        if cached is not None:
+            log(f"[track] {name}: done earlier, skipped")
+            return cached
+        log(f"[track] {name} …")
+        t = time.perf_counter()
+        value = fn()
+        timings[name] = time.perf_counter() - t
+        state.done("timings", timings)
+        log(f"[track] {name}: {timings[name]:.0f}s")
+        return state.done(name, value)
+
+    def do_build() -> dict[str, Any]:
+        bcfg = dataclasses.replace(
+            cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
+        )
+        with demo_source(bcfg, log) as run_cfg:
+            res = build(run_cfg, log)
+        return {"n_input": res.n_input, "status": res.status_counts, "subsets": res.subsets}
+
+    built = step("build", do_build)
+    scorer = step(
+        "scorer",
+        lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0])}, log)["scorer"],
+    )
+    scores = step("score", lambda: score_pool(cfg, scorer["checkpoint"], log))
+    subsets = step("filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log))
+    shards = step("reshard", lambda: reshard_subsets(cfg, subsets, log))
+    runs = {
+        f"{name}-seed{seed}": (cfg.train, shards[name]["dir"], seed)
+        for name in cfg.subsets
+        for seed in cfg.seeds
+    }
+    # One state entry per model, so an interrupted track never retrains or re-evaluates a finished one.
+    models = {
+        name: step(f"train/{name}", lambda name=name, run=run: train_models(cfg, {name: run}, log)[name])
+        for name, run in runs.items()
+    }
+    evals = {
+        name: step(
+            f"evaluate/{name}", lambda name=name, info=info: evaluate_models(cfg, {name: info}, log)[name]
+        )
+        for name, info in {"scorer": scorer, **models}.items()
+    }
+    timings["this_invocation"] = time.perf_counter() - t_start
+    report, table, comparisons = write_report(cfg, built, scores, subsets, models, scorer, evals, timings)
+    return TrackResult(
+        output=cfg.output, report=report, table=table, comparisons=comparisons, timings=timings
+    )

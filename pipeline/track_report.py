@@ -1,0 +1,265 @@
+"""``report.md`` of a track run: the DataComp-style comparison table, the CSD-vs-controls verdict, what the
+filters kept, the scorer's uncertainty figures and the plots.
+
+The verdict is computed, never written by hand: for each seed the CSD model's average minus the
+no-filter and random models' averages, then the mean and the sign count over seeds. On the demo pool the
+ground truth (``pool/truth.parquet``: which captions were mismatched or not English) also says how clean
+each subset is, so a filter that wins or loses can be explained rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from pipeline import storage
+
+Row = dict[str, Any]
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _main_metrics(ev: dict[str, Any]) -> dict[str, float]:
+    return {r["task"]: float(r["value"]) for r in ev.get("results", []) if r.get("value") is not None}
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def comparison_table(
+    cfg: Any, subsets: dict[str, Any], models: dict[str, Any], evals: dict[str, Any]
+) -> list[Row]:
+    """One row per subset: size, samples seen, each task's main metric and the average, mean over seeds."""
+    rows: list[Row] = []
+    for name in cfg.subsets:
+        runs = [f"{name}-seed{s}" for s in cfg.seeds]
+        per_task: dict[str, list[float]] = {}
+        averages: list[float] = []
+        for run in runs:
+            ev = evals.get(run, {})
+            for task, value in _main_metrics(ev).items():
+                per_task.setdefault(task, []).append(value)
+            if "average" in ev.get("aggregates", {}):
+                averages.append(float(ev["aggregates"]["average"]))
+        avg, sd = _mean_sd(averages)
+        rows.append(
+            {
+                "subset": name,
+                "size": subsets[name]["size"],
+                "samples_seen": models[runs[0]]["samples_seen"] if runs[0] in models else None,
+                "tasks": {t: _mean_sd(v)[0] for t, v in per_task.items()},
+                "average": avg,
+                "average_sd": sd,
+                "average_by_seed": averages,
+            }
+        )
+    return rows
+
+
+def verdict(cfg: Any, evals: dict[str, Any]) -> dict[str, Any]:
+    """CSD minus each control on the average, per seed; "beats" only when better on every seed."""
+    out: dict[str, Any] = {}
+    candidates = [s for s in ("csd", "csd_uncertainty") if s in cfg.subsets]
+    controls = [s for s in ("no_filter", "random", "basic") if s in cfg.subsets]
+    for cand in candidates:
+        for ctrl in controls:
+            diffs = []
+            for seed in cfg.seeds:
+                a = evals.get(f"{cand}-seed{seed}", {}).get("aggregates", {}).get("average")
+                b = evals.get(f"{ctrl}-seed{seed}", {}).get("aggregates", {}).get("average")
+                if a is not None and b is not None:
+                    diffs.append(float(a) - float(b))
+            if diffs:
+                out[f"{cand}_vs_{ctrl}"] = {
+                    "diff_by_seed": diffs,
+                    "mean_diff": statistics.fmean(diffs),
+                    "wins": sum(d > 0 for d in diffs),
+                    "seeds": list(cfg.seeds),
+                    "beats": all(d > 0 for d in diffs),
+                }
+    return out
+
+
+def subset_purity(cfg: Any, subsets: dict[str, Any]) -> dict[str, dict[str, float]] | None:
+    """Share of clean / mismatched / non-English captions in each subset (demo pool ground truth)."""
+    from pipeline.subset import subset_uids
+
+    truth_path = storage.join(cfg.output, "pool", "truth.parquet")
+    if cfg.build.metadata or not storage.exists(truth_path, cfg.s3_endpoint):
+        return None
+    truth = storage.read_parquet(truth_path, s3_endpoint=cfg.s3_endpoint).to_pydict()
+    if "uid" not in truth or "caption_noise" not in truth:
+        return None
+    noise = dict(zip(truth["uid"], truth["caption_noise"], strict=True))
+    out: dict[str, dict[str, float]] = {}
+    for name, info in subsets.items():
+        uids = subset_uids(info["path"])
+        kinds = [noise.get(u, "unknown") or "clean" for u in uids]
+        n = max(len(kinds), 1)
+        out[name] = {k: kinds.count(k) / n for k in sorted(set(kinds))}
+    return out
+
+
+def _auroc(score: list[float], positive: list[bool]) -> float:
+    """P(score of a positive > score of a negative), ties half (the Mann–Whitney U form of ROC AUC)."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    s, y = np.asarray(score, float), np.asarray(positive, bool)
+    n_pos, n_neg = int(y.sum()), int((~y).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    ranks = rankdata(s)
+    return float((ranks[y].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def noise_detection(cfg: Any, scores_path: str) -> dict[str, float] | None:
+    """How well each score separates the demo pool's bad captions (ground truth), as ROC AUC: CSD and
+    −cosine for mismatched captions, Σσ²_t for mismatched and for non-English ones. 0.5 = chance."""
+    truth_path = storage.join(cfg.output, "pool", "truth.parquet")
+    if cfg.build.metadata or not storage.exists(truth_path, cfg.s3_endpoint):
+        return None
+    truth = storage.read_parquet(truth_path, s3_endpoint=cfg.s3_endpoint).to_pydict()
+    noise = dict(zip(truth["uid"], truth["caption_noise"], strict=True))
+    sc = storage.read_parquet(scores_path, s3_endpoint=cfg.s3_endpoint).to_pydict()
+    rows = [i for i, ok in enumerate(sc["ok"]) if ok and sc["uid"][i] in noise]
+    kinds = [noise[sc["uid"][i]] for i in rows]
+    out = {
+        "csd_auroc_mismatched": _auroc([sc["csd"][i] for i in rows], [k == "mismatched" for k in kinds]),
+        "neg_cosine_auroc_mismatched": _auroc(
+            [-sc["cosine"][i] for i in rows], [k == "mismatched" for k in kinds]
+        ),
+    }
+    if "text_unc" in sc and not all(math.isnan(sc["text_unc"][i]) for i in rows):
+        unc = [sc["text_unc"][i] for i in rows]
+        out["text_unc_auroc_mismatched"] = _auroc(unc, [k == "mismatched" for k in kinds])
+        out["text_unc_auroc_non_english"] = _auroc(unc, [k == "non_english" for k in kinds])
+    return out
+
+
+def _flat(prefix: str, obj: Any, out: list[tuple[str, Any]]) -> None:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
+    elif isinstance(obj, (int, float, str, bool)) or obj is None:
+        out.append((prefix, obj))
+
+
+def markdown_table(rows: list[Row]) -> str:
+    tasks = sorted({t for r in rows for t in r["tasks"]})
+    head = ["subset", "size", "samples seen", *tasks, "average"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        avg = _fmt(r["average"])
+        if r["average_sd"] and not math.isnan(r["average_sd"]):
+            avg += f" ± {r['average_sd']:.3f}"
+        cells = [
+            r["subset"],
+            str(r["size"]),
+            _fmt(r["samples_seen"]),
+            *[_fmt(r["tasks"].get(t)) for t in tasks],
+        ]
+        lines.append("| " + " | ".join([*cells, avg]) + " |")
+    return "\n".join(lines)
+
+
+def write_report(
+    cfg: Any,
+    built: dict[str, Any],
+    scores: dict[str, Any],
+    subsets: dict[str, Any],
+    models: dict[str, Any],
+    scorer: dict[str, Any],
+    evals: dict[str, Any],
+    timings: dict[str, float],
+) -> tuple[str, list[Row], dict[str, Any]]:
+    rows = comparison_table(cfg, subsets, models, evals)
+    verdicts = verdict(cfg, evals)
+    purity = subset_purity(cfg, subsets)
+    seeds = ", ".join(str(s) for s in cfg.seeds)
+    lines = [
+        "# Filtering track report",
+        "",
+        f"Run directory `{cfg.output}`; pool of {built['n_input']} rows, {built['status'].get('success', 0)} "
+        f"downloaded; scorer: {scorer['loss']} trained on the unfiltered pool for {scorer['samples_seen']} "
+        f"samples seen (loss {_fmt(scorer.get('first_loss'))} → {_fmt(scorer.get('final_loss'))}); each subset "
+        f"model: {cfg.train.loss.name}, {cfg.train.model}, {cfg.train.samples_seen} samples seen, seeds {seeds}.",
+        "",
+        "## Results (main metric per task; average = mean of the task main metrics)",
+        "",
+        markdown_table(rows),
+        "",
+        "## CSD filter vs controls (equal samples seen)",
+        "",
+    ]
+    if not verdicts:
+        lines.append("No CSD subset with a control in this run.")
+    for key, v in verdicts.items():
+        cand, ctrl = key.split("_vs_")
+        by_seed = ", ".join(
+            f"seed {s}: {d:+.4f}" for s, d in zip(v["seeds"], v["diff_by_seed"], strict=False)
+        )
+        word = "beats" if v["beats"] else "does not beat"
+        lines.append(
+            f"- **{cand}** {word} **{ctrl}** on the average: mean difference {v['mean_diff']:+.4f} "
+            f"({v['wins']}/{len(v['diff_by_seed'])} seeds better; {by_seed})."
+        )
+    detection = noise_detection(cfg, scores["path"])
+    if detection:
+        lines += ["", "## Does the scorer see the bad captions? (ROC AUC on the pool's ground truth)", ""]
+        lines.append(", ".join(f"{k} {_fmt(v)}" for k, v in detection.items()) + " (0.5 = chance).")
+    if purity:
+        lines += ["", "## What each subset kept (demo ground truth: caption noise)", ""]
+        kinds = sorted({k for d in purity.values() for k in d})
+        lines.append("| subset | " + " | ".join(kinds) + " |")
+        lines.append("|" + "---|" * (len(kinds) + 1))
+        for name, d in purity.items():
+            lines.append(f"| {name} | " + " | ".join(f"{100 * d.get(k, 0.0):.1f}%" for k in kinds) + " |")
+    analyses = evals.get("scorer", {}).get("analyses") or {}
+    if analyses:
+        flat: list[tuple[str, Any]] = []
+        _flat("", analyses, flat)
+        lines += [
+            "",
+            "## Uncertainty (scorer, measured on the demo eval sets)",
+            "",
+            "| quantity | value |",
+            "|---|---|",
+        ]
+        lines += [f"| {k} | {_fmt(v, 4)} |" for k, v in flat]
+    plots = evals.get("scorer", {}).get("plots") or []
+    if plots:
+        lines += ["", "## Plots", ""]
+        for path in plots:
+            rel = path[len(cfg.output) :].lstrip("/") if path.startswith(cfg.output) else path
+            lines.append(f"![{rel.rsplit('/', 1)[-1]}]({rel})")
+    lines += [
+        "",
+        "## Timings (seconds)",
+        "",
+        ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
+        "",
+        f"Scoring: {scores['n_rows']} pairs at {scores['pairs_per_s']:.0f} pairs/s.",
+        "",
+    ]
+    path = storage.join(cfg.output, "report.md")
+    storage.write_bytes("\n".join(lines).encode(), path, cfg.s3_endpoint)
+    results = {
+        "table": rows,
+        "verdict": verdicts,
+        "purity": purity,
+        "noise_detection": detection,
+        "timings": timings,
+    }
+    storage.write_json(results, storage.join(cfg.output, "track_results.json"), cfg.s3_endpoint)
+    return path, rows, verdicts

@@ -1,0 +1,109 @@
+"""The filtering track: config validation, the report's arithmetic, and the tiny preset end to end."""
+
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.config import ConfigError, merge, resolve
+from pipeline.track import TRACK_PRESETS, TrackConfig, validate_track
+from pipeline.track_report import comparison_table, markdown_table, verdict
+from tests.fixtures_ray import ray_local  # noqa: F401
+
+
+def test_unknown_subset_is_named():
+    with pytest.raises(ConfigError, match="subsets"):
+        validate_track(merge(TrackConfig(), {"subsets": ["no_filter", "csd_magic"]}))
+
+
+def test_random_control_needs_its_reference():
+    with pytest.raises(ConfigError, match="random_of"):
+        validate_track(merge(TrackConfig(), {"subsets": ["no_filter", "random"], "random_of": "csd"}))
+
+
+def test_csd_needs_a_prolip_scorer():
+    with pytest.raises(ConfigError, match="scorer.loss.name"):
+        validate_track(merge(TrackConfig(), {"scorer": {"loss": {"name": "clip"}}}))
+
+
+def test_presets_resolve_with_nested_overrides():
+    cfg = resolve(
+        TRACK_PRESETS, "demo", None, ["build.demo_n=500", "train.samples_seen=1280", "seeds=[0, 1]"]
+    )
+    assert cfg.build.demo_n == 500 and cfg.train.samples_seen == 1280 and cfg.seeds == (0, 1)
+    for name in TRACK_PRESETS:
+        validate_track(TRACK_PRESETS[name])
+    with pytest.raises(ConfigError, match="train.samples_sen"):
+        resolve(TRACK_PRESETS, "demo", None, ["train.samples_sen=5"])
+
+
+def _evals(averages: dict[str, list[float]]) -> dict:
+    out = {}
+    for subset, values in averages.items():
+        for seed, v in enumerate(values):
+            out[f"{subset}-seed{seed}"] = {
+                "results": [{"task": "shapes", "value": v + 0.1}, {"task": "colours", "value": v - 0.1}],
+                "aggregates": {"average": v},
+            }
+    return out
+
+
+def test_verdict_and_table_are_computed_per_seed():
+    cfg = SimpleNamespace(subsets=("no_filter", "csd", "random"), seeds=(0, 1))
+    evals = _evals({"no_filter": [0.30, 0.40], "csd": [0.35, 0.38], "random": [0.20, 0.25]})
+    v = verdict(cfg, evals)
+    assert v["csd_vs_no_filter"]["diff_by_seed"] == pytest.approx([0.05, -0.02])
+    assert v["csd_vs_no_filter"]["mean_diff"] == pytest.approx(0.015)
+    assert v["csd_vs_no_filter"]["beats"] is False and v["csd_vs_no_filter"]["wins"] == 1
+    assert v["csd_vs_random"]["beats"] is True and v["csd_vs_random"]["mean_diff"] == pytest.approx(0.14)
+    subsets = {s: {"size": n} for s, n in (("no_filter", 100), ("csd", 50), ("random", 50))}
+    models = {k: {"samples_seen": 1000} for k in evals}
+    rows = comparison_table(cfg, subsets, models, evals)
+    csd = next(r for r in rows if r["subset"] == "csd")
+    assert csd["average"] == pytest.approx(0.365) and csd["tasks"]["shapes"] == pytest.approx(0.465)
+    assert csd["average_sd"] == pytest.approx(0.0212132, abs=1e-6)
+    text = markdown_table(rows)
+    assert "| csd | 50 | 1000 | 0.265 | 0.465 | 0.365 ± 0.021 |" in text
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):  # noqa: F811
+    from jobs.track import main
+
+    out = tmp_path / "track"
+    args = ["--preset", "tiny", "--set", f"output={out}"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    results = json.loads((out / "track_results.json").read_text())
+    subsets = [r["subset"] for r in results["table"]]
+    assert subsets == ["no_filter", "csd", "random"]
+    sizes = {r["subset"]: r["size"] for r in results["table"]}
+    assert sizes["csd"] == sizes["random"] < sizes["no_filter"]
+    for row in results["table"]:
+        assert 0.0 <= row["average"] <= 1.0 and row["tasks"]
+    assert set(results["verdict"]) == {"csd_vs_no_filter", "csd_vs_random"}
+    assert "| subset | size | samples seen |" in report and "CSD filter vs controls" in report
+    assert printed.rstrip().splitlines()[-1].startswith("| random |")  # the table ends the output
+    for name in ("scorer", "no_filter-seed0", "csd-seed0", "random-seed0"):
+        assert (out / "eval" / name / "eval_results.jsonl").is_file()
+    state = json.loads((out / "track_state.json").read_text())
+    assert {"build", "scorer", "score", "filters", "reshard", "train/csd-seed0", "evaluate/scorer"} <= set(
+        state
+    )
+    # A re-run resumes: every step is skipped, only the report is written again.
+    t = time.perf_counter()
+    assert main(args) == 0
+    assert time.perf_counter() - t < 30
+    assert "done earlier, skipped" in capsys.readouterr().out
+
+
+def test_auroc_matches_hand_counts():
+    from pipeline.track_report import _auroc
+
+    # positives 0.9, 0.4; negatives 0.5, 0.1, 0.4 → pairs won: 0.9 beats 3, 0.4 beats 1 and ties 1 → 4.5/6
+    assert _auroc([0.9, 0.4, 0.5, 0.1, 0.4], [True, True, False, False, False]) == pytest.approx(4.5 / 6)
