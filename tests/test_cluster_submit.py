@@ -87,13 +87,13 @@ def state_api(url: str, what: str, token: str | None) -> list[dict]:
 @pytest.mark.slow
 def test_submit_demo_build_and_tiny_training(ray_head, tmp_path) -> None:
     out = tmp_path / "build"
-    res = ray_head.submit(build_args(out, 200), extra=["--submission-id", "build-demo"], timeout=240)
+    res = ray_head.submit(build_args(out, 100), extra=["--submission-id", "build-demo"], timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert job_status(ray_head, "build-demo") == "SUCCEEDED"
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["jobs"]["build_dataset"]["counts"]["input_rows"] == 200
+    assert manifest["jobs"]["build_dataset"]["counts"]["input_rows"] == 100
     status = pq.read_table(out / "metadata" / "status.parquet")
-    assert status.num_rows == 200 and "success" in set(status.column("status").to_pylist())
+    assert status.num_rows == 100 and "success" in set(status.column("status").to_pylist())
     assert sorted(p.name for p in (out / "subsets").glob("*.npy"))
     assert list((out / "shards").glob("*.tar"))
 
