@@ -39,14 +39,14 @@ def test_missing_checkpoint_and_bad_eval_set_exit_2(tmp_path, tiny_checkpoint, c
         == 2
     )
     assert str(tmp_path / "nope") in capsys.readouterr().err
-    shapes = tmp_path / "eval" / "shapes"
-    shapes.mkdir(parents=True)
-    (shapes / "classnames.txt").write_text("circle\n")  # no templates file, no shards
+    colours = tmp_path / "eval" / "colours"  # the demo list's first task
+    colours.mkdir(parents=True)
+    (colours / "classnames.txt").write_text("red\n")  # no templates file, no shards
     code = main(
         ["--checkpoint", tiny_checkpoint, "--eval-root", str(tmp_path / "eval"), "--out", str(tmp_path / "o")]
     )
     assert code == 2
-    assert str(shapes / "zeroshot_classification_templates.txt") in capsys.readouterr().err
+    assert str(colours / "zeroshot_classification_templates.txt") in capsys.readouterr().err
 
 
 @pytest.mark.ray
@@ -60,9 +60,9 @@ def test_demo_eval_end_to_end(ray_local, demo_pool, tiny_checkpoint, clip_checkp
         == 0
     )
     lines = [json.loads(x) for x in (out / "eval_results.jsonl").read_text().splitlines()]
-    assert [r["task"] for r in lines] == ["shapes", "colours", "retrieval", "hierarchy"]
+    assert [r["task"] for r in lines] == ["colours", "shapes", "retrieval", "hierarchy"]
     assert all(0.0 <= r["value"] <= 1.0 for r in lines)
-    assert lines[0]["metrics"]["n"] == 32  # 8 shapes × 4 per class in the fixture's eval sizes
+    assert lines[0]["metrics"]["n"] == 32  # 8 colours × 4 per class in the fixture's eval sizes
     aggs = json.loads((out / "aggregates.json").read_text())["aggregates"]
     assert aggs["average"] == pytest.approx(sum(r["value"] for r in lines) / 4)
     analyses = json.loads((out / "analyses.json").read_text())

@@ -11,7 +11,6 @@ import pytest
 from pipeline.config import ConfigError, merge, resolve
 from pipeline.track import TRACK_PRESETS, TrackConfig, validate_track
 from pipeline.track_report import comparison_table, markdown_table, verdict
-from tests.fixtures_ray import ray_local  # noqa: F401
 
 
 def test_unknown_subset_is_named():
@@ -71,7 +70,7 @@ def test_verdict_and_table_are_computed_per_seed():
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):  # noqa: F811
+def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     from jobs.track import main
 
     out = tmp_path / "track"
