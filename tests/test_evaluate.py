@@ -143,8 +143,8 @@ def test_aggregates_and_missing_tasks():
 
 def test_task_lists_parse():
     demo = load_tasks("demo", root="/pool/eval")
-    assert [t.name for t in demo] == ["shapes", "colours", "retrieval", "hierarchy"]
-    assert demo[0].path == "/pool/eval/shapes"
+    assert [t.name for t in demo] == ["colours", "shapes", "retrieval", "hierarchy"]
+    assert demo[0].path == "/pool/eval/colours"
     dc = load_tasks("datacomp", root="s3://bucket/evals")
     assert len(dc) == 38 and all(t.optional for t in dc)
     groups = [t.group for t in dc]
