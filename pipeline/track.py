@@ -32,6 +32,7 @@ from pipeline import storage
 from pipeline.config import BUILD_PRESETS, BuildConfig, ConfigError, merge
 from training.config import TRAIN_PRESETS, TrainConfig
 
+BUILD_SUBSETS = ("no_filter", "basic", "english")  # written by the build's own filters
 SUBSET_KINDS = ("no_filter", "basic", "english", "csd", "csd_uncertainty", "clip_score", "random")
 
 
@@ -135,6 +136,9 @@ def validate_track(cfg: TrackConfig) -> TrackConfig:
     for name in ("csd_fraction", "clip_fraction", "text_unc_quantile"):
         if not 0.0 < getattr(cfg, name) <= 1.0:
             raise ConfigError(f"{name} must be in (0, 1], got {getattr(cfg, name)}")
+    from_build = [s for s in cfg.subsets if s in BUILD_SUBSETS and s not in cfg.build.filters.names]
+    if from_build:
+        raise ConfigError(f"build.filters.names: add {from_build} (subsets takes them from the build)")
     if "random" in cfg.subsets and cfg.random_of not in cfg.subsets:
         raise ConfigError(f"random_of: {cfg.random_of!r} is not one of subsets {list(cfg.subsets)}")
     if cfg.scorer.loss.name != "prolip" and any(s.startswith("csd") for s in cfg.subsets):

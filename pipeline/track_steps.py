@@ -85,29 +85,25 @@ def make_subsets(
         "clip_score": ("clip_score_best", {"fraction": cfg.clip_fraction}),
     }
     out: dict[str, Any] = {}
-    order = [s for s in cfg.subsets if s != "random"] + (["random"] if "random" in cfg.subsets else [])
+    # The random control goes last: it is sized like ``cfg.random_of``.
+    order = sorted(cfg.subsets, key=lambda s: s == "random")
     for name in order:
-        rule_name = rules[name][0] if name in rules else "random_same_size"
-        # Named by rule so they never overwrite the build's own subsets (its ``random`` is a different draw).
-        path = storage.join(p["subsets"], f"{rule_name}.npy")
-        if name in rules:
-            rule, params = rules[name]
+        if name not in rules and name != "random":  # a build baseline, used as the build wrote it
+            path, counts, rule, params = build_subsets[name], {}, f"build:{name}", {}
+            uids = subset_uids(path)
+        else:
+            if name == "random":
+                rule, params = (
+                    "random_same_size",
+                    {"n_keep": out[cfg.random_of]["size"], "seed": cfg.seeds[0]},
+                )
+            else:
+                rule, params = rules[name]
             outcome = apply(rule, scores, **params)
             uids, counts = list(outcome.uids_kept), dict(outcome.counts_by_reason)
-        elif name == "random":
-            n_keep = out[cfg.random_of]["size"]
-            outcome = apply("random_same_size", scores, n_keep=n_keep, seed=cfg.seeds[0])
-            uids, counts = list(outcome.uids_kept), dict(outcome.counts_by_reason)
-            rule, params = "random_same_size", {"n_keep": n_keep, "seed": cfg.seeds[0]}
-        else:
-            if name not in build_subsets:
-                raise KeyError(f"subset {name!r}: the build wrote none (build.filters.names)")
-            uids, counts = subset_uids(build_subsets[name]), {}
-            rule, params = f"build:{name}", {}
-        if name in rules or name == "random":
+            # Named by rule so they never overwrite the build's own subsets (its ``random`` is another draw).
+            path = storage.join(p["subsets"], f"{rule}.npy")
             write_subset(uids, path)
-        else:
-            path = build_subsets[name]
         out[name] = {"path": path, "size": len(uids), "rule": rule, "params": params, "dropped": counts}
         log(f"[track]   subset {name}: {len(uids)} uids ({rule})")
     return out

@@ -106,3 +106,9 @@ def test_auroc_matches_hand_counts():
 
     # positives 0.9, 0.4; negatives 0.5, 0.1, 0.4 → pairs won: 0.9 beats 3, 0.4 beats 1 and ties 1 → 4.5/6
     assert _auroc([0.9, 0.4, 0.5, 0.1, 0.4], [True, True, False, False, False]) == pytest.approx(4.5 / 6)
+
+
+def test_baseline_subsets_must_be_built():
+    cfg = merge(TrackConfig(), {"build": {"filters": {"names": ["no_filter"]}}})
+    with pytest.raises(ConfigError, match=r"build.filters.names: add \['basic'\]"):
+        validate_track(cfg)
