@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -261,12 +262,20 @@ class TrainCollate(_collate_base()):  # type: ignore[misc]
     stop paying for the full context — for CLIP and ProLIP alike.
     """
 
-    def __init__(self, masker: MaskedVariants | None, epoch: int, pad_id: int | None = None) -> None:
-        self.masker, self.epoch, self.pad_id = masker, epoch, pad_id
+    def __init__(
+        self,
+        masker: MaskedVariants | None,
+        epoch: int,
+        pad_id: int | None = None,
+        cache: DecodedCache | None = None,
+    ) -> None:
+        self.masker, self.epoch, self.pad_id, self.cache = masker, epoch, pad_id, cache
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         import torch
 
+        if self.cache is not None:
+            self.cache.keep(batch)
         out = self.masker(batch, self.epoch) if self.masker is not None else dict(batch)
         tokens = np.asarray(out["tokens"], dtype=np.int64)
         width = tokens.shape[1]
@@ -283,6 +292,51 @@ class TrainCollate(_collate_base()):  # type: ignore[misc]
             tensors["selected"] = torch.from_numpy(out["selected"])
             tensors["masked_index"] = torch.from_numpy(np.flatnonzero(out["selected"]).astype(np.int64))
         return tensors
+
+
+class DecodedCache:
+    """``DataConfig.cache_decoded``: the decoded rows one worker received in its first epoch, served again
+    in a fresh order every later epoch, in full batches, through the same collate step (so the masked
+    variants are still those of each epoch). Small datasets only: the rows live in the worker's memory.
+    """
+
+    def __init__(self) -> None:
+        self._parts: list[dict[str, np.ndarray]] = []
+        self._rows: dict[str, np.ndarray] | None = None
+        self._lock = threading.Lock()  # Ray may collate prefetched batches in threads
+
+    def keep(self, batch: dict[str, np.ndarray]) -> None:
+        part = {k: np.array(v, copy=True) for k, v in batch.items()}  # not views of object-store blocks
+        with self._lock:
+            self._parts.append(part)
+
+    @property
+    def n_rows(self) -> int:
+        if self._rows is not None:
+            return len(self._rows["key"])
+        return sum(len(p["key"]) for p in self._parts)
+
+    def seal(self) -> None:
+        """The first epoch is over: later epochs come from here."""
+        if not self._parts:
+            raise RuntimeError("data.cache_decoded: the first epoch delivered no rows to keep")
+        with self._lock:
+            self._rows = {k: np.concatenate([p[k] for p in self._parts]) for k in self._parts[0]}
+            self._parts = []
+
+    @property
+    def sealed(self) -> bool:
+        return self._rows is not None
+
+    def batches(
+        self, batch_size: int, rng: np.random.Generator, collate: Callable[[dict[str, np.ndarray]], Any]
+    ) -> Iterator[Any]:
+        """One epoch: a permutation of the kept rows in full batches (the remainder waits for the next)."""
+        assert self._rows is not None, "seal() first"
+        order = rng.permutation(self.n_rows)
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            idx = order[start : start + batch_size]
+            yield collate({k: v[idx] for k, v in self._rows.items()})
 
 
 # --- Ray wiring ---------------------------------------------------------------------------------------

@@ -44,3 +44,14 @@ def test_unknown_preset():
 def test_parse_set_rejects_missing_equals():
     with pytest.raises(ConfigError):
         parse_set(["oops"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("data.cache_decoded", "true"), ("scaling.torch_threads", -2), ("run.log_every", 0)]
+)
+def test_train_config_range_errors_name_the_field(key, value):
+    from training.config import TRAIN_PRESETS, validate
+
+    cfg = resolve(TRAIN_PRESETS, "demo", None, [f"{key}={value}"])
+    with pytest.raises(ConfigError, match=key.split(".")[-1]):
+        validate(cfg)

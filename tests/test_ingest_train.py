@@ -221,3 +221,27 @@ def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_p
     with pytest.raises((TooManyBadShards, ray.exceptions.RayTaskError)) as err:
         strict.materialize()
     assert "max_bad_shards=0" in str(err.value) and "0000000" in str(err.value)
+
+
+def test_decoded_cache_serves_every_kept_row_in_a_fresh_order(tokenizer) -> None:
+    from pipeline.ingest_train import DecodedCache
+
+    cache = DecodedCache()
+    collate = TrainCollate(None, epoch=0, cache=cache)
+    collate(masked_batch(tokenizer, n=16))
+    collate(masked_batch(tokenizer, n=16, start=16))
+    collate(masked_batch(tokenizer, n=5, start=32))  # the first epoch's remainder is kept too
+    cache.seal()
+    assert cache.sealed and cache.n_rows == 37
+    seen = []
+    for batch in cache.batches(8, np.random.default_rng(0), lambda b: b):
+        assert len(batch["key"]) == 8
+        seen += list(batch["key"])
+    assert len(seen) == 32 and len(set(seen)) == 32  # 4 full batches, no row twice; 5 wait for next time
+    again = [k for b in cache.batches(8, np.random.default_rng(0), lambda b: b) for k in b["key"]]
+    other = [k for b in cache.batches(8, np.random.default_rng(1), lambda b: b) for k in b["key"]]
+    assert again == seen and other != seen
+    out = next(cache.batches(8, np.random.default_rng(0), TrainCollate(masker(tokenizer), epoch=3)))
+    assert int(out["selected"].sum()) == 1  # masked variants drawn for the cached epoch
+    with pytest.raises(RuntimeError, match="cache_decoded"):
+        DecodedCache().seal()

@@ -19,6 +19,7 @@ committed checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -176,3 +177,29 @@ def test_tensorboard_writer_writes_event_files(tmp_path) -> None:
     writer.add_scalar("loss/total", 1.0, 1)
     writer.close()
     assert any(p.name.startswith("events.out.tfevents") for p in tmp_path.iterdir())
+
+
+@pytest.mark.ray
+def test_cached_epochs_on_two_workers_commit_every_step(ray_local, tmp_path) -> None:
+    """``data.cache_decoded``: epoch 0 from Ray Data (remainder kept), later epochs from each worker's rows."""
+    from pipeline.config import merge
+    from training.config import TRAIN_PRESETS
+    from training.trainer import train
+
+    write_demo_shards(tmp_path / "shards", n_shards=2, per_shard=40, size=48)
+    cfg = merge(
+        TRAIN_PRESETS["demo"],
+        {
+            "model": "tiny-32px", "global_batch_size": 32, "samples_seen": 8 * 32, "tokenizer_vocab": 512,
+            "data": {"shards": str(tmp_path / "shards"), "augment": False, "cache_decoded": True,
+                     "shuffle_seed": 0, "decode_batch_size": 16, "shuffle_window": 32},
+            "optim": {"warmup_steps": 2},
+            "run": {"storage_path": str(tmp_path / "train"), "name": "cached", "checkpoint_every": 8,
+                    "log_every": 2},
+        },
+    )  # fmt: skip
+    rv = train(cfg).return_value
+    # 80 rows over 2 workers: 40 each = 2 steps of 16 per epoch (8 left over), so 8 steps take 4 epochs.
+    assert rv["history"] == [[1, 8]] and rv["world_size"] == 2
+    assert rv["cached_rows"] == 40 and rv["epoch"] == 4
+    assert all(math.isfinite(m["loss/total"]) for m in rv["metrics"])
