@@ -54,6 +54,7 @@ from pipeline.shard_source import (  # noqa: F401  (re-exported: the ingest's pu
     make_shard_datasource,
     read_counters,
     start_counters,
+    stop_counters,
 )
 
 log = logging.getLogger(__name__)

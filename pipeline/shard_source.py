@@ -89,6 +89,15 @@ def start_counters(name: str | None = None) -> str:
     return name
 
 
+def stop_counters(name: str | None) -> None:
+    """Let the counters actor go (its process would otherwise idle on, one per finished training)."""
+    import ray
+
+    handle = _LIVE_COUNTERS.pop(name, None) if name else None
+    if handle is not None:
+        ray.kill(handle)
+
+
 def read_counters(name: str) -> dict[str, Any]:
     import ray
 

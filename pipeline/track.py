@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,14 +64,14 @@ def _demo_train(samples_seen: int, name: str) -> TrainConfig:
     """The demo training preset for the track. Colour is half of what demo captions say, so colour jitter and
     grayscale (label-destroying here) are off, and the sigmoid bias starts at −log(B) (docs/track.md).
 
-    Sized for a 2-core laptop: the 32-px tiny model (2.4× the samples/s of 64 px); one Train worker using
+    Sized for a 2-core laptop: the 32-px, 2-layer ``demo-32px`` model (~4× the samples/s of ``tiny``); one Train worker using
     every core (two half-core DDP workers ran at ~60% of its rate); and, with augmentation off, the
     decoded rows kept in the worker after the first epoch (``data.cache_decoded``).
     """
     return merge(
         TRAIN_PRESETS["demo"],
         {
-            "model": "tiny-32px",
+            "model": "demo-32px",
             "samples_seen": samples_seen,
             "data": {"augment": False, "cache_decoded": True},
             "loss": {"init_bias": -math.log(TRAIN_PRESETS["demo"].global_batch_size)},
@@ -90,7 +91,7 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         # DataComp's protocol: one fixed CLIP recipe per subset, so only the data differs between rows. A
         # batch of 64 gives a tiny model twice the updates for the same samples seen.
         train=merge(
-            _demo_train(10_240, "subset"),
+            _demo_train(12_800, "subset"),
             {"loss": {"name": "clip"}, "global_batch_size": 64, "optim": {"warmup_steps": 10}},
         ),
     ),
@@ -208,6 +209,19 @@ def train_config(cfg: TrackConfig, base: TrainConfig, name: str, shards: str, se
     return merge(base, updates)
 
 
+def cpu_reference(seconds: float = 1.0, n: int = 256) -> dict[str, float]:
+    """fp32 matmul GFLOP/s of this machine (torch's default threads): a yardstick printed beside the
+    timings, since one 2-core machine measured 2.3× apart on the same step within an hour."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    count, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds:
+        a @ b
+        count += 1
+    return {"cores": os.cpu_count() or 0, "matmul_gflops": round(2 * n**3 * count / elapsed / 1e9, 1)}
+
+
 def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResult:
     """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
     from pipeline.build import build, demo_source
@@ -215,6 +229,8 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
     from pipeline.track_steps import evaluate_models, make_subsets, reshard_subsets, score_pool, train_models
 
     validate_track(cfg)
+    machine = cpu_reference()
+    log(f"[track] machine: {machine['cores']} cores, fp32 matmul {machine['matmul_gflops']} GFLOP/s")
     t_start = time.perf_counter()
     p = _paths(cfg)
     state = _State(cfg.output, cfg.s3_endpoint)
@@ -266,7 +282,9 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         for name, info in {"scorer": scorer, **models}.items()
     }
     timings["this_invocation"] = time.perf_counter() - t_start
-    report, table, comparisons = write_report(cfg, built, scores, subsets, models, scorer, evals, timings)
+    report, table, comparisons = write_report(
+        cfg, built, scores, subsets, models, scorer, evals, timings, machine
+    )
     return TrackResult(
         output=cfg.output, report=report, table=table, comparisons=comparisons, timings=timings
     )

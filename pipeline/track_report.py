@@ -182,6 +182,7 @@ def write_report(
     scorer: dict[str, Any],
     evals: dict[str, Any],
     timings: dict[str, float],
+    machine: dict[str, float] | None = None,
 ) -> tuple[str, list[Row], dict[str, Any]]:
     rows = comparison_table(cfg, subsets, models, evals)
     verdicts = verdict(cfg, evals)
@@ -252,6 +253,12 @@ def write_report(
         f"Scoring: {scores['n_rows']} pairs at {scores['pairs_per_s']:.0f} pairs/s.",
         "",
     ]
+    if machine:
+        lines += [
+            f"Machine: {machine['cores']:.0f} cores, fp32 matmul {machine['matmul_gflops']:.1f} GFLOP/s "
+            "at the start of this invocation (a yardstick: the same machine has measured 2x apart).",
+            "",
+        ]
     path = storage.join(cfg.output, "report.md")
     storage.write_bytes("\n".join(lines).encode(), path, cfg.s3_endpoint)
     results = {
@@ -260,6 +267,7 @@ def write_report(
         "purity": purity,
         "noise_detection": detection,
         "timings": timings,
+        "machine": machine or {},
     }
     storage.write_json(results, storage.join(cfg.output, "track_results.json"), cfg.s3_endpoint)
     return path, rows, verdicts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -198,7 +199,13 @@ def _damage(path: str, out: str, how: str) -> None:
 def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_path, tokenizer) -> None:
     import ray
 
-    from pipeline.ingest_train import TooManyBadShards, build_train_dataset, read_counters, start_counters
+    from pipeline.ingest_train import (
+        TooManyBadShards,
+        build_train_dataset,
+        read_counters,
+        start_counters,
+        stop_counters,
+    )
 
     good = write_demo_shards(tmp_path / "src", n_shards=3, per_shard=20, size=48)
     _damage(good[1], good[1], "truncate")  # cut at a member boundary: tarfile reads it as complete
@@ -214,6 +221,16 @@ def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_p
     counts = read_counters(name)
     assert counts["bad_shards"] == 2 and counts["bad_images"] == 0
     assert sorted(counts["bad_shard_paths"]) == sorted(good[1:])
+    stop_counters(name)  # one actor per training must not outlive it
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name)
+        except ValueError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"counters actor {name} still alive after stop_counters")
 
     strict = build_train_dataset(
         DataConfig(**{**cfg.__dict__, "max_bad_shards": 0}), tokenizer, 32, 16, start_counters()

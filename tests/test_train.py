@@ -190,7 +190,7 @@ def test_cached_epochs_on_two_workers_commit_every_step(ray_local, tmp_path) -> 
     cfg = merge(
         TRAIN_PRESETS["demo"],
         {
-            "model": "tiny-32px", "global_batch_size": 32, "samples_seen": 8 * 32, "tokenizer_vocab": 512,
+            "model": "demo-32px", "global_batch_size": 32, "samples_seen": 8 * 32, "tokenizer_vocab": 512,
             "data": {"shards": str(tmp_path / "shards"), "augment": False, "cache_decoded": True,
                      "shuffle_seed": 0, "decode_batch_size": 16, "shuffle_window": 32},
             "optim": {"warmup_steps": 2},

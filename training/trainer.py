@@ -33,6 +33,7 @@ from pipeline.ingest_train import (
     list_shards,
     read_counters,
     start_counters,
+    stop_counters,
     tokenizer_state,
 )
 from pipeline.placement import train_dataset_config, worker_label_selector
@@ -181,9 +182,13 @@ def train(cfg: TrainConfig) -> TrainResult:
     tokenizer = prepare_tokenizer(cfg)
     mcfg = model_config(cfg.model)
     counters = start_counters()
-    dataset = build_train_dataset(cfg.data, tokenizer, mcfg.image_size, mcfg.context_length, counters)
-    with ProgressPrinter(counters, cfg.run.name):
-        result = build_trainer(cfg, tokenizer, dataset, counters).fit()
+    try:
+        dataset = build_train_dataset(cfg.data, tokenizer, mcfg.image_size, mcfg.context_length, counters)
+        with ProgressPrinter(counters, cfg.run.name):
+            result = build_trainer(cfg, tokenizer, dataset, counters).fit()
+        ingest = read_counters(counters)
+    finally:
+        stop_counters(counters)
     ckpt = result.checkpoint
     ckpt_path = None
     if ckpt is not None:
@@ -194,6 +199,6 @@ def train(cfg: TrainConfig) -> TrainResult:
         checkpoint_path=ckpt_path,
         run_dir=run_dir(cfg),
         tokenizer=tokenizer,
-        ingest=read_counters(counters),
+        ingest=ingest,
         wall_s=time.perf_counter() - t0,
     )
