@@ -322,7 +322,11 @@ class DecodedCache:
         if not self._parts:
             raise RuntimeError("data.cache_decoded: the first epoch delivered no rows to keep")
         with self._lock:
-            self._rows = {k: np.concatenate([p[k] for p in self._parts]) for k in self._parts[0]}
+            rows = {k: np.concatenate([p[k] for p in self._parts]) for k in self._parts[0]}
+            # In key order: the first epoch arrives in whatever order Ray Data's tasks finished, and the
+            # later epochs' seeded permutations should not depend on that.
+            order = np.argsort(rows["key"].astype(str), kind="stable")
+            self._rows = {k: v[order] for k, v in rows.items()}
             self._parts = []
 
     @property

@@ -258,6 +258,11 @@ def test_decoded_cache_serves_every_kept_row_in_a_fresh_order(tokenizer) -> None
     again = [k for b in cache.batches(8, np.random.default_rng(0), lambda b: b) for k in b["key"]]
     other = [k for b in cache.batches(8, np.random.default_rng(1), lambda b: b) for k in b["key"]]
     assert again == seen and other != seen
+    shuffled = DecodedCache()  # the same rows arriving in another order: the same cached epochs
+    for part in (masked_batch(tokenizer, n=5, start=32), masked_batch(tokenizer, n=32)):
+        TrainCollate(None, epoch=0, cache=shuffled)(part)
+    shuffled.seal()
+    assert [k for b in shuffled.batches(8, np.random.default_rng(0), lambda b: b) for k in b["key"]] == seen
     out = next(cache.batches(8, np.random.default_rng(0), TrainCollate(masker(tokenizer), epoch=3)))
     assert int(out["selected"].sum()) == 1  # masked variants drawn for the cached epoch
     with pytest.raises(RuntimeError, match="cache_decoded"):
