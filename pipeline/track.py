@@ -64,9 +64,9 @@ def _demo_train(samples_seen: int, name: str) -> TrainConfig:
     """The demo training preset for the track. Colour is half of what demo captions say, so colour jitter and
     grayscale (label-destroying here) are off, and the sigmoid bias starts at −log(B) (docs/track.md).
 
-    Sized for a 2-core laptop: the 32-px, 2-layer ``demo-32px`` model (~4× the samples/s of ``tiny``); one Train worker using
-    every core (two half-core DDP workers ran at ~60% of its rate); and, with augmentation off, the
-    decoded rows kept in the worker after the first epoch (``data.cache_decoded``).
+    Sized for a 2-core laptop: the 32-px, 2-layer ``demo-32px`` model (~4× the samples/s of ``tiny``); one
+    Train worker using every core (two half-core DDP workers ran at ~60% of its rate); and, with augmentation
+    off, the decoded rows kept in the worker after the first epoch (``data.cache_decoded``).
     """
     return merge(
         TRAIN_PRESETS["demo"],
@@ -84,7 +84,7 @@ def _demo_train(samples_seen: int, name: str) -> TrainConfig:
 TRACK_PRESETS: dict[str, TrackConfig] = {
     "demo": TrackConfig(
         build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096}),
-        # Sized so the whole demo fits ~13 minutes on 2 cores (docs/track.md has the measured steps). Gradient
+        # Sized so the whole demo fits ~9 minutes on 2 cores (docs/track.md has the measured steps). Gradient
         # clipping and a longer warmup: without them one of two otherwise identical runs spiked at the LR
         # peak and never left the sigmoid plateau.
         scorer=merge(_demo_train(38_400, "scorer"), {"optim": {"grad_clip": 1.0, "warmup_steps": 80}}),
@@ -211,7 +211,7 @@ def train_config(cfg: TrackConfig, base: TrainConfig, name: str, shards: str, se
 
 def cpu_reference(seconds: float = 1.0, n: int = 256) -> dict[str, float]:
     """fp32 matmul GFLOP/s of this machine (torch's default threads): a yardstick printed beside the
-    timings, since one 2-core machine measured 2.3× apart on the same step within an hour."""
+    timings: one 2-core machine measured 2.3× apart on the same training step within an hour."""
     import torch
 
     a, b = torch.randn(n, n), torch.randn(n, n)

@@ -256,7 +256,7 @@ def write_report(
     if machine:
         lines += [
             f"Machine: {machine['cores']:.0f} cores, fp32 matmul {machine['matmul_gflops']:.1f} GFLOP/s "
-            "at the start of this invocation (a yardstick: the same machine has measured 2x apart).",
+            "at the start of this invocation (a yardstick for comparing these timings between runs).",
             "",
         ]
     path = storage.join(cfg.output, "report.md")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -96,11 +95,10 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert {"build", "scorer", "score", "filters", "reshard", "train/csd-seed0", "evaluate/scorer"} <= set(
         state
     )
-    # A re-run resumes: every step is skipped, only the report is written again.
-    t = time.perf_counter()
+    # A re-run resumes: every recorded step is skipped, only the report is written again.
     assert main(args) == 0
-    assert time.perf_counter() - t < 30
-    assert "done earlier, skipped" in capsys.readouterr().out
+    steps = [k for k in state if k != "timings"]
+    assert capsys.readouterr().out.count("done earlier, skipped") == len(steps)
 
 
 def test_auroc_matches_hand_counts():
