@@ -2,7 +2,9 @@
 
 Routes are set per test (``server.route("/x.jpg", Route(body=...))``); each route can misbehave the way
 web servers do: fail the first N hits, sleep before answering, trickle the body, declare more bytes than
-it sends, redirect. ``server.hits[path]`` counts requests so tests can assert retries (or their absence).
+it sends, redirect. ``server.hits[path]`` counts requests so tests can assert retries (or their absence), and
+``server.answered[path]`` counts responses sent to the last byte, so a timeout test can assert the client
+gave up before the server finished instead of timing the client.
 The server runs in a thread of the test process and is shut down by the fixture.
 """
 
@@ -13,7 +15,6 @@ import ipaddress
 import socket
 import ssl
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,8 +31,8 @@ class Route:
     content_type: str = "image/jpeg"
     fail_first: int = 0  # answer ``fail_status`` to the first N hits
     fail_status: int = 500
-    delay_s: float = 0.0  # sleep before the status line
-    trickle_s: float = 0.0  # sleep between body bytes (after sending the headers)
+    delay_s: float = 0.0  # wait before the status line (cut short when the server stops)
+    trickle_s: float = 0.0  # wait between body bytes, after sending the headers (cut short likewise)
     declared_length: int | None = None  # Content-Length to announce (default: len(body))
     send_length: bool = True
 
@@ -56,11 +57,13 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._answer(route, hit)
         except (BrokenPipeError, ConnectionResetError):
-            pass  # the client gave up (timeout tests): expected
+            return  # the client gave up (timeout tests): expected
+        with self.server.lock:
+            self.server.answered[path] += 1
 
     def _answer(self, route: Route, hit: int) -> None:
-        if route.delay_s:
-            time.sleep(route.delay_s)
+        if route.delay_s and self.server.stopping.wait(route.delay_s):
+            return  # the fixture is shutting down: never answer
         status, body = route.status, route.body
         if hit <= route.fail_first:
             status, body = route.fail_status, b"transient failure"
@@ -77,7 +80,8 @@ class _Handler(BaseHTTPRequestHandler):
             for i in range(len(body)):
                 self.wfile.write(body[i : i + 1])
                 self.wfile.flush()
-                time.sleep(route.trickle_s)
+                if self.server.stopping.wait(route.trickle_s):
+                    return
         else:
             self.wfile.write(body)
         self.wfile.flush()
@@ -92,6 +96,8 @@ class _Server(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.routes: dict[str, Route] = {}
         self.hits: Counter[str] = Counter()
+        self.answered: Counter[str] = Counter()
+        self.stopping = threading.Event()
         self.user_agents: list[str] = []
         self.host_headers: list[str] = []
         self.lock = threading.Lock()
@@ -109,6 +115,10 @@ class HttpTestServer:
     @property
     def hits(self) -> Counter[str]:
         return self._server.hits
+
+    @property
+    def answered(self) -> Counter[str]:
+        return self._server.answered
 
     @property
     def user_agents(self) -> list[str]:
@@ -133,6 +143,7 @@ def _serve(server: _Server) -> threading.Thread:
 
 
 def _stop(server: _Server, thread: threading.Thread) -> None:
+    server.stopping.set()  # release handlers still waiting out a delay or a trickle
     server.shutdown()
     server.server_close()
     thread.join(timeout=2)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -151,7 +149,7 @@ def test_near_duplicates_independent_of_row_order():
 
 
 @pytest.mark.slow
-def test_near_duplicates_100k_timing():
+def test_near_duplicates_100k():
     rng = np.random.default_rng(0)
     n = 100_000
     h = rng.integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64)
@@ -159,8 +157,5 @@ def test_near_duplicates_100k_timing():
     dst = rng.choice(n, size=n // 100, replace=False)
     h[dst] = [flip(int(h[s]), rng.choice(64, size=3, replace=False).tolist()) for s in src]
     uids = [f"{v:032x}" for v in rng.integers(0, 2**62, size=n)]
-    t0 = time.perf_counter()
     dropped = near_duplicates(uids, h, 4)
-    elapsed = time.perf_counter() - t0
     assert 0.008 * n < dropped.sum() <= 0.01 * n + 5
-    assert elapsed < 30

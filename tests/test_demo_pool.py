@@ -7,7 +7,6 @@ import hashlib
 import io
 import socket
 import tarfile
-import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -201,10 +200,8 @@ def test_opted_out_route_sends_x_robots_tag(demo_pool):
 def test_slow_route_outlasts_the_client_timeout(demo_pool):
     assert demo_pool.server.slow_s > DEMO_CLIENT_TIMEOUT_S
     m, _ = _rows(demo_pool, "slow")[0]
-    t0 = time.perf_counter()
     with pytest.raises((socket.timeout, TimeoutError, urllib.error.URLError)):
         _get(m["url"], timeout=0.25)  # the server sleeps slow_s (> 1 s); waiting 0.25 s shows it stalls
-    assert time.perf_counter() - t0 < 1.0
 
 
 def test_blocked_and_invalid_urls(demo_pool):
@@ -350,10 +347,13 @@ def test_eval_sets_have_clip_benchmark_layout(demo_pool):
 
 
 def test_generation_is_reused(demo_pool):
-    t0 = time.perf_counter()
+    files = [p for p in Path(demo_pool.pool_dir).rglob("*") if p.is_file()]
+    before = {p: p.stat().st_mtime_ns for p in files}
     info = generate_pool(demo_pool.pool_dir, n=demo_pool.info.n, seed=demo_pool.info.seed,
                          eval_sizes=EvalSizes(**demo_pool.info.eval_sizes))  # fmt: skip
-    assert info.reused and time.perf_counter() - t0 < 0.5
+    assert info.reused
+    after = {p: p.stat().st_mtime_ns for p in Path(demo_pool.pool_dir).rglob("*") if p.is_file()}
+    assert after == before  # nothing rewritten, nothing added or removed
 
 
 def test_plan_and_pictures_are_functions_of_the_seed():
