@@ -32,14 +32,17 @@ def scope_dataset(ds: Any, selector: Mapping[str, str] | None) -> Any:
     return ds
 
 
-def train_dataset_config(selector: Mapping[str, str] | None) -> Any:
-    """A ``ray.train.DataConfig`` whose ingest keeps ``selector``, or None (Train's default) when empty."""
-    if not selector:
+def train_dataset_config(selector: Mapping[str, str] | None, preserve_order: bool = False) -> Any:
+    """A ``ray.train.DataConfig`` whose ingest keeps ``selector`` (and Ray Data's output order when
+    ``preserve_order``), or None (Train's default) when neither is asked for."""
+    if not selector and not preserve_order:
         return None
     from ray.train import DataConfig
 
     options = DataConfig.default_ingest_options()
-    options.label_selector = {str(k): str(v) for k, v in selector.items()}
+    if selector:
+        options.label_selector = {str(k): str(v) for k, v in selector.items()}
+    options.preserve_order = preserve_order
     return DataConfig(execution_options=options)
 
 

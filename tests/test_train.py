@@ -203,3 +203,30 @@ def test_cached_epochs_on_two_workers_commit_every_step(ray_local, tmp_path) -> 
     assert rv["history"] == [[1, 8]] and rv["world_size"] == 2
     assert rv["cached_rows"] == 40 and rv["epoch"] == 4
     assert all(math.isfinite(m["loss/total"]) for m in rv["metrics"])
+
+
+@pytest.mark.ray
+def test_seeded_run_repeats_exactly(ray_local, tmp_path) -> None:
+    """One seed, one worker, two runs: the same loss at every step (Ray Data's output order preserved)."""
+    from pipeline.config import merge
+    from training.config import TRAIN_PRESETS
+    from training.trainer import train
+
+    write_demo_shards(tmp_path / "shards", n_shards=4, per_shard=20, size=48)
+    losses = []
+    for run in ("first", "second"):
+        cfg = merge(
+            TRAIN_PRESETS["demo"],
+            {
+                "model": "demo-32px", "global_batch_size": 16, "samples_seen": 10 * 16, "tokenizer_vocab": 512,
+                "data": {"shards": str(tmp_path / "shards"), "augment": False, "shuffle_seed": 3,
+                         "decode_batch_size": 4, "shuffle_window": 8, "decode_tasks": 2},
+                "scaling": {"num_workers": 1},
+                "optim": {"warmup_steps": 2},
+                "run": {"storage_path": str(tmp_path / "train"), "name": run, "checkpoint_every": 10,
+                        "log_every": 1},
+            },
+        )  # fmt: skip
+        losses.append([m["loss/total"] for m in train(cfg).return_value["metrics"]])
+    assert len(losses[0]) == 10 and all(math.isfinite(v) for v in losses[0])
+    assert losses[0] == losses[1]

@@ -51,7 +51,9 @@ class DataConfig:
     mean: tuple[float, float, float] = OPENAI_MEAN
     std: tuple[float, float, float] = OPENAI_STD
     shuffle_window: int = 1024  # rows per windowed shuffle of raw samples (before decode); 0 = off
-    shuffle_seed: int | None = None  # None: fresh entropy every epoch; set for reproducible order
+    # None: fresh entropy every epoch. Set: a repeatable order (Ray Data keeps its output order), and a
+    # one-worker run repeats bit for bit (tests/test_train.py); the track sets it to each model's seed.
+    shuffle_seed: int | None = None
     local_shuffle_buffer: int = 0  # extra per-worker buffer (decoded rows) in iter_torch_batches; 0 = off
     augment_seed: int | None = None  # None: fresh entropy per decode actor
     read_cpus: float = 0.25  # CPUs reserved per shard-read task (I/O bound)

@@ -169,7 +169,9 @@ def build_trainer(cfg: TrainConfig, tokenizer: TextTokenizer, dataset: Any, coun
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         ),
         datasets={"train": dataset},
-        dataset_config=train_dataset_config(cfg.data.label_selector),
+        # A seeded shuffle promises a repeatable run: without preserve_order the first epoch's batches
+        # follow whichever decode task finishes first, and two runs of one seed drift apart from step 2.
+        dataset_config=train_dataset_config(cfg.data.label_selector, cfg.data.shuffle_seed is not None),
     )
 
 
