@@ -84,7 +84,7 @@ def _demo_train(samples_seen: int, name: str) -> TrainConfig:
 TRACK_PRESETS: dict[str, TrackConfig] = {
     "demo": TrackConfig(
         build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096}),
-        # Sized so the whole demo fits ~9 minutes on 2 cores (docs/track.md has the measured steps). Gradient
+        # Sized so the whole demo fits 9–13 minutes on 2 cores (docs/track.md has the measured steps). Gradient
         # clipping and a longer warmup: without them one of two otherwise identical runs spiked at the LR
         # peak and never left the sigmoid plateau.
         scorer=merge(_demo_train(38_400, "scorer"), {"optim": {"grad_clip": 1.0, "warmup_steps": 80}}),
