@@ -55,15 +55,17 @@ class _Handler(BaseHTTPRequestHandler):
         if route is None:
             route = Route(status=404, body=b"not found", content_type="text/plain")
         try:
-            self._answer(route, hit)
+            finished = self._answer(route, hit)
         except (BrokenPipeError, ConnectionResetError):
             return  # the client gave up (timeout tests): expected
-        with self.server.lock:
-            self.server.answered[path] += 1
+        if finished:
+            with self.server.lock:
+                self.server.answered[path] += 1
 
-    def _answer(self, route: Route, hit: int) -> None:
+    def _answer(self, route: Route, hit: int) -> bool:
+        """Send the response; False when the fixture's shutdown cut it short."""
         if route.delay_s and self.server.stopping.wait(route.delay_s):
-            return  # the fixture is shutting down: never answer
+            return False  # the fixture is shutting down: never answer
         status, body = route.status, route.body
         if hit <= route.fail_first:
             status, body = route.fail_status, b"transient failure"
@@ -81,11 +83,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(body[i : i + 1])
                 self.wfile.flush()
                 if self.server.stopping.wait(route.trickle_s):
-                    return
+                    return False
         else:
             self.wfile.write(body)
         self.wfile.flush()
         self.close_connection = True
+        return True
 
 
 class _Server(ThreadingHTTPServer):

@@ -170,7 +170,7 @@ def build_trainer(cfg: TrainConfig, tokenizer: TextTokenizer, dataset: Any, coun
         ),
         datasets={"train": dataset},
         # A seeded shuffle promises a repeatable run: without preserve_order the first epoch's batches
-        # follow whichever decode task finishes first, and two runs of one seed drift apart from step 2.
+        # follow whichever decode task finishes first, and two runs of one seed differ within the first steps.
         dataset_config=train_dataset_config(cfg.data.label_selector, cfg.data.shuffle_seed is not None),
     )
 
