@@ -5,9 +5,9 @@ Reproduces the table of docs/adapters.md "Measured on the demo pool" from a buil
 trained on it (a deterministic CLIP, a ProLIP and a PCME++ model; a run directory stands for its newest
 ``checkpoint_*``):
 
-1. embeds the training shards with the deterministic CLIP (``pipeline.scoring.embed_shards``) — what the
+1. embeds the training shards with the deterministic CLIP (``training.scoring.embed_shards``) — what the
    post-hoc adapters are fitted on;
-2. expands the retrieval eval set (``{key}.jpg`` + ``{key}.txt`` with three captions, pipeline/demo_eval.py)
+2. expands the retrieval eval set (``{key}.jpg`` + ``{key}.txt`` with three captions, pipeline/demo/eval_sets.py)
    into one webdataset sample per (image, caption) pair, written to ``OUT/eval_pairs/``; the pairs of one
    image share a uid, so retrieving any of the image's captions counts as right (compare.py's rule);
 3. embeds those pairs with each of the three checkpoints;
@@ -43,7 +43,7 @@ RETRIEVAL_PER_TAR = 1000  # pairs per eval shard; the demo's 200 images × 3 cap
 
 def pair_uid(key: str) -> str:
     """A 32-hex uid for an eval image key: the scorers keep a json uid only when it has DataComp's form
-    (pipeline/scoring.py ``sample_uid``), and every caption row of one image must carry the same one."""
+    (training/scoring.py ``sample_uid``), and every caption row of one image must carry the same one."""
     return hashlib.md5(f"retrieval/{key}".encode()).hexdigest()
 
 
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"adapters_demo: {exc}", file=sys.stderr)
         return 2
-    from pipeline.scoring import embed_shards, verify_checkpoint
+    from training.scoring import embed_shards, verify_checkpoint
 
     for name, c in ckpts.items():
         cfg = verify_checkpoint(c)

@@ -33,11 +33,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.scoring import PairScorer  # noqa: E402
+from pipeline.tokenizer import train_tokenizer  # noqa: E402
 from tests.fixtures_ckpt import DEMO_CAPTIONS, make_checkpoint  # noqa: E402
 from tests.fixtures_train import demo_samples  # noqa: E402
 from training.model import ProLIP, model_config, save_checkpoint  # noqa: E402
-from training.tokenizer import train_tokenizer  # noqa: E402
+from training.scoring import PairScorer  # noqa: E402
 
 
 def _batches(n: int, size: int) -> list[slice]:
@@ -109,8 +109,8 @@ def measure(scorer: PairScorer, samples: list[dict], batch: int, repeats: int) -
 def ray_path(samples: list[dict], ckpt: str, batch: int, workdir: str) -> dict[str, float]:
     import ray
 
-    from pipeline.scoring import score_shards
     from pipeline.shards import write_shard
+    from training.scoring import score_shards
 
     shard_dir = os.path.join(workdir, "shards")
     os.makedirs(shard_dir)

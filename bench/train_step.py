@@ -34,12 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.ingest_train import DecodeAugment, MaskedVariants, TrainCollate  # noqa: E402
+from pipeline.tokenizer import train_tokenizer  # noqa: E402
 from tests.fixtures_train import demo_samples, write_demo_shards  # noqa: E402
 from training.config import DataConfig, LossConfig, loss_kwargs  # noqa: E402
 from training.loop import TrainModule, loss_shares  # noqa: E402
 from training.losses import build_loss  # noqa: E402
 from training.model import ProLIP, model_config, param_groups  # noqa: E402
-from training.tokenizer import train_tokenizer  # noqa: E402
 
 
 class StepCase:

@@ -12,8 +12,8 @@ import sys
 import threading
 
 from jobs.common import print_table
-from pipeline.demo_pool import generate_pool, write_metadata
-from pipeline.demo_server import serve_pool
+from pipeline.demo.pool import generate_pool, write_metadata
+from pipeline.demo.server import serve_pool
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """``python -m jobs.embed --checkpoint C --shards S --out O.parquet [--num-actors N --num-gpus G]``.
 
 Writes the frozen embeddings of every pool pair — what the post-hoc adapters (ProbVLM, AsymVLM) train
-on — with Ray batch inference (``pipeline.scoring.embed_shards``). One parquet file, local or ``s3://``,
+on — with Ray batch inference (``training.scoring.embed_shards``). One parquet file, local or ``s3://``,
 rows in arrival order (join on ``uid``), one row per sample with an image:
 
 =================  ===============================  ==================================================
@@ -28,8 +28,8 @@ import argparse
 import sys
 
 from jobs.common import init_ray, print_table
-from pipeline.scoring import embed_shards, verify_checkpoint
 from training.model import CheckpointError
+from training.scoring import embed_shards, verify_checkpoint
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

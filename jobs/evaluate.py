@@ -4,7 +4,7 @@ Options: ``--num-actors N --num-gpus G --batch-size B --max-samples K --no-analy
 ``--preset demo|datacomp-small|prolip-b16``, ``--config FILE``, ``--set key=value``.
 
 Zero-shot classification, retrieval and the uncertainty analyses of a ProLIP (or deterministic CLIP)
-checkpoint on a task list in clip_benchmark layout (``training/eval_run.py``). Prints one row per task and
+checkpoint on a task list in clip_benchmark layout (``training/eval/run.py``). Prints one row per task and
 the DataComp aggregates; writes ``eval_results.jsonl``, ``aggregates.json``, ``analyses.json``,
 ``plots/`` and ``manifest.json`` into ``--out``. A bad checkpoint or eval set exits 2 naming the file.
 """
@@ -18,8 +18,8 @@ import time
 from jobs.common import config_parser, init_ray, print_table, resolve_config
 from pipeline.config import ConfigError, merge, to_dict
 from pipeline.manifest import write_manifest
-from training.eval_run import EVAL_PRESETS, evaluate
-from training.eval_sets import EvalSetError, load_tasks
+from training.eval.run import EVAL_PRESETS, evaluate
+from training.eval.sets import EvalSetError, load_tasks
 from training.model import CheckpointError
 
 _FLAGS = (

@@ -437,7 +437,7 @@ def train_build_tokenizer(ds, status_table: pa.Table, cfg: BuildConfig, log) -> 
     """Offline BPE tokenizer on the captions of successful rows, saved beside the shards for training."""
     import tempfile
 
-    from training.tokenizer import train_tokenizer
+    from pipeline.tokenizer import train_tokenizer
 
     meta = _collect(ds, [S.UID, S.TEXT])
     ok = set(
@@ -476,8 +476,8 @@ class demo_source:
 
         if self.cfg.metadata:
             return self.cfg
-        from pipeline.demo_pool import generate_pool, write_metadata
-        from pipeline.demo_server import serve_pool
+        from pipeline.demo.pool import generate_pool, write_metadata
+        from pipeline.demo.server import serve_pool
 
         pool_dir = storage.join(self.cfg.output, "pool")
         t = time.perf_counter()

@@ -94,7 +94,7 @@ class DecodeAugment:
         counters: str | None = None,
         seed: int | None = None,
     ) -> None:
-        from training.tokenizer import TextTokenizer
+        from pipeline.tokenizer import TextTokenizer
 
         if isinstance(tokenizer, dict):  # {"json": str, "ids": {...}}: what travels to remote actors
             tokenizer = tokenizer_from_state(tokenizer)
@@ -185,7 +185,7 @@ def tokenizer_state(tokenizer: Any) -> dict[str, Any]:
 def tokenizer_from_state(state: dict[str, Any]) -> Any:
     from tokenizers import Tokenizer
 
-    from training.tokenizer import TextTokenizer
+    from pipeline.tokenizer import TextTokenizer
 
     ids = state["ids"]
     return TextTokenizer(

@@ -1,7 +1,7 @@
-"""Filters on model scores (the table ``pipeline.scoring`` writes): masks with reasons, and a registry.
+"""Filters on model scores (the table ``training.scoring`` writes): masks with reasons, and a registry.
 
 Every filter is a pure function over a scores table (``pyarrow.Table`` or a mapping of arrays with the
-columns of ``pipeline.scoring.SCORE_COLUMNS``) returning ``(keep, reason)``: a bool mask and, per row, ""
+columns of ``training.scoring.SCORE_COLUMNS``) returning ``(keep, reason)``: a bool mask and, per row, ""
 when kept or a short reason. Only *scorable* rows compete: ``ok`` (the image decoded) and a finite
 score; the others are dropped as ``image_failed`` / ``score_missing``. n_ok below counts scorable rows.
 

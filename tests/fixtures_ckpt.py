@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.tokenizer import train_tokenizer
 from tests.fixtures_train import COLOURS, SHAPES
 from training.model import ProLIP, model_config, save_checkpoint
-from training.tokenizer import train_tokenizer
 
 DEMO_CAPTIONS = [f"a photo of a {c} {s}" for c in COLOURS for s in SHAPES]
 

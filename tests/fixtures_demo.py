@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.demo_eval import EvalSizes
-from pipeline.demo_pool import PoolInfo, code_fingerprint, generate_pool, write_metadata
-from pipeline.demo_server import DemoServer, serve_pool
+from pipeline.demo.eval_sets import EvalSizes
+from pipeline.demo.pool import PoolInfo, code_fingerprint, generate_pool, write_metadata
+from pipeline.demo.server import DemoServer, serve_pool
 
 DEMO_N = 600
 DEMO_SEED = 0

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.schema import is_valid_uid
-from pipeline.scoring import sample_uid
 from pipeline.shards import iter_shard, write_shard
+from training.scoring import sample_uid
 
 _spec = importlib.util.spec_from_file_location(
     "adapters_demo", Path(__file__).resolve().parents[1] / "bench" / "adapters_demo.py"

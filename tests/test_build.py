@@ -64,7 +64,7 @@ def test_every_uid_gets_its_expected_status(built, demo_pool):
 
 
 def test_build_trains_a_tokenizer_on_the_captions(built):
-    from training.tokenizer import TextTokenizer
+    from pipeline.tokenizer import TextTokenizer
 
     cfg, _ = built
     tok = TextTokenizer.load(os.path.join(cfg.output, "tokenizer"))

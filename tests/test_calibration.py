@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from training.calibration import (
+from training.eval.calibration import (
     calibration_summary,
     r_squared,
     recall_at_1_per_level,

@@ -239,7 +239,9 @@ def test_a_rayjob_per_job_each_naming_an_existing_module() -> None:
         assert doc["spec"]["clusterSelector"] == {"ray.io/cluster": cluster_name}, verb
         argv = entrypoint_argv(doc)
         assert argv[:3] == ["python", "-m", f"jobs.{verb}"], (verb, argv[:3])
-        assert (ROOT / "jobs" / f"{verb}.py").is_file(), f"jobs/{verb}.py is missing"
+        module = ROOT / "jobs" / f"{verb}.py"
+        package = ROOT / "jobs" / verb / "__main__.py"  # a multi-step job is a package run by its __main__
+        assert module.is_file() or package.is_file(), f"jobs/{verb}.py or jobs/{verb}/__main__.py is missing"
         assert isinstance(yaml.safe_load(doc["spec"]["runtimeEnvYAML"]), dict), verb
 
 
@@ -249,11 +251,11 @@ def _presets(verb: str):
     elif verb == "train":
         from training.config import TRAIN_PRESETS as presets
     elif verb == "track":
-        from pipeline.track import TRACK_PRESETS as presets
+        from jobs.track.config import TRACK_PRESETS as presets
     elif verb == "filter":
-        from pipeline.filter_job import FILTER_PRESETS as presets
+        from jobs.filter.run import FILTER_PRESETS as presets
     else:
-        from training.eval_run import EVAL_PRESETS as presets
+        from training.eval.run import EVAL_PRESETS as presets
     return presets
 
 

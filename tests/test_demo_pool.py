@@ -21,10 +21,10 @@ import pytest
 from PIL import Image
 
 from pipeline import schema as S
-from pipeline.demo_captions import english_mask
-from pipeline.demo_eval import EvalSizes
-from pipeline.demo_faults import BOMB_SIDE, OVERSIZE_BYTES
-from pipeline.demo_images import (
+from pipeline.demo.captions import english_mask
+from pipeline.demo.eval_sets import EvalSizes
+from pipeline.demo.faults import BOMB_SIDE, OVERSIZE_BYTES
+from pipeline.demo.images import (
     MAX_NEAR_DUP_DISTANCE,
     MIN_UNRELATED_DISTANCE,
     UnitJob,
@@ -32,9 +32,9 @@ from pipeline.demo_images import (
     close_pairs,
     render_unit,
 )
-from pipeline.demo_plan import CAPTION_NOISE_RATES, FAULT_STATUS, LEVEL_P, NOISE_RATES, noise_count, plan_pool
-from pipeline.demo_pool import expected_statuses, generate_pool
-from pipeline.demo_render import Scene, decode, encode_jpeg
+from pipeline.demo.plan import CAPTION_NOISE_RATES, FAULT_STATUS, LEVEL_P, NOISE_RATES, noise_count, plan_pool
+from pipeline.demo.pool import expected_statuses, generate_pool
+from pipeline.demo.render import Scene, decode, encode_jpeg
 from pipeline.phash import hamming
 from pipeline.urlnorm import normalize_url
 from tests.fixtures_demo import demo_pool  # noqa: F401
@@ -401,7 +401,7 @@ def test_every_caption_wording_gets_its_intended_language():
     """Exhaustive over the vocabulary (≈ 230k captions): English wordings → en, the others → not en."""
     import itertools
 
-    from pipeline.demo_captions import LANGUAGES, caption, n_variants, paraphrases
+    from pipeline.demo.captions import LANGUAGES, caption, n_variants, paraphrases
 
     for lang in LANGUAGES:
         texts = set()

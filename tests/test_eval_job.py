@@ -11,7 +11,7 @@ import pytest
 from jobs.evaluate import main
 from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures_demo import demo_pool  # noqa: F401
-from training.uncertainty import NOT_APPLICABLE
+from training.eval.uncertainty import NOT_APPLICABLE
 
 
 def test_corrupt_checkpoint_exits_2_naming_file(tmp_path, tiny_checkpoint, capsys):

@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.eval_run import TaskData, task_metrics
-from training.eval_sets import EvalSetError, Task, load_tasks, validate_task
-from training.evaluate import (
+from training.eval.metrics import (
     aggregates,
     classification_metrics,
     gaussian_mean,
     retrieval_metrics,
     score_matrix,
 )
+from training.eval.run import TaskData, task_metrics
+from training.eval.sets import EvalSetError, Task, load_tasks, validate_task
 
 
 def _unit(deg: float) -> list[float]:

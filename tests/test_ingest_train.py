@@ -12,9 +12,9 @@ import pytest
 from pipeline import augment as A
 from pipeline.ingest_train import DecodeAugment, MaskedVariants, TrainCollate, window_shuffle
 from pipeline.masking import round_half_up
+from pipeline.tokenizer import train_tokenizer
 from tests.fixtures_train import demo_samples, write_demo_shards
 from training.config import DataConfig
-from training.tokenizer import train_tokenizer
 
 SAMPLES = demo_samples(64, size=48)
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pipeline.masking import choose_kept_patches
+from pipeline.tokenizer import train_tokenizer
 from training.model import (
     CONFIG_FILE,
     MODEL_CONFIGS,
@@ -25,7 +26,6 @@ from training.model import (
     param_groups,
     save_checkpoint,
 )
-from training.tokenizer import train_tokenizer
 
 B = 4
 PAD, END = 0, 1

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.scoring import SCORE_COLUMNS, PairEmbedder, PairScorer, embedding_table, pair_scores
 from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures_train import demo_samples
 from training import losses
+from training.scoring import SCORE_COLUMNS, PairEmbedder, PairScorer, embedding_table, pair_scores
 
 
 def _batch(n: int = 8, corrupt: int | None = 3, with_json: bool = False) -> dict[str, np.ndarray]:

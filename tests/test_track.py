@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from jobs.track.config import TRACK_PRESETS, TrackConfig, validate_track
+from jobs.track.report import comparison_table, markdown_table, verdict
 from pipeline.config import ConfigError, merge, resolve
-from pipeline.track import TRACK_PRESETS, TrackConfig, validate_track
-from pipeline.track_report import comparison_table, markdown_table, verdict
 
 
 def test_unknown_subset_is_named():
@@ -102,7 +102,7 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
 
 
 def test_auroc_matches_hand_counts():
-    from pipeline.track_report import _auroc
+    from jobs.track.report import _auroc
 
     # positives 0.9, 0.4; negatives 0.5, 0.1, 0.4 → pairs won: 0.9 beats 3, 0.4 beats 1 and ties 1 → 4.5/6
     assert _auroc([0.9, 0.4, 0.5, 0.1, 0.4], [True, True, False, False, False]) == pytest.approx(4.5 / 6)

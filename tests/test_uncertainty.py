@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from training import uncertainty as U
+from training.eval import uncertainty as U
 
 
 def test_hierarchy_order_fraction():

@@ -26,7 +26,9 @@ neither the schedule nor the samples seen per step.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.config import ConfigError
 
@@ -34,6 +36,130 @@ OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 LOSSES = ("prolip", "clip", "siglip", "pcmepp")
 PRECISIONS = ("auto", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of both towers. Widths/layers/heads per tower; ``embed_dim`` is the shared space."""
+
+    image_size: int
+    patch_size: int
+    vision_width: int
+    vision_layers: int
+    vision_heads: int
+    text_width: int
+    text_layers: int
+    text_heads: int
+    context_length: int
+    vocab_size: int
+    embed_dim: int
+    mlp_ratio: float = 4.0
+    probabilistic: bool = True
+    unc_bias_init: float = -10.0  # §4.1: log σ² starts at −10, σ² ≈ 4.5e−5
+    text_causal: bool = False
+    pad_id: int = 0
+    grad_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = {"int": int, "float": (int, float), "bool": bool}[str(f.type)]
+            if isinstance(value, bool) and f.type != "bool" or not isinstance(value, expected):
+                raise TypeError(f"ModelConfig.{f.name} must be {f.type}, got {value!r}")
+        for name in ("image_size", "patch_size", "context_length", "vocab_size", "embed_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        for tower in ("vision", "text"):
+            width, layers, heads = (getattr(self, f"{tower}_{k}") for k in ("width", "layers", "heads"))
+            if width <= 0 or layers <= 0 or heads <= 0 or width % heads:
+                raise ValueError(
+                    f"ModelConfig.{tower}_width={width} must be a positive multiple of {tower}_heads={heads}"
+                )
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"ModelConfig.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}"
+            )
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(
+                f"ModelConfig.pad_id={self.pad_id} is outside the vocabulary (vocab_size={self.vocab_size})"
+            )
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise KeyError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        image_size=64,
+        patch_size=8,
+        vision_width=128,
+        vision_layers=4,
+        vision_heads=4,
+        text_width=128,
+        text_layers=4,
+        text_heads=4,
+        context_length=32,
+        vocab_size=4096,
+        embed_dim=128,
+    ),  # fmt: skip
+    "ViT-B-32": ModelConfig(
+        image_size=224,
+        patch_size=32,
+        vision_width=768,
+        vision_layers=12,
+        vision_heads=12,
+        text_width=512,
+        text_layers=12,
+        text_heads=8,
+        context_length=77,
+        vocab_size=49408,
+        embed_dim=512,
+        text_causal=True,
+    ),  # fmt: skip
+    "ViT-B-16-ProLIP": ModelConfig(
+        image_size=224,
+        patch_size=16,
+        vision_width=768,
+        vision_layers=12,
+        vision_heads=12,
+        text_width=768,
+        text_layers=12,
+        text_heads=12,
+        context_length=64,
+        vocab_size=32000,
+        embed_dim=768,
+    ),  # fmt: skip
+}
+
+
+# The track demo's model: ``tiny``'s widths at 32 px (16 patches) with 2 layers per tower, ~4× the samples/s
+# of ``tiny`` on a 2-core CPU; shape, colour and position of the demo pictures survive the downscale.
+MODEL_CONFIGS["demo-32px"] = dataclasses.replace(
+    MODEL_CONFIGS["tiny"], image_size=32, vision_layers=2, text_layers=2
+)
+
+
+def model_config(name: str, **overrides: Any) -> ModelConfig:
+    """The named preset with ``overrides`` applied; an unknown name or field raises with that name."""
+    if name not in MODEL_CONFIGS:
+        raise KeyError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise KeyError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+    return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
 
 
 @dataclass(frozen=True)
@@ -159,8 +285,6 @@ class TrainConfig:
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Checks that need more than one field; raises ``ConfigError`` naming the key."""
-    from training.model import MODEL_CONFIGS
-
     if cfg.model not in MODEL_CONFIGS:
         raise ConfigError(f"model: unknown {cfg.model!r} (known: {', '.join(MODEL_CONFIGS)})")
     if cfg.loss.name not in LOSSES:

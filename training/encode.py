@@ -1,5 +1,5 @@
 """Inference-time encoding with a trained checkpoint: the one place that turns bytes and strings into
-(μ, logvar) outside training. Scoring (``pipeline/scoring.py``), evaluation and embedding extraction all
+(μ, logvar) outside training. Scoring (``training/scoring.py``), evaluation and embedding extraction all
 hold an ``Encoder``, so a checkpoint is preprocessed exactly one way.
 
 - Checkpoint: a directory written by ``training.model.save_checkpoint`` (a Ray Train checkpoint of

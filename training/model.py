@@ -3,7 +3,7 @@
 Presets (``MODEL_CONFIGS``):
 
 - ``tiny``: CPU tests and ``jobs.train --preset demo`` (64 px, patch 8, 4×128 per tower, context 32, vocab
-  4096 = the default of ``training.tokenizer.train_tokenizer``); ≈2.2M parameters.
+  4096 = the default of ``pipeline.tokenizer.train_tokenizer``); ≈2.2M parameters.
 - ``demo-32px``: the track demo's (``make demo``) — ``tiny`` at 32 px with 2 layers per tower.
 - ``ViT-B-32``: the DataComp small-track architecture (CLIP ViT-B/32 with a 12×512 causal text tower,
   context 77, vocab 49408 = CLIP BPE). Table C.6 "ViT-B/32": 151.7M base parameters.
@@ -27,7 +27,6 @@ Checkpoints are directories: ``weights.pt`` (a plain state dict, loaded with ``w
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from training.config import MODEL_CONFIGS, ModelConfig, model_config  # noqa: F401 (re-exported)
 from training.towers import TextTower, VisionTower
 
 if TYPE_CHECKING:
-    from training.tokenizer import TextTokenizer
+    from pipeline.tokenizer import TextTokenizer
 
 WEIGHTS_FILE = "weights.pt"
 SAFETENSORS_FILE = "model.safetensors"
@@ -52,130 +52,6 @@ NO_DECAY_NAMES = frozenset({"pos_embed", "cls_token", "unc_token", "logit_scale"
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, unreadable or does not match the model; the message names the file."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of both towers. Widths/layers/heads per tower; ``embed_dim`` is the shared space."""
-
-    image_size: int
-    patch_size: int
-    vision_width: int
-    vision_layers: int
-    vision_heads: int
-    text_width: int
-    text_layers: int
-    text_heads: int
-    context_length: int
-    vocab_size: int
-    embed_dim: int
-    mlp_ratio: float = 4.0
-    probabilistic: bool = True
-    unc_bias_init: float = -10.0  # §4.1: log σ² starts at −10, σ² ≈ 4.5e−5
-    text_causal: bool = False
-    pad_id: int = 0
-    grad_checkpointing: bool = False
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            expected = {"int": int, "float": (int, float), "bool": bool}[str(f.type)]
-            if isinstance(value, bool) and f.type != "bool" or not isinstance(value, expected):
-                raise TypeError(f"ModelConfig.{f.name} must be {f.type}, got {value!r}")
-        for name in ("image_size", "patch_size", "context_length", "vocab_size", "embed_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
-        for tower in ("vision", "text"):
-            width, layers, heads = (getattr(self, f"{tower}_{k}") for k in ("width", "layers", "heads"))
-            if width <= 0 or layers <= 0 or heads <= 0 or width % heads:
-                raise ValueError(
-                    f"ModelConfig.{tower}_width={width} must be a positive multiple of {tower}_heads={heads}"
-                )
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"ModelConfig.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}"
-            )
-        if not 0 <= self.pad_id < self.vocab_size:
-            raise ValueError(
-                f"ModelConfig.pad_id={self.pad_id} is outside the vocabulary (vocab_size={self.vocab_size})"
-            )
-
-    @property
-    def n_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise KeyError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
-        return cls(**data)
-
-
-MODEL_CONFIGS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        image_size=64,
-        patch_size=8,
-        vision_width=128,
-        vision_layers=4,
-        vision_heads=4,
-        text_width=128,
-        text_layers=4,
-        text_heads=4,
-        context_length=32,
-        vocab_size=4096,
-        embed_dim=128,
-    ),  # fmt: skip
-    "ViT-B-32": ModelConfig(
-        image_size=224,
-        patch_size=32,
-        vision_width=768,
-        vision_layers=12,
-        vision_heads=12,
-        text_width=512,
-        text_layers=12,
-        text_heads=8,
-        context_length=77,
-        vocab_size=49408,
-        embed_dim=512,
-        text_causal=True,
-    ),  # fmt: skip
-    "ViT-B-16-ProLIP": ModelConfig(
-        image_size=224,
-        patch_size=16,
-        vision_width=768,
-        vision_layers=12,
-        vision_heads=12,
-        text_width=768,
-        text_layers=12,
-        text_heads=12,
-        context_length=64,
-        vocab_size=32000,
-        embed_dim=768,
-    ),  # fmt: skip
-}
-
-
-# The track demo's model: ``tiny``'s widths at 32 px (16 patches) with 2 layers per tower, ~4× the samples/s
-# of ``tiny`` on a 2-core CPU; shape, colour and position of the demo pictures survive the downscale.
-MODEL_CONFIGS["demo-32px"] = dataclasses.replace(
-    MODEL_CONFIGS["tiny"], image_size=32, vision_layers=2, text_layers=2
-)
-
-
-def model_config(name: str, **overrides: Any) -> ModelConfig:
-    """The named preset with ``overrides`` applied; an unknown name or field raises with that name."""
-    if name not in MODEL_CONFIGS:
-        raise KeyError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise KeyError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
-    return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
 
 
 class ProLIP(nn.Module):
@@ -321,7 +197,7 @@ def load_checkpoint(directory: str | Path) -> tuple[ProLIP, ModelConfig, TextTok
         raise CheckpointError(f"weights in {weights_path} do not match {config_path}: {e}") from e
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
-        from training.tokenizer import TextTokenizer
+        from pipeline.tokenizer import TextTokenizer
 
         tokenizer = TextTokenizer.load(directory)
     return model, config, tokenizer

@@ -38,9 +38,9 @@ from pipeline.ingest_train import (
 )
 from pipeline.placement import train_dataset_config, worker_label_selector
 from pipeline.shard_source import ProgressPrinter
+from pipeline.tokenizer import SPECIAL_IDS_FILE, TOKENIZER_FILE, TextTokenizer, train_tokenizer
 from training.config import TrainConfig, to_plain, validate
 from training.loop import train_loop_per_worker
-from training.tokenizer import SPECIAL_IDS_FILE, TOKENIZER_FILE, TextTokenizer, train_tokenizer
 
 TOKENIZER_CAPTIONS = 200_000  # captions read to train a BPE when none is given
 

@@ -1,6 +1,6 @@
 """Evaluation task lists and eval sets in clip_benchmark's webdataset layout, local or ``s3://``.
 
-A task list is YAML (``training/tasks/<name>.yaml``, or any file)::
+A task list is YAML (``training/eval/tasks/<name>.yaml``, or any file)::
 
     defaults: {optional: false}          # optional tasks whose directory is absent are skipped
     tasks:
@@ -64,7 +64,7 @@ def _resolve_path(path: str, root: str | None) -> str:
 
 
 def load_tasks(path_or_name: str, root: str | None = None) -> list[Task]:
-    """Tasks of a YAML list: a name (``demo`` → ``training/tasks/demo.yaml``) or a file path."""
+    """Tasks of a YAML list: a name (``demo`` → ``training/eval/tasks/demo.yaml``) or a file path."""
     file = TASKS_DIR / f"{path_or_name}.yaml"
     if not (file.is_file() and "/" not in path_or_name):
         file = Path(path_or_name)

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.demo_captions import all_levels, paraphrases
-from pipeline.demo_images import map_threads
-from pipeline.demo_render import (
+from pipeline.demo.captions import all_levels, paraphrases
+from pipeline.demo.images import map_threads
+from pipeline.demo.render import (
     BACKGROUNDS,
     COLOURS,
     POSITIONS,

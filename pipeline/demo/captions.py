@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from pipeline.demo_render import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES, TEXTURES
+from pipeline.demo.render import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES, TEXTURES
 
 LANGUAGES = ("en", "de", "fr", "es", "it")
 

@@ -2,11 +2,11 @@
 
 ``generate_pool(out_dir, n, seed)`` writes, independent of any port:
 
-- ``images/``, ``pages/``, ``bomb.png``: the bodies the demo server sends (pipeline/demo_server.py);
+- ``images/``, ``pages/``, ``bomb.png``: the bodies the demo server sends (pipeline/demo/server.py);
 - ``routes.json``: URL path → body file and fault kind, which the server obeys;
 - ``truth.parquet``: per row what the picture shows, which noise was injected and the status the build
   must end in (``expected_status``) — the pipeline never reads it;
-- ``eval/``: clean zero-shot and retrieval sets (pipeline/demo_eval.py);
+- ``eval/``: clean zero-shot and retrieval sets (pipeline/demo/eval_sets.py);
 - ``pool.json``: parameters and counts; a later call with the same parameters reuses the directory.
 
 ``write_metadata(out_dir, base_url)`` then writes ``metadata/part-00000.parquet`` (DataComp columns) with
@@ -36,12 +36,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import schema as S
-from pipeline.demo_captions import caption, english_mask, n_variants
-from pipeline.demo_eval import EvalSizes, write_eval_sets
-from pipeline.demo_faults import BOMB_SIDE, OVERSIZE_BYTES
-from pipeline.demo_images import close_pairs, render_pool
-from pipeline.demo_plan import FAULT_STATUS, plan_pool
-from pipeline.demo_render import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES, TEXTURES
+from pipeline.demo.captions import caption, english_mask, n_variants
+from pipeline.demo.eval_sets import EvalSizes, write_eval_sets
+from pipeline.demo.faults import BOMB_SIDE, OVERSIZE_BYTES
+from pipeline.demo.images import close_pairs, render_pool
+from pipeline.demo.plan import FAULT_STATUS, plan_pool
+from pipeline.demo.render import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES, TEXTURES
 from pipeline.urlnorm import normalize_url
 
 GENERATOR_VERSION = 1
@@ -148,15 +148,15 @@ def _captions(plan: dict[str, np.ndarray]) -> tuple[list[str], list[str]]:
 
 def code_fingerprint() -> str:
     """Version + hash of the generator's sources: a cached pool is reused only if it would come out the same."""
-    here = Path(__file__).parent
+    pipeline_dir = Path(__file__).resolve().parent.parent
     h = hashlib.sha256(str(GENERATOR_VERSION).encode())
     for name in _GENERATOR_MODULES:
-        h.update((here / f"{name}.py").read_bytes())
+        h.update((pipeline_dir / f"{name}.py").read_bytes())
     return h.hexdigest()[:16]
 
 
 _GENERATOR_MODULES = (
-    "demo_pool", "demo_plan", "demo_images", "demo_render", "demo_captions", "demo_faults", "demo_eval",
+    "demo/pool", "demo/plan", "demo/images", "demo/render", "demo/captions", "demo/faults", "demo/eval_sets",
     "urlnorm", "phash", "schema",
 )  # fmt: skip
 

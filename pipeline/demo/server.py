@@ -1,6 +1,6 @@
 """A threaded HTTP server on 127.0.0.1 that serves a generated demo pool and injects its faults.
 
-``routes.json`` (written by pipeline/demo_pool.py) maps each URL path to a body file and a fault kind; the
+``routes.json`` (written by pipeline/demo/pool.py) maps each URL path to a body file and a fault kind; the
 server obeys it, so a given URL always fails the same way:
 
 ==========  ==========================================================================================

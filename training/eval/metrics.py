@@ -1,6 +1,6 @@
 """Evaluation metrics over gathered embeddings: zero-shot classification, retrieval, DataComp aggregates.
 
-Pure numpy/torch; the Ray side (``training/eval_run.py``) gathers the embeddings and calls these.
+Pure numpy/torch; the Ray side (``training/eval/run.py``) gathers the embeddings and calls these.
 
 - Scores are "higher is better": −CSD (Eq. 1 of ProLIP) for probabilistic embeddings, cosine similarity
   for deterministic ones (``logvar`` None), so one ranking code path serves both.

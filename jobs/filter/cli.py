@@ -1,6 +1,6 @@
 """``python -m jobs.filter --preset NAME --checkpoint C --shards S --out O [--config F] [--set k=v ...]``.
 
-Presets: demo, datacomp-small (``pipeline/filter_job.py``). Scores every pool pair with a trained
+Presets: demo, datacomp-small (``jobs/filter/run.py``). Scores every pool pair with a trained
 checkpoint (CSD, cosine, per-tower uncertainty; Ray batch inference), runs the score filters, writes one
 DataComp subset ``.npy`` per filter (and, with ``reshard``, its shards) and ``manifest.json`` into the
 run directory. A missing or corrupt checkpoint, or a bad config, stops the job at start (exit code 2).
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sys
 
 from jobs.common import config_parser, init_ray, print_table, resolve_config
+from jobs.filter.run import FILTER_PRESETS, check_checkpoint, run_filter_job, validate
 from pipeline.config import ConfigError, merge, to_dict
-from pipeline.filter_job import FILTER_PRESETS, check_checkpoint, run_filter_job, validate
 from pipeline.manifest import write_manifest
 from training.model import CheckpointError
 
@@ -58,7 +58,3 @@ def main(argv: list[str] | None = None) -> int:
         ("filter", "kept", "fraction"),
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

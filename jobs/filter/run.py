@@ -3,7 +3,7 @@ DataComp subsets, optionally reshard each one.
 
 Run directory (local or ``s3://``), DESIGN.md §3:
 
-- ``<out>/scores/scores.parquet`` — one row per pool sample (``pipeline.scoring.SCORE_COLUMNS``, by uid);
+- ``<out>/scores/scores.parquet`` — one row per pool sample (``training.scoring.SCORE_COLUMNS``, by uid);
 - ``<out>/subsets/<label>.npy`` — DataComp's sorted ``u8,u8`` uid array per filter;
 - ``<out>/subsets/<label>/shards/`` — with ``reshard``, the subset materialised by ``pipeline.reshard``;
 - ``<out>/filters.json`` — per filter: spec, size, fraction of the scorable pool, counts per reason.
@@ -26,8 +26,8 @@ from pipeline import storage
 from pipeline.config import ConfigError
 from pipeline.reshard import reshard
 from pipeline.score_filters import NEEDS_UNCERTAINTY, FilterSpec, apply, parse_filter_specs
-from pipeline.scoring import ScoreResult, score_shards, verify_checkpoint
 from pipeline.subset import write_subset
+from training.scoring import ScoreResult, score_shards, verify_checkpoint
 
 
 @dataclass(frozen=True)

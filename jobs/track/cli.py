@@ -1,7 +1,7 @@
 """``python -m jobs.track --preset demo|tiny|datacomp-small [--config F] [--set k=v ...]``.
 
 The DataComp-style filtering track in one job: build → scorer → CSD scores → filters → reshard → one
-model per subset at equal samples seen → evaluation → ``report.md`` (pipeline/track.py). ``make demo``
+model per subset at equal samples seen → evaluation → ``report.md`` (jobs/track/run.py). ``make demo``
 runs the demo preset on a generated pool served on 127.0.0.1. Re-running with the same ``output``
 resumes: finished steps are skipped, an interrupted training resumes from its checkpoint.
 """
@@ -11,10 +11,11 @@ from __future__ import annotations
 import sys
 
 from jobs.common import config_parser, init_ray, resolve_config
+from jobs.track.config import TRACK_PRESETS, validate_track
+from jobs.track.report import markdown_table
+from jobs.track.run import run_track
 from pipeline.config import ConfigError, to_dict
 from pipeline.manifest import write_manifest
-from pipeline.track import TRACK_PRESETS, run_track, validate_track
-from pipeline.track_report import markdown_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +46,3 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown_table(result.table))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

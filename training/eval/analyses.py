@@ -1,4 +1,4 @@
-"""Runs the uncertainty analyses of ``training/uncertainty.py`` on gathered eval embeddings.
+"""Runs the uncertainty analyses of ``training/eval/uncertainty.py`` on gathered eval embeddings.
 
 Which set serves which analysis: σ² per modality and image ⊂ own caption on the first retrieval task;
 σ² vs caption length on every retrieval and hierarchy caption; level ordering and traversal on the first
@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from pipeline.masking import choose_kept_patches, mask_text_tokens
-from training import eval_sets, uncertainty
 from training.encode import Encoder
+from training.eval import sets as eval_sets
+from training.eval import uncertainty
 
 MASKED_SAMPLES = 128
 ANALYSES = ("sigma2_modality", "sigma2_length", "hierarchy_order", "inclusion", "bprw", "traversal")

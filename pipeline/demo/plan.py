@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline import schema as S
-from pipeline.demo_render import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES, TEXTURES
+from pipeline.demo.render import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES, TEXTURES
 
 # Image / transport noise (column ``noise``; the rest is "clean").
 NOISE_RATES = {

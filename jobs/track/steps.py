@@ -1,4 +1,4 @@
-"""The steps of ``pipeline.track.run_track`` after the build: each returns a JSON-able record that
+"""The steps of ``jobs.track.run.run_track`` after the build: each returns a JSON-able record that
 ``track_state.json`` keeps, so a resumed track skips it.
 
 Every step calls the same library function as its stand-alone job (``jobs.train``, ``jobs.filter``,
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jobs.track.config import TrackConfig, paths, train_config
 from pipeline import storage
-from pipeline.track import TrackConfig, _paths, train_config
 from training.config import TrainConfig
 
 Log = Callable[[str], None]
@@ -46,9 +46,9 @@ def train_models(cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int]]
 
 
 def score_pool(cfg: TrackConfig, checkpoint: str, log: Log) -> dict[str, Any]:
-    from pipeline.scoring import score_shards
+    from training.scoring import score_shards
 
-    p = _paths(cfg)
+    p = paths(cfg)
     res = score_shards(
         p["shards"],
         checkpoint,
@@ -74,7 +74,7 @@ def make_subsets(
     from pipeline.score_filters import apply
     from pipeline.subset import subset_uids, write_subset
 
-    p = _paths(cfg)
+    p = paths(cfg)
     scores = storage.read_parquet(scores_path, s3_endpoint=cfg.s3_endpoint)
     rules: dict[str, tuple[str, dict[str, Any]]] = {
         "csd": ("csd_best", {"fraction": cfg.csd_fraction}),
@@ -112,7 +112,7 @@ def make_subsets(
 def reshard_subsets(cfg: TrackConfig, subsets: dict[str, Any], log: Log) -> dict[str, Any]:
     from pipeline.reshard import reshard
 
-    p = _paths(cfg)
+    p = paths(cfg)
     out: dict[str, Any] = {}
     for name, info in subsets.items():
         target = storage.join(p["subset_shards"], name)
@@ -134,10 +134,10 @@ def reshard_subsets(cfg: TrackConfig, subsets: dict[str, Any], log: Log) -> dict
 def evaluate_models(cfg: TrackConfig, models: dict[str, Any], log: Log) -> dict[str, Any]:
     """Each model on the task list; the scorer with the uncertainty analyses too (it is the ProLIP
     trained on the whole pool, the model whose σ² the paper's claims are about)."""
-    from training.eval_run import evaluate
-    from training.eval_sets import load_tasks
+    from training.eval.run import evaluate
+    from training.eval.sets import load_tasks
 
-    p = _paths(cfg)
+    p = paths(cfg)
     tasks = load_tasks(cfg.eval_tasks, root=p["eval_root"])
     out: dict[str, Any] = {}
     for name, info in models.items():

@@ -1,5 +1,5 @@
 """Evaluation runner: validates a checkpoint and a task list, encodes every eval set with Ray Data batch
-inference, then scores the gathered embeddings with the pure metrics of ``training/evaluate.py``.
+inference, then scores the gathered embeddings with the pure metrics of ``training/eval/metrics.py``.
 
 Two Ray Data pipelines serve all tasks at once (one actor pool each, so a model is loaded
 ``2 · num_actors`` times per run, not per task): images (``from_items`` of shards → ``flat_map`` reading
@@ -24,16 +24,16 @@ from typing import Any
 import numpy as np
 
 from pipeline import storage
-from training import eval_sets
 from training.encode import Encoder
-from training.eval_sets import EvalSetError, Task
-from training.evaluate import (
+from training.eval import sets as eval_sets
+from training.eval.metrics import (
     aggregates,
     classification_metrics,
     gaussian_mean,
     retrieval_metrics,
     score_matrix,
 )
+from training.eval.sets import EvalSetError, Task
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class EvalConfig:
     """What ``python -m jobs.evaluate`` resolves (preset → YAML → --set → flags)."""
 
     checkpoint: str = ""
-    tasks: str = "demo"  # a task-list name (training/tasks/NAME.yaml) or a YAML file
+    tasks: str = "demo"  # a task-list name (training/eval/tasks/NAME.yaml) or a YAML file
     eval_root: str = ""  # root of the task list's relative paths
     out: str = ""
     s3_endpoint: str = ""
@@ -318,7 +318,7 @@ def evaluate(
     ``CheckpointError`` / ``EvalSetError`` name the offending file. ``init`` (e.g. ``jobs.common.init_ray``)
     runs after those checks, so a bad input fails before a cluster is started or joined.
     """
-    from training.eval_analyses import run_analyses
+    from training.eval.analyses import run_analyses
 
     encoder = Encoder(checkpoint, s3_endpoint)  # validates the checkpoint; also serves the analyses
     task_list = eval_sets.load_tasks(tasks) if isinstance(tasks, str) else list(tasks)

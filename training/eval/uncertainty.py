@@ -13,7 +13,7 @@ matplotlib's Agg backend. The claims measured in miniature (MATH.md "Uncertainty
 - image traversal (§4.4, B.4): root = the caption including the image most, averaged with the
   empty-caption embedding; 50 linear steps of (μ, σ²) from the root to the image's nearest caption,
   retrieving the nearest caption (CSD) at each step and recording its hierarchy level;
-- BPRW (``training/bprw.py``) zero-shot and few-shot, accuracy before/after.
+- BPRW (``training/eval/bprw.py``) zero-shot and few-shot, accuracy before/after.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from training import bprw
-from training.evaluate import classification_metrics, gaussian_mean, score_matrix, topk
+from training.eval import bprw
+from training.eval.metrics import classification_metrics, gaussian_mean, score_matrix, topk
 from training.losses import inclusion_hypothesis
 
 NOT_APPLICABLE = "not applicable: deterministic checkpoint (no σ²)"

@@ -1,31 +1,12 @@
-"""The DataComp-style filtering track as one library call: ``run_track(cfg) -> TrackResult``.
+"""The track's typed configuration, its presets (``demo``, ``tiny``, ``datacomp-small``) and the run layout.
 
-Steps, all under one run directory (local or ``s3://``):
-
-1. **build** — ``pipeline.build`` (the demo preset generates the pool and serves it on 127.0.0.1);
-   baseline subsets ``no_filter`` and ``basic`` come out of it.
-2. **scorer** — a ProLIP trained on the *unfiltered* pool (``train/scorer``), as ProLIP App. C.8 scores
-   DataComp with a model trained on uncurated data.
-3. **score** — CSD, μ_v·μ_t and Σσ² of every pool pair (``scores/scores.parquet``, Ray batch inference).
-4. **filters** — CSD best ``csd_fraction`` (paper 20%; the demo pool has ≈35% bad captions, so the demo
-   keeps 50%), an uncertainty-aware variant (drop the most uncertain captions first, same size), and a
-   random subset of the same size as the control; each a DataComp ``.npy`` in ``subsets/``.
-5. **reshard** each subset (``subset_shards/<name>/``) and **train** one model per (subset, seed) with the
-   *same samples seen* (DataComp's rule: the compute budget is fixed, smaller subsets repeat more).
-6. **evaluate** every model on the task list (demo: shapes, colours, retrieval, hierarchy) and the scorer
-   with the uncertainty analyses; 7. **report** — ``report.md`` with the DataComp-style table.
-
-A re-run with the same output resumes: finished steps are recorded in ``track_state.json`` and skipped;
-an interrupted training resumes from its last checkpoint (same run name).
+Kept apart from ``run.py`` (the orchestration) and ``steps.py`` (one function per step) so both import it
+without importing each other.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +32,7 @@ class TrackConfig:
     text_unc_quantile: float = 0.9  # csd_uncertainty: captions above this Σσ²_t quantile go first
     random_of: str = "csd"  # the random control matches this subset's size
     seeds: tuple[int, ...] = (0,)
-    eval_tasks: str = "demo"  # a task-list name (training/tasks/<name>.yaml) or a YAML path
+    eval_tasks: str = "demo"  # a task-list name (training/eval/tasks/<name>.yaml) or a YAML path
     eval_root: str = ""  # where the task paths resolve; empty = <output>/pool/eval (the demo pool's)
     eval_max_samples: int = 0  # 0 = whole sets
     score_actors: int = 1
@@ -155,34 +136,7 @@ def validate_track(cfg: TrackConfig) -> TrackConfig:
     return cfg
 
 
-@dataclass
-class TrackResult:
-    output: str
-    report: str  # path of report.md
-    table: list[dict[str, Any]]  # one row per subset (means over seeds)
-    comparisons: dict[str, Any]
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-class _State:
-    """``track_state.json``: finished steps and what they produced, so a re-run skips them."""
-
-    def __init__(self, output: str, s3_endpoint: str) -> None:
-        self.path, self.endpoint = storage.join(output, "track_state.json"), s3_endpoint
-        self.data: dict[str, Any] = (
-            storage.read_json(self.path, s3_endpoint) if storage.exists(self.path, s3_endpoint) else {}
-        )
-
-    def get(self, step: str) -> Any:
-        return self.data.get(step)
-
-    def done(self, step: str, value: Any) -> Any:
-        self.data[step] = value
-        storage.write_json(self.data, self.path, self.endpoint)
-        return value
-
-
-def _paths(cfg: TrackConfig) -> dict[str, str]:
+def paths(cfg: TrackConfig) -> dict[str, str]:
     o = cfg.output
     return {
         "shards": storage.join(o, "shards"),
@@ -198,7 +152,7 @@ def _paths(cfg: TrackConfig) -> dict[str, str]:
 
 def train_config(cfg: TrackConfig, base: TrainConfig, name: str, shards: str, seed: int) -> TrainConfig:
     """``base`` pointed at ``shards`` and this run's storage, seeded for a reproducible run."""
-    p = _paths(cfg)
+    p = paths(cfg)
     updates: dict[str, Any] = {
         "seed": seed,
         "data": {"shards": shards, "s3_endpoint": cfg.s3_endpoint, "shuffle_seed": seed, "mask_seed": seed},
@@ -207,84 +161,3 @@ def train_config(cfg: TrackConfig, base: TrainConfig, name: str, shards: str, se
     if cfg.share_tokenizer and not storage.is_s3(cfg.output) and cfg.build.tokenizer_vocab > 0:
         updates["tokenizer"] = p["tokenizer"]
     return merge(base, updates)
-
-
-def cpu_reference(seconds: float = 1.0, n: int = 256) -> dict[str, float]:
-    """fp32 matmul GFLOP/s of this machine (torch's default threads): a yardstick printed beside the
-    timings: one 2-core machine measured 2.3× apart on the same training step within an hour."""
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    count, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        a @ b
-        count += 1
-    return {"cores": os.cpu_count() or 0, "matmul_gflops": round(2 * n**3 * count / elapsed / 1e9, 1)}
-
-
-def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResult:
-    """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
-    from pipeline.build import build, demo_source
-    from pipeline.track_report import write_report
-    from pipeline.track_steps import evaluate_models, make_subsets, reshard_subsets, score_pool, train_models
-
-    validate_track(cfg)
-    machine = cpu_reference()
-    log(f"[track] machine: {machine['cores']} cores, fp32 matmul {machine['matmul_gflops']} GFLOP/s")
-    t_start = time.perf_counter()
-    p = _paths(cfg)
-    state = _State(cfg.output, cfg.s3_endpoint)
-    timings: dict[str, float] = dict(state.get("timings") or {})
-
-    def step(name: str, fn: Callable[[], Any]) -> Any:
-        cached = state.get(name)
-        if cached is not None:
-            log(f"[track] {name}: done earlier, skipped")
-            return cached
-        log(f"[track] {name} …")
-        t = time.perf_counter()
-        value = fn()
-        timings[name] = time.perf_counter() - t
-        state.done("timings", timings)
-        log(f"[track] {name}: {timings[name]:.0f}s")
-        return state.done(name, value)
-
-    def do_build() -> dict[str, Any]:
-        bcfg = dataclasses.replace(
-            cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
-        )
-        with demo_source(bcfg, log) as run_cfg:
-            res = build(run_cfg, log)
-        return {"n_input": res.n_input, "status": res.status_counts, "subsets": res.subsets}
-
-    built = step("build", do_build)
-    scorer = step(
-        "scorer",
-        lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0])}, log)["scorer"],
-    )
-    scores = step("score", lambda: score_pool(cfg, scorer["checkpoint"], log))
-    subsets = step("filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log))
-    shards = step("reshard", lambda: reshard_subsets(cfg, subsets, log))
-    runs = {
-        f"{name}-seed{seed}": (cfg.train, shards[name]["dir"], seed)
-        for name in cfg.subsets
-        for seed in cfg.seeds
-    }
-    # One state entry per model, so an interrupted track never retrains or re-evaluates a finished one.
-    models = {
-        name: step(f"train/{name}", lambda name=name, run=run: train_models(cfg, {name: run}, log)[name])
-        for name, run in runs.items()
-    }
-    evals = {
-        name: step(
-            f"evaluate/{name}", lambda name=name, info=info: evaluate_models(cfg, {name: info}, log)[name]
-        )
-        for name, info in {"scorer": scorer, **models}.items()
-    }
-    timings["this_invocation"] = time.perf_counter() - t_start
-    report, table, comparisons = write_report(
-        cfg, built, scores, subsets, models, scorer, evals, timings, machine
-    )
-    return TrackResult(
-        output=cfg.output, report=report, table=table, comparisons=comparisons, timings=timings
-    )

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from pipeline.demo_faults import BOMB_SIDE, OVERSIZE_BYTES, bomb_png, corrupt_jpeg, html_page, oversize_body
-from pipeline.demo_render import Scene, approx_face_blur, decode, encode_jpeg, render
+from pipeline.demo.faults import BOMB_SIDE, OVERSIZE_BYTES, bomb_png, corrupt_jpeg, html_page, oversize_body
+from pipeline.demo.render import Scene, approx_face_blur, decode, encode_jpeg, render
 from pipeline.phash import phash64
 
 MAX_NEAR_DUP_DISTANCE = 2
@@ -166,7 +166,7 @@ def map_threads(fn, jobs: list, workers: int | None = None) -> list:
 
 def render_units(plan: dict[str, np.ndarray], seed: int, workers: int | None = None) -> dict[int, UnitResult]:
     """Render every picture of the pool, re-rendering (new seed) until the hash guarantees hold."""
-    from pipeline.demo_plan import COPY_KINDS
+    from pipeline.demo.plan import COPY_KINDS
 
     noise, dup_of = plan["noise"], plan["dup_of"]
     units = np.flatnonzero(~np.isin(noise, COPY_KINDS))

@@ -1,0 +1,3 @@
+from jobs.filter.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,3 @@
+from jobs.track.cli import main
+
+raise SystemExit(main())

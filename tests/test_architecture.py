@@ -1,0 +1,198 @@
+"""The architecture, enforced: one import direction between packages, no file cycles, Ray in named modules.
+
+docs/architecture.md draws the picture; this file is its contract. Imports are read with ``ast`` (function-
+local imports included, which is where an upward import would hide), so nothing is imported to check.
+
+- ``pipeline`` (data plane) imports only ``pipeline``;
+- ``training`` (model plane) imports ``training`` and ``pipeline``;
+- ``jobs`` (entry points and multi-step workflows) imports anything, but a job package imports only its own
+  package, ``jobs.common`` and the libraries — never another job; nothing outside ``jobs`` imports ``jobs``;
+- no cycle between files;
+- ``ray`` is imported only by the modules in ``RAY_MODULES`` and by ``jobs``.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("pipeline", "training", "jobs")
+
+# Which top-level packages each package may import (besides itself).
+ALLOWED = {"pipeline": {"pipeline"}, "training": {"training", "pipeline"}, "jobs": set(PACKAGES)}
+
+# Library modules allowed to import Ray: the builders of Ray datasets, the Ray Train loop and trainer.
+# Everything else is plain Python/numpy/torch, testable without a cluster.
+RAY_MODULES = {
+    "pipeline.build",
+    "pipeline.ingest_train",
+    "pipeline.placement",
+    "pipeline.shard_source",
+    "training.eval.run",
+    "training.loop",
+    "training.scoring",
+    "training.trainer",
+}
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(source: str, module: str, is_package: bool) -> set[str]:
+    """Absolute names of every module imported anywhere in ``source`` (relative imports resolved)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            # ``from pkg import sub`` imports the submodule ``pkg.sub`` when one exists.
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def project_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module → the project modules it imports (only names that are real project modules)."""
+    files = {module_name(p, root): p for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        raw = imports_of(path.read_text(), mod, path.name == "__init__.py")
+        graph[mod] = {m for m in raw if m in files and m != mod}
+    return graph
+
+
+def ray_importers(root: Path = ROOT) -> set[str]:
+    out = set()
+    for pkg in PACKAGES:
+        for path in (root / pkg).rglob("*.py"):
+            mod = module_name(path, root)
+            names = imports_of(path.read_text(), mod, path.name == "__init__.py")
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                out.add(mod)
+    return out
+
+
+def direction_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        top = mod.split(".")[0]
+        for dep in sorted(deps):
+            dep_top = dep.split(".")[0]
+            if dep_top not in ALLOWED[top]:
+                bad.append(f"{mod} imports {dep} ({top} may import only {sorted(ALLOWED[top])})")
+            elif top == "jobs" and dep_top == "jobs":
+                own = mod.split(".")[:2]
+                if dep.split(".")[:2] != own and dep != "jobs.common" and dep != "jobs":
+                    bad.append(f"{mod} imports {dep} (a job imports only its own package and jobs.common)")
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_direction() -> None:
+    assert direction_violations(project_graph()) == []
+
+
+def test_no_file_cycles() -> None:
+    assert cycles(project_graph()) == []
+
+
+def test_ray_only_in_named_modules() -> None:
+    extra = sorted(m for m in ray_importers() if m not in RAY_MODULES and not m.startswith("jobs"))
+    assert extra == [], f"Ray imported outside the named modules: {extra}"
+
+
+def test_named_ray_modules_exist() -> None:
+    # A stale entry would let a later module import Ray under an old name's cover.
+    graph = project_graph()
+    assert sorted(RAY_MODULES - set(graph)) == []
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir(exist_ok=True)
+        (tmp_path / pkg / "__init__.py").touch()
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        # a function-local upward import is found
+        ({"pipeline/a.py": "def f():\n    from training import m\n", "training/m.py": ""}, "pipeline.a"),
+        # a relative import is resolved
+        ({"pipeline/sub/__init__.py": "", "pipeline/sub/a.py": "from ...training import m\n",
+          "training/m.py": ""}, "pipeline.sub.a"),
+        # a library importing a job
+        ({"training/a.py": "import jobs.track\n", "jobs/track.py": ""}, "training.a"),
+        # one job importing another
+        ({"jobs/x/__init__.py": "", "jobs/x/run.py": "from jobs.y import run\n",
+          "jobs/y/__init__.py": "", "jobs/y/run.py": ""}, "jobs.x.run"),
+    ],
+)  # fmt: skip
+def test_forbidden_imports_are_caught(tmp_path: Path, files: dict[str, str], expected: str) -> None:
+    bad = direction_violations(project_graph(_tree(tmp_path, files)))
+    assert bad and all(b.startswith(expected + " imports") for b in bad), bad
+
+
+def test_cycles_and_ray_are_caught(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "training/a.py": "from training import b\n",
+            "training/b.py": "def f():\n    import training.a\n",
+            "pipeline/c.py": "def f():\n    import ray.data\n",
+        },
+    )
+    assert cycles(project_graph(root)) == [["training.a", "training.b"]]
+    assert ray_importers(root) == {"pipeline.c"}
