@@ -14,9 +14,9 @@ skipped by ``list_files`` — the Hadoop/Spark convention Ray Data also follows.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
-import hashlib
 import io
 import json
 import os
@@ -37,6 +37,15 @@ WRITE_BUFFER_BYTES = 1024 * 1024
 _GLOB_CHARS = "*?["
 
 
+def redact_url(url: str) -> str:
+    """``scheme://user:secret@host:port/x`` → ``scheme://host:port/x``: userinfo never reaches a file or log."""
+    if "://" not in url or "@" not in url.split("://", 1)[1].split("/", 1)[0]:
+        return url
+    scheme, rest = url.split("://", 1)
+    netloc, _, path = rest.partition("/")
+    return f"{scheme}://{netloc.rsplit('@', 1)[1]}" + (f"/{path}" if path else "")
+
+
 def is_s3(path: str) -> bool:
     return path.startswith(S3_PREFIX)
 
@@ -54,17 +63,15 @@ def _split_endpoint(endpoint: str) -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=16)
-def _s3_filesystem(endpoint: str, region: str, _env_fingerprint: str) -> pafs.S3FileSystem:
-    # Keys from the environment are passed explicitly so the filesystem object carries them when Ray
-    # pickles it to workers whose environment lacks them; without env keys the SDK's chain (config
-    # files, instance profile) runs where the filesystem is used. The fingerprint only keys the cache.
+def _s3_filesystem(
+    endpoint: str, region: str, access_key: str, secret_key: str, session_token: str
+) -> pafs.S3FileSystem:
+    # Keys are passed explicitly so the filesystem object carries them when Ray pickles it to workers
+    # whose environment lacks them; without keys the SDK's chain (config files, instance profile) runs
+    # where the filesystem is used.
     kwargs: dict[str, Any] = {"region": region or None}
-    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-        kwargs.update(
-            access_key=os.environ["AWS_ACCESS_KEY_ID"],
-            secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-            session_token=os.environ.get("AWS_SESSION_TOKEN") or None,
-        )
+    if access_key and secret_key:
+        kwargs.update(access_key=access_key, secret_key=secret_key, session_token=session_token or None)
     if endpoint:
         override, scheme = _split_endpoint(endpoint)
         kwargs.update(endpoint_override=override, scheme=scheme)
@@ -79,43 +86,9 @@ def _bucket_region(bucket: str) -> str:
         return ""  # let the SDK decide
 
 
-def _env_fingerprint() -> str:
-    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
-    raw = "\0".join(os.environ.get(n, "") for n in names)
-    return hashlib.sha256(raw.encode()).hexdigest()
-
-
 def resolve(path: str, s3_endpoint: str = "") -> tuple[pafs.FileSystem, str]:
-    """``(filesystem, path inside it)``: ``s3://b/k`` → (S3FileSystem, ``b/k``); else (local, absolute path).
-
-    On AWS proper (no endpoint) without ``AWS_REGION``/``AWS_DEFAULT_REGION``, the bucket's region is
-    looked up once, so buckets outside us-east-1 work without configuration.
-    """
-    if is_s3(path):
-        key = path[len(S3_PREFIX) :].rstrip("/")
-        endpoint = _endpoint(s3_endpoint)
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or ""
-        if not endpoint and not region:
-            region = _bucket_region(key.split("/", 1)[0])
-        return _s3_filesystem(endpoint, region, _env_fingerprint()), key
-    if path.startswith("file://"):
-        path = path[len("file://") :]
-    return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
-
-
-def ray_filesystem(
-    paths: str | Sequence[str], s3_endpoint: str = ""
-) -> tuple[pafs.FileSystem, str | list[str]]:
-    """``(fs, paths)`` for ``ray.data.read_parquet(paths, filesystem=fs)``: scheme stripped, one filesystem."""
-    if isinstance(paths, str):
-        return resolve(paths, s3_endpoint)
-    if not paths:
-        raise ValueError("ray_filesystem: no paths given")
-    kinds = {is_s3(p) for p in paths}
-    if len(kinds) > 1:
-        raise ValueError("ray_filesystem: cannot mix s3:// and local paths in one read")
-    resolved = [resolve(p, s3_endpoint) for p in paths]
-    return resolved[0][0], [p for _, p in resolved]
+    """Transitional: ``Storage.from_env(s3_endpoint).resolve(path)``."""
+    return Storage.from_env(s3_endpoint).resolve(path)
 
 
 def join(base: str, *parts: str) -> str:
@@ -130,6 +103,158 @@ def _unresolve(path: str, like: str) -> str:
     return S3_PREFIX + path if is_s3(like) else path
 
 
+# --- the storage object -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Where a run's files live, resolved once: an optional S3 endpoint plus the credentials in force.
+
+    Built by a job from its config (``Storage.from_env(cfg.s3_endpoint)``) and passed down as one object, so
+    no library function takes an endpoint string. It pickles to Ray workers with the credentials it was
+    built with (workers need not share the driver's environment); ``repr`` and ``describe`` never show
+    them. Local paths ignore everything here; ``s3://`` paths get a ``pyarrow.fs.S3FileSystem`` per
+    (endpoint, region), cached per process.
+    """
+
+    endpoint: str = ""  # custom S3 endpoint (SeaweedFS, MinIO); "" = AWS proper
+    region: str = ""  # "" = AWS_REGION/AWS_DEFAULT_REGION, else looked up per bucket on AWS proper
+    access_key: str = dataclasses.field(default="", repr=False)
+    secret_key: str = dataclasses.field(default="", repr=False)
+    session_token: str = dataclasses.field(default="", repr=False)
+
+    @classmethod
+    def from_env(cls, endpoint: str = "") -> Storage:
+        """``endpoint`` (else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``) and the AWS env credentials."""
+        env = os.environ
+        keys = bool(env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"))
+        return cls(
+            endpoint=_endpoint(endpoint),
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "",
+            access_key=env["AWS_ACCESS_KEY_ID"] if keys else "",
+            secret_key=env["AWS_SECRET_ACCESS_KEY"] if keys else "",
+            session_token=env.get("AWS_SESSION_TOKEN", "") if keys else "",
+        )
+
+    def describe(self) -> dict[str, str]:
+        """What may be written to a manifest: the endpoint without userinfo, never a credential."""
+        return {"s3_endpoint": redact_url(self.endpoint), "region": self.region}
+
+    def resolve(self, path: str) -> tuple[pafs.FileSystem, str]:
+        """``(filesystem, path inside it)``: ``s3://b/k`` → (S3FileSystem, ``b/k``); else (local, absolute).
+
+        On AWS proper (no endpoint) with no region configured, the bucket's region is looked up once, so
+        buckets outside us-east-1 work without configuration.
+        """
+        if is_s3(path):
+            key = path[len(S3_PREFIX) :].rstrip("/")
+            region = self.region
+            if not self.endpoint and not region:
+                region = _bucket_region(key.split("/", 1)[0])
+            fs = _s3_filesystem(self.endpoint, region, self.access_key, self.secret_key, self.session_token)
+            return fs, key
+        if path.startswith("file://"):
+            path = path[len("file://") :]
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+
+    def filesystem_for(self, paths: str | Sequence[str]) -> tuple[pafs.FileSystem, str | list[str]]:
+        """``(fs, paths)`` for ``ray.data.read_*(paths, filesystem=fs)``: scheme stripped, one filesystem."""
+        if isinstance(paths, str):
+            return self.resolve(paths)
+        if not paths:
+            raise ValueError("filesystem_for: no paths given")
+        if len({is_s3(p) for p in paths}) > 1:
+            raise ValueError("filesystem_for: cannot mix s3:// and local paths in one read")
+        resolved = [self.resolve(p) for p in paths]
+        return resolved[0][0], [p for _, p in resolved]
+
+    def open_output(self, path: str) -> AtomicOutput:
+        """Binary write stream for ``path``; parent directories are created; see ``AtomicOutput``."""
+        return AtomicOutput(path, self)
+
+    def open_input(self, path: str, seekable: bool = True) -> Any:
+        """Binary read stream. ``seekable=True``: random access (one ranged request per read on S3);
+        ``seekable=False``: sequential, buffered in ``READ_BUFFER_BYTES`` chunks — to stream a shard."""
+        fs, p = self.resolve(path)
+        if seekable:
+            return fs.open_input_file(p)
+        return fs.open_input_stream(p, buffer_size=READ_BUFFER_BYTES)
+
+    def read_bytes(self, path: str) -> bytes:
+        fs, p = self.resolve(path)
+        with fs.open_input_stream(p) as f:
+            return f.read()
+
+    def write_bytes(self, data: bytes, path: str) -> None:
+        """Atomically write ``data`` to ``path`` (argument order as ``write_parquet(table, path)``)."""
+        with self.open_output(path) as f:
+            f.write(data)
+
+    def write_json(self, obj: Any, path: str) -> None:
+        self.write_bytes((json.dumps(obj, indent=2, default=json_default) + "\n").encode(), path)
+
+    def read_json(self, path: str) -> Any:
+        return json.loads(self.read_bytes(path))
+
+    def write_parquet(self, table: pa.Table, path: str) -> None:
+        with self.open_output(path) as f:
+            pq.write_table(table, f)
+
+    def read_parquet(self, path: str | Sequence[str], columns: Sequence[str] | None = None) -> pa.Table:
+        """One table from a file, a list of files, a directory or a glob (``*.parquet`` files, sorted)."""
+        files: list[str] = []
+        for p in [path] if isinstance(path, str) else list(path):
+            many = _has_glob(p) or self.isdir(p)
+            files.extend(self.list_files(p, suffix=".parquet") if many else [p])
+        if not files:
+            raise FileNotFoundError(f"no parquet files at {path!r}")
+        fs, resolved = self.filesystem_for(files)
+        cols = list(columns) if columns else None
+        tables = [pq.read_table(p, filesystem=fs, columns=cols) for p in resolved]
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="default")
+
+    def exists(self, path: str) -> bool:
+        fs, p = self.resolve(path)
+        return fs.get_file_info(p).type != pafs.FileType.NotFound
+
+    def isdir(self, path: str) -> bool:
+        fs, p = self.resolve(path)
+        return fs.get_file_info(p).type == pafs.FileType.Directory
+
+    def makedirs(self, path: str) -> None:
+        """Create a local directory tree; a no-op on S3, where prefixes exist as soon as an object does."""
+        if not is_s3(path):
+            fs, p = self.resolve(path)
+            fs.create_dir(p, recursive=True)
+
+    def remove(self, path: str) -> None:
+        """Delete one file; missing files are fine (idempotent clean-up)."""
+        fs, p = self.resolve(path)
+        try:
+            fs.delete_file(p)
+        except FileNotFoundError:
+            pass
+
+    def remove_files(self, paths: Sequence[str]) -> None:
+        for p in paths:
+            self.remove(p)
+
+    def list_files(self, path_or_glob: str, suffix: str | None = None) -> list[str]:
+        """Sorted full paths (with ``s3://`` when asked that way) of the files at a path.
+
+        A file → itself; a directory → the files directly inside it; a glob such as ``dir/*.tar`` or
+        ``dir/**/*.parquet`` → the matching files. Hidden names (``.``/``_`` prefix) are skipped; ``suffix``
+        filters on the name's ending. A missing path or a glob matching nothing gives ``[]`` (callers that
+        need files say so with the path in the message).
+        """
+        out = _glob_files(self, path_or_glob) if _has_glob(path_or_glob) else _dir_files(self, path_or_glob)
+        if suffix is not None:
+            out = [o for o in out if o.endswith(suffix)]
+        return sorted(_unresolve(o, path_or_glob) for o in out)
+
+
+LOCAL = Storage()  # local paths only need no settings; s3:// through it uses the SDK's default chain
+
 # --- streams ------------------------------------------------------------------------------------------
 
 
@@ -139,10 +264,10 @@ class AtomicOutput(io.RawIOBase):
     Used as a context manager, an exception inside the block discards the partial file instead.
     """
 
-    def __init__(self, path: str, s3_endpoint: str = "") -> None:
+    def __init__(self, path: str, store: Storage | None = None) -> None:
         super().__init__()
         self.path = path
-        self._fs, self._final = resolve(path, s3_endpoint)
+        self._fs, self._final = (store or LOCAL).resolve(path)
         self._local = not is_s3(path)
         if self._local:
             parent = os.path.dirname(self._final)
@@ -204,100 +329,11 @@ class AtomicOutput(io.RawIOBase):
             self.abort()
 
 
-def open_output(path: str, s3_endpoint: str = "") -> AtomicOutput:
-    """Binary write stream for ``path``; parent directories are created; see ``AtomicOutput``."""
-    return AtomicOutput(path, s3_endpoint)
-
-
-def open_input(path: str, s3_endpoint: str = "", seekable: bool = True) -> Any:
-    """Binary read stream. ``seekable=True``: random access (one ranged request per read on S3);
-    ``seekable=False``: sequential, buffered in ``READ_BUFFER_BYTES`` chunks — use it to stream a shard."""
-    fs, p = resolve(path, s3_endpoint)
-    if seekable:
-        return fs.open_input_file(p)
-    return fs.open_input_stream(p, buffer_size=READ_BUFFER_BYTES)
-
-
-def read_bytes(path: str, s3_endpoint: str = "") -> bytes:
-    fs, p = resolve(path, s3_endpoint)
-    with fs.open_input_stream(p) as f:
-        return f.read()
-
-
-def write_bytes(data: bytes, path: str, s3_endpoint: str = "") -> None:
-    """Atomically write ``data`` to ``path`` (argument order as ``write_parquet(table, path)``)."""
-    with open_output(path, s3_endpoint) as f:
-        f.write(data)
-
-
-def write_json(obj: Any, path: str, s3_endpoint: str = "") -> None:
-    write_bytes((json.dumps(obj, indent=2, default=json_default) + "\n").encode(), path, s3_endpoint)
-
-
-def read_json(path: str, s3_endpoint: str = "") -> Any:
-    return json.loads(read_bytes(path, s3_endpoint))
-
-
 def json_default(obj: Any) -> Any:
     # numpy scalars/arrays show up in counts and stats; JSON has no other way to hold them.
     if hasattr(obj, "tolist"):
         return obj.tolist()
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
-
-
-def write_parquet(table: pa.Table, path: str, s3_endpoint: str = "") -> None:
-    with open_output(path, s3_endpoint) as f:
-        pq.write_table(table, f)
-
-
-def read_parquet(
-    path: str | Sequence[str], s3_endpoint: str = "", columns: Sequence[str] | None = None
-) -> pa.Table:
-    """One table from a file, a list of files, a directory or a glob (``*.parquet`` files, sorted)."""
-    paths = [path] if isinstance(path, str) else list(path)
-    files: list[str] = []
-    for p in paths:
-        files.extend(list_files(p, suffix=".parquet") if (_has_glob(p) or isdir(p, s3_endpoint)) else [p])
-    if not files:
-        raise FileNotFoundError(f"no parquet files at {path!r}")
-    fs, resolved = ray_filesystem(files, s3_endpoint)
-    tables = [pq.read_table(p, filesystem=fs, columns=list(columns) if columns else None) for p in resolved]
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables, promote_options="default")
-
-
-# --- namespace ----------------------------------------------------------------------------------------
-
-
-def exists(path: str, s3_endpoint: str = "") -> bool:
-    fs, p = resolve(path, s3_endpoint)
-    return fs.get_file_info(p).type != pafs.FileType.NotFound
-
-
-def isdir(path: str, s3_endpoint: str = "") -> bool:
-    fs, p = resolve(path, s3_endpoint)
-    return fs.get_file_info(p).type == pafs.FileType.Directory
-
-
-def makedirs(path: str, s3_endpoint: str = "") -> None:
-    """Create a local directory tree; a no-op on S3, where prefixes exist as soon as an object does."""
-    if is_s3(path):
-        return
-    fs, p = resolve(path, s3_endpoint)
-    fs.create_dir(p, recursive=True)
-
-
-def remove(path: str, s3_endpoint: str = "") -> None:
-    """Delete one file; missing files are fine (idempotent clean-up)."""
-    fs, p = resolve(path, s3_endpoint)
-    try:
-        fs.delete_file(p)
-    except FileNotFoundError:
-        pass
-
-
-def remove_files(paths: Sequence[str], s3_endpoint: str = "") -> None:
-    for p in paths:
-        remove(p, s3_endpoint)
 
 
 def _has_glob(path: str) -> bool:
@@ -308,45 +344,106 @@ def _hidden(name: str) -> bool:
     return name.startswith((".", "_"))
 
 
-def list_files(path_or_glob: str, suffix: str | None = None, s3_endpoint: str = "") -> list[str]:
-    """Sorted full paths (with ``s3://`` when asked that way) of the files at a path.
+def _dir_files(store: Storage, path: str) -> list[str]:
+    """A file → itself; a directory → the visible files directly inside; missing → ``[]``."""
+    fs, p = store.resolve(path)
+    info = fs.get_file_info(p)
+    if info.type == pafs.FileType.File:
+        return [p]
+    if info.type == pafs.FileType.NotFound:
+        return []  # S3 cannot tell a missing prefix from an empty one, so neither is an error
+    infos = fs.get_file_info(pafs.FileSelector(p, recursive=False))
+    return [i.path for i in infos if i.type == pafs.FileType.File and not _hidden(i.base_name)]
 
-    A file → itself; a directory → the files directly inside it; a glob such as ``dir/*.tar`` or
-    ``dir/**/*.parquet`` → the matching files. Hidden names (``.``/``_`` prefix) are skipped; ``suffix``
-    filters on the name's ending. A missing path or a glob matching nothing gives ``[]`` (callers that
-    need files say so with the path in the message).
-    """
-    if not _has_glob(path_or_glob):
-        fs, p = resolve(path_or_glob, s3_endpoint)
-        info = fs.get_file_info(p)
-        if info.type == pafs.FileType.File:
-            return [_unresolve(p, path_or_glob)] if suffix is None or p.endswith(suffix) else []
-        if info.type == pafs.FileType.NotFound:
-            return []  # S3 cannot tell a missing prefix from an empty one, so neither is an error
-        infos = fs.get_file_info(pafs.FileSelector(p, recursive=False))
-        out = [i.path for i in infos if i.type == pafs.FileType.File and not _hidden(i.base_name)]
-    else:
-        head = path_or_glob
-        first = min(head.index(c) for c in _GLOB_CHARS if c in head)
-        base = head[: head.rfind("/", 0, first)] if "/" in head[:first] else "."
-        fs, p = resolve(base, s3_endpoint)
-        pattern = head[len(base) + 1 :] if "/" in head[:first] else head
-        if fs.get_file_info(p).type != pafs.FileType.Directory:
-            return []
-        recursive = "**" in pattern or "/" in pattern
-        infos = fs.get_file_info(pafs.FileSelector(p, recursive=recursive))
-        out = []
-        for i in infos:
-            if i.type != pafs.FileType.File:
-                continue
-            rel = i.path[len(p) :].lstrip("/")
-            if any(_hidden(part) for part in rel.split("/")):
-                continue
-            if fnmatch.fnmatchcase(rel, pattern) or fnmatch.fnmatchcase(rel, pattern.replace("**/", "")):
-                out.append(i.path)
-    if suffix is not None:
-        out = [o for o in out if o.endswith(suffix)]
-    return sorted(_unresolve(o, path_or_glob) for o in out)
+
+def _glob_files(store: Storage, pattern_path: str) -> list[str]:
+    first = min(pattern_path.index(c) for c in _GLOB_CHARS if c in pattern_path)
+    nested = "/" in pattern_path[:first]
+    base = pattern_path[: pattern_path.rfind("/", 0, first)] if nested else "."
+    fs, p = store.resolve(base)
+    pattern = pattern_path[len(base) + 1 :] if nested else pattern_path
+    if fs.get_file_info(p).type != pafs.FileType.Directory:
+        return []
+    recursive = "**" in pattern or "/" in pattern
+    out = []
+    for i in fs.get_file_info(pafs.FileSelector(p, recursive=recursive)):
+        if i.type != pafs.FileType.File:
+            continue
+        rel = i.path[len(p) :].lstrip("/")
+        if any(_hidden(part) for part in rel.split("/")):
+            continue
+        if fnmatch.fnmatchcase(rel, pattern) or fnmatch.fnmatchcase(rel, pattern.replace("**/", "")):
+            out.append(i.path)
+    return out
+
+
+# --- transitional module-level API (endpoint strings); callers move to ``Storage`` methods ---------------
+
+
+def _store(s3_endpoint: str) -> Storage:
+    return Storage.from_env(s3_endpoint)
+
+
+def ray_filesystem(paths: str | Sequence[str], s3_endpoint: str = "") -> tuple[pafs.FileSystem, Any]:
+    return _store(s3_endpoint).filesystem_for(paths)
+
+
+def open_output(path: str, s3_endpoint: str = "") -> AtomicOutput:
+    return _store(s3_endpoint).open_output(path)
+
+
+def open_input(path: str, s3_endpoint: str = "", seekable: bool = True) -> Any:
+    return _store(s3_endpoint).open_input(path, seekable)
+
+
+def read_bytes(path: str, s3_endpoint: str = "") -> bytes:
+    return _store(s3_endpoint).read_bytes(path)
+
+
+def write_bytes(data: bytes, path: str, s3_endpoint: str = "") -> None:
+    _store(s3_endpoint).write_bytes(data, path)
+
+
+def write_json(obj: Any, path: str, s3_endpoint: str = "") -> None:
+    _store(s3_endpoint).write_json(obj, path)
+
+
+def read_json(path: str, s3_endpoint: str = "") -> Any:
+    return _store(s3_endpoint).read_json(path)
+
+
+def write_parquet(table: pa.Table, path: str, s3_endpoint: str = "") -> None:
+    _store(s3_endpoint).write_parquet(table, path)
+
+
+def read_parquet(
+    path: str | Sequence[str], s3_endpoint: str = "", columns: Sequence[str] | None = None
+) -> pa.Table:
+    return _store(s3_endpoint).read_parquet(path, columns)
+
+
+def exists(path: str, s3_endpoint: str = "") -> bool:
+    return _store(s3_endpoint).exists(path)
+
+
+def isdir(path: str, s3_endpoint: str = "") -> bool:
+    return _store(s3_endpoint).isdir(path)
+
+
+def makedirs(path: str, s3_endpoint: str = "") -> None:
+    _store(s3_endpoint).makedirs(path)
+
+
+def remove(path: str, s3_endpoint: str = "") -> None:
+    _store(s3_endpoint).remove(path)
+
+
+def remove_files(paths: Sequence[str], s3_endpoint: str = "") -> None:
+    _store(s3_endpoint).remove_files(paths)
+
+
+def list_files(path_or_glob: str, suffix: str | None = None, s3_endpoint: str = "") -> list[str]:
+    return _store(s3_endpoint).list_files(path_or_glob, suffix)
 
 
 _FORWARDED_ENV = (
