@@ -6,7 +6,7 @@ to some ImageNet-1k training image as targets, and keeps pool images whose neare
 Assignment is the argmax of the dot product with the centroids; we normalise the centroids, so it is
 cosine similarity (identical for DataComp's spherical k-means centroids, scale-free otherwise).
 
-Files (any path ``open_file`` can open; default local ``open``; nothing is unpickled):
+Files (local or ``s3://``, read through the run's ``pipeline.storage.Storage``; nothing is unpickled):
 
 - embeddings: ``.npz`` with arrays ``uid`` (32-hex strings or DataComp ``u8,u8`` pairs) and
   ``embedding`` (n, d); or ``.parquet`` with columns ``uid`` (string) and ``embedding`` (list of floats);
@@ -18,17 +18,14 @@ Files (any path ``open_file`` can open; default local ``open``; nothing is unpic
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.schema import UID_DTYPE, u8pairs_to_uids
-
-Opener = Callable[[str], BinaryIO]
+from pipeline.storage import LOCAL, Storage
 
 
 @dataclass(frozen=True)
@@ -37,43 +34,42 @@ class Embeddings:
     vectors: np.ndarray  # (n, d) float32
 
 
-def _read(path: str, open_file: Opener | None) -> io.BytesIO:
-    with (open_file or (lambda p: open(p, "rb")))(path) as fh:
-        return io.BytesIO(fh.read())
+def _read(path: str, store: Storage) -> io.BytesIO:
+    return io.BytesIO(store.read_bytes(path))
 
 
-def _npy(path: str, open_file: Opener | None) -> np.ndarray:
-    return np.load(_read(path, open_file), allow_pickle=False)
+def _npy(path: str, store: Storage) -> np.ndarray:
+    return np.load(_read(path, store), allow_pickle=False)
 
 
 def _uid_strings(arr: np.ndarray) -> list[str]:
     return u8pairs_to_uids(arr) if arr.dtype == UID_DTYPE else [str(u) for u in arr.tolist()]
 
 
-def load_embeddings(path: str, open_file: Opener | None = None) -> Embeddings:
+def load_embeddings(path: str, store: Storage = LOCAL) -> Embeddings:
     if path.endswith(".npz"):
-        with np.load(_read(path, open_file), allow_pickle=False) as z:
+        with np.load(_read(path, store), allow_pickle=False) as z:
             return Embeddings(_uid_strings(z["uid"]), np.asarray(z["embedding"], dtype=np.float32))
     if path.endswith(".parquet"):
-        t = pq.read_table(_read(path, open_file), columns=["uid", "embedding"])
+        t = pq.read_table(_read(path, store), columns=["uid", "embedding"])
         values = pc.list_flatten(t.column("embedding").combine_chunks()).to_numpy(zero_copy_only=False)
         vectors = values.astype(np.float32).reshape(t.num_rows, -1) if t.num_rows else np.zeros((0, 0))
         return Embeddings(t.column("uid").to_pylist(), vectors)
     if path.endswith(".npy"):
-        uids = _npy(path[: -len(".npy")] + ".uid.npy", open_file)
-        return Embeddings(_uid_strings(uids), _npy(path, open_file).astype(np.float32))
+        uids = _npy(path[: -len(".npy")] + ".uid.npy", store)
+        return Embeddings(_uid_strings(uids), _npy(path, store).astype(np.float32))
     raise ValueError(f"embeddings must be .npz, .parquet or .npy, got {path}")
 
 
-def load_centroids(path: str, open_file: Opener | None = None) -> np.ndarray:
-    centroids = _npy(path, open_file)
+def load_centroids(path: str, store: Storage = LOCAL) -> np.ndarray:
+    centroids = _npy(path, store)
     if centroids.ndim != 2:
         raise ValueError(f"{path}: centroids must be a (k, d) array, got shape {centroids.shape}")
     return centroids.astype(np.float32)
 
 
-def load_centroid_ids(path: str, open_file: Opener | None = None) -> np.ndarray:
-    data = _read(path, open_file)
+def load_centroid_ids(path: str, store: Storage = LOCAL) -> np.ndarray:
+    data = _read(path, store)
     if path.endswith(".npy"):
         return np.load(data, allow_pickle=False).astype(np.int64).ravel()
     return np.array([int(t) for t in data.read().decode().replace(",", " ").split()], dtype=np.int64)

@@ -1,7 +1,9 @@
-"""DataComp's baseline filters as pure mask functions with drop reasons, plus the registry the build runs.
+"""The filter result type and DataComp's baseline filters as pure mask functions with drop reasons.
 
 Filters never drop rows: each returns ``FilterResult(keep, reason)`` over the rows of a metadata table
-(a ``pyarrow.Table`` or a dict of arrays), reason "" where kept. Rules follow DataComp's baselines code
+(a ``pyarrow.Table`` or a dict of arrays), reason "" where kept; the score filters
+(``pipeline.score_filters``) return the same type, and ``pipeline.filtering`` holds the one registry and
+spec syntax that the build, the filter job and the track run them through. Rules follow DataComp's baselines code
 (``baselines/apply_filter.py``) and paper (Gadre et al. 2023, §3.4, App. G):
 
 - ``english``: fastText lid.176 top-1 label == "en", no threshold (``pipeline.langid``).
@@ -21,10 +23,8 @@ The embedding, centroid and target-id file formats for ``image_based`` are in ``
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, BinaryIO
+from collections.abc import Mapping
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -32,28 +32,28 @@ import pyarrow.compute as pc
 
 from pipeline import centroids as C
 from pipeline import schema as S
-from pipeline.config import FilterConfig
 
 Table = pa.Table | Mapping[str, Any]
 LANG = "lang"  # optional precomputed column of fastText labels
-NEEDS_LANGUAGE = frozenset({"english", "basic", "text_based", "laion2b", "image_based"})
 
 
 class FilterError(ValueError):
     """A filter cannot run: unknown name, missing column or missing input file; the message names it."""
 
 
-@dataclass(frozen=True)
-class FilterResult:
+class FilterResult(NamedTuple):
+    """What every filter returns (DataComp's contract: a filter decides, it never drops rows itself)."""
+
     keep: np.ndarray  # (n,) bool
     reason: np.ndarray  # (n,) object: "" where kept, else why dropped
 
     def counts(self) -> dict[str, int]:
-        values, counts = np.unique(self.reason.astype(str), return_counts=True)
+        """Rows per reason, "kept" for the kept ones: the one group-by the stats come from."""
+        values, counts = np.unique(np.asarray(self.reason, dtype=str), return_counts=True)
         return {("kept" if v == "" else v): int(c) for v, c in zip(values, counts, strict=True)}
 
 
-def _from_drops(n: int, drops: list[tuple[np.ndarray, str]]) -> FilterResult:
+def from_drops(n: int, drops: list[tuple[np.ndarray, str]]) -> FilterResult:
     """Reason = the first failing rule, in the order given."""
     reason = np.full(n, "", dtype=object)
     dropped = np.zeros(n, dtype=bool)
@@ -108,7 +108,7 @@ def _floats(table: Table, name: str, filt: str) -> np.ndarray:
     return pc.fill_null(col.cast(pa.float64()), np.nan).to_numpy(zero_copy_only=False)
 
 
-def _language(table: Table, lang: Any, filt: str) -> np.ndarray:
+def language_labels(table: Table, lang: Any, filt: str) -> np.ndarray:
     """fastText labels per row: the ``lang`` argument (labels, or a LanguageId), else a ``lang`` column."""
     if lang is None:
         names = table.column_names if isinstance(table, pa.Table) else list(table)
@@ -146,7 +146,7 @@ def _words_and_chars(table: Table, filt: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def no_filter(table: Table) -> FilterResult:
-    return _from_drops(_num_rows(table), [])
+    return from_drops(_num_rows(table), [])
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -200,16 +200,16 @@ def random_subset(table: Table, fraction: float, seed: int = 0) -> FilterResult:
         order = np.lexsort([words[:, c] for c in reversed(range(words.shape[1]))] + [key])
     chosen = np.zeros(n, dtype=bool)
     chosen[order[:k]] = True
-    return _from_drops(n, [(~chosen, "random_not_selected")])
+    return from_drops(n, [(~chosen, "random_not_selected")])
 
 
 def english(table: Table, lang: Any = None) -> FilterResult:
-    labels = _language(table, lang, "english")
-    return _from_drops(len(labels), [(labels != "en", "not_english")])
+    labels = language_labels(table, lang, "english")
+    return from_drops(len(labels), [(labels != "en", "not_english")])
 
 
 def basic(table: Table, lang: Any = None) -> FilterResult:
-    labels = _language(table, lang, "basic")
+    labels = language_labels(table, lang, "basic")
     words, chars = _words_and_chars(table, "basic")
     w = _floats(table, S.ORIGINAL_WIDTH, "basic")
     h = _floats(table, S.ORIGINAL_HEIGHT, "basic")
@@ -217,7 +217,7 @@ def basic(table: Table, lang: Any = None) -> FilterResult:
     with np.errstate(divide="ignore", invalid="ignore"):
         aspect = long / short
     missing = np.isnan(w) | np.isnan(h)
-    return _from_drops(
+    return from_drops(
         len(labels),
         [
             (labels != "en", "not_english"),
@@ -277,18 +277,18 @@ def concept_match(texts: pa.Array | list[str | None], concepts: list[str]) -> np
 
 
 def text_based(table: Table, concepts: list[str], lang: Any = None) -> FilterResult:
-    labels = _language(table, lang, "text_based")
+    labels = language_labels(table, lang, "text_based")
     english_rows = np.flatnonzero(labels == "en")  # only they can pass: match just those
     match = np.zeros(len(labels), dtype=bool)
     match[english_rows] = concept_match(_col(table, S.TEXT, "text_based").take(english_rows), concepts)
-    return _from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_concept_match")])
+    return from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_concept_match")])
 
 
 def clip_score_threshold(
     table: Table, column: str, threshold: float, filt: str = "clip_score"
 ) -> FilterResult:
     s = _floats(table, column, filt)
-    return _from_drops(
+    return from_drops(
         len(s), [(np.isnan(s), "missing_clip_score"), (~(s >= threshold), "clip_score_below_threshold")]
     )
 
@@ -322,14 +322,6 @@ def laion2b(table: Table, threshold: float = 0.28, lang: Any = None) -> FilterRe
 # --- image-based (nearest centroid) -------------------------------------------------------------------
 
 
-def _read_bytes(path: str, open_file: Callable[[str], BinaryIO] | None, filt: str) -> bytes:
-    try:
-        with (open_file or (lambda p: open(p, "rb")))(path) as fh:
-            return fh.read()
-    except FileNotFoundError as exc:
-        raise FilterError(f"filter {filt!r}: file not found: {path}") from exc
-
-
 def centroid_membership(
     table: Table, embeddings: C.Embeddings | np.ndarray, centroids: np.ndarray, target_ids: np.ndarray
 ) -> FilterResult:
@@ -346,7 +338,7 @@ def centroid_membership(
         present, rows = np.ones(n, dtype=bool), np.asarray(embeddings)
     inside = np.zeros(n, dtype=bool)
     inside[present] = np.isin(C.nearest_centroid(rows, np.asarray(centroids, np.float32)), target_ids)
-    return _from_drops(n, [(~present, "missing_embedding"), (~inside, "not_in_centroid")])
+    return from_drops(n, [(~present, "missing_embedding"), (~inside, "not_in_centroid")])
 
 
 def image_based(
@@ -356,88 +348,10 @@ def image_based(
     target_ids: np.ndarray,
     lang: Any = None,
 ) -> FilterResult:
-    labels = _language(table, lang, "image_based")
+    labels = language_labels(table, lang, "image_based")
     words, chars = _words_and_chars(table, "image_based")
-    caption = _from_drops(
+    caption = from_drops(
         len(labels),
         [(labels != "en", "not_english"), (words <= 1, "too_few_words"), (chars <= 5, "too_short")],
     )
     return intersect(caption, centroid_membership(table, embeddings, centroids, target_ids))
-
-
-# --- registry -----------------------------------------------------------------------------------------
-
-
-def _image_based_from_cfg(table: Table, cfg: FilterConfig, lang: Any, open_file: Any) -> FilterResult:
-    paths = {}
-    for key in ("image_embeddings_file", "image_centroids_file", "image_centroid_ids_file"):
-        if not getattr(cfg, key):
-            raise FilterError(f"filter 'image_based' needs filters.{key}")
-        paths[key] = getattr(cfg, key)
-    try:
-        emb = C.load_embeddings(paths["image_embeddings_file"], open_file)
-        centroids = C.load_centroids(paths["image_centroids_file"], open_file)
-        target = C.load_centroid_ids(paths["image_centroid_ids_file"], open_file)
-    except (FileNotFoundError, ValueError) as exc:
-        raise FilterError(f"filter 'image_based': {exc}") from exc
-    return image_based(table, emb, centroids, target, lang)
-
-
-def _text_based_from_cfg(table: Table, cfg: FilterConfig, lang: Any, open_file: Any) -> FilterResult:
-    if not cfg.text_concepts_file:
-        raise FilterError("filter 'text_based' needs filters.text_concepts_file")
-    concepts = load_concepts(io.BytesIO(_read_bytes(cfg.text_concepts_file, open_file, "text_based")))
-    return text_based(table, concepts, lang)
-
-
-def _clip_from_cfg(table: Table, cfg: FilterConfig, lang: Any, open_file: Any) -> FilterResult:
-    if cfg.clip_fraction > 0:  # a fraction wins; set clip_fraction=0 to use clip_threshold
-        return clip_score_fraction(table, cfg.clip_column, cfg.clip_fraction)
-    return clip_score_threshold(table, cfg.clip_column, cfg.clip_threshold)
-
-
-Runner = Callable[[Table, FilterConfig, Any, Any], FilterResult]
-FILTERS: dict[str, Runner] = {
-    "no_filter": lambda t, cfg, lang, op: no_filter(t),
-    "random": lambda t, cfg, lang, op: random_subset(t, cfg.random_fraction, cfg.random_seed),
-    "english": lambda t, cfg, lang, op: english(t, lang),
-    "basic": lambda t, cfg, lang, op: basic(t, lang),
-    "text_based": _text_based_from_cfg,
-    "clip_score": _clip_from_cfg,
-    "laion2b": lambda t, cfg, lang, op: laion2b(t, cfg.laion_threshold, lang),
-    "image_based": _image_based_from_cfg,
-}
-
-
-def parse_names(names: list[str]) -> list[list[str]]:
-    """``["basic+clip_score", ...]`` → ``[["basic", "clip_score"], ...]``; unknown names raise FilterError."""
-    out = []
-    for name in names:
-        parts = [p.strip() for p in name.split("+")]
-        for p in parts:
-            if p not in FILTERS:
-                raise FilterError(f"unknown filter {p!r} in {name!r} (known: {', '.join(sorted(FILTERS))})")
-        out.append(parts)
-    return out
-
-
-def apply_filters(
-    table: Table,
-    cfg: FilterConfig,
-    lang: Any = None,
-    open_file: Callable[[str], BinaryIO] | None = None,
-) -> dict[str, FilterResult]:
-    """Run every filter named in ``cfg.names`` over all rows of ``table`` (the whole pool, so fraction
-    thresholds are DataComp's). ``lang``: fastText labels aligned with the rows, or a ``LanguageId``;
-    else a ``lang`` column is used. ``open_file(path)`` opens input files (e.g. S3); default ``open``."""
-    plans = parse_names(list(cfg.names))
-    if lang is not None and callable(lang) and any(set(p) & NEEDS_LANGUAGE for p in plans):
-        lang = _language(table, lang, "english")  # predict once, share across filters
-    cache: dict[str, FilterResult] = {}
-    results: dict[str, FilterResult] = {}
-    for name, parts in zip(cfg.names, plans, strict=True):
-        for p in parts:
-            if p not in cache:
-                cache[p] = FILTERS[p](table, cfg, lang, open_file)
-        results[name] = intersect(*(cache[p] for p in parts))
-    return results

@@ -20,30 +20,27 @@ Rules (exact counts, so subsets of different filters compare at equal size):
   the other CLIP-score baselines (``laion2b``) with our scorer, ``with_clip_scores`` puts our cosine into
   a metadata table's CLIP-score column.
 - ``clip_score_threshold(threshold)``: cosine ≥ threshold (DataComp's rule).
-- ``random_same_size(n_keep, seed)``: n_keep scorable rows uniformly at random (the control for a
-  filter of that size); the draw is a permutation of the uid-sorted rows, so it is independent of order.
+- ``random_same_size(n_keep, seed)``: n_keep scorable rows at random (the control for a filter of that
+  size, ``of=LABEL`` in a spec): the n_keep smallest seeded uid hashes (``pipeline.filters.uid_hash``, the
+  draw DataComp's ``random`` baseline uses too), so the choice depends on neither row order nor batching.
 
-Round is half-up. ``apply(name, scores, **params)`` → ``FilterOutcome`` (sorted kept uids and counts per
-reason); ``parse_filter_spec("csd_best:fraction=0.2")`` validates a spec string for the filter job.
+Round is half-up. Each returns ``pipeline.filters.FilterResult``; the registry, the spec syntax
+(``csd_best:fraction=0.2``) and the random control's sizing live in ``pipeline.filtering``.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-import typing
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from pipeline import schema as S
-from pipeline.config import ConfigError
+from pipeline.filters import FilterResult, uid_hash
 
 Scores = pa.Table | Mapping[str, Any]
-Mask = tuple[np.ndarray, np.ndarray]
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -87,17 +84,17 @@ def _order(values: np.ndarray, uids: np.ndarray, rows: np.ndarray, descending: b
     return rows[np.lexsort((uids[rows], key))]
 
 
-def _keep_first(order: np.ndarray, n_keep: int, reason: np.ndarray, why: str) -> Mask:
+def _keep_first(order: np.ndarray, n_keep: int, reason: np.ndarray, why: str) -> FilterResult:
     keep = np.zeros(len(reason), bool)
     keep[order[:n_keep]] = True
     reason[order[n_keep:]] = why
-    return keep, reason
+    return FilterResult(keep, reason)
 
 
 # --- filters ------------------------------------------------------------------------------------------
 
 
-def csd_best(scores: Scores, fraction: float = 0.2) -> Mask:
+def csd_best(scores: Scores, fraction: float = 0.2) -> FilterResult:
     """Keep the round(fraction·n_ok) smallest-CSD rows (Eq. 1; App. C.8 keeps 20%)."""
     _check_fraction("fraction", fraction)
     uids, csd, reason = _scorable(scores, "csd")
@@ -106,7 +103,9 @@ def csd_best(scores: Scores, fraction: float = 0.2) -> Mask:
     return _keep_first(order, _round(fraction * len(rows)), reason, f"csd_not_in_best_{_pct(fraction)}")
 
 
-def csd_uncertainty_aware(scores: Scores, fraction: float = 0.2, text_unc_quantile: float = 0.9) -> Mask:
+def csd_uncertainty_aware(
+    scores: Scores, fraction: float = 0.2, text_unc_quantile: float = 0.9
+) -> FilterResult:
     """Drop the round((1−q)·n_ok) most uncertain captions, then keep round(fraction·n_ok) smallest CSD."""
     _check_fraction("fraction", fraction)
     if not 0.0 < text_unc_quantile < 1.0:
@@ -124,7 +123,7 @@ def csd_uncertainty_aware(scores: Scores, fraction: float = 0.2, text_unc_quanti
     return _keep_first(order, _round(fraction * n_ok), reason, f"csd_not_in_best_{_pct(fraction)}")
 
 
-def clip_score_best(scores: Scores, fraction: float = 0.3) -> Mask:
+def clip_score_best(scores: Scores, fraction: float = 0.3) -> FilterResult:
     """Keep the round(fraction·n_ok) rows with the largest cosine (DataComp CLIP score), ties by uid."""
     _check_fraction("fraction", fraction)
     uids, cosine, reason = _scorable(scores, "cosine")
@@ -133,55 +132,23 @@ def clip_score_best(scores: Scores, fraction: float = 0.3) -> Mask:
     return _keep_first(order, _round(fraction * len(rows)), reason, f"clip_score_not_in_top_{_pct(fraction)}")
 
 
-def clip_score_threshold(scores: Scores, threshold: float = 0.3) -> Mask:
+def clip_score_threshold(scores: Scores, threshold: float = 0.3) -> FilterResult:
     """Keep rows with cosine ≥ threshold (DataComp's threshold rule)."""
     _, cosine, reason = _scorable(scores, "cosine")
     below = (reason == "") & ~(cosine >= threshold)
     reason[below] = f"clip_score_below_{threshold:g}"
-    return reason == "", reason
+    return FilterResult(reason == "", reason)
 
 
-def random_same_size(scores: Scores, n_keep: int, seed: int = 0) -> Mask:
-    """Keep ``n_keep`` scorable rows drawn uniformly (seeded); the control at a filter's size."""
+def random_same_size(scores: Scores, n_keep: int, seed: int = 0) -> FilterResult:
+    """Keep ``n_keep`` scorable rows drawn at random (seeded); the control at a filter's size."""
     uids, _, reason = _scorable(scores, "ok")
     rows = np.flatnonzero(reason == "")
     if not 0 <= n_keep <= len(rows):
         raise ValueError(f"n_keep must be in [0, {len(rows)}] (scorable rows), got {n_keep}")
-    by_uid = rows[np.argsort(uids[rows], kind="stable")]
-    order = by_uid[np.random.default_rng(seed).permutation(len(by_uid))]
+    key = uid_hash(pa.array(uids[rows], pa.string()), seed) if len(rows) else np.zeros(0, np.uint64)
+    order = rows[np.lexsort((uids[rows], key))]  # a 64-bit hash tie goes to the smaller uid
     return _keep_first(order, n_keep, reason, "random_not_selected")
-
-
-SCORE_FILTERS: dict[str, Callable[..., Mask]] = {
-    "csd_best": csd_best,
-    "csd_uncertainty_aware": csd_uncertainty_aware,
-    "clip_score_best": clip_score_best,
-    "clip_score_threshold": clip_score_threshold,
-    "random_same_size": random_same_size,
-}
-NEEDS_UNCERTAINTY = frozenset({"csd_uncertainty_aware"})
-
-
-@dataclass(frozen=True)
-class FilterOutcome:
-    name: str
-    uids_kept: np.ndarray  # sorted str uids
-    counts_by_reason: dict[str, int]  # "kept" plus one entry per drop reason
-    params: dict[str, Any] = field(default_factory=dict)
-
-
-def counts(reason: np.ndarray) -> dict[str, int]:
-    values, n = np.unique(np.asarray(reason, dtype=str), return_counts=True)
-    return {("kept" if v == "" else v): int(c) for v, c in zip(values, n, strict=True)}
-
-
-def apply(name: str, scores: Scores, **params: Any) -> FilterOutcome:
-    """Run filter ``name`` of ``SCORE_FILTERS`` with ``params``."""
-    if name not in SCORE_FILTERS:
-        raise KeyError(f"unknown score filter {name!r} (known: {', '.join(sorted(SCORE_FILTERS))})")
-    keep, reason = SCORE_FILTERS[name](scores, **params)
-    uids = np.sort(_column(scores, "uid").astype(str)[keep])
-    return FilterOutcome(name, uids, counts(reason), dict(params))
 
 
 def with_clip_scores(metadata: pa.Table, scores: Scores, column: str = S.CLIP_B32) -> pa.Table:
@@ -198,89 +165,3 @@ def with_clip_scores(metadata: pa.Table, scores: Scores, column: str = S.CLIP_B3
     if column in metadata.column_names:
         return metadata.set_column(metadata.column_names.index(column), column, arr)
     return metadata.append_column(column, arr)
-
-
-# --- spec strings (the filter job's config) -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FilterSpec:
-    label: str  # subset name: ``label=`` if given, else the filter name
-    name: str
-    params: dict[str, Any]
-    of: str = ""  # random_same_size: the label whose size it copies
-
-
-def _typed(value: str, kind: Any, key: str) -> Any:
-    try:
-        if kind is int:
-            return int(value)
-        return float(value)
-    except ValueError:
-        raise ConfigError(f"{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}") from None
-
-
-def parse_filter_spec(spec: str, key: str = "filters") -> FilterSpec:
-    """``name[:k=v[,k=v…]]`` → FilterSpec; an unknown filter/param or a bad value raises naming ``key``."""
-    name, _, rest = spec.strip().partition(":")
-    name = name.strip()
-    if name not in SCORE_FILTERS:
-        raise ConfigError(f"{key}: unknown score filter {name!r} (known: {', '.join(sorted(SCORE_FILTERS))})")
-    fn = SCORE_FILTERS[name]
-    hints = typing.get_type_hints(fn)
-    allowed = {p: v.default for p, v in list(inspect.signature(fn).parameters.items())[1:]}
-    if name == "random_same_size":
-        allowed["of"] = ""
-    params: dict[str, Any] = {}
-    label, of = name, ""
-    for item in (p.strip() for p in rest.replace(";", ",").split(",")):
-        if not item:
-            continue
-        k, eq, v = (s.strip() for s in item.partition("="))
-        if not eq:
-            raise ConfigError(f"{key}: expected key=value, got {item!r} in {spec!r}")
-        if k == "label":
-            label = v
-        elif k == "of" and "of" in allowed:
-            of = v
-        elif k not in allowed:
-            known = ", ".join(sorted([*allowed, "label"]))
-            raise ConfigError(f"{key}.{k}: unknown parameter of {name} (known: {known})")
-        else:
-            params[k] = _typed(v, hints.get(k, float), f"{key}.{k}")
-    for k, default in allowed.items():
-        if k != "of" and default is inspect.Parameter.empty and k not in params and not of:
-            raise ConfigError(f"{key}.{k}: {name} needs {k}=… (or of=LABEL)")
-    for k in ("fraction", "text_unc_quantile"):
-        if k in params and not 0.0 < params[k] <= 1.0:
-            raise ConfigError(f"{key}.{k}: must be in (0, 1], got {params[k]}")
-    if not label or not label.replace("_", "").replace("-", "").replace(".", "").isalnum():
-        raise ConfigError(f"{key}.label: {label!r} is not a usable subset name")
-    return FilterSpec(label, name, params, of)
-
-
-def parse_filter_specs(items: Any, key: str = "filters") -> list[FilterSpec]:
-    """Specs from a list (or one comma-separated string: a ``k=v`` item without ``name:`` continues the
-    previous spec, so ``--set filters=csd_best:fraction=0.2,random_same_size:of=csd_best,seed=0`` works)."""
-    if isinstance(items, str):
-        items = items.split(",")
-    merged: list[str] = []
-    for item in (str(i).strip() for i in items):
-        if not item:
-            continue
-        if merged and "=" in item and ":" not in item.split("=", 1)[0]:
-            merged[-1] += "," + item
-        else:
-            merged.append(item)
-    if not merged:
-        raise ConfigError(f"{key}: no filters given")
-    specs = [parse_filter_spec(s, f"{key}[{i}]") for i, s in enumerate(merged)]
-    labels = [s.label for s in specs]
-    for i, s in enumerate(specs):
-        if s.label in labels[:i]:
-            raise ConfigError(f"{key}[{i}].label: subset name {s.label!r} used twice; add label=…")
-        if s.of and s.of not in labels:
-            raise ConfigError(f"{key}[{i}].of: no filter labelled {s.of!r} (labels: {', '.join(labels)})")
-        if s.of and specs[labels.index(s.of)].of:
-            raise ConfigError(f"{key}[{i}].of: {s.of!r} takes its size from another filter itself")
-    return specs

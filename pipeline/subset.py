@@ -8,19 +8,22 @@ orders by ``f0`` then ``f1``, i.e. by the 128-bit uid. Like the resharder, ``rea
 raw headerless ``u8,u8`` memmap.
 
 Paths are local; for ``s3://`` the caller passes a binary file object (e.g. from ``pipeline.storage``).
+``write_subsets`` writes filter results (``pipeline.filters.FilterResult``) through a ``Storage``.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from collections.abc import Sequence
-from typing import BinaryIO
+from collections.abc import Mapping, Sequence
+from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
 
-from pipeline.schema import UID_DTYPE, u8pairs_to_uids, uids_to_u8pairs
+from pipeline.filters import FilterResult
+from pipeline.schema import UID, UID_DTYPE, u8pairs_to_uids, uids_to_u8pairs
+from pipeline.storage import Storage
 
 _NPY_MAGIC = b"\x93NUMPY"
 
@@ -102,3 +105,28 @@ def validate_subset(arr: np.ndarray, label: str = "subset") -> None:
 def subset_uids(src: str | os.PathLike | BinaryIO) -> list[str]:
     """The 32-hex uids of a subset file, in file (sorted) order, repeats included."""
     return u8pairs_to_uids(read_subset(src))
+
+
+def kept_uids(
+    table: pa.Table | Mapping[str, Any], result: FilterResult, eligible: np.ndarray | None = None
+) -> np.ndarray:
+    """The sorted uid strings ``result`` keeps (and ``eligible`` allows, e.g. rows that downloaded)."""
+    col = table.column(UID) if isinstance(table, pa.Table) else table[UID]
+    uids = np.asarray(col.to_pylist() if isinstance(col, (pa.Array, pa.ChunkedArray)) else col, dtype=str)
+    keep = np.asarray(result.keep, bool) & (True if eligible is None else np.asarray(eligible, bool))
+    return np.sort(uids[keep])
+
+
+def write_subsets(
+    store: Storage,
+    table: pa.Table | Mapping[str, Any],
+    results: Mapping[str, FilterResult],
+    paths: Mapping[str, str],
+    eligible: np.ndarray | None = None,
+) -> dict[str, int]:
+    """Each result's kept uids as DataComp's sorted ``u8,u8`` ``.npy`` at ``paths[label]``; → sizes."""
+    sizes = {}
+    for label, result in results.items():
+        with store.open_output(paths[label]) as fh:
+            sizes[label] = write_subset(kept_uids(table, result, eligible), fh)
+    return sizes

@@ -13,6 +13,7 @@ from jobs import embed as embed_job
 from jobs import filter as filter_job
 from pipeline import storage
 from pipeline.shards import iter_shard
+from pipeline.storage import LOCAL, Storage
 from pipeline.subset import read_subset, subset_uids
 from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures_train import write_demo_shards
@@ -51,7 +52,7 @@ def test_filter_job_scores_filters_and_reshards(ray_local, pool, tiny_checkpoint
         kept = subset_uids(os.path.join(out, "subsets", f"{label}.npy"))
         assert len(kept) == size and set(kept) <= set(uids)
         resharded = [
-            s["json"]["uid"] for p in storage.list_files(os.path.join(out, "subsets", label, "shards"), ".tar")
+            s["json"]["uid"] for p in LOCAL.list_files(os.path.join(out, "subsets", label, "shards"), ".tar")
             for s in iter_shard(p)
         ]  # fmt: skip
         assert sorted(resharded) == kept
@@ -95,9 +96,10 @@ def test_embed_job_writes_fixed_size_vectors(ray_local, pool, tiny_checkpoint, t
 
 def test_filter_job_on_s3(ray_local, pool, tiny_checkpoint, s3_server):
     shards_url = s3_server.url("pool")
+    store = Storage.from_env(s3_server.endpoint)
     for name in sorted(os.listdir(pool[0])):
         with open(os.path.join(pool[0], name), "rb") as fh:
-            storage.write_bytes(fh.read(), storage.join(shards_url, name), s3_server.endpoint)
+            store.write_bytes(fh.read(), storage.join(shards_url, name))
     out = s3_server.url("filter-run")
     rc = filter_job.main(
         ["--checkpoint", tiny_checkpoint, "--shards", shards_url, "--out", out]
@@ -105,7 +107,18 @@ def test_filter_job_on_s3(ray_local, pool, tiny_checkpoint, s3_server):
         + ["--set", "reshard=false"]
     )
     assert rc == 0
-    scores = storage.read_parquet(storage.join(out, "scores", "scores.parquet"), s3_server.endpoint)
+    scores = store.read_parquet(storage.join(out, "scores", "scores.parquet"))
     assert scores.column("uid").to_pylist() == pool[1]
-    with storage.open_input(storage.join(out, "subsets", "csd_best.npy"), s3_server.endpoint) as fh:
+    with store.open_input(storage.join(out, "subsets", "csd_best.npy")) as fh:
         assert len(read_subset(fh)) == len(pool[1]) // 2
+
+
+def test_metadata_filters_and_bad_specs_stop_the_filter_job_at_validation():
+    from jobs.filter.run import FilterJobConfig, validate
+    from pipeline.config import ConfigError
+
+    cfg = FilterJobConfig(shards="pool", checkpoint="ckpt", filters=("csd_best:fraction=0.2", "basic"))
+    with pytest.raises(ConfigError, match=r"filters\[1\]: basic reads \['original_height', 'original_width'"):
+        validate(cfg)
+    specs = validate(FilterJobConfig(shards="pool", checkpoint="ckpt"))
+    assert [s.label for s in specs][-1] == "random_same_size" and specs[-1].of == "csd_best"

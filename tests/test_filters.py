@@ -10,9 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import centroids as C
+from pipeline import filtering as P
 from pipeline import filters as F
-from pipeline.config import FilterConfig
+from pipeline.config import ConfigError, FilterConfig
 from pipeline.schema import uids_to_u8pairs
+from pipeline.storage import LOCAL
+from pipeline.subset import write_subsets
 
 U = [f"{i:032x}" for i in range(8)]
 
@@ -109,7 +112,7 @@ def test_english_with_the_real_model():
             ],
         }
     )
-    res = F.apply_filters(t, FilterConfig(names=["english"]), lang=LanguageId())
+    res = P.apply_filters(t, FilterConfig(names=["english"]), lang=LanguageId())
     assert res["english"].keep.tolist() == [True, False, False, False]
 
 
@@ -287,18 +290,18 @@ def test_image_based_from_files_via_registry(tmp_path):
             image_centroids_file=str(tmp_path / "centroids.npy"),
             image_centroid_ids_file=str(tmp_path / "ids.txt"),
         )
-        assert F.apply_filters(t, cfg)["image_based"].reason.tolist() == expected, name
+        assert P.apply_filters(t, cfg)["image_based"].reason.tolist() == expected, name
     # row 1 embeds near centroid 1; a target set without it drops the row
     np.save(tmp_path / "ids.npy", np.array([0]))
     cfg = dataclasses.replace(cfg, image_centroid_ids_file=str(tmp_path / "ids.npy"))
-    assert F.apply_filters(t, cfg)["image_based"].reason[1] == "not_in_centroid"
+    assert P.apply_filters(t, cfg)["image_based"].reason[1] == "not_in_centroid"
 
 
 def test_intersections_and_first_failing_reason():
     cfg = FilterConfig(
         names=["basic", "clip_score", "basic+clip_score", "clip_score+basic"], clip_fraction=0.3
     )
-    res = F.apply_filters(eight_rows(), cfg)
+    res = P.apply_filters(eight_rows(), cfg)
     both = res["basic+clip_score"]
     assert both.keep.tolist() == (res["basic"].keep & res["clip_score"].keep).tolist()
     assert both.reason[3] == "too_small" and res["clip_score+basic"].reason[3] == "clip_score_below_threshold"
@@ -307,24 +310,24 @@ def test_intersections_and_first_failing_reason():
 
 def test_clip_score_config_fraction_wins_else_threshold():
     t = eight_rows()
-    by_fraction = F.apply_filters(t, FilterConfig(names=["clip_score"], clip_fraction=0.3))["clip_score"]
+    by_fraction = P.apply_filters(t, FilterConfig(names=["clip_score"], clip_fraction=0.3))["clip_score"]
     assert by_fraction.keep.sum() == 3
     cfg = FilterConfig(names=["clip_score"], clip_fraction=0.0, clip_threshold=0.55)
-    assert F.apply_filters(t, cfg)["clip_score"].keep.sum() == 4
+    assert P.apply_filters(t, cfg)["clip_score"].keep.sum() == 4
 
 
 def test_unknown_filter_and_missing_inputs_are_named():
     t = eight_rows()
     with pytest.raises(ValueError, match="unknown filter 'bogus' in 'basic\\+bogus'"):
-        F.apply_filters(t, FilterConfig(names=["basic+bogus"]))
+        P.apply_filters(t, FilterConfig(names=["basic+bogus"]))
     with pytest.raises(F.FilterError, match="'basic' needs column 'original_width'"):
-        F.apply_filters(t.drop_columns(["original_width"]), FilterConfig(names=["basic"]))
+        P.apply_filters(t.drop_columns(["original_width"]), FilterConfig(names=["basic"]))
     with pytest.raises(F.FilterError, match="'laion2b' needs column 'clip_b32_similarity_score'"):
-        F.apply_filters(t.drop_columns(["clip_b32_similarity_score"]), FilterConfig(names=["laion2b"]))
+        P.apply_filters(t.drop_columns(["clip_b32_similarity_score"]), FilterConfig(names=["laion2b"]))
     with pytest.raises(F.FilterError, match="text_concepts_file"):
-        F.apply_filters(t, FilterConfig(names=["text_based"]))
+        P.apply_filters(t, FilterConfig(names=["text_based"]))
     with pytest.raises(F.FilterError, match="image_embeddings_file"):
-        F.apply_filters(t, FilterConfig(names=["image_based"]))
+        P.apply_filters(t, FilterConfig(names=["image_based"]))
     missing = FilterConfig(
         names=["image_based"],
         image_embeddings_file="/nonexistent/emb.npz",
@@ -332,15 +335,78 @@ def test_unknown_filter_and_missing_inputs_are_named():
         image_centroid_ids_file="/nonexistent/ids.txt",
     )
     with pytest.raises(F.FilterError, match="'image_based'.*emb.npz"):
-        F.apply_filters(t, missing)
+        P.apply_filters(t, missing)
     no_file = FilterConfig(names=["text_based"], text_concepts_file="/nonexistent/lemmas.txt")
     with pytest.raises(F.FilterError, match="'text_based': file not found: /nonexistent/lemmas.txt"):
-        F.apply_filters(t, no_file)
+        P.apply_filters(t, no_file)
 
 
 def test_lang_argument_labels_override_and_length_checked():
     t = eight_rows()
-    res = F.apply_filters(t, FilterConfig(names=["english"]), lang=["en"] * 8)
+    res = P.apply_filters(t, FilterConfig(names=["english"]), lang=["en"] * 8)
     assert res["english"].keep.all()
     with pytest.raises(F.FilterError, match="7 language labels for 8 rows"):
-        F.apply_filters(t, FilterConfig(names=["english"]), lang=["en"] * 7)
+        P.apply_filters(t, FilterConfig(names=["english"]), lang=["en"] * 7)
+
+
+def test_spec_parameters_override_the_config_per_part():
+    t = eight_rows()
+    cfg = FilterConfig(
+        names=[
+            "basic+clip_score:fraction=0.5",
+            "clip_score:threshold=0.55,label=clip55",
+            "random:fraction=0.5",
+        ],
+        clip_fraction=0.3,
+    )
+    res = P.apply_filters(t, cfg)
+    assert list(res) == ["basic+clip_score", "clip55", "random"]
+    half = F.clip_score_fraction(t, "clip_l14_similarity_score", 0.5)
+    assert res["basic+clip_score"].reason.tolist() == F.intersect(F.basic(t), half).reason.tolist()
+    assert res["clip55"].keep.sum() == 4  # threshold= without fraction= is DataComp's threshold rule
+    assert res["random"].keep.sum() == 4
+    spec = P.parse_filter_spec("basic+clip_score:fraction=0.3,column=clip_b32_similarity_score")
+    assert spec.parts == (
+        ("basic", {}),
+        ("clip_score", {"fraction": 0.3, "column": "clip_b32_similarity_score"}),
+    )
+    assert spec.label == "basic+clip_score" and spec.name == "basic+clip_score"
+    assert P.required_columns([spec]) == {
+        "text",
+        "original_width",
+        "original_height",
+        "clip_b32_similarity_score",
+    }
+
+
+def test_spec_errors_name_the_key():
+    with pytest.raises(ConfigError, match=r"filters.names\[0\].fracton: unknown parameter of clip_score"):
+        P.apply_filters(eight_rows(), FilterConfig(names=["basic+clip_score:fracton=0.3"]))
+    with pytest.raises(ConfigError, match=r"filters\[0\].seed: expected int"):
+        P.parse_filter_specs(["random:seed=1.5"])
+    with pytest.raises(ConfigError, match=r"filters\[1\].label: subset name 'basic' used twice"):
+        P.parse_filter_specs(["basic", "basic"])
+    with pytest.raises(ConfigError, match=r"filters\[0\]: expected key=value"):
+        P.parse_filter_specs(["basic+clip_score:fraction"])
+
+
+def test_random_control_copies_a_size_given_from_elsewhere():
+    scores = pa.table({"uid": U, "ok": [True] * 7 + [False], "csd": np.linspace(0, 1, 8)})
+    specs = P.parse_filter_specs("random_same_size:of=basic,seed=2", known=["basic"])
+    res = P.run_filters(scores, specs, sizes={"basic": 3})["random_same_size"]
+    assert res.keep.sum() == 3 and res.reason[7] == "image_failed"
+    with pytest.raises(ConfigError, match="no filter labelled 'basic'"):
+        P.parse_filter_specs("random_same_size:of=basic")
+
+
+def test_write_subsets_keeps_eligible_rows_sorted(tmp_path):
+    t = eight_rows()
+    res = P.apply_filters(t, FilterConfig(names=["english"]))
+    eligible = np.array([True, False] * 4)
+    paths = {"english": str(tmp_path / "subsets" / "english.npy")}
+    assert write_subsets(LOCAL, t, res, paths, eligible) == {"english": 3}
+    arr = np.load(paths["english"])
+    assert (
+        arr.dtype == np.dtype("u8,u8")
+        and arr.tolist() == np.sort(uids_to_u8pairs([U[0], U[2], U[4]])).tolist()
+    )

@@ -6,8 +6,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from pipeline import filtering as P
 from pipeline import score_filters as F
 from pipeline.config import ConfigError
+from pipeline.subset import kept_uids
 
 
 def _uid(i: int) -> str:
@@ -46,10 +48,10 @@ def test_failed_images_never_compete_and_count_toward_nothing():
 
 def test_ties_are_broken_by_uid_whatever_the_row_order():
     t = _scores([0.5] * 6 + [0.1])
-    out = F.apply("csd_best", t, fraction=0.5)  # 3.5 → 4: the 0.1 row and the 3 smallest uids
-    assert out.uids_kept.tolist() == sorted([_uid(6), _uid(0), _uid(1), _uid(2)])
+    out = kept_uids(t, P.apply("csd_best:fraction=0.5", t))  # 3.5 → 4: the 0.1 row and the 3 smallest uids
+    assert out.tolist() == sorted([_uid(6), _uid(0), _uid(1), _uid(2)])
     shuffled = t.take(np.random.default_rng(1).permutation(7))
-    assert F.apply("csd_best", shuffled, fraction=0.5).uids_kept.tolist() == out.uids_kept.tolist()
+    assert kept_uids(shuffled, P.apply("csd_best:fraction=0.5", shuffled)).tolist() == out.tolist()
 
 
 def test_uncertainty_aware_drops_top_decile_and_keeps_equal_size():
@@ -59,13 +61,14 @@ def test_uncertainty_aware_drops_top_decile_and_keeps_equal_size():
     text_unc = rng.uniform(0, 1, n)
     csd[np.argsort(text_unc)[-5:]] = 0.0  # the 5 most uncertain captions have the best CSD
     t = _scores(csd, text_unc=text_unc)
-    keep, reason = F.csd_uncertainty_aware(t, 0.2)
+    result = F.csd_uncertainty_aware(t, 0.2)
+    keep, reason = result
     top = set(np.argsort(text_unc)[-5:].tolist())
     assert {i for i in range(n) if reason[i] == "text_uncertainty_top_10%"} == top
     assert keep.sum() == F.csd_best(t, 0.2)[0].sum() == 10
     rest = np.array(sorted(set(range(n)) - top))
     assert set(np.flatnonzero(keep)) == set(rest[np.argsort(csd[rest])[:10]].tolist())
-    assert F.counts(reason) == {"kept": 10, "text_uncertainty_top_10%": 5, "csd_not_in_best_20%": 35}
+    assert result.counts() == {"kept": 10, "text_uncertainty_top_10%": 5, "csd_not_in_best_20%": 35}
     with pytest.raises(ValueError, match="probabilistic"):
         F.csd_uncertainty_aware(_scores(csd, text_unc=np.full(n, np.nan)), 0.2)
 
@@ -83,22 +86,24 @@ def test_clip_score_best_and_threshold():
 
 def test_random_control_same_size_seeded_and_order_free():
     t = _scores(np.linspace(0, 2, 40), ok=np.arange(40) % 7 != 0)
-    a = F.apply("random_same_size", t, n_keep=11, seed=3)
-    assert len(a.uids_kept) == 11 and a.counts_by_reason["image_failed"] == 6
-    assert a.counts_by_reason == {"kept": 11, "image_failed": 6, "random_not_selected": 23}
+    result = P.apply("random_same_size:n_keep=11,seed=3", t)
+    a = kept_uids(t, result)
+    assert len(a) == 11 and result.counts()["image_failed"] == 6
+    assert result.counts() == {"kept": 11, "image_failed": 6, "random_not_selected": 23}
     shuffled = t.take(np.random.default_rng(0).permutation(40))
-    assert F.apply("random_same_size", shuffled, n_keep=11, seed=3).uids_kept.tolist() == a.uids_kept.tolist()
-    assert F.apply("random_same_size", t, n_keep=11, seed=4).uids_kept.tolist() != a.uids_kept.tolist()
+    again = kept_uids(shuffled, P.apply("random_same_size:n_keep=11,seed=3", shuffled))
+    assert again.tolist() == a.tolist()
+    assert kept_uids(t, P.apply("random_same_size:n_keep=11,seed=4", t)).tolist() != a.tolist()
     with pytest.raises(ValueError):
         F.random_same_size(t, n_keep=35)
 
 
 def test_apply_counts_reasons_and_sorts_uids():
     t = _scores([0.9, 0.1, 0.5, 0.3], ok=[True, True, True, False])
-    out = F.apply("csd_best", t, fraction=0.5)
-    assert out.uids_kept.tolist() == [_uid(1), _uid(2)]
-    assert out.counts_by_reason == {"kept": 2, "csd_not_in_best_50%": 1, "image_failed": 1}
-    assert out.params == {"fraction": 0.5}
+    out = P.apply("csd_best:fraction=0.5", t)
+    assert kept_uids(t, out).tolist() == [_uid(1), _uid(2)]
+    assert out.counts() == {"kept": 2, "csd_not_in_best_50%": 1, "image_failed": 1}
+    assert P.parse_filter_spec("csd_best:fraction=0.5").params == {"fraction": 0.5}
 
 
 def test_with_clip_scores_puts_our_cosine_in_datacomp_column():
@@ -110,7 +115,7 @@ def test_with_clip_scores_puts_our_cosine_in_datacomp_column():
 
 
 def test_filter_specs_parse_and_validate():
-    specs = F.parse_filter_specs(
+    specs = P.parse_filter_specs(
         "csd_best:fraction=0.2,csd_uncertainty_aware:fraction=0.2,text_unc_quantile=0.8,"
         "random_same_size:of=csd_best,seed=1"
     )
@@ -119,9 +124,9 @@ def test_filter_specs_parse_and_validate():
         ("csd_uncertainty_aware", "csd_uncertainty_aware", {"fraction": 0.2, "text_unc_quantile": 0.8}, ""),
         ("random_same_size", "random_same_size", {"seed": 1}, "csd_best"),
     ]
-    assert F.parse_filter_spec("csd_best:fraction=0.1,label=csd10").label == "csd10"
+    assert P.parse_filter_spec("csd_best:fraction=0.1,label=csd10").label == "csd10"
     bad = {
-        "csd_bst:fraction=0.2": r"filters\[0\]: unknown score filter 'csd_bst'",
+        "csd_bst:fraction=0.2": r"filters\[0\]: unknown filter 'csd_bst'",
         "csd_best:fracton=0.2": r"filters\[0\]\.fracton: unknown parameter",
         "csd_best:fraction=abc": r"filters\[0\]\.fraction: expected float",
         "csd_best:fraction=1.5": r"filters\[0\]\.fraction: must be in",
@@ -130,6 +135,6 @@ def test_filter_specs_parse_and_validate():
     }
     for spec, message in bad.items():
         with pytest.raises(ConfigError, match=message):
-            F.parse_filter_specs([spec])
+            P.parse_filter_specs([spec])
     with pytest.raises(ConfigError, match=r"filters\[1\]\.label: subset name 'csd_best' used twice"):
-        F.parse_filter_specs(["csd_best:fraction=0.1", "csd_best:fraction=0.2"])
+        P.parse_filter_specs(["csd_best:fraction=0.1", "csd_best:fraction=0.2"])

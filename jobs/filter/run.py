@@ -1,17 +1,18 @@
 """The filter job as a library function: score the pool with a checkpoint, run score filters, write
 DataComp subsets, optionally reshard each one.
 
-Run directory (local or ``s3://``), DESIGN.md §3:
+Run directory (local or ``s3://``), docs/formats.md:
 
 - ``<out>/scores/scores.parquet`` — one row per pool sample (``training.scoring.SCORE_COLUMNS``, by uid);
 - ``<out>/subsets/<label>.npy`` — DataComp's sorted ``u8,u8`` uid array per filter;
 - ``<out>/subsets/<label>/shards/`` — with ``reshard``, the subset materialised by ``pipeline.reshard``;
 - ``<out>/filters.json`` — per filter: spec, size, fraction of the scorable pool, counts per reason.
 
-Filters are spec strings ``name[:k=v,…]`` (``pipeline.score_filters.parse_filter_spec``), e.g.
+Filters are spec strings of ``pipeline.filtering`` (the syntax the build uses too), e.g.
 ``csd_best:fraction=0.2`` (ProLIP App. C.8's 20%), ``clip_score_best:fraction=0.3`` (DataComp's best
 CLIP-score fraction on the small track), ``random_same_size:of=csd_best,seed=0`` (the control, sized
 like the filter labelled ``csd_best``); ``label=`` names the subset when a filter appears twice.
+Scores carry no metadata, so only score filters (``pipeline.filtering.SCORES``) apply here.
 ``reuse_scores`` skips scoring when ``scores.parquet`` already exists (re-running only the filters).
 """
 
@@ -20,14 +21,20 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from pipeline import storage
 from pipeline.config import ConfigError
-from pipeline.reshard import reshard
-from pipeline.score_filters import NEEDS_UNCERTAINTY, FilterSpec, apply, parse_filter_specs
-from pipeline.subset import write_subset
-from training.scoring import ScoreResult, score_shards, verify_checkpoint
+from pipeline.filtering import (
+    FilterSpec,
+    parse_filter_specs,
+    required_columns,
+    reshard_subsets,
+    run_filters,
+)
+from pipeline.storage import Storage
+from pipeline.subset import write_subsets
+from training.inference import score_shards
+from training.scoring import SCORE_COLUMNS, ScoreResult, verify_checkpoint
 
 
 @dataclass(frozen=True)
@@ -102,91 +109,79 @@ def validate(cfg: FilterJobConfig) -> list[FilterSpec]:
     for name in ("num_gpus", "cpus_per_actor"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"{name}: must be ≥ 0, got {getattr(cfg, name)}")
-    return parse_filter_specs(list(cfg.filters))
+    specs = parse_filter_specs(list(cfg.filters))
+    for i, spec in enumerate(specs):
+        missing = sorted(required_columns([spec]) - set(SCORE_COLUMNS))
+        if missing:
+            raise ConfigError(
+                f"filters[{i}]: {spec.name} reads {missing}, which the scores table lacks (use a score filter)"
+            )
+    return specs
 
 
 def check_checkpoint(cfg: FilterJobConfig, specs: list[FilterSpec]) -> bool:
     """Load the checkpoint once on the driver (raises CheckpointError naming the file) before any
     actor starts; a filter that needs σ² with a deterministic checkpoint is a ConfigError."""
-    model_cfg = verify_checkpoint(cfg.checkpoint, cfg.s3_endpoint)
+    model_cfg = verify_checkpoint(cfg.checkpoint, Storage.from_env(cfg.s3_endpoint))
     for i, spec in enumerate(specs):
-        if spec.name in NEEDS_UNCERTAINTY and not model_cfg.probabilistic:
+        if "text_unc" in required_columns([spec]) and not model_cfg.probabilistic:
             raise ConfigError(
                 f"filters[{i}]: {spec.name} needs a probabilistic checkpoint; {cfg.checkpoint} is deterministic"
             )
     return bool(model_cfg.probabilistic)
 
 
-def _spec_string(spec: FilterSpec) -> str:
-    params = dict(spec.params, **({"of": spec.of} if spec.of else {}))
-    return spec.name + (":" + ",".join(f"{k}={v}" for k, v in params.items()) if params else "")
+def _score(cfg: FilterJobConfig, store: Storage, scores_path: str) -> ScoreResult | None:
+    """Score the pool into ``scores_path``, unless ``reuse_scores`` and it exists (then None)."""
+    if cfg.reuse_scores and store.exists(scores_path):
+        return None
+    return score_shards(
+        cfg.shards,
+        cfg.checkpoint,
+        scores_path,
+        store=store,
+        num_actors=cfg.num_actors,
+        num_gpus=cfg.num_gpus,
+        batch_size=cfg.batch_size,
+        cpus_per_actor=cfg.cpus_per_actor,
+    )
 
 
 def run_filter_job(cfg: FilterJobConfig) -> FilterJobResult:
     """Score → filter → write subsets (→ reshard); see the module docstring for the outputs."""
     specs = validate(cfg)
     check_checkpoint(cfg, specs)
-    ep = cfg.s3_endpoint
+    store = Storage.from_env(cfg.s3_endpoint)
     timings: dict[str, float] = {}
     scores_path = storage.join(cfg.out, "scores", "scores.parquet")
-    score = None
     t0 = time.perf_counter()
-    if not (cfg.reuse_scores and storage.exists(scores_path, ep)):
-        score = score_shards(
-            cfg.shards,
-            cfg.checkpoint,
-            scores_path,
-            s3_endpoint=ep,
-            num_actors=cfg.num_actors,
-            num_gpus=cfg.num_gpus,
-            batch_size=cfg.batch_size,
-            cpus_per_actor=cfg.cpus_per_actor,
-        )
+    score = _score(cfg, store, scores_path)
     timings["score"] = time.perf_counter() - t0
-    table = storage.read_parquet(scores_path, ep)
+    table = store.read_parquet(scores_path)
 
     t0 = time.perf_counter()
-    outcomes: dict[str, Any] = {}
-    # Filters with a size of their own first, then the controls that copy a size (``of=``).
-    for spec in sorted(specs, key=lambda s: bool(s.of)):
-        params = dict(spec.params)
-        if spec.of:
-            params["n_keep"] = len(outcomes[spec.of].uids_kept)
-        outcomes[spec.label] = apply(spec.name, table, **params)
+    results = run_filters(table, specs, store=store)
     timings["filter"] = time.perf_counter() - t0
-
+    t0 = time.perf_counter()
+    paths = {s.label: storage.join(cfg.out, "subsets", f"{s.label}.npy") for s in specs}
+    sizes = write_subsets(store, table, results, paths)
+    timings["subsets"] = time.perf_counter() - t0
     ok = table.column("ok").to_numpy(zero_copy_only=False)
     n_ok = max(int(ok.sum()), 1)
-    subsets: dict[str, SubsetResult] = {}
-    t0 = time.perf_counter()
-    for spec in specs:
-        outcome = outcomes[spec.label]
-        path = storage.join(cfg.out, "subsets", f"{spec.label}.npy")
-        with storage.open_output(path, ep) as fh:
-            write_subset(outcome.uids_kept, fh)
-        subsets[spec.label] = SubsetResult(
-            spec.label,
-            _spec_string(spec),
-            path,
-            len(outcome.uids_kept),
-            len(outcome.uids_kept) / n_ok,
-            outcome.counts_by_reason,
+    subsets = {
+        s.label: SubsetResult(
+            s.label, s.text, paths[s.label], sizes[s.label], sizes[s.label] / n_ok, results[s.label].counts()
         )
-    timings["subsets"] = time.perf_counter() - t0
+        for s in specs
+    }
     if cfg.reshard:
         t0 = time.perf_counter()
-        for label, sub in subsets.items():
-            res = reshard(
-                cfg.shards.split(","),
-                sub.path,
-                storage.join(cfg.out, "subsets", label, "shards"),
-                samples_per_shard=cfg.samples_per_shard,
-                s3_endpoint=ep,
-                workers=cfg.reshard_workers,
-                overwrite=True,
-                skip_corrupt=True,
-            )
-            sub.shards = list(res.shards)
+        outputs = {label: storage.join(cfg.out, "subsets", label, "shards") for label in paths}
+        done = reshard_subsets(
+            store, cfg.shards.split(","), paths, outputs, cfg.samples_per_shard, cfg.reshard_workers
+        )
+        for label, res in done.items():
+            subsets[label].shards = list(res.shards)
         timings["reshard"] = time.perf_counter() - t0
 
     summary = {
@@ -195,5 +190,5 @@ def run_filter_job(cfg: FilterJobConfig) -> FilterJobResult:
         "n_image_failed": int((~ok).sum()),
         "filters": {k: dataclasses.asdict(v) for k, v in subsets.items()},
     }
-    storage.write_json(summary, storage.join(cfg.out, "filters.json"), ep)
+    store.write_json(summary, storage.join(cfg.out, "filters.json"))
     return FilterJobResult(scores_path, table.num_rows, int((~ok).sum()), subsets, timings, score)

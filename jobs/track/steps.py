@@ -1,8 +1,9 @@
 """The steps of ``jobs.track.run.run_track`` after the build: each returns a JSON-able record that
 ``track_state.json`` keeps, so a resumed track skips it.
 
-Every step calls the same library function as its stand-alone job (``jobs.train``, ``jobs.filter``,
-``jobs.reshard``, ``jobs.evaluate``), so the track adds no second implementation of any of them.
+Every step calls the same library function as its stand-alone job (``jobs.train``; ``jobs.filter``'s
+``pipeline.filtering`` specs, random control and resharding; ``jobs.evaluate``), so the track adds no
+second implementation of any of them.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from typing import Any
 
 from jobs.track.config import TrackConfig, paths, train_config
 from pipeline import storage
+from pipeline.storage import Storage
 from training.config import TrainConfig
 
 Log = Callable[[str], None]
+_SCORE_SUBSETS = ("csd", "csd_uncertainty", "clip_score", "random")  # the rest come from the build
 
 
 def train_models(cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int]], log: Log) -> dict[str, Any]:
@@ -46,14 +49,14 @@ def train_models(cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int]]
 
 
 def score_pool(cfg: TrackConfig, checkpoint: str, log: Log) -> dict[str, Any]:
-    from training.scoring import score_shards
+    from training.inference import score_shards
 
     p = paths(cfg)
     res = score_shards(
         p["shards"],
         checkpoint,
         p["scores"],
-        s3_endpoint=cfg.s3_endpoint,
+        store=Storage.from_env(cfg.s3_endpoint),
         num_actors=cfg.score_actors,
         num_gpus=cfg.score_gpus,
     )
@@ -66,67 +69,80 @@ def score_pool(cfg: TrackConfig, checkpoint: str, log: Log) -> dict[str, Any]:
     }
 
 
+def subset_specs(cfg: TrackConfig) -> list[str]:
+    """The track's score-filter subsets as ``pipeline.filtering`` specs, labelled by subset kind; the random
+    control is the library's ``of=`` control, sized like ``cfg.random_of`` and seeded by the first seed."""
+    specs = {  # keys: _SCORE_SUBSETS
+        "csd": f"csd_best:fraction={cfg.csd_fraction}",
+        "csd_uncertainty": (
+            f"csd_uncertainty_aware:fraction={cfg.csd_fraction},text_unc_quantile={cfg.text_unc_quantile}"
+        ),
+        "clip_score": f"clip_score_best:fraction={cfg.clip_fraction}",
+        "random": f"random_same_size:of={cfg.random_of},seed={cfg.seeds[0]}",
+    }
+    return [f"{specs[name]},label={name}" for name in cfg.subsets if name in specs]
+
+
 def make_subsets(
     cfg: TrackConfig, build_subsets: dict[str, str], scores_path: str, log: Log
 ) -> dict[str, Any]:
     """One DataComp ``.npy`` per requested subset: the build's baselines as they are, the score filters
-    from ``scores.parquet``; the random control last, sized like ``cfg.random_of``."""
-    from pipeline.score_filters import apply
-    from pipeline.subset import subset_uids, write_subset
+    (and the random control) run on ``scores.parquet`` the way ``jobs.filter`` runs them."""
+    from pipeline.filtering import parse_filter_specs, resolve_params, run_filters
+    from pipeline.subset import read_subset, write_subsets
 
     p = paths(cfg)
-    scores = storage.read_parquet(scores_path, s3_endpoint=cfg.s3_endpoint)
-    rules: dict[str, tuple[str, dict[str, Any]]] = {
-        "csd": ("csd_best", {"fraction": cfg.csd_fraction}),
-        "csd_uncertainty": (
-            "csd_uncertainty_aware",
-            {"fraction": cfg.csd_fraction, "text_unc_quantile": cfg.text_unc_quantile},
-        ),
-        "clip_score": ("clip_score_best", {"fraction": cfg.clip_fraction}),
-    }
+    store = Storage.from_env(cfg.s3_endpoint)
+    from_build = [name for name in cfg.subsets if name not in _SCORE_SUBSETS]
+    sizes = {}
+    for name in from_build:
+        with store.open_input(build_subsets[name]) as fh:
+            sizes[name] = len(read_subset(fh, build_subsets[name]))
+    specs = parse_filter_specs(subset_specs(cfg), "subsets", known=from_build)
+    scores = store.read_parquet(scores_path)
+    results = run_filters(scores, specs, store=store, sizes=sizes)
+    # Named by rule so they never overwrite the build's own subsets (its ``random`` is another draw).
+    files = {s.label: storage.join(p["subsets"], f"{s.name}.npy") for s in specs}
+    sizes.update(write_subsets(store, scores, results, files))
     out: dict[str, Any] = {}
-    # The random control goes last: it is sized like ``cfg.random_of``.
-    order = sorted(cfg.subsets, key=lambda s: s == "random")
-    for name in order:
-        if name not in rules and name != "random":  # a build baseline, used as the build wrote it
-            path, counts, rule, params = build_subsets[name], {}, f"build:{name}", {}
-            uids = subset_uids(path)
-        else:
-            if name == "random":
-                rule, params = (
-                    "random_same_size",
-                    {"n_keep": out[cfg.random_of]["size"], "seed": cfg.seeds[0]},
-                )
-            else:
-                rule, params = rules[name]
-            outcome = apply(rule, scores, **params)
-            uids, counts = list(outcome.uids_kept), dict(outcome.counts_by_reason)
-            # Named by rule so they never overwrite the build's own subsets (its ``random`` is another draw).
-            path = storage.join(p["subsets"], f"{rule}.npy")
-            write_subset(uids, path)
-        out[name] = {"path": path, "size": len(uids), "rule": rule, "params": params, "dropped": counts}
-        log(f"[track]   subset {name}: {len(uids)} uids ({rule})")
-    return out
+    for name in from_build:
+        out[name] = {"path": build_subsets[name], "size": sizes[name], "rule": f"build:{name}", "params": {}}
+        out[name]["dropped"] = {}
+    for spec in specs:
+        params = {k: v for name, given in spec.parts for k, v in resolve_params(name, given).items()}
+        if spec.of:
+            params["n_keep"] = sizes[spec.of]
+        out[spec.label] = {
+            "path": files[spec.label],
+            "size": sizes[spec.label],
+            "rule": spec.name,
+            "params": params,
+            "dropped": results[spec.label].counts(),
+        }
+    for name in cfg.subsets:
+        log(f"[track]   subset {name}: {out[name]['size']} uids ({out[name]['rule']})")
+    return {name: out[name] for name in cfg.subsets}
 
 
 def reshard_subsets(cfg: TrackConfig, subsets: dict[str, Any], log: Log) -> dict[str, Any]:
-    from pipeline.reshard import reshard
+    """Each subset materialised by the same library call the filter job makes."""
+    from pipeline.filtering import reshard_subsets as reshard_all
 
     p = paths(cfg)
+    store = Storage.from_env(cfg.s3_endpoint)
+    targets = {name: storage.join(p["subset_shards"], name) for name in subsets}
+    done = reshard_all(
+        store,
+        p["shards"],
+        {name: info["path"] for name, info in subsets.items()},
+        targets,
+        cfg.build.samples_per_shard,
+    )
     out: dict[str, Any] = {}
-    for name, info in subsets.items():
-        target = storage.join(p["subset_shards"], name)
-        res = reshard(
-            p["shards"],
-            info["path"],
-            target,
-            samples_per_shard=cfg.build.samples_per_shard,
-            s3_endpoint=cfg.s3_endpoint,
-            overwrite=True,
-        )
+    for name, res in done.items():
         if res.n_missing:
             raise RuntimeError(f"subset {name}: {res.n_missing} uids not found in {p['shards']}")
-        out[name] = {"dir": target, "n": res.n_written, "shards": len(res.shards)}
+        out[name] = {"dir": targets[name], "n": res.n_written, "shards": len(res.shards)}
         log(f"[track]   resharded {name}: {res.n_written} samples in {len(res.shards)} shard(s)")
     return out
 
@@ -145,7 +161,7 @@ def evaluate_models(cfg: TrackConfig, models: dict[str, Any], log: Log) -> dict[
             info["checkpoint"],
             tasks,
             storage.join(p["eval"], name),
-            s3_endpoint=cfg.s3_endpoint,
+            store=Storage.from_env(cfg.s3_endpoint),
             num_gpus=cfg.eval_gpus,
             analyses=name == "scorer",
             max_samples=cfg.eval_max_samples or None,

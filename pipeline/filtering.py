@@ -1,0 +1,389 @@
+"""The one filter protocol: a registry of named filters, one spec syntax, and the calls that turn specs
+into keep masks, subset files and resharded subsets. The build (DataComp's baselines over the pool's
+metadata), the filter job and the track (score filters over ``scores.parquet``) all go through it.
+
+Every filter returns ``pipeline.filters.FilterResult`` (a bool keep mask and a reason per row, "" where
+kept); the decision (a DataComp uid subset, ``pipeline.subset.write_subsets``) stays apart from
+materialising it (``reshard_subsets``).
+
+Spec syntax (one string per subset)::
+
+    spec   = part ("+" part)*            the intersection of the parts, in this order
+    part   = NAME [":" param ("," param)*]
+    param  = KEY "=" VALUE               a parameter of that part's filter, typed by its default
+
+A row is kept when every part keeps it; its reason is the first failing part's (DataComp's order of
+rules). Two keys belong to the whole spec and may follow any part: ``label=NAME`` names the subset
+(default: the part names joined by "+"), and ``of=LABEL`` — for a filter with an ``n_keep`` parameter,
+i.e. ``random_same_size`` — sizes it like the subset labelled LABEL: the random control, seeded by
+``seed=``. Examples: ``basic``, ``basic+clip_score:fraction=0.3``, ``csd_best:fraction=0.2``,
+``csd_best:fraction=0.1,label=csd10``, ``random_same_size:of=csd_best,seed=0``. A comma-separated
+string of specs is split where an item is not a bare ``key=value`` (``parse_filter_specs``).
+
+Parameters resolve as: the registry's default, then the build's ``FilterConfig`` field
+(``config_params``), then the spec's own ``key=value``. ``clip_score`` keeps DataComp's two forms: a
+``fraction`` > 0 wins; a spec giving ``threshold=`` but no ``fraction=`` means the threshold rule.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline import centroids as C
+from pipeline import filters as F
+from pipeline import schema as S
+from pipeline import score_filters as SF
+from pipeline.config import ConfigError, FilterConfig
+from pipeline.filters import FilterError, FilterResult
+from pipeline.reshard import ReshardResult, reshard
+from pipeline.storage import LOCAL, Storage
+
+METADATA, SCORES = "metadata", "scores"  # the table a filter reads: the pool's metadata, or model scores
+SCORE_KEYS = ("uid", "ok")  # every score filter reads these (``training.scoring.SCORE_COLUMNS``)
+
+
+@dataclass(frozen=True)
+class Required:
+    """A parameter without a default: the spec must give it (``n_keep`` may come from ``of=``)."""
+
+    kind: type
+
+
+@dataclass(frozen=True)
+class Context:
+    """What some filters need beyond the table: fastText labels aligned with the rows (or a
+    ``LanguageId``; else a ``lang`` column is read) and the storage their input files live on."""
+
+    lang: Any = None
+    store: Storage = LOCAL
+
+
+@dataclass(frozen=True)
+class Filter:
+    run: Callable[..., FilterResult]  # run(table, ctx, **params)
+    params: Mapping[str, Any] = field(default_factory=dict)  # name → default (its type types the spec)
+    columns: tuple[str, ...] = ()  # columns read, besides a ``column`` parameter's value
+    table: str = METADATA
+    unit: tuple[str, ...] = ()  # parameters checked to lie in (0, 1] when the spec is parsed
+    language: bool = False  # needs fastText labels
+
+    def needs(self, params: Mapping[str, Any]) -> tuple[str, ...]:
+        return self.columns + ((params["column"],) if "column" in params else ())
+
+
+# --- adapters from (table, ctx, **params) to the rule functions -----------------------------------------
+
+
+def _file(name: str, key: str, path: str) -> str:
+    if not path:
+        raise FilterError(f"filter {name!r} needs {key}= (filters.{_CONFIG_KEYS[key]})")
+    return path
+
+
+def _clip_score(t: Any, ctx: Context, column: str, fraction: float, threshold: float) -> FilterResult:
+    if fraction > 0:
+        return F.clip_score_fraction(t, column, fraction)
+    return F.clip_score_threshold(t, column, threshold)
+
+
+def _text_based(t: Any, ctx: Context, concepts_file: str) -> FilterResult:
+    path = _file("text_based", "concepts_file", concepts_file)
+    try:
+        data = ctx.store.read_bytes(path)
+    except FileNotFoundError as exc:
+        raise FilterError(f"filter 'text_based': file not found: {path}") from exc
+    return F.text_based(t, F.load_concepts(io.BytesIO(data)), ctx.lang)
+
+
+def _image_based(
+    t: Any, ctx: Context, embeddings_file: str, centroids_file: str, centroid_ids_file: str
+) -> FilterResult:
+    emb_path = _file("image_based", "embeddings_file", embeddings_file)
+    cen_path = _file("image_based", "centroids_file", centroids_file)
+    ids_path = _file("image_based", "centroid_ids_file", centroid_ids_file)
+    try:
+        emb = C.load_embeddings(emb_path, ctx.store)
+        centroids = C.load_centroids(cen_path, ctx.store)
+        target = C.load_centroid_ids(ids_path, ctx.store)
+    except (FileNotFoundError, ValueError) as exc:
+        raise FilterError(f"filter 'image_based': {exc}") from exc
+    return F.image_based(t, emb, centroids, target, ctx.lang)
+
+
+def _on_scores(rule: Callable[..., FilterResult]) -> Callable[..., FilterResult]:
+    return lambda t, ctx, **params: rule(t, **params)
+
+
+_CONFIG_KEYS = {
+    "concepts_file": "text_concepts_file",
+    "embeddings_file": "image_embeddings_file",
+    "centroids_file": "image_centroids_file",
+    "centroid_ids_file": "image_centroid_ids_file",
+}
+_SIZE = (S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT)
+FILTERS: dict[str, Filter] = {
+    # DataComp's baselines, over the pool's metadata (pipeline.filters).
+    "no_filter": Filter(lambda t, ctx: F.no_filter(t)),
+    "random": Filter(lambda t, ctx, **p: F.random_subset(t, **p), {"fraction": 0.3, "seed": 0}, (S.UID,)),
+    "english": Filter(lambda t, ctx: F.english(t, ctx.lang), {}, (S.TEXT,), language=True),
+    "basic": Filter(lambda t, ctx: F.basic(t, ctx.lang), {}, _SIZE, language=True),
+    "text_based": Filter(_text_based, {"concepts_file": ""}, (S.TEXT,), language=True),
+    "clip_score": Filter(_clip_score, {"column": S.CLIP_L14, "fraction": 0.3, "threshold": 0.3}),
+    "laion2b": Filter(
+        lambda t, ctx, threshold: F.laion2b(t, threshold, ctx.lang),
+        {"threshold": 0.28},
+        (S.CLIP_B32,),
+        language=True,
+    ),
+    "image_based": Filter(
+        _image_based,
+        dict.fromkeys(("embeddings_file", "centroids_file", "centroid_ids_file"), ""),
+        (S.UID, S.TEXT),
+        language=True,
+    ),
+    # Our model's scores (pipeline.score_filters over training.scoring's table).
+    "csd_best": Filter(
+        _on_scores(SF.csd_best), {"fraction": 0.2}, (*SCORE_KEYS, "csd"), SCORES, ("fraction",)
+    ),
+    "csd_uncertainty_aware": Filter(
+        _on_scores(SF.csd_uncertainty_aware),
+        {"fraction": 0.2, "text_unc_quantile": 0.9},
+        (*SCORE_KEYS, "csd", "text_unc"),
+        SCORES,
+        ("fraction", "text_unc_quantile"),
+    ),
+    "clip_score_best": Filter(
+        _on_scores(SF.clip_score_best), {"fraction": 0.3}, (*SCORE_KEYS, "cosine"), SCORES, ("fraction",)
+    ),
+    "clip_score_threshold": Filter(
+        _on_scores(SF.clip_score_threshold), {"threshold": 0.3}, (*SCORE_KEYS, "cosine"), SCORES
+    ),
+    "random_same_size": Filter(
+        _on_scores(SF.random_same_size), {"n_keep": Required(int), "seed": 0}, SCORE_KEYS, SCORES
+    ),
+}
+
+
+def config_params(cfg: FilterConfig) -> dict[str, dict[str, Any]]:
+    """The build's ``FilterConfig`` fields as per-filter parameters (a spec's own ``key=value`` wins)."""
+    return {
+        "random": {"fraction": cfg.random_fraction, "seed": cfg.random_seed},
+        "clip_score": {
+            "column": cfg.clip_column,
+            "fraction": cfg.clip_fraction,
+            "threshold": cfg.clip_threshold,
+        },
+        "laion2b": {"threshold": cfg.laion_threshold},
+        "text_based": {"concepts_file": cfg.text_concepts_file},
+        "image_based": {k: getattr(cfg, _CONFIG_KEYS[k]) for k in FILTERS["image_based"].params},
+    }
+
+
+# --- spec strings -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FilterSpec:
+    label: str  # the subset's name
+    parts: tuple[tuple[str, dict[str, Any]], ...]  # (filter name, parameters the spec gave), AND-ed in order
+    of: str = ""  # the label whose size ``n_keep`` copies (the random control)
+    text: str = ""  # the spec as written
+
+    @property
+    def name(self) -> str:
+        return "+".join(name for name, _ in self.parts)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return {k: v for _, params in self.parts for k, v in params.items()}
+
+    @property
+    def filters(self) -> list[Filter]:
+        return [FILTERS[name] for name, _ in self.parts]
+
+
+def _typed(value: str, default: Any, key: str) -> Any:
+    kind = default.kind if isinstance(default, Required) else type(default)
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+
+
+def _parse_part(piece: str, text: str, key: str) -> tuple[str, dict[str, Any], dict[str, str]]:
+    """One ``NAME[:k=v,…]`` → (name, its parameters, the spec-level keys ``label``/``of`` it carried)."""
+    name, _, rest = piece.partition(":")
+    name = name.strip()
+    if name not in FILTERS:
+        raise ConfigError(f"{key}: unknown filter {name!r} in {text!r} (known: {', '.join(sorted(FILTERS))})")
+    allowed = FILTERS[name].params
+    params: dict[str, Any] = {}
+    spec_keys: dict[str, str] = {}
+    for item in (p.strip() for p in rest.replace(";", ",").split(",")):
+        if not item:
+            continue
+        k, eq, v = (s.strip() for s in item.partition("="))
+        if not eq:
+            raise ConfigError(f"{key}: expected key=value, got {item!r} in {text!r}")
+        if k == "label" or (k == "of" and "n_keep" in allowed):
+            spec_keys[k] = v
+        elif k not in allowed:
+            known = ", ".join(sorted([*allowed, "label", *(["of"] if "n_keep" in allowed else [])]))
+            raise ConfigError(f"{key}.{k}: unknown parameter of {name} (known: {known})")
+        else:
+            params[k] = _typed(v, allowed[k], f"{key}.{k}")
+    for k in FILTERS[name].unit:
+        if k in params and not 0.0 < params[k] <= 1.0:
+            raise ConfigError(f"{key}.{k}: must be in (0, 1], got {params[k]}")
+    for k, default in allowed.items():
+        if isinstance(default, Required) and k not in params and not (k == "n_keep" and "of" in spec_keys):
+            raise ConfigError(f"{key}.{k}: {name} needs {k}=… (or of=LABEL)")
+    return name, params, spec_keys
+
+
+def parse_filter_spec(spec: str, key: str = "filters") -> FilterSpec:
+    """One spec string (module docstring) → FilterSpec; a bad name, parameter or value raises
+    ConfigError naming ``key``."""
+    text = spec.strip()
+    parts, spec_keys = [], {}
+    for piece in text.split("+"):
+        name, params, keys = _parse_part(piece, text, key)
+        parts.append((name, params))
+        spec_keys.update(keys)
+    label = spec_keys.get("label") or "+".join(name for name, _ in parts)
+    if not label.replace("_", "").replace("-", "").replace(".", "").replace("+", "").isalnum():
+        raise ConfigError(f"{key}.label: {label!r} is not a usable subset name")
+    return FilterSpec(label, tuple(parts), spec_keys.get("of", ""), text)
+
+
+def parse_filter_specs(items: Any, key: str = "filters", known: Iterable[str] = ()) -> list[FilterSpec]:
+    """Specs from a list, or one comma-separated string (an item that is a bare ``key=value`` continues
+    the previous spec, so ``--set filters=csd_best:fraction=0.2,random_same_size:of=csd_best,seed=0``
+    works). ``known``: labels of subsets made elsewhere (the build's) that ``of=`` may name."""
+    if isinstance(items, str):
+        items = items.split(",")
+    merged: list[str] = []
+    for item in (str(i).strip() for i in items):
+        if not item:
+            continue
+        if merged and "=" in item and not any(c in item.split("=", 1)[0] for c in ":+"):
+            merged[-1] += "," + item
+        else:
+            merged.append(item)
+    if not merged:
+        raise ConfigError(f"{key}: no filters given")
+    specs = [parse_filter_spec(s, f"{key}[{i}]") for i, s in enumerate(merged)]
+    labels = [s.label for s in specs]
+    for i, s in enumerate(specs):
+        if s.label in labels[:i]:
+            raise ConfigError(f"{key}[{i}].label: subset name {s.label!r} used twice; add label=…")
+        if s.of and s.of not in labels and s.of not in known:
+            raise ConfigError(f"{key}[{i}].of: no filter labelled {s.of!r} (labels: {', '.join(labels)})")
+        if s.of in labels and specs[labels.index(s.of)].of:
+            raise ConfigError(f"{key}[{i}].of: {s.of!r} takes its size from another filter itself")
+    return specs
+
+
+# --- running specs ------------------------------------------------------------------------------------
+
+
+def resolve_params(
+    name: str, given: Mapping[str, Any], defaults: Mapping[str, Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Registry default ← ``defaults[name]`` (e.g. ``config_params``) ← the spec's own parameters."""
+    params = {**FILTERS[name].params, **(defaults or {}).get(name, {}), **given}
+    if name == "clip_score" and "threshold" in given and "fraction" not in given:
+        params["fraction"] = 0.0  # the spec asked for the threshold rule
+    return params
+
+
+def required_columns(specs: Sequence[FilterSpec], defaults: Mapping[str, Any] | None = None) -> set[str]:
+    return {
+        c for s in specs for n, given in s.parts for c in FILTERS[n].needs(resolve_params(n, given, defaults))
+    }
+
+
+def needs_language(specs: Sequence[FilterSpec]) -> bool:
+    return any(f.language for s in specs for f in s.filters)
+
+
+def run_filters(
+    table: pa.Table | Mapping[str, Any],
+    specs: Sequence[FilterSpec],
+    *,
+    defaults: Mapping[str, Mapping[str, Any]] | None = None,
+    lang: Any = None,
+    store: Storage = LOCAL,
+    sizes: Mapping[str, int] | None = None,
+) -> dict[str, FilterResult]:
+    """Every spec over *all* rows of ``table`` (the whole pool, so fraction thresholds are DataComp's),
+    by label. Controls (``of=``) run after the filters they copy the size of; ``sizes`` gives the sizes
+    of subsets made elsewhere. A filter with the same parameters in several specs runs once."""
+    if lang is not None and callable(lang) and needs_language(specs):
+        lang = F.language_labels(table, lang, "english")  # predict once, share across filters
+    ctx = Context(lang, store)
+    sizes = dict(sizes or {})
+    cache: dict[tuple, FilterResult] = {}
+    results: dict[str, FilterResult] = {}
+    for spec in sorted(specs, key=lambda s: bool(s.of)):
+        parts = []
+        for name, given in spec.parts:
+            params = resolve_params(name, given, defaults)
+            if spec.of and "n_keep" in params:
+                params["n_keep"] = sizes[spec.of]
+            cache_key = (name, tuple(sorted(params.items())))
+            if cache_key not in cache:
+                cache[cache_key] = FILTERS[name].run(table, ctx, **params)
+            parts.append(cache[cache_key])
+        results[spec.label] = F.intersect(*parts)
+        sizes[spec.label] = int(np.count_nonzero(results[spec.label].keep))
+    return {s.label: results[s.label] for s in specs}
+
+
+def apply_filters(
+    table: pa.Table | Mapping[str, Any], cfg: FilterConfig, lang: Any = None, store: Storage = LOCAL
+) -> dict[str, FilterResult]:
+    """The build's stage: ``cfg.names`` (specs) over the pool's metadata, ``cfg``'s fields as defaults."""
+    specs = parse_filter_specs(list(cfg.names), "filters.names")
+    return run_filters(table, specs, defaults=config_params(cfg), lang=lang, store=store)
+
+
+def apply(spec: str, table: pa.Table | Mapping[str, Any], **kwargs: Any) -> FilterResult:
+    """One spec string over ``table`` (``run_filters``' keyword arguments pass through)."""
+    parsed = parse_filter_spec(spec)
+    return run_filters(table, [parsed], **kwargs)[parsed.label]
+
+
+# --- materialising the decision (the subset files: ``pipeline.subset.write_subsets``) ----------------------
+
+
+def reshard_subsets(
+    store: Storage,
+    shards: str | Sequence[str],
+    subsets: Mapping[str, str],
+    outputs: Mapping[str, str],
+    samples_per_shard: int,
+    workers: int = 1,
+) -> dict[str, ReshardResult]:
+    """Materialise each subset ``.npy`` (``subsets[label]``) from ``shards`` into ``outputs[label]``.
+    Overwrites earlier output; a damaged input shard keeps the samples before the damage and is listed in
+    the result (``corrupt_inputs``) instead of stopping every subset."""
+    return {
+        label: reshard(
+            shards,
+            path,
+            outputs[label],
+            samples_per_shard=samples_per_shard,
+            store=store,
+            workers=workers,
+            overwrite=True,
+            skip_corrupt=True,
+        )
+        for label, path in subsets.items()
+    }
