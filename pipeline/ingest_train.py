@@ -1,28 +1,31 @@
-"""Training ingest (Ray Data): shards → shuffle → decode/augment/tokenize → masked variants.
+"""Training ingest: shards → shuffle → decode/augment/tokenize → masked variants.
 
-Stages (pure pieces first, the Ray wiring in ``build_train_dataset``):
+Every stage here is a Ray-free callable over a batch; ``pipeline.datasets.build_train_dataset`` wires
+them into Ray Data.
 
-1. **Read** (pipeline/shard_source.py): ``read_webdataset(decoder=None)``'s file-based read with a strict
-   tar parser — one task per shard, raw bytes (``key``, ``jpg``, ``txt``), shard order shuffled per epoch
-   (``FileShuffleConfig(seed, reseed_after_execution=True)``; random without a seed); damaged shards are
-   counted and skipped up to ``DataConfig.max_bad_shards``, then the job stops naming the shard.
+1. **Read** (pipeline/shard_source.py, the one shard reader): ``read_webdataset(decoder=None)``'s
+   file-based read with a strict tar parser — one task per shard, raw bytes (``key``, ``jpg``,
+   ``txt``), shard order shuffled per epoch (``FileShuffleConfig(seed, reseed_after_execution=True)``;
+   random without a seed); damaged shards are counted and skipped up to ``DataConfig.max_bad_shards``,
+   then the job stops naming the shard.
 2. **Windowed shuffle** (``shuffle_window``): a permutation inside windows of raw rows (a few MB of JPEG
    bytes), the webdataset-style shuffle buffer, so no worker holds a large buffer of decoded images.
-3. **Decode + augment + tokenize** (``DecodeAugment``, in Ray Data tasks): simplejpeg with DCT downscaling
-   to the smallest size that still covers the crop (Pillow for other formats); a sample that fails to decode
-   is dropped and counted, never fatal. Augmentation as ProLIP App. B.1 (RandomResizedCrop area
-   (0.8, 1.0), colour jitter (0.32, 0.32, 0.32, 0.08) p 0.8 applied in a random order per image as
-   torchvision does, grayscale p 0.2), written in numpy (no torchvision, ENVIRONMENT.md); without
-   augmentation, resize the short side and centre-crop (open_clip's eval transform). Normalise with
-   mean/std, tokenize with ``TextTokenizer.encode_batch``.
-4. **Masked variants** (``MaskedVariants``), run in ``iter_torch_batches``' collate step (``TrainCollate``)
-   on the exact training batch: 12.5% of the batch selected by ``pipeline.masking.select_for_masking``
-   (hash of uid and epoch), 75% of their content tokens → [MASK], 25% of patches kept. Output: fixed-shape
-   arrays ``images (B,3,H,W) f32, tokens (B,L) i64, masked_tokens (B,L) i64, keep_idx (B,K) i64,
-   selected (B,) bool`` plus ``masked_index (M,)``, so the loop does no per-sample work. Why the collate
-   step rather than a ``map_batches`` stage: Ray Data re-batches (and splits across workers) after every
-   stage, so only here is "per batch" the training batch, and only here is the epoch known (the dataset
-   plan is the same object for every epoch).
+3. **Decode + augment + tokenize** (``DecodeAugment``, in Ray Data tasks): simplejpeg with DCT
+   downscaling to the smallest size that still covers the crop (Pillow for other formats); a sample that
+   fails to decode is dropped and counted (``on_bad_images``), never fatal. Augmentation as ProLIP
+   App. B.1 (RandomResizedCrop area (0.8, 1.0), colour jitter (0.32, 0.32, 0.32, 0.08) p 0.8 applied in
+   a random order per image as torchvision does, grayscale p 0.2), written in numpy (torchvision is not
+   a dependency); without augmentation, resize the short side and centre-crop (open_clip's eval
+   transform). Normalise with mean/std, tokenize with ``TextTokenizer.encode_batch``.
+4. **Masked variants** (``MaskedVariants``), run in ``iter_torch_batches``' collate step (``TrainCollate``,
+   wrapped as Ray Data's ``NumpyBatchCollateFn`` in pipeline/datasets.py) on the exact training batch:
+   12.5% of the batch selected by ``pipeline.masking.select_for_masking`` (hash of uid and epoch), 75%
+   of their content tokens → [MASK], 25% of patches kept. Output: fixed-shape arrays ``images (B,3,H,W)
+   f32, tokens (B,L) i64, masked_tokens (B,L) i64, keep_idx (B,K) i64, selected (B,) bool`` plus
+   ``masked_index (M,)``, so the loop does no per-sample work. Why the collate step rather than a
+   ``map_batches`` stage: Ray Data re-batches (and splits across workers) after every stage, so only
+   here is "per batch" the training batch, and only here is the epoch known (the dataset plan is the
+   same object for every epoch).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline import storage
 from pipeline.augment import (
     center_crop_box,
     color_jitter,
@@ -45,19 +47,10 @@ from pipeline.augment import (
     random_resized_crop_box,
 )
 from pipeline.masking import choose_kept_patches, mask_text_tokens, sample_hash, select_for_masking
-from pipeline.placement import scope_dataset
-from pipeline.shard_source import (  # noqa: F401  (re-exported: the ingest's public API)
-    IngestCounters,
-    TooManyBadShards,
-    counters_handle,
-    list_shards,
-    make_shard_datasource,
-    read_counters,
-    start_counters,
-    stop_counters,
-)
 
 log = logging.getLogger(__name__)
+
+BadImageReport = Callable[[int, list[str]], None]  # (n dropped, a few "key: error" examples)
 
 DECODE_MARGIN = 1.3  # decode at >= this × output size: the smallest crop side is ~0.77 of the image
 
@@ -81,8 +74,8 @@ def window_shuffle(table: pa.Table, seed: int | None = None) -> pa.Table:
 class DecodeAugment:
     """Ray Data stage: {key, jpg, txt} → {key, image (B,3,S,S) f32 normalised, tokens (B,L) i64}.
 
-    Undecodable images are dropped (the row disappears) and counted in ``self.bad_images`` and in the
-    shared counters actor when one is named.
+    Undecodable images are dropped (the row disappears) and counted in ``self.bad_images`` and through
+    ``on_bad_images`` when given (in a Ray job, the shared counters actor: pipeline/datasets.py).
     """
 
     def __init__(
@@ -91,7 +84,7 @@ class DecodeAugment:
         context_length: int,
         tokenizer: Any,
         data: Any,
-        counters: str | None = None,
+        on_bad_images: BadImageReport | None = None,
         seed: int | None = None,
     ) -> None:
         from pipeline.tokenizer import TextTokenizer
@@ -104,7 +97,7 @@ class DecodeAugment:
         self.cfg = data
         self.mean = np.asarray(data.mean, np.float32)
         self.std = np.asarray(data.std, np.float32)
-        self.counters = counters
+        self.on_bad_images = on_bad_images
         self.rng = np.random.default_rng(seed)
         self.bad_images = 0
 
@@ -154,22 +147,21 @@ class DecodeAugment:
     def _count_bad(self, errors: list[str]) -> None:
         self.bad_images += len(errors)
         log.warning("dropped %d undecodable image(s), e.g. %s", len(errors), errors[0])
-        handle = counters_handle(self.counters)
-        if handle is not None:
-            handle.add_bad_images.remote(len(errors), errors[:3])
+        if self.on_bad_images is not None:
+            self.on_bad_images(len(errors), errors[:3])
 
 
 _STAGE_CACHE: dict[tuple, DecodeAugment] = {}
 
 
 def decode_augment_batch(batch: dict[str, np.ndarray], **kwargs: Any) -> dict[str, np.ndarray]:
-    """``DecodeAugment`` as a Ray Data *task* function: one instance per worker process and settings.
+    """``DecodeAugment`` as a function for Ray Data *tasks*: one instance per worker process and settings.
 
     Tasks reuse Ray's worker processes, so the instance (tokenizer included) is built once per process;
     an actor pool would be re-created — seconds each time — at every epoch's re-execution.
     """
     key = (kwargs["image_size"], kwargs["context_length"], hash(kwargs["tokenizer"]["json"]),
-           repr(kwargs["data"]), kwargs.get("counters"), kwargs.get("seed"))  # fmt: skip
+           repr(kwargs["data"]), repr(kwargs.get("on_bad_images")), kwargs.get("seed"))  # fmt: skip
     stage = _STAGE_CACHE.get(key)
     if stage is None:
         _STAGE_CACHE.clear()  # one configuration at a time per process is the common case
@@ -245,17 +237,8 @@ class MaskedVariants:
         return {**batch, "masked_tokens": masked, "keep_idx": keep_idx, "selected": selected}
 
 
-def _collate_base() -> type:
-    try:
-        from ray.data.collate_fn import NumpyBatchCollateFn
-
-        return NumpyBatchCollateFn
-    except ImportError:  # Ray-free use (tests, benchmarks)
-        return object
-
-
-class TrainCollate(_collate_base()):  # type: ignore[misc]
-    """``iter_torch_batches`` collate: masked variants for ``epoch``, then CPU torch tensors.
+class TrainCollate:
+    """The training batch's collate step: masked variants for ``epoch``, then CPU torch tensors.
 
     With ``pad_id``, token columns that are padding in every row are cut off (the batch keeps its
     longest caption): the text tower encodes a trimmed batch exactly as the padded one (its UNC/CLS sit
@@ -342,63 +325,3 @@ class DecodedCache:
         for start in range(0, len(order) - batch_size + 1, batch_size):
             idx = order[start : start + batch_size]
             yield collate({k: v[idx] for k, v in self._rows.items()})
-
-
-# --- Ray wiring ---------------------------------------------------------------------------------------
-
-
-def build_train_dataset(
-    data: Any,
-    tokenizer: Any,
-    image_size: int,
-    context_length: int,
-    counters: str | None = None,
-) -> Any:
-    """The training ``ray.data.Dataset`` (stages 1–3); stage 4 is ``TrainCollate`` in the train loop.
-
-    ``data`` is a ``training.config.DataConfig``; ``counters`` the name of a running ``IngestCounters``
-    actor (``start_counters()``), else damaged shards are only logged.
-    """
-    import ray
-    from ray.data import FileShuffleConfig, TaskPoolStrategy
-
-    paths = list_shards(data.shards, data.s3_endpoint)
-    fs, resolved = storage.ray_filesystem(paths, data.s3_endpoint)
-    shuffle: Any = (
-        "files"
-        if data.shuffle_seed is None
-        else FileShuffleConfig(seed=data.shuffle_seed, reseed_after_execution=True)
-    )
-    source = make_shard_datasource(
-        resolved,
-        filesystem=fs,
-        shuffle=shuffle,
-        s3=storage.is_s3(paths[0]),
-        s3_endpoint=data.s3_endpoint,
-        counters=counters,
-        max_bad_shards=data.max_bad_shards,
-    )
-    ds = scope_dataset(ray.data.read_datasource(source, num_cpus=data.read_cpus), data.label_selector)
-    if data.shuffle_window > 1:
-        ds = ds.map_batches(
-            window_shuffle,
-            fn_kwargs={"seed": data.shuffle_seed},
-            batch_size=data.shuffle_window,
-            batch_format="pyarrow",
-            num_cpus=data.read_cpus,
-        )
-    return ds.map_batches(
-        decode_augment_batch,
-        fn_kwargs={
-            "image_size": image_size,
-            "context_length": context_length,
-            "tokenizer": tokenizer_state(tokenizer),
-            "data": data,
-            "counters": counters,
-            "seed": data.augment_seed,
-        },
-        batch_size=data.decode_batch_size,
-        batch_format="numpy",
-        compute=TaskPoolStrategy(size=max(1, data.decode_tasks)),
-        num_cpus=data.decode_cpus,
-    )

@@ -8,7 +8,10 @@ configs in ``cluster/`` label their node types the same way):
   A derived dataset copies its parent's context, so scoping the source dataset scopes the whole plan.
 - Ray Train: ``ScalingConfig(label_selector=...)`` places the workers; the training ingest runs under
   ``ray.train.DataConfig(execution_options=...)``, which *replaces* the dataset's execution options, so
-  the selector has to travel there as well (``train_dataset_config``).
+  the selector has to travel there as well (``pipeline.datasets.train_dataset_config``).
+
+Only plain values here (no Ray import): the Ray objects are built in pipeline/datasets.py and
+training/trainer.py.
 
 An empty selector adds no constraint, so nothing changes on a laptop or a cluster without labels.
 Placement by label needs autoscaler v2 to scale up the right node type (v1 ignores labels).
@@ -30,20 +33,6 @@ def scope_dataset(ds: Any, selector: Mapping[str, str] | None) -> Any:
     if selector:
         ds.context.execution_options.label_selector = {str(k): str(v) for k, v in selector.items()}
     return ds
-
-
-def train_dataset_config(selector: Mapping[str, str] | None, preserve_order: bool = False) -> Any:
-    """A ``ray.train.DataConfig`` whose ingest keeps ``selector`` (and Ray Data's output order when
-    ``preserve_order``), or None (Train's default) when neither is asked for."""
-    if not selector and not preserve_order:
-        return None
-    from ray.train import DataConfig
-
-    options = DataConfig.default_ingest_options()
-    if selector:
-        options.label_selector = {str(k): str(v) for k, v in selector.items()}
-    options.preserve_order = preserve_order
-    return DataConfig(execution_options=options)
 
 
 def worker_label_selector(selector: Mapping[str, str] | None) -> dict[str, str] | None:

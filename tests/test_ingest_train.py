@@ -195,17 +195,40 @@ def _damage(path: str, out: str, how: str) -> None:
     open(out, "wb").write(data)
 
 
+def test_shard_reader_keeps_intact_samples_and_counts_damaged_shards(tmp_path) -> None:
+    from pipeline.shard_source import ShardReader, TooManyBadShards, list_shards
+
+    good = write_demo_shards(tmp_path / "src", n_shards=3, per_shard=20, size=48)
+    _damage(good[1], good[1], "truncate")  # cut at a member boundary: tarfile reads it as complete
+    _damage(good[2], good[2], "corrupt")
+    assert list_shards(str(tmp_path / "src")) == sorted(good)
+    assert list_shards(",".join(good[::-1])) == sorted(good)
+    reported: dict[str, str] = {}
+
+    def report(path: str, error: str) -> int:
+        reported.setdefault(path, error)
+        return len(reported)
+
+    reader = ShardReader(max_bad_shards=2, report=report, chunk_rows=8)
+    tables = [t for p in good for t in reader(p)]
+    assert all(t.num_rows <= 8 for t in tables) and tables[0].column_names == ["key", "jpg", "txt"]
+    rows = sum(t.num_rows for t in tables)
+    assert 20 < rows < 60 and sorted(reported) == sorted(good[1:])
+    assert tables[0].column("txt").to_pylist()[0] == demo_samples(1, size=48)[0]["txt"]
+    with_json = next(ShardReader(with_json=True)(good[0]))
+    assert with_json.column_names == ["key", "jpg", "txt", "json"]
+    strict = ShardReader(max_bad_shards=0)
+    with pytest.raises(TooManyBadShards, match="max_bad_shards=0"):
+        list(strict(good[2]))
+
+
 @pytest.mark.ray
 def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_path, tokenizer) -> None:
     import ray
 
-    from pipeline.ingest_train import (
-        TooManyBadShards,
-        build_train_dataset,
-        read_counters,
-        start_counters,
-        stop_counters,
-    )
+    from pipeline.datasets import build_train_dataset, read_counters, start_counters, stop_counters
+    from pipeline.shard_source import TooManyBadShards
+    from pipeline.storage import LOCAL
 
     good = write_demo_shards(tmp_path / "src", n_shards=3, per_shard=20, size=48)
     _damage(good[1], good[1], "truncate")  # cut at a member boundary: tarfile reads it as complete
@@ -213,7 +236,7 @@ def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_p
     cfg = DataConfig(shards=str(tmp_path / "src"), max_bad_shards=2, decode_cpus=0.5, shuffle_window=16,
                      decode_batch_size=16)  # fmt: skip
     name = start_counters()
-    ds = build_train_dataset(cfg, tokenizer, 32, 16, name)
+    ds = build_train_dataset(cfg, LOCAL, tokenizer, 32, 16, name)
     batches = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
     rows = sum(len(b["key"]) for b in batches)
     assert 20 < rows < 60  # the good shard plus the intact part of each damaged one
@@ -233,7 +256,7 @@ def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_p
         raise AssertionError(f"counters actor {name} still alive after stop_counters")
 
     strict = build_train_dataset(
-        DataConfig(**{**cfg.__dict__, "max_bad_shards": 0}), tokenizer, 32, 16, start_counters()
+        DataConfig(**{**cfg.__dict__, "max_bad_shards": 0}), LOCAL, tokenizer, 32, 16, start_counters()
     )
     with pytest.raises((TooManyBadShards, ray.exceptions.RayTaskError)) as err:
         strict.materialize()

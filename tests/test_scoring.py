@@ -1,4 +1,5 @@
-"""PairScorer / PairEmbedder on a hand-built batch, checked against a float64 formula and the loss code."""
+"""The one batch encoder with the scoring / embedding outputs on a hand-built batch, checked against a
+float64 formula and the loss code."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures_train import demo_samples
 from training import losses
-from training.scoring import SCORE_COLUMNS, PairEmbedder, PairScorer, embedding_table, pair_scores
+from training.encode import Encoder
+from training.scoring import SCORE_COLUMNS, embedding_columns, embedding_table, pair_scores, score_columns
 
 
 def _batch(n: int = 8, corrupt: int | None = 3, with_json: bool = False) -> dict[str, np.ndarray]:
@@ -30,15 +32,15 @@ def _batch(n: int = 8, corrupt: int | None = 3, with_json: bool = False) -> dict
 
 @pytest.fixture(scope="module")
 def scorer(tiny_checkpoint):
-    return PairScorer(tiny_checkpoint, batch_size=4)
+    return Encoder(tiny_checkpoint, batch_size=4, output=score_columns)
 
 
 def test_csd_matches_loss_code_on_encoder_outputs(scorer):
     batch = _batch(corrupt=None)
     out = scorer(batch)
     assert list(out) == list(SCORE_COLUMNS)
-    mu_v, lv_v, ok = scorer.encoder.images(list(batch["jpg"]))
-    mu_t, lv_t = scorer.encoder.texts(list(batch["txt"]))
+    mu_v, lv_v, ok = scorer.images(list(batch["jpg"]))
+    mu_t, lv_t = scorer.texts(list(batch["txt"]))
     assert ok.all() and out["ok"].all()
     ref = losses.csd(*(torch.from_numpy(a).double() for a in (mu_v, lv_v, mu_t, lv_t))).numpy()
     np.testing.assert_allclose(out["csd"], ref, atol=1e-5)
@@ -58,7 +60,7 @@ def test_text_len_counts_non_special_tokens(scorer):
     # that the end token fits in the context (tiny: 32 → 31 content tokens).
     texts = ["a photo of a red circle", "", "red " * 100]
     out = scorer({"uid": np.array(["a" * 32] * 3), "jpg": _batch(3, corrupt=None)["jpg"], "txt": texts})
-    assert out["text_len"].tolist() == [6, 0, scorer.encoder.config.context_length - 1]
+    assert out["text_len"].tolist() == [6, 0, scorer.config.context_length - 1]
 
 
 def test_corrupt_image_row_is_flagged_not_raised(scorer):
@@ -76,7 +78,7 @@ def test_uid_comes_from_json_else_key(scorer):
 
 
 def test_deterministic_checkpoint_gives_cosine_csd_and_nan_uncertainty(clip_checkpoint):
-    scorer = PairScorer(clip_checkpoint)
+    scorer = Encoder(clip_checkpoint, output=score_columns)
     out = scorer(_batch(corrupt=None))
     assert np.isnan(out["image_unc"]).all() and np.isnan(out["text_unc"]).all()
     np.testing.assert_allclose(out["csd"], 2 - 2 * out["cosine"], atol=1e-5)
@@ -93,7 +95,7 @@ def test_pair_scores_uses_exact_distance_for_non_unit_mu():
 
 
 def test_embedder_shapes_and_arrow_columns(tiny_checkpoint, clip_checkpoint):
-    out = PairEmbedder(tiny_checkpoint)(_batch(corrupt=2))
+    out = Encoder(tiny_checkpoint, output=embedding_columns)(_batch(corrupt=2))
     d = out["image_mu"].shape[1]
     assert out["image_mu"].shape == out["text_logvar"].shape == (8, d)
     assert np.isnan(out["image_mu"][2]).all() and not out["ok"][2]
@@ -102,14 +104,14 @@ def test_embedder_shapes_and_arrow_columns(tiny_checkpoint, clip_checkpoint):
     assert str(table.schema.field("image_mu").type) == f"fixed_size_list<item: float>[{d}]"
     back = table.column("text_mu").combine_chunks().flatten().to_numpy().reshape(-1, d)
     np.testing.assert_array_equal(back, out["text_mu"])
-    det = PairEmbedder(clip_checkpoint)(_batch(2, corrupt=None))
+    det = Encoder(clip_checkpoint, output=embedding_columns)(_batch(2, corrupt=None))
     assert "image_logvar" not in det and "text_logvar" not in det
 
 
 def test_threaded_decode_gives_the_same_rows(tiny_checkpoint):
     batch = _batch(32, corrupt=17)  # 2 threads × 16 rows: the smallest batch that is split
-    plain = PairScorer(tiny_checkpoint, batch_size=64)
-    threaded = PairScorer(tiny_checkpoint, batch_size=64, decode_threads=2)
+    plain = Encoder(tiny_checkpoint, batch_size=64, output=score_columns)
+    threaded = Encoder(tiny_checkpoint, batch_size=64, decode_threads=2, output=score_columns)
     a, b = plain(batch), threaded(batch)
     assert a["ok"].tolist() == b["ok"].tolist() and not b["ok"][17]
     np.testing.assert_allclose(a["csd"], b["csd"], atol=1e-6, equal_nan=True)
@@ -119,6 +121,36 @@ def test_threaded_decode_gives_the_same_rows(tiny_checkpoint):
 def test_bf16_autocast_path_stays_close_to_float32(tiny_checkpoint, scorer):
     # The path GPUs take (bf16 autocast), run on CPU: outputs stay float32 and near the fp32 scores.
     batch = _batch(4, corrupt=None)
-    amp = PairScorer(tiny_checkpoint, amp=True)(batch)
+    amp = Encoder(tiny_checkpoint, amp=True, output=score_columns)(batch)
     assert amp["csd"].dtype == np.float32
     np.testing.assert_allclose(amp["csd"], scorer(batch)["csd"], atol=0.05)
+
+
+def test_encoder_batch_runs_each_tower_only_on_its_rows(tiny_checkpoint, scorer):
+    # Eval's mixed batch: image rows and caption rows, each encoded by its own tower only.
+    from training.eval.run import merge_towers
+
+    pairs = _batch(4, corrupt=2)
+    batch = {
+        "jpg": np.array([*pairs["jpg"], b"", b""], dtype=object),
+        "txt": np.array(["", "", "", "", *pairs["txt"][:2]], dtype=object),
+        "has_image": np.array([True] * 4 + [False] * 2),
+        "has_text": np.array([False] * 4 + [True] * 2),
+        "sub": np.array([-1] * 4 + [0, 1]),
+    }
+    raw = scorer.encode_batch(batch)
+    assert (
+        "jpg" not in raw
+        and "has_image" not in raw
+        and raw["ok"].tolist() == [True, True, False, True, True, True]
+    )
+    assert np.isnan(raw["text_mu"][:4]).all() and np.isnan(raw["image_mu"][4:]).all()
+    assert raw["text_len"][:4].tolist() == [0, 0, 0, 0] and (raw["text_len"][4:] > 0).all()
+    mu_v, lv_v, _ = scorer.images(list(pairs["jpg"]))
+    mu_t, lv_t = scorer.texts(list(pairs["txt"][:2]))
+    np.testing.assert_allclose(raw["image_mu"][:4], mu_v, atol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(raw["text_logvar"][4:], lv_t, atol=1e-6)
+    merged = merge_towers(raw)
+    assert "image_mu" not in merged and merged["mu"].shape == (6, mu_v.shape[1])
+    np.testing.assert_allclose(merged["mu"], np.concatenate([mu_v, mu_t]), atol=1e-6, equal_nan=True)
+    np.testing.assert_allclose(merged["logvar"], np.concatenate([lv_v, lv_t]), atol=1e-6, equal_nan=True)

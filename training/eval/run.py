@@ -1,10 +1,11 @@
 """Evaluation runner: validates a checkpoint and a task list, encodes every eval set with Ray Data batch
 inference, then scores the gathered embeddings with the pure metrics of ``training/eval/metrics.py``.
 
-Two Ray Data pipelines serve all tasks at once (one actor pool each, so a model is loaded
-``2 · num_actors`` times per run, not per task): images (``from_items`` of shards → ``flat_map`` reading
-rows → ``map_batches(EmbedBatch, compute=ActorPoolStrategy(size=num_actors), num_gpus=num_gpus)``) and
-texts (prompts and captions). Eval sets are small, so embeddings are gathered into the driver.
+One Ray Data pipeline serves all tasks at once (``training.inference.encode_items``: one actor pool of
+the one batch encoder, ``training.encode.Encoder``, so a model is loaded ``num_actors`` times per run,
+not per task): one read task per eval shard or prompt list (``read_item``, Ray-free) yields image rows
+and text rows (captions, prompts), which the encoder's image or text tower encodes (``has_image`` /
+``has_text``). Eval sets are small, so embeddings are gathered into the driver.
 Deterministic and ProLIP checkpoints share the code: without log-variances scores are cosines.
 
 Writes ``eval_results.jsonl`` (one line per task run), ``aggregates.json`` (DataComp aggregates, plus
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import storage
+from pipeline.storage import LOCAL, Storage
 from training.encode import Encoder
 from training.eval import sets as eval_sets
 from training.eval.metrics import (
@@ -88,90 +90,47 @@ class TaskData:
     text_logvar: np.ndarray | None = None
 
 
-class EmbedBatch:
-    """Ray Data stage holding one ``Encoder``: rows with ``sub < 0`` are images (``image`` bytes), the
-    others texts (``text``). Adds ``mu``, ``ok`` and, for probabilistic checkpoints, ``logvar``."""
-
-    def __init__(self, checkpoint: str, s3_endpoint: str, device: str, batch_size: int, env: dict) -> None:
-        storage.adopt_env(env)
-        self.encoder = Encoder(checkpoint, s3_endpoint, device=device, batch_size=batch_size, threads=1)
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = {k: v for k, v in batch.items() if k != "image"}  # texts stay: the analyses read captions
-        is_image = batch["sub"] < 0
-        n, dim = len(is_image), self.encoder.embed_dim
-        mu = np.full((n, dim), np.nan, np.float32)
-        logvar = np.full((n, dim), np.nan, np.float32)
-        ok = np.ones(n, bool)
-        if is_image.any():
-            m, lv, ok[is_image] = self.encoder.images([bytes(b) for b in batch["image"][is_image]])
-            mu[is_image] = m
-            if lv is not None:
-                logvar[is_image] = lv
-        if (~is_image).any():
-            m, lv = self.encoder.texts([str(t) for t in batch["text"][~is_image]])
-            mu[~is_image] = m
-            if lv is not None:
-                logvar[~is_image] = lv
-        out["mu"], out["ok"] = mu, ok
-        if self.encoder.probabilistic:
-            out["logvar"] = logvar
-        return out
+def merge_towers(e: dict[str, Any]) -> dict[str, Any]:
+    """``Encoder`` output → one ``mu`` (and ``logvar``) per row: the image tower's on image rows
+    (``sub < 0``), the text tower's on caption and prompt rows."""
+    is_image = (np.asarray(e["sub"]) < 0)[:, None]
+    out = {k: v for k, v in e.items() if not k.startswith(("image_", "text_"))}
+    out["mu"] = np.where(is_image, e["image_mu"], e["text_mu"])
+    if "image_logvar" in e:
+        out["logvar"] = np.where(is_image, e["image_logvar"], e["text_logvar"])
+    return out
 
 
-def _read_item(
-    item: dict[str, Any], kinds: dict, limit: int | None, s3_endpoint: str, env: dict
-) -> list[dict]:
+def read_item(item: dict[str, Any], kinds: dict, limit: int | None, store: Storage) -> list[dict]:
     """A shard → one image row per sample plus one text row per caption (``sub`` = caption index);
-    a prompt item → one text row per prompt (``shard`` = −1)."""
-    storage.adopt_env(env)
-    base = {"task": item["task"], "shard": item["shard"], "image": b"", "text": "", "label": -1, "group": -1}
+    a prompt item → one text row per prompt (``shard`` = −1). Rows in ``Encoder``'s columns."""
+    base = {"task": item["task"], "shard": item["shard"], "jpg": b"", "txt": "", "label": -1, "group": -1}
+    text = {**base, "has_image": False, "has_text": True}
     if not item["path"]:
-        return [{**base, "pos": j, "sub": 0, "text": p} for j, p in enumerate(item["prompts"].split("\n"))]
+        return [{**text, "pos": j, "sub": 0, "txt": p} for j, p in enumerate(item["prompts"].split("\n"))]
     kind, group_column = kinds[int(item["task"])]
     rows = []
-    for r in eval_sets.iter_rows(item["path"], kind, s3_endpoint, limit=limit, group_column=group_column):
-        rows.append(
-            {
-                **base,
-                "pos": r["pos"],
-                "sub": -1,
-                "image": r["image"],
-                "label": r["label"],
-                "group": r["group"],
-            }
-        )
+    # The Storage itself, not its endpoint: this runs in Ray tasks, which need its credentials.
+    for r in eval_sets.iter_rows(item["path"], kind, store, limit=limit, group_column=group_column):
+        image = {"pos": r["pos"], "sub": -1, "jpg": r["image"], "label": r["label"], "group": r["group"]}
+        rows.append({**base, "has_image": True, "has_text": False, **image})
         for j, cap in enumerate(eval_sets.split_captions(r["captions"])):
-            rows.append({**base, "pos": r["pos"], "sub": j, "text": cap})
+            rows.append({**text, "pos": r["pos"], "sub": j, "txt": cap})
     return rows
 
 
-def _stage_kwargs(
-    checkpoint: str, s3_endpoint: str, num_actors: int, num_gpus: float, batch_size: int
-) -> dict:
-    import ray
-
-    return dict(
-        fn_constructor_kwargs={
-            "checkpoint": checkpoint,
-            "s3_endpoint": s3_endpoint,
-            "device": "cuda" if num_gpus > 0 else "cpu",
-            "batch_size": batch_size,
-            "env": storage.forwarded_env(),
-        },
-        compute=ray.data.ActorPoolStrategy(size=max(1, int(num_actors))),
-        num_gpus=num_gpus,
-        batch_size=batch_size,
-        batch_format="numpy",
-    )
-
-
 def encode_all(
-    tasks: list[Task], shards: list[list[str]], prompts: list[list[str]], max_samples: int | None, **kw: Any
+    tasks: list[Task],
+    shards: list[list[str]],
+    prompts: list[list[str]],
+    max_samples: int | None,
+    checkpoint: str,
+    store: Storage,
+    **pool: Any,
 ) -> dict[str, np.ndarray]:
     """Images, captions and prompts of every task in one Ray Data pipeline (one actor pool); returns
     the gathered columns sorted by (task, shard, pos, sub)."""
-    import ray
+    from training.inference import encode_items
 
     items = [
         {"task": t, "shard": s, "path": p, "prompts": ""}
@@ -182,20 +141,16 @@ def encode_all(
         {"task": t, "shard": -1, "path": "", "prompts": "\n".join(p)} for t, p in enumerate(prompts) if p
     ]
     kinds = {i: (t.kind, t.group_column) for i, t in enumerate(tasks)}
-    reader = functools.partial(
-        _read_item, kinds=kinds, limit=max_samples, s3_endpoint=kw["s3_endpoint"], env=storage.forwarded_env()
-    )
-    ds = ray.data.from_items(items, override_num_blocks=len(items)).flat_map(reader)
-    batches = list(
-        ds.map_batches(EmbedBatch, **_stage_kwargs(**kw)).iter_batches(batch_size=None, batch_format="numpy")
-    )
+    reader = functools.partial(read_item, kinds=kinds, limit=max_samples, store=store)
+    # fp32 towers (no bf16 autocast): eval numbers stay comparable across devices.
+    batches = encode_items(items, reader, checkpoint, store, output=merge_towers, amp=False, **pool)
     cols = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
     order = np.lexsort((cols["sub"], cols["pos"], cols["shard"], cols["task"]))
     return {k: v[order] for k, v in cols.items()}
 
 
 def task_data(
-    task: Task, i: int, cols: dict[str, np.ndarray], max_samples: int | None, s3_endpoint: str
+    task: Task, i: int, cols: dict[str, np.ndarray], max_samples: int | None, store: Storage = LOCAL
 ) -> TaskData:
     """One task's rows out of the gathered columns: images in set order, their captions, its prompts."""
     logvar = cols.get("logvar")
@@ -216,8 +171,8 @@ def task_data(
         raise EvalSetError(f"eval set {task.name}: no decodable image in {task.path}")
     if task.kind == "zeroshot_classification":
         d.classnames, d.templates = (
-            eval_sets.classnames(task, s3_endpoint),
-            eval_sets.templates(task, s3_endpoint),
+            eval_sets.classnames(task, store),
+            eval_sets.templates(task, store),
         )
         txt = np.flatnonzero(mine & (cols["shard"] < 0))
     else:
@@ -233,7 +188,7 @@ def task_data(
             raise EvalSetError(f"eval set {task.name}: a sample in {task.path} has no caption")
         d.captions = [[] for _ in keep]
         for n, k in zip(owner[owner >= 0], txt, strict=True):
-            d.captions[n].append(str(cols["text"][k]))
+            d.captions[n].append(str(cols["txt"][k]))
     d.text_mu = cols["mu"][txt]
     d.text_logvar = None if logvar is None else logvar[txt]
     return d
@@ -270,31 +225,31 @@ def task_metrics(d: TaskData) -> dict[str, float]:
     return out
 
 
-def _validate(tasks: list[Task], s3_endpoint: str) -> tuple[list[Task], list[list[str]], list[str]]:
+def _validate(tasks: list[Task], store: Storage) -> tuple[list[Task], list[list[str]], list[str]]:
     kept, shards, skipped = [], [], []
     for t in tasks:
-        if t.optional and not storage.exists(storage.join(t.path, "test"), s3_endpoint):
+        if t.optional and not store.exists(storage.join(t.path, "test")):
             skipped.append(t.name)
             continue
-        shards.append(eval_sets.validate_task(t, s3_endpoint))
+        shards.append(eval_sets.validate_task(t, store))
         kept.append(t)
     return kept, shards, skipped
 
 
-def _write_outputs(report: EvalReport, s3_endpoint: str, plot_files: list[str]) -> None:
+def _write_outputs(report: EvalReport, store: Storage, plot_files: list[str]) -> None:
     lines = "".join(
         json.dumps(r, sort_keys=True, default=storage.json_default) + "\n" for r in report.results
     )
-    storage.write_bytes(lines.encode(), storage.join(report.out_dir, "eval_results.jsonl"), s3_endpoint)
+    store.write_bytes(lines.encode(), storage.join(report.out_dir, "eval_results.jsonl"))
     aggs = {"aggregates": report.aggregates, "missing": report.missing_aggregates, "skipped": report.skipped}
-    storage.write_json(aggs, storage.join(report.out_dir, "aggregates.json"), s3_endpoint)
-    storage.write_json(report.analyses, storage.join(report.out_dir, "analyses.json"), s3_endpoint)
+    store.write_json(aggs, storage.join(report.out_dir, "aggregates.json"))
+    store.write_json(report.analyses, storage.join(report.out_dir, "analyses.json"))
     if storage.is_s3(report.out_dir):
         report.plots = []
         for f in plot_files:
             dest = storage.join(report.out_dir, "plots", os.path.basename(f))
             with open(f, "rb") as fh:
-                storage.write_bytes(fh.read(), dest, s3_endpoint)
+                store.write_bytes(fh.read(), dest)
             report.plots.append(dest)
 
 
@@ -303,7 +258,7 @@ def evaluate(
     tasks: list[Task] | str,
     out_dir: str,
     *,
-    s3_endpoint: str = "",
+    store: Storage = LOCAL,
     num_actors: int = 1,
     num_gpus: float = 0.0,
     batch_size: int = 256,
@@ -320,26 +275,22 @@ def evaluate(
     """
     from training.eval.analyses import run_analyses
 
-    encoder = Encoder(checkpoint, s3_endpoint)  # validates the checkpoint; also serves the analyses
+    encoder = Encoder(checkpoint, store)  # validates the checkpoint; also serves the analyses
     task_list = eval_sets.load_tasks(tasks) if isinstance(tasks, str) else list(tasks)
-    kept, shards, skipped = _validate(task_list, s3_endpoint)
+    kept, shards, skipped = _validate(task_list, store)
     if not kept:
         raise EvalSetError("no eval set found: " + ", ".join(t.path for t in task_list))
     if init is not None:
         init()
-    kw = dict(s3_endpoint=s3_endpoint, num_actors=num_actors, num_gpus=num_gpus, batch_size=batch_size)
+    pool = dict(num_actors=num_actors, num_gpus=num_gpus, batch_size=batch_size)
     prompts = [
-        [
-            tp.replace("{c}", c)
-            for c in eval_sets.classnames(t, s3_endpoint)
-            for tp in eval_sets.templates(t, s3_endpoint)
-        ]
+        [tp.replace("{c}", c) for c in eval_sets.classnames(t, store) for tp in eval_sets.templates(t, store)]
         if t.kind == "zeroshot_classification"
         else []
         for t in kept
     ]
-    cols = encode_all(kept, shards, prompts, max_samples, checkpoint=checkpoint, **kw)
-    data = [task_data(t, i, cols, max_samples, s3_endpoint) for i, t in enumerate(kept)]
+    cols = encode_all(kept, shards, prompts, max_samples, checkpoint, store, **pool)
+    data = [task_data(t, i, cols, max_samples, store) for i, t in enumerate(kept)]
     results = []
     for d in data:
         metrics = task_metrics(d)
@@ -361,12 +312,12 @@ def evaluate(
     plot_dir = storage.join(out_dir, "plots") if not storage.is_s3(out_dir) else tempfile.mkdtemp()
     found, plot_files = {}, []
     if analyses:
-        found, plot_files = run_analyses(data, encoder, plot_dir, seed=seed, s3_endpoint=s3_endpoint)
+        found, plot_files = run_analyses(data, encoder, plot_dir, seed=seed, store=store)
         for r, d in zip(results, data, strict=True):  # hierarchy ordering belongs to its task's line too
             if d.task.kind == "hierarchy" and isinstance(found.get("hierarchy_order"), dict):
                 r["metrics"]["ordered_fraction"] = found["hierarchy_order"]["ordered_fraction"]
     if not storage.is_s3(out_dir):
-        storage.makedirs(out_dir)
+        store.makedirs(out_dir)
     report = EvalReport(results, aggs, found, plot_files, out_dir, missing, skipped)
-    _write_outputs(report, s3_endpoint, plot_files)
+    _write_outputs(report, store, plot_files)
     return report

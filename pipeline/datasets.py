@@ -1,0 +1,295 @@
+"""The data plane's Ray side: the Ray datasets built from our shards, and what the ingest shares in Ray.
+
+The stages are Ray-free callables elsewhere (pipeline/shard_source.py reads a shard, pipeline/ingest_train.py
+shuffles, decodes, augments, masks and collates); this module only wires them into Ray:
+
+- ``read_shards``: Ray Data's file-based read (what ``read_webdataset(decoder=None)`` does: one read task
+  per shard, ``FileShuffleConfig`` shard order, local or S3 through one ``Storage``) with
+  ``ShardReader`` as the parser, so damaged shards are counted rather than silently cut short.
+- ``build_train_dataset``: read → windowed shuffle → decode/augment/tokenize, scoped to the data nodes
+  (pipeline/placement.py); ``train_dataset_config`` carries the same selector into Ray Train's ingest.
+- ``IngestCounters``: a small named actor shared by every ingest task (damaged shards, dropped images)
+  and by the train loop's progress line (``ProgressPrinter`` on the driver).
+- ``RayTrainCollate``: ``TrainCollate`` as the ``NumpyBatchCollateFn`` that ``iter_torch_batches`` expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+from ray.data.collate_fn import NumpyBatchCollateFn
+from ray.data.datasource import FileBasedDatasource
+
+from pipeline import storage
+from pipeline.ingest_train import TrainCollate, decode_augment_batch, tokenizer_state, window_shuffle
+from pipeline.placement import scope_dataset
+from pipeline.shard_source import ShardReader, list_shards
+from pipeline.storage import LOCAL, Storage
+
+# --- the counters actor -------------------------------------------------------------------------------
+
+
+class IngestCounters:
+    """Counts shared by every ingest task (run as a named Ray actor): damaged shards and dropped images;
+    also the train loop's latest metrics, so the driver can print progress without worker log streaming."""
+
+    def __init__(self) -> None:
+        self.bad_shards: dict[str, str] = {}
+        self.bad_images = 0
+        self.bad_image_examples: list[str] = []
+        self.progress: dict[str, Any] = {}
+
+    def set_progress(self, metrics: dict[str, Any]) -> None:
+        """The train loop's latest logged metrics, for the driver's progress line."""
+        self.progress = dict(metrics)
+
+    def latest_progress(self) -> dict[str, Any]:
+        return self.progress
+
+    def bad_shard(self, path: str, error: str) -> int:
+        self.bad_shards.setdefault(path, error)
+        return len(self.bad_shards)
+
+    def add_bad_images(self, n: int, examples: Sequence[str]) -> None:
+        self.bad_images += n
+        self.bad_image_examples = (self.bad_image_examples + list(examples))[:20]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "bad_shards": len(self.bad_shards),
+            "bad_shard_paths": sorted(self.bad_shards),
+            "bad_images": self.bad_images,
+            "bad_image_examples": list(self.bad_image_examples),
+        }
+
+
+_LIVE_COUNTERS: dict[str, Any] = {}
+
+
+def counters_handle(name: str | None) -> Any:
+    if not name:
+        return None
+    try:
+        return ray.get_actor(name)
+    except ValueError:
+        return None
+
+
+def start_counters(name: str | None = None) -> str:
+    """Start the shared ``IngestCounters`` actor and return its name."""
+    name = name or f"prolip-ingest-{uuid.uuid4().hex[:12]}"
+    # A named actor is still garbage-collected once no handle exists: the driver keeps one.
+    _LIVE_COUNTERS[name] = ray.remote(num_cpus=0)(IngestCounters).options(name=name).remote()
+    return name
+
+
+def stop_counters(name: str | None) -> None:
+    """Let the counters actor go (its process would otherwise idle on, one per finished training)."""
+    handle = _LIVE_COUNTERS.pop(name, None) if name else None
+    if handle is not None:
+        ray.kill(handle)
+
+
+def read_counters(name: str) -> dict[str, Any]:
+    handle = counters_handle(name)
+    return ray.get(handle.snapshot.remote()) if handle is not None else {}
+
+
+def publish_progress(name: str | None, metrics: dict[str, Any]) -> None:
+    """Fire-and-forget: the loop never waits on the driver's progress line."""
+    handle = counters_handle(name)
+    if handle is not None:
+        handle.set_progress.remote(metrics)
+
+
+@dataclasses.dataclass(frozen=True)
+class BadShardCounter:
+    """``ShardReader``'s ``report``: counts a damaged shard in the named actor (1 when it is gone)."""
+
+    counters: str
+
+    def __call__(self, path: str, error: str) -> int:
+        handle = counters_handle(self.counters)
+        return 1 if handle is None else int(ray.get(handle.bad_shard.remote(path, error)))
+
+
+@dataclasses.dataclass(frozen=True)
+class BadImageCounter:
+    """``DecodeAugment``'s ``on_bad_images``: fire-and-forget, decoding never waits on the actor."""
+
+    counters: str
+
+    def __call__(self, n: int, examples: list[str]) -> None:
+        handle = counters_handle(self.counters)
+        if handle is not None:
+            handle.add_bad_images.remote(n, examples)
+
+
+class ProgressPrinter:
+    """A driver-side thread printing the train loop's latest metrics every ``every_s`` seconds:
+    step/total, loss, samples/s and an ETA, so a long run is never silent."""
+
+    def __init__(self, name: str, label: str, every_s: float = 15.0, log: Any = print) -> None:
+        self.name, self.label, self.every_s, self.log = name, label, every_s, log
+        self._stop = threading.Event()
+        self._last_step = -1
+        self._thread = threading.Thread(target=self._run, name="train-progress", daemon=True)
+
+    def __enter__(self) -> ProgressPrinter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            handle = counters_handle(self.name)
+            try:
+                m = ray.get(handle.latest_progress.remote(), timeout=5) if handle is not None else {}
+            except Exception:  # a progress line is best effort; training is unaffected
+                continue
+            step, total = int(m.get("step", 0)), int(m.get("total_steps", 0))
+            if not m or step == self._last_step:
+                continue
+            self._last_step = step
+            rate = float(m.get("samples_per_s", 0.0))
+            left = (total - step) * (m.get("samples_seen", 0) / max(step, 1)) / rate if rate > 0 else 0.0
+            self.log(
+                f"[train {self.label}] step {step}/{total} loss {m.get('loss/total', float('nan')):.4f} "
+                f"{rate:.0f} samples/s, data wait {100 * float(m.get('data_wait_fraction', 0.0)):.0f}%, "
+                f"~{left:.0f}s left"
+            )
+
+
+# --- reading shards -----------------------------------------------------------------------------------
+
+
+class ShardDatasource(FileBasedDatasource):
+    """Raw samples (module docstring of pipeline/shard_source.py) read with ``ShardReader``."""
+
+    _FILE_EXTENSIONS = ["tar"]
+
+    def __init__(self, paths: list[str], reader: ShardReader, **kw: Any) -> None:
+        self._s3 = storage.is_s3(paths[0])
+        fs, resolved = reader.store.filesystem_for(paths)
+        super().__init__(resolved, filesystem=fs, **kw)
+        self._reader = reader
+
+    def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> Any:
+        # The strict parser opens the shard itself (through the Storage); nothing to open twice.
+        return pa.BufferReader(b"")
+
+    def _read_stream(self, f: Any, path: str) -> Iterator[pa.Table]:
+        yield from self._reader(storage.S3_PREFIX + path if self._s3 else path)
+
+
+def read_shards(
+    shards: str | Sequence[str],
+    store: Storage = LOCAL,
+    *,
+    counters: str | None = None,
+    max_bad_shards: int | None = None,
+    with_json: bool = False,
+    shuffle: Any = None,
+    num_cpus: float | None = None,
+) -> Any:
+    """A ``ray.data.Dataset`` of raw samples, one read task per shard (directory, glob, list).
+
+    ``counters`` names a running ``IngestCounters`` actor that counts damaged shards across tasks;
+    ``max_bad_shards`` (None: no limit) and ``with_json`` as in ``ShardReader``.
+    """
+    spec = shards if isinstance(shards, str) else ",".join(shards)
+    report = BadShardCounter(counters) if counters else None
+    reader = ShardReader(store, max_bad_shards=max_bad_shards, report=report, with_json=with_json)
+    source = ShardDatasource(list_shards(spec, store), reader, shuffle=shuffle)
+    return ray.data.read_datasource(source, **({} if num_cpus is None else {"num_cpus": num_cpus}))
+
+
+# --- training ingest ----------------------------------------------------------------------------------
+
+
+def build_train_dataset(
+    data: Any,
+    store: Storage,
+    tokenizer: Any,
+    image_size: int,
+    context_length: int,
+    counters: str | None = None,
+) -> Any:
+    """The training ``ray.data.Dataset`` (ingest stages 1–3); stage 4 is ``RayTrainCollate`` in the loop.
+
+    ``data`` is a ``training.config.DataConfig``; ``counters`` the name of a running ``IngestCounters``
+    actor (``start_counters()``), else damaged shards and undecodable images are only logged.
+    """
+    shuffle: Any = (
+        "files"
+        if data.shuffle_seed is None
+        else ray.data.FileShuffleConfig(seed=data.shuffle_seed, reseed_after_execution=True)
+    )
+    ds = read_shards(
+        data.shards,
+        store,
+        counters=counters,
+        max_bad_shards=data.max_bad_shards,
+        shuffle=shuffle,
+        num_cpus=data.read_cpus,
+    )
+    ds = scope_dataset(ds, data.label_selector)
+    if data.shuffle_window > 1:
+        ds = ds.map_batches(
+            window_shuffle,
+            fn_kwargs={"seed": data.shuffle_seed},
+            batch_size=data.shuffle_window,
+            batch_format="pyarrow",
+            num_cpus=data.read_cpus,
+        )
+    return ds.map_batches(
+        decode_augment_batch,
+        fn_kwargs={
+            "image_size": image_size,
+            "context_length": context_length,
+            "tokenizer": tokenizer_state(tokenizer),
+            "data": data,
+            "on_bad_images": BadImageCounter(counters) if counters else None,
+            "seed": data.augment_seed,
+        },
+        batch_size=data.decode_batch_size,
+        batch_format="numpy",
+        compute=ray.data.TaskPoolStrategy(size=max(1, data.decode_tasks)),
+        num_cpus=data.decode_cpus,
+    )
+
+
+def train_dataset_config(selector: Mapping[str, str] | None, preserve_order: bool = False) -> Any:
+    """A ``ray.train.DataConfig`` whose ingest keeps ``selector`` (and Ray Data's output order when
+    ``preserve_order``), or None (Train's default) when neither is asked for. Ray Train *replaces* the
+    dataset's execution options with these, so the selector of ``scope_dataset`` has to travel here too."""
+    if not selector and not preserve_order:
+        return None
+    from ray.train import DataConfig
+
+    options = DataConfig.default_ingest_options()
+    if selector:
+        options.label_selector = {str(k): str(v) for k, v in selector.items()}
+    options.preserve_order = preserve_order
+    return DataConfig(execution_options=options)
+
+
+class RayTrainCollate(NumpyBatchCollateFn):
+    """``iter_torch_batches``' ``collate_fn``: Ray Data takes a ``NumpyBatchCollateFn`` to hand it numpy
+    batches; the work is ``TrainCollate``'s (pipeline/ingest_train.py), which needs no Ray."""
+
+    def __init__(self, collate: TrainCollate) -> None:
+        self.collate = collate
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        return self.collate(batch)

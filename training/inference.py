@@ -1,0 +1,160 @@
+"""Ray batch inference with the one encoder (``training.encode.Encoder``): scoring, embedding extraction
+and the evaluation's encoding pass. The model plane's only Ray builder; the stages it maps are Ray-free.
+
+Every pipeline is ``map_batches(Encoder, compute=ActorPoolStrategy(size=num_actors), num_gpus=...)``
+(one model per actor, loaded from the checkpoint through the ``Storage`` each actor receives) with a
+per-use ``output`` function:
+
+- ``score_shards``: the shards (``pipeline.datasets.read_shards``, the one shard reader; damaged shards
+  keep their intact samples and are logged) → ``training.scoring.score_columns`` → ONE parquet file
+  sorted by uid (≈60 B per row in driver memory).
+- ``embed_shards``: the same read → ``embedding_columns`` → ONE parquet written batch by batch in
+  arrival order (memory: one batch); its schema is in jobs/embed.py.
+- ``encode_items``: items (eval shards and prompt lists) → rows by a Ray-free ``reader`` → encoded
+  columns gathered on the driver (eval sets are small; training/eval/run.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypedDict, Unpack
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from pipeline.datasets import read_shards
+from pipeline.storage import LOCAL, Storage
+from training.encode import BatchOutput, Encoder
+from training.scoring import (
+    SCORE_COLUMNS,
+    ScoreResult,
+    embedding_columns,
+    embedding_table,
+    score_columns,
+    score_schema,
+)
+
+
+class PoolOptions(TypedDict, total=False):
+    """The encoding actor pool: ``num_actors`` models, ``num_gpus`` and ``cpus_per_actor`` each (one
+    decode thread per CPU), ``batch_size`` rows per call (0 GPUs on CPU-only clusters: a GPU request
+    there waits forever)."""
+
+    num_actors: int
+    num_gpus: float
+    batch_size: int
+    cpus_per_actor: float
+
+
+def encode_dataset(
+    ds: Any,
+    checkpoint: str,
+    store: Storage = LOCAL,
+    *,
+    output: BatchOutput | None = None,
+    amp: bool | None = None,
+    **pool: Unpack[PoolOptions],
+) -> Any:
+    """``ds.map_batches(Encoder)`` on an actor pool, one model per actor; rows go through ``output``."""
+    num_gpus = float(pool.get("num_gpus", 0.0))
+    cpus = float(pool.get("cpus_per_actor", 1.0))
+    batch_size = int(pool.get("batch_size", 256))
+    threads = max(1, int(cpus))
+    return ds.map_batches(
+        Encoder,
+        fn_constructor_kwargs={
+            "checkpoint": checkpoint,
+            "store": store,
+            "device": "cuda" if num_gpus > 0 else "cpu",
+            "batch_size": batch_size,
+            "threads": threads,
+            "decode_threads": threads,
+            "amp": amp,
+            "output": output,
+        },
+        compute=ray.data.ActorPoolStrategy(size=max(1, int(pool.get("num_actors", 1)))),
+        num_gpus=num_gpus,
+        num_cpus=cpus,
+        batch_size=batch_size,
+        batch_format="numpy",
+    )
+
+
+def _encoded_shards(
+    shards: str | Sequence[str], checkpoint: str, store: Storage, output: BatchOutput, pool: PoolOptions
+) -> Any:
+    return encode_dataset(
+        read_shards(shards, store, with_json=True), checkpoint, store, output=output, **pool
+    )
+
+
+def score_shards(
+    shards: str | Sequence[str],
+    checkpoint: str,
+    out: str,
+    *,
+    store: Storage = LOCAL,
+    **pool: Unpack[PoolOptions],
+) -> ScoreResult:
+    """Score every pair of ``shards`` and write ``out`` (one parquet, SCORE_COLUMNS, sorted by uid)."""
+    t0 = time.perf_counter()
+    ds = _encoded_shards(shards, checkpoint, store, score_columns, pool)
+    tables = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    if tables:
+        table = pa.concat_tables([t.select(list(SCORE_COLUMNS)) for t in tables]).combine_chunks()
+    else:
+        table = score_schema().empty_table()
+    table = table.cast(score_schema()).sort_by([("uid", "ascending")])
+    store.write_parquet(table, out)
+    wall = time.perf_counter() - t0
+    n_failed = int(table.num_rows - np.asarray(table.column("ok")).sum())
+    return ScoreResult(out, table.num_rows, n_failed, wall, table.num_rows / max(wall, 1e-9))
+
+
+def embed_shards(
+    shards: str | Sequence[str],
+    checkpoint: str,
+    out: str,
+    *,
+    store: Storage = LOCAL,
+    **pool: Unpack[PoolOptions],
+) -> ScoreResult:
+    """Write the embeddings parquet (see ``jobs.embed`` for its schema) of every pair of ``shards``."""
+    t0 = time.perf_counter()
+    ds = _encoded_shards(shards, checkpoint, store, embedding_columns, pool)
+    n_rows = n_failed = 0
+    writer = None
+    with store.open_output(out) as fh:
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            table = embedding_table(batch)
+            if writer is None:
+                meta = {"checkpoint": checkpoint, "columns": ",".join(table.column_names)}
+                writer = pq.ParquetWriter(fh, table.schema.with_metadata(meta))
+            writer.write_table(table)
+            n_rows += table.num_rows
+            n_failed += int((~np.asarray(batch["ok"], bool)).sum())
+        if writer is None:
+            raise FileNotFoundError(f"embed: no samples in {shards!r}")
+        writer.close()
+    wall = time.perf_counter() - t0
+    return ScoreResult(out, n_rows, n_failed, wall, n_rows / max(wall, 1e-9))
+
+
+def encode_items(
+    items: list[dict[str, Any]],
+    reader: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    checkpoint: str,
+    store: Storage = LOCAL,
+    *,
+    output: BatchOutput | None = None,
+    amp: bool | None = None,
+    **pool: Unpack[PoolOptions],
+) -> list[dict[str, np.ndarray]]:
+    """One read task per item (``reader``: item → rows for ``Encoder``), encoded on one actor pool;
+    the encoded batches, gathered on the driver in arrival order."""
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).flat_map(reader)
+    encoded = encode_dataset(ds, checkpoint, store, output=output, amp=amp, **pool)
+    return list(encoded.iter_batches(batch_size=None, batch_format="numpy"))
