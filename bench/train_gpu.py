@@ -41,15 +41,15 @@ def make_case(objective: str, batch: int, device: torch.device, compile_model: b
     import numpy as np
 
     from pipeline.masking import choose_kept_patches, mask_text_tokens
-    from training.config import LossConfig, loss_kwargs
-    from training.loop import TrainModule, loss_shares
-    from training.losses import build_loss
+    from training.config import LossConfig
     from training.model import ProLIP, model_config, param_groups
+    from training.objectives import build_loss_from_config, loss_spec
+    from training.step import TrainModule, loss_shares
 
     torch.manual_seed(0)
-    loss = build_loss(objective, **loss_kwargs(LossConfig(name=objective)))
-    cfg = model_config("ViT-B-16-ProLIP", probabilistic=bool(loss.needs_logvar))
-    module = TrainModule(ProLIP(cfg), loss, objective).to(device)
+    loss = build_loss_from_config(LossConfig(name=objective))[0]
+    cfg = model_config("ViT-B-16-ProLIP", probabilistic=loss_spec(objective).probabilistic)
+    module = TrainModule(ProLIP(cfg), loss, loss_spec(objective)).to(device)
     opt = torch.optim.AdamW(param_groups(module, 0.2), lr=5e-4, betas=(0.9, 0.95), fused=True)
     forward = torch.compile(module) if compile_model else module
 
@@ -67,14 +67,14 @@ def make_case(objective: str, batch: int, device: torch.device, compile_model: b
     images = torch.randn(batch, 3, cfg.image_size, cfg.image_size, device=device)
     tok = torch.from_numpy(tokens).to(device)
     extra = (None, None, None)
-    if getattr(loss, "uses_masked", False):
+    if loss_spec(objective).uses_masked:
         extra = (torch.from_numpy(masked).to(device), torch.from_numpy(keep).to(device),
                  torch.arange(m, device=device))  # fmt: skip
 
     def fwd_bwd() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             feats = forward(images, tok, *extra)
-        terms = loss_shares(loss, objective, feats, extra[2])
+        terms = loss_shares(loss, loss_spec(objective), feats, extra[2])
         terms["total"].backward()
 
     def step() -> None:

@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 from pipeline.ingest_train import DecodeAugment, MaskedVariants, TrainCollate  # noqa: E402
 from pipeline.tokenizer import train_tokenizer  # noqa: E402
 from tests.fixtures_train import demo_samples, write_demo_shards  # noqa: E402
-from training.config import DataConfig, LossConfig, loss_kwargs  # noqa: E402
-from training.loop import TrainModule, loss_shares  # noqa: E402
-from training.losses import build_loss  # noqa: E402
+from training.config import DataConfig, LossConfig  # noqa: E402
 from training.model import ProLIP, model_config, param_groups  # noqa: E402
+from training.objectives import build_loss_from_config, loss_spec  # noqa: E402
+from training.step import TrainModule, loss_shares  # noqa: E402
 
 
 class StepCase:
@@ -48,9 +48,9 @@ class StepCase:
     def __init__(self, objective: str, probabilistic: bool, batch: int, tokenizer, trim: bool) -> None:
         torch.manual_seed(0)
         self.objective = objective
-        self.loss = build_loss(objective, **loss_kwargs(LossConfig(name=objective)))
+        self.loss = build_loss_from_config(LossConfig(name=objective))[0]
         cfg = model_config("tiny", vocab_size=tokenizer.vocab_size, probabilistic=probabilistic)
-        self.module = TrainModule(ProLIP(cfg), self.loss, objective)
+        self.module = TrainModule(ProLIP(cfg), self.loss, loss_spec(objective))
         self.opt = torch.optim.AdamW(param_groups(self.module, 0.2), lr=5e-4, betas=(0.9, 0.98))
         samples = demo_samples(batch, size=16, seed=3)
         raw = {
@@ -59,7 +59,7 @@ class StepCase:
             "tokens": tokenizer.encode_batch([s["txt"] for s in samples], cfg.context_length),
         }
         masker = None
-        if getattr(self.loss, "uses_masked", False):
+        if loss_spec(objective).uses_masked:
             masker = MaskedVariants(cfg.n_patches, tokenizer.pad_id, tokenizer.end_id, tokenizer.mask_id)
         # The batch the loop gets: masked variants and padding trimmed by the ingest's collate step.
         b = TrainCollate(masker, 0, tokenizer.pad_id if trim else None)(raw)
@@ -70,7 +70,7 @@ class StepCase:
     def step(self) -> float:
         t0 = time.perf_counter()
         feats = self.module(self.images, self.tokens, *self.extra)
-        terms = loss_shares(self.loss, self.objective, feats, self.extra[2])
+        terms = loss_shares(self.loss, loss_spec(self.objective), feats, self.extra[2])
         self.opt.zero_grad(set_to_none=True)
         terms["total"].backward()
         self.opt.step()
@@ -96,7 +96,8 @@ def step_times(batch: int, steps: int, tokenizer, trim: bool = True) -> dict[str
 def ingest(n: int, cpus: int, tokenizer, batch: int) -> dict[str, float]:
     import ray
 
-    from pipeline.ingest_train import build_train_dataset
+    from pipeline.datasets import RayTrainCollate, build_train_dataset
+    from pipeline.storage import LOCAL
 
     with tempfile.TemporaryDirectory() as d:
         per_shard = max(1, n // 8)
@@ -118,7 +119,7 @@ def ingest(n: int, cpus: int, tokenizer, batch: int) -> dict[str, float]:
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
         ray.data.DataContext.get_current().enable_progress_bars = False
         try:
-            ds = build_train_dataset(data, tokenizer, cfg.image_size, cfg.context_length)
+            ds = build_train_dataset(data, LOCAL, tokenizer, cfg.image_size, cfg.context_length)
             masker = MaskedVariants(cfg.n_patches, tokenizer.pad_id, tokenizer.end_id, tokenizer.mask_id)
             delivered = []
             for epoch in range(2):  # the first pass warms Ray's worker processes
@@ -126,7 +127,7 @@ def ingest(n: int, cpus: int, tokenizer, batch: int) -> dict[str, float]:
                 for b in ds.iterator().iter_torch_batches(
                     batch_size=batch,
                     drop_last=True,
-                    collate_fn=TrainCollate(masker, epoch),
+                    collate_fn=RayTrainCollate(TrainCollate(masker, epoch)),
                     prefetch_batches=2,
                 ):
                     if t_first is None:

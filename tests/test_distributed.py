@@ -16,17 +16,17 @@ import torch
 import torch.multiprocessing as mp
 
 from training import distributed as D
-from training.config import LossConfig, loss_kwargs
-from training.loop import TrainModule, loss_shares
-from training.losses import build_loss
+from training.config import LossConfig
 from training.model import ProLIP, model_config
+from training.objectives import LOSS_SPECS, build_loss_from_config, loss_spec
+from training.step import TrainModule, loss_shares
 
-OBJECTIVES = ("prolip", "siglip", "clip", "pcmepp")
+OBJECTIVES = tuple(LOSS_SPECS)  # every registered loss
 WORLD, N, PAD, END, MASK = 2, 8, 0, 1, 2
 
 
 def tiny_module(name: str) -> TrainModule:
-    loss = build_loss(name, **loss_kwargs(LossConfig(name=name)))
+    loss = build_loss_from_config(LossConfig(name=name))[0]
     cfg = model_config(
         "tiny",
         image_size=16,
@@ -40,10 +40,10 @@ def tiny_module(name: str) -> TrainModule:
         context_length=8,
         vocab_size=64,
         embed_dim=16,
-        probabilistic=bool(loss.needs_logvar),
+        probabilistic=loss_spec(name).probabilistic,
     )
     torch.manual_seed(0)
-    return TrainModule(ProLIP(cfg), loss, name)
+    return TrainModule(ProLIP(cfg), loss, loss_spec(name))
 
 
 def global_batch() -> dict[str, torch.Tensor]:
@@ -72,7 +72,7 @@ def step(module: torch.nn.Module, inner: TrainModule, batch: dict[str, torch.Ten
     masked_index = batch["selected"].nonzero().squeeze(1)
     feats = module(batch["images"], batch["tokens"], batch["masked_tokens"], batch["keep_idx"], masked_index)
     mix = (batch["partner"] + offset, batch["lam"])
-    terms = loss_shares(inner.loss, inner.loss_name, feats, masked_index, mix)
+    terms = loss_shares(inner.loss, inner.spec, feats, masked_index, mix)
     (terms["total"] * D.ddp_loss_scale()).backward()
     return {k: float(v.detach()) for k, v in terms.items()}
 

@@ -16,6 +16,7 @@ from scipy import integrate
 
 from training import losses as L
 from training import pcmepp as P
+from training.objectives import LOSS_SPECS, build_loss
 
 F64 = torch.float64
 
@@ -431,7 +432,7 @@ def objective_call(name: str, n: int, d: int):
     if name == "prolip":
         module = L.ProLIPLoss(c=10.0, log_eps=-2.0, alpha1=0.5, alpha2=0.5, beta=0.5)
     else:
-        module = L.build_loss(name)
+        module = build_loss(name)
     module.double()
     leaves += list(module.parameters())  # the learnable scale and bias must get the global gradient too
 
@@ -482,7 +483,7 @@ def test_gradients_finite_in_fp32_and_bf16_autocast(name, fill, autocast):
     else:
         lv_v, lv_t = torch.full((n, d), float(fill)), torch.full((n, d), float(fill))
     leaves = [t.clone().requires_grad_() for t in (mu_v, lv_v, mu_t, lv_t)]
-    loss = L.build_loss(name)
+    loss = build_loss(name)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         dtype = torch.bfloat16 if autocast else torch.float32
         mv, lvv, mt, lvt = (t.to(dtype) for t in leaves)
@@ -506,13 +507,13 @@ def test_gradients_finite_in_fp32_and_bf16_autocast(name, fill, autocast):
 
 
 def test_build_loss_initial_scalars_and_names():
-    prolip, siglip, clip, pcmepp = (L.build_loss(k) for k in ("prolip", "siglip", "clip", "pcmepp"))
+    prolip, siglip, clip, pcmepp = (build_loss(k) for k in ("prolip", "siglip", "clip", "pcmepp"))
     assert prolip.log_scale.item() == pytest.approx(math.log(10)) and prolip.bias.item() == -10
     assert siglip.log_scale.item() == pytest.approx(math.log(10)) and siglip.bias.item() == -10
     assert clip.log_scale.item() == pytest.approx(math.log(1 / 0.07))
     assert pcmepp.scale.item() == 5 and pcmepp.shift.item() == 5
     with pytest.raises(ValueError, match="unknown loss"):
-        L.build_loss("triplet")
+        build_loss("triplet")
     mu, lv = gaussians(4, 6, 41, dtype=torch.float32)
     keys = set(prolip(mu, lv, mu, lv))
     assert keys == {"ppcl", "inc_vt", "inc_masked_v", "inc_masked_t", "vib_v", "vib_t", "total"}
@@ -527,3 +528,26 @@ def test_float64_inputs_stay_float64_and_bf16_inputs_promote():
         == torch.float32
     )
     assert np.isfinite(L.csd_matrix(mu, lv, mu, lv).numpy()).all()
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_SPECS))
+def test_loss_spec_declares_what_its_module_does(name):
+    """The spec is the one place the loop and config read: its terms, scalars and kwargs must be the module's."""
+    from training.config import LossConfig
+    from training.objectives import build_loss_from_config, logit_scalars
+
+    spec = LOSS_SPECS[name]
+    loss, got = build_loss_from_config(LossConfig(name=name, init_bias=-3.0, pcme_alpha=0.2, beta=2e-4))
+    assert got is spec and isinstance(loss, spec.module)
+    mu, lv = gaussians(4, 6, 43, dtype=torch.float32)
+    assert set(loss(mu, lv, mu, lv)) == {*spec.terms, "total"}
+    assert all(c in ("mu_v", "logvar_v", "mu_t", "logvar_t") for c in spec.columns)
+    scale, bias = logit_scalars(loss, spec)
+    assert scale > 0 and math.isfinite(bias)
+    if name in ("prolip", "siglip"):
+        assert bias == -3.0  # init_bias reached the constructor through config_kwargs
+    if name == "prolip":
+        assert loss.weights["beta"] == 2e-4
+    if name == "pcmepp":
+        assert loss.alpha == 0.2
+    assert spec.probabilistic == (name in ("prolip", "pcmepp"))

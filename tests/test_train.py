@@ -32,7 +32,7 @@ import pytest
 
 from tests.fixtures_s3 import s3_server  # noqa: F401
 from tests.fixtures_train import write_demo_shards
-from training.loop import extend_history, lr_lambda
+from training.step import extend_history, lr_lambda
 
 ROOT = Path(__file__).resolve().parents[1]
 TOTAL, EVERY, FAIL_AT = 40, 10, 15
@@ -149,12 +149,13 @@ def test_demo_run_survives_worker_failure_and_driver_kill_on_s3(ray_local, s3_se
     code = f"""
 import json, os, tempfile, torch
 from pipeline import storage
+from pipeline.storage import Storage
 from training.model import load_checkpoint
 src = "{s3.url("train", name, final)}"
 with tempfile.TemporaryDirectory() as d:
     for f in ("weights.pt", "model_config.json", "extra.json", "tokenizer.json", "special_tokens.json",
               "train_state.pt"):
-        open(os.path.join(d, f), "wb").write(storage.read_bytes(storage.join(src, f)))
+        open(os.path.join(d, f), "wb").write(Storage.from_env().read_bytes(storage.join(src, f)))
     model, cfg, tok = load_checkpoint(d)
     state = torch.load(os.path.join(d, "train_state.pt"), weights_only=True)
     print(json.dumps({{"params": sum(p.numel() for p in model.parameters()), "vocab": tok.vocab_size,

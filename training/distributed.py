@@ -9,7 +9,7 @@ back-propagates its own share S_r, rank r holds ∂(Σ_q S_q)/∂f_r for its fea
 global loss's gradient restricted to the parameters' use on rank r's samples. The full gradient is the
 SUM of those over ranks, while DDP AVERAGES them: multiply the share by ``world_size`` before backward
 (``ddp_loss_scale``) and DDP's average is the single-process gradient — no approximation, no skipped
-negatives (unlike the official ring exchange, MATH.md / issue 4), verified in tests/test_distributed.py.
+negatives (unlike the official ring exchange; docs/fidelity.md), verified in tests/test_distributed.py.
 
 Every function is the identity when no process group is initialised (or the world is one process), so
 the train loop runs unchanged in a single process. No loss math lives here.

@@ -1,10 +1,10 @@
 """Training objectives for ProLIP and its deterministic baselines, as pure tensor functions.
 
 An embedding is a diagonal Gaussian Z = N(mu, diag(exp(logvar))) with L2-normalised `mu`; deterministic
-baselines use `mu` alone. Equation numbers refer to ProLIP (Chun et al., ICLR 2025, seed 000):
+baselines use `mu` alone. Equation numbers refer to ProLIP (Chun et al., ICLR 2025):
 Eq. 1 CSD, Eq. 2 / A.4 PPCL, Eq. 3 / A.5 inclusion measure, Eq. 4 inclusion hypothesis, Eq. 5 inclusion
 loss, Eq. A.2 VIB, Eq. 6 full objective. SigLIP is Zhai et al. (2023), CLIP InfoNCE Radford et al. (2021).
-PCME++ lives in `training/pcmepp.py`. Slips in the papers are resolved as in MATH.md and
+PCME++ lives in `training/pcmepp.py`; `training/objectives.py` is the registry of both modules' losses. Slips in the papers are resolved as in docs/math.md and
 docs/fidelity.md.
 
 Distributed contract (the train loop relies on it)
@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -337,6 +338,36 @@ def prolip_objective(
 # its loss does not use, so the train loop calls every loss alike; any other unknown key is an error.
 # Deterministic losses accept logvar = None. Flags tell the loop which extra inputs a loss consumes.
 
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Everything the train loop and the config need to know about one objective, declared beside it.
+
+    ``columns``: the features gathered from every worker (with gradients) as the global columns each local
+    row is scored against; ``uses_masked``: takes the masked image/text variants (ProLIP Eq. 6);
+    ``uses_soft_labels``: takes PCME++'s mixed-image soft labels; ``probabilistic``: needs the σ² heads;
+    ``config_kwargs``: (``LossConfig`` field, constructor argument) pairs; ``scale``/``bias``: the names of
+    the learnable logit scale and bias parameters (``scale_is_log``: the parameter holds log a), logged as
+    ``logit_scale``/``logit_bias``; ``terms``: the named terms ``forward`` returns besides ``total``.
+    """
+
+    name: str
+    module: type[nn.Module]
+    columns: tuple[str, ...]
+    terms: tuple[str, ...]
+    probabilistic: bool = False
+    uses_masked: bool = False
+    uses_soft_labels: bool = False
+    config_kwargs: tuple[tuple[str, str], ...] = ()
+    scale: str = "log_scale"
+    scale_is_log: bool = True
+    bias: str | None = "bias"
+
+    def kwargs(self, loss_cfg: Any) -> dict[str, Any]:
+        """Constructor arguments taken from a ``training.config.LossConfig``."""
+        return {arg: getattr(loss_cfg, field) for field, arg in self.config_kwargs}
+
+
 # open_clip clamps the logit scale at 100 after every step; clamping in forward has the same effect.
 MAX_LOG_SCALE = math.log(100.0)
 
@@ -347,8 +378,6 @@ def _without(inputs: dict[str, Any], *ignored: str) -> dict[str, Any]:
 
 class ProLIPLoss(nn.Module):
     """Eq. 6 with learnable log a (init log 10) and b (init -10), SigLIP's initialisation."""
-
-    needs_logvar, uses_masked, uses_soft_labels = True, True, False
 
     def __init__(
         self,
@@ -379,8 +408,6 @@ class ProLIPLoss(nn.Module):
 class SigLIPLoss(nn.Module):
     """SigLIP on the means; learnable log a (init log 10) and b (init -10). Log-variances are ignored."""
 
-    needs_logvar, uses_masked, uses_soft_labels = False, False, False
-
     def __init__(self, init_log_scale: float = math.log(10.0), init_bias: float = -10.0) -> None:
         super().__init__()
         self.log_scale = nn.Parameter(torch.tensor(float(init_log_scale)))
@@ -399,8 +426,6 @@ class SigLIPLoss(nn.Module):
 class CLIPLoss(nn.Module):
     """Symmetric InfoNCE on the means; learnable log a initialised at log(1/0.07) (CLIP)."""
 
-    needs_logvar, uses_masked, uses_soft_labels = False, False, False
-
     def __init__(self, init_log_scale: float = math.log(1.0 / 0.07)) -> None:
         super().__init__()
         self.log_scale = nn.Parameter(torch.tensor(float(init_log_scale)))
@@ -414,16 +439,22 @@ class CLIPLoss(nn.Module):
         return {"clip": loss, "total": loss}
 
 
-def build_loss(name: str, **kwargs: Any) -> nn.Module:
-    """Loss module by name: prolip, siglip, clip or pcmepp; `kwargs` go to its constructor."""
-    from training.pcmepp import PCMEppLoss  # pcmepp imports this module's primitives
-
-    registry: dict[str, type[nn.Module]] = {
-        "prolip": ProLIPLoss,
-        "siglip": SigLIPLoss,
-        "clip": CLIPLoss,
-        "pcmepp": PCMEppLoss,
-    }
-    if name not in registry:
-        raise ValueError(f"unknown loss {name!r}; expected one of {sorted(registry)}")
-    return registry[name](**kwargs)
+SPECS = (
+    LossSpec(
+        "prolip",
+        ProLIPLoss,
+        columns=("mu_t", "logvar_t"),
+        terms=("ppcl", "inc_vt", "inc_masked_v", "inc_masked_t", "vib_v", "vib_t"),
+        probabilistic=True,
+        uses_masked=True,
+        config_kwargs=tuple((k, k) for k in ("alpha1", "alpha2", "beta", "c", "log_eps", "init_bias")),
+    ),
+    LossSpec(
+        "siglip",
+        SigLIPLoss,
+        columns=("mu_t",),
+        terms=("siglip",),
+        config_kwargs=(("init_bias", "init_bias"),),
+    ),
+    LossSpec("clip", CLIPLoss, columns=("mu_v", "mu_t"), terms=("clip",), bias=None),
+)

@@ -1,4 +1,4 @@
-"""PCME++ objective (Chun, ICLR 2024, seed 003) and its mixed-sample augmentation, as pure functions.
+"""PCME++ objective (Chun, ICLR 2024; docs/math.md "PCME++") and its mixed-sample augmentation, as pure functions.
 
 Matching loss (PCME++ Eq. 2): logit l_vt = -a CSD(Z_v, Z_t) + b with learnable a, b (init 5, 5, the COCO
 setting), binary cross-entropy against soft match labels m_vt in [0, 1] over every image-caption pair.
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.losses import csd_matrix, full_precision, vib_kl
+from training.losses import LossSpec, csd_matrix, full_precision, vib_kl
 
 
 @full_precision
@@ -36,12 +36,12 @@ def pcmepp_loss(
     scale: Tensor,
     shift: Tensor,
     *,
+    alpha: float = 0.1,
+    beta: float = 1e-4,
+    soft_labels: Tensor | None = None,
     mu_t_all: Tensor | None = None,
     logvar_t_all: Tensor | None = None,
     offset: int = 0,
-    soft_labels: Tensor | None = None,
-    alpha: float = 0.1,
-    beta: float = 1e-4,
 ) -> dict[str, Tensor]:
     """PCME++ share: L = L_match + alpha L_pseudo-match + beta (L_VIB(Z_v) + L_VIB(Z_t)).
 
@@ -136,8 +136,6 @@ def mix_images(
 class PCMEppLoss(nn.Module):
     """PCME++ with learnable raw scale a and shift b (init 5, 5), pseudo-positive weight alpha, VIB beta."""
 
-    needs_logvar, uses_masked, uses_soft_labels = True, False, True
-
     def __init__(
         self, init_scale: float = 5.0, init_shift: float = 5.0, alpha: float = 0.1, beta: float = 1e-4
     ) -> None:
@@ -155,3 +153,19 @@ class PCMEppLoss(nn.Module):
         return pcmepp_loss(
             mu_v, logvar_v, mu_t, logvar_t, self.scale, self.shift, alpha=self.alpha, beta=self.beta, **inputs
         )
+
+
+SPECS = (
+    LossSpec(
+        "pcmepp",
+        PCMEppLoss,
+        columns=("mu_t", "logvar_t"),
+        terms=("match", "pseudo_pos", "vib_v", "vib_t"),
+        probabilistic=True,
+        uses_soft_labels=True,
+        config_kwargs=(("pcme_alpha", "alpha"), ("pcme_beta", "beta")),
+        scale="scale",
+        scale_is_log=False,
+        bias="shift",
+    ),
+)

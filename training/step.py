@@ -1,0 +1,335 @@
+"""One optimizer step and the state it runs on, without Ray: the train loop's pure core.
+
+``train_loop_per_worker`` (training/loop.py) only adds Ray Train around these parts: the worker's device
+and dataset shard, reports and checkpoints. Everything here runs in a plain process (one worker = the
+identity gather of training/distributed.py), so tests and benchmarks drive the real step directly.
+
+One step (``train_step``): batch → ``TrainModule`` forward (both towers, plus the masked image/text variants
+of the selected samples — ProLIP Eq. 6) → gather the loss's columns from every worker WITH gradients
+(training/distributed.py) → this worker's loss share × world size (DDP averages gradients; the sum of
+shares is the global-batch loss, so the average of the scaled gradients is its exact gradient) → backward,
+optional clipping, AdamW (ProLIP App. B.1 parameter groups via ``param_groups``), LR warmup then cosine.
+Which columns are gathered, and whether masked variants or PCME++'s mixed images are used, is read from
+the objective's ``LossSpec`` (training/objectives.py).
+
+Precision: bf16 autocast on CUDA (the losses run in float32 inside), fp32 on CPU.
+
+Bookkeeping that makes recovery checkable: ``history`` is the list of committed step ranges, carried in
+every checkpoint and extended by one per optimizer step. A restarted run restores it from the checkpoint,
+so steps run after the last checkpoint by a failed attempt are *not* committed and run again; the final
+history is ``[[1, total_steps]]`` exactly when no committed step was repeated or skipped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from training.distributed import all_reduce_sum, ddp_loss_scale, gather_with_grad, rank_and_world
+from training.losses import LossSpec
+from training.model import ProLIP, load_checkpoint, load_extra, model_config, param_groups, save_checkpoint
+from training.objectives import build_loss_from_config, logit_scalars
+from training.pcmepp import mix_images, pcmepp_soft_labels
+
+TRAIN_STATE_FILE = "train_state.pt"
+
+
+class TrainModule(nn.Module):
+    """The two towers and the loss's learnable scalars under one module, so one DDP wrapper covers both.
+
+    ``forward`` runs both towers on the batch and, when ``masked_index`` (M,) is given, the image tower on
+    the selected images with their kept patches and the text tower on their masked tokens (concatenated
+    with the full text batch: one text forward). The loss is applied outside ``forward``, after the
+    cross-worker gather.
+    """
+
+    def __init__(self, model: ProLIP, loss: nn.Module, spec: LossSpec) -> None:
+        super().__init__()
+        self.model, self.loss, self.spec = model, loss, spec
+
+    def forward(
+        self,
+        images: Tensor,
+        tokens: Tensor,
+        masked_tokens: Tensor | None = None,
+        keep_idx: Tensor | None = None,
+        masked_index: Tensor | None = None,
+    ) -> dict[str, Tensor | None]:
+        b = tokens.shape[0]
+        mu_v, logvar_v = self.model.encode_image(images)  # (B, E)
+        out: dict[str, Tensor | None] = {"mu_v": mu_v, "logvar_v": logvar_v}
+        text = tokens
+        # numel() is shape metadata: no device sync, and M = 0 (possible on one rank) skips the extra pass.
+        masked = masked_index is not None and masked_index.numel() > 0 and keep_idx is not None
+        if masked:
+            out["mu_v_masked"], out["logvar_v_masked"] = self.model.encode_image(
+                images[masked_index], keep_idx[masked_index]
+            )  # (M, E)
+            text = torch.cat([tokens, masked_tokens[masked_index]])  # (B + M, L)
+        mu_t, logvar_t = self.model.encode_text(text)  # (B [+ M], E)
+        out["mu_t"], out["logvar_t"] = mu_t[:b], None if logvar_t is None else logvar_t[:b]
+        if masked:
+            out["mu_t_masked"], out["logvar_t_masked"] = mu_t[b:], None if logvar_t is None else logvar_t[b:]
+        return out
+
+
+def loss_shares(
+    loss: nn.Module,
+    spec: LossSpec,
+    feats: Mapping[str, Tensor | None],
+    masked_index: Tensor | None = None,
+    mix: tuple[Tensor, Tensor] | None = None,
+) -> dict[str, Tensor]:
+    """This worker's share of every loss term (sum over workers = the single-process global-batch loss).
+
+    ``mix`` = (partner_index, lam) of PCME++'s mixed images (local indices), turned into soft labels
+    against the global columns. Identity gather in one process.
+    """
+    n_masked = 0 if masked_index is None else int(masked_index.numel())
+    g = gather_with_grad({k: feats[k] for k in spec.columns}, extra_counts=[n_masked])
+    inputs: dict[str, Any] = {f"{k}_all": v for k, v in g.columns.items()}
+    inputs["offset"] = g.offset
+    if spec.uses_masked and masked_index is not None:
+        for k in ("mu_v_masked", "logvar_v_masked", "mu_t_masked", "logvar_t_masked"):
+            inputs[k] = feats.get(k)
+        inputs["masked_index"] = masked_index
+        inputs["n_masked_global"] = g.total(0)
+    if spec.uses_soft_labels and mix is not None:
+        lam = mix[1].to(feats["mu_v"].device)
+        inputs["soft_labels"] = pcmepp_soft_labels(mix[0], lam, g.offset, g.n_global)
+    return loss(feats["mu_v"], feats["logvar_v"], feats["mu_t"], feats["logvar_t"], **inputs)
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float = 0.0) -> Callable[[int], float]:
+    """Multiplier of the base LR after ``step`` scheduler steps: linear warmup, then cosine to min_ratio."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def extend_history(history: list[list[int]], step: int) -> None:
+    """Append ``step`` to run-length ranges [[first, last], ...]; a repeat or gap starts a new range."""
+    if history and history[-1][1] == step - 1:
+        history[-1][1] = step
+    else:
+        history.append([step, step])
+
+
+def autocast(device: torch.device, precision: str) -> Any:
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+def build_module(cfg: Any, tokenizer: Any) -> tuple[TrainModule, Any]:
+    """A fresh ``TrainModule`` and its model config (deterministic init from ``cfg.seed``)."""
+    loss, spec = build_loss_from_config(cfg.loss)
+    mcfg = model_config(
+        cfg.model,
+        vocab_size=tokenizer.vocab_size,
+        pad_id=tokenizer.pad_id,
+        probabilistic=spec.probabilistic,
+        grad_checkpointing=cfg.grad_checkpointing,
+    )
+    torch.manual_seed(cfg.seed)
+    return TrainModule(ProLIP(mcfg), loss, spec), mcfg
+
+
+@dataclass
+class TrainState:
+    """What one worker carries from step to step; ``extra`` fields are what a checkpoint restores."""
+
+    cfg: Any  # training.config.TrainConfig
+    module: TrainModule  # the unwrapped module (loss scalars, model)
+    ddp: nn.Module  # the module as the step calls it (DDP-wrapped on several workers)
+    mcfg: Any
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    device: torch.device
+    mix_gen: torch.Generator
+    step: int = 0
+    epoch: int = 0
+    history: list[list[int]] = field(default_factory=list)
+    logged: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[int] = field(default_factory=list)  # first step of every (re)start
+    start_step: int = 0
+    restored: bool = False  # resumed from a checkpoint (a restarted attempt)
+
+
+def setup_state(
+    cfg: Any,
+    tokenizer: Any,
+    device: torch.device,
+    rank: int,
+    restore_dir: str | None = None,
+    wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
+) -> TrainState:
+    """Model, loss, optimizer and schedule for one worker, restored from ``restore_dir`` when given.
+
+    ``wrap`` is the DDP wrapper (Ray Train's ``prepare_model``), applied after restoring the weights.
+    """
+    module, mcfg = build_module(cfg, tokenizer)
+    extra, saved = restore(module, restore_dir) if restore_dir else ({}, None)
+    ddp = wrap(module)
+    inner: TrainModule = ddp.module if hasattr(ddp, "module") else ddp
+    o = cfg.optim
+    opt = torch.optim.AdamW(param_groups(inner, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.total_steps, o.warmup_steps, o.min_lr_ratio))
+    if saved is not None:
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+    step = int(extra.get("step", 0))
+    return TrainState(
+        cfg=cfg,
+        module=inner,
+        ddp=ddp,
+        mcfg=mcfg,
+        opt=opt,
+        sched=sched,
+        device=device,
+        mix_gen=torch.Generator().manual_seed(cfg.seed * 1000 + rank),
+        step=step,
+        epoch=int(extra["epoch"]) + 1 if restore_dir else 0,
+        history=[list(r) for r in extra.get("history", [])],
+        logged=list(extra.get("metrics", [])),
+        attempts=[int(a) for a in extra.get("attempts", [])] + [step],
+        start_step=step,
+        restored=restore_dir is not None,
+    )
+
+
+def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """One optimizer step on one collated batch: (this worker's loss terms, the features it computed)."""
+    cfg, device, spec = state.cfg, state.device, state.module.spec
+    images = batch["images"].to(device, non_blocking=True)
+    mix = None
+    if spec.uses_soft_labels:
+        images, partner, lam = mix_images(images, state.mix_gen, cfg.loss.mix_fraction)
+        mix = (partner.to(device), lam)
+    masked_index = batch.get("masked_index")
+    masked_index = None if masked_index is None else masked_index.to(device)
+    with autocast(device, cfg.precision):
+        feats = state.ddp(
+            images,
+            batch["tokens"].to(device),
+            batch.get("masked_tokens"),
+            batch.get("keep_idx"),
+            masked_index,
+        )
+    terms = loss_shares(state.module.loss, spec, feats, masked_index, mix)
+    state.opt.zero_grad(set_to_none=True)
+    (terms["total"] * ddp_loss_scale()).backward()
+    if cfg.optim.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(state.ddp.parameters(), cfg.optim.grad_clip)
+    state.opt.step()
+    state.sched.step()
+    state.step += 1
+    extend_history(state.history, state.step)
+    return terms, feats
+
+
+class Window:
+    """Per-step figures between two reports, kept as device tensors (no per-step host sync)."""
+
+    def __init__(self) -> None:
+        self.terms: dict[str, Tensor] = {}
+        self.var: dict[str, Tensor] = {}
+        self.steps, self.wait, self.busy = 0, 0.0, 0.0
+        self.t0 = time.perf_counter()
+
+    def add(
+        self, terms: Mapping[str, Tensor], feats: Mapping[str, Tensor | None], wait: float, total: float
+    ) -> None:
+        for k, v in terms.items():
+            self.terms[k] = self.terms.get(k, 0.0) + v.detach().double()
+        for k in ("logvar_v", "logvar_t"):
+            if feats.get(k) is not None:
+                self.var[k] = self.var.get(k, 0.0) + feats[k].detach().double().exp().mean()
+        self.steps, self.wait, self.busy = self.steps + 1, self.wait + wait, self.busy + total
+
+
+def window_metrics(window: Window, state: TrainState) -> dict[str, Any]:
+    """Global metrics of a window: loss terms summed over ranks, σ² means and wait fraction averaged."""
+    _, world = rank_and_world()
+    device = next(state.module.parameters()).device
+    names = sorted(window.terms)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    local = [window.terms[k] for k in names]
+    local += [window.var.get("logvar_v", zero), window.var.get("logvar_t", zero)]
+    local += [torch.tensor(window.wait, dtype=torch.float64, device=device)]
+    local += [torch.tensor(window.busy, dtype=torch.float64, device=device)]
+    summed = all_reduce_sum(torch.stack([torch.as_tensor(v, device=device) for v in local])).tolist()
+    n = max(window.steps, 1)
+    metrics: dict[str, Any] = {f"loss/{k}": summed[i] / n for i, k in enumerate(names)}
+    var_v, var_t, wait, busy = summed[len(names) :]
+    scale, bias = logit_scalars(state.module.loss, state.module.spec)
+    global_batch = state.cfg.global_batch_size
+    metrics.update(
+        {
+            "step": state.step,
+            "epoch": state.epoch,
+            "samples_seen": state.step * global_batch,
+            "lr": state.sched.get_last_lr()[0],
+            "logit_scale": scale,
+            "logit_bias": bias,
+            "sigma2_image": var_v / (n * world),
+            "sigma2_text": var_t / (n * world),
+            "samples_per_s": window.steps * global_batch / max(time.perf_counter() - window.t0, 1e-9),
+            "data_wait_fraction": wait / max(busy, 1e-9),
+        }
+    )
+    return metrics
+
+
+def checkpoint_extra(state: TrainState) -> dict[str, Any]:
+    """What a checkpoint carries besides the weights (``extra.json``)."""
+    cfg = state.cfg
+    return {
+        "step": state.step,
+        "epoch": state.epoch,
+        "samples_seen": state.step * cfg.global_batch_size,
+        "history": state.history,
+        "attempts": state.attempts,
+        "metrics": state.logged,
+        "loss": cfg.loss.name,
+        # Inference (training/encode.py) must normalise pixels as this run did.
+        "pixel_mean": list(cfg.data.mean),
+        "pixel_std": list(cfg.data.std),
+    }
+
+
+def save_state(directory: str, state: TrainState, tokenizer: Any) -> None:
+    """Weights, model config, tokenizer and extra (training/model.py) plus optimizer/scheduler/loss state."""
+    module = state.module
+    loss_values = {k: float(v) for k, v in module.loss.state_dict().items() if v.numel() == 1}
+    extra = {**checkpoint_extra(state), "loss_state": loss_values}
+    save_checkpoint(directory, module.model, state.mcfg, tokenizer, extra)
+    torch.save(
+        {
+            "optimizer": state.opt.state_dict(),
+            "scheduler": state.sched.state_dict(),
+            "loss": module.loss.state_dict(),
+        },
+        os.path.join(directory, TRAIN_STATE_FILE),
+    )
+
+
+def restore(module: TrainModule, directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load weights and loss scalars from a checkpoint directory; (extra.json, optimizer/scheduler state)."""
+    model, _, _ = load_checkpoint(directory)
+    module.model.load_state_dict(model.state_dict())
+    saved = torch.load(os.path.join(directory, TRAIN_STATE_FILE), map_location="cpu", weights_only=True)
+    module.loss.load_state_dict(saved["loss"])
+    return load_extra(directory), saved
