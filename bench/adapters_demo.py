@@ -5,11 +5,12 @@ Reproduces the table of docs/adapters.md "Measured on the demo pool" from a buil
 trained on it (a deterministic CLIP, a ProLIP and a PCME++ model; a run directory stands for its newest
 ``checkpoint_*``):
 
-1. embeds the training shards with the deterministic CLIP (``training.scoring.embed_shards``) — what the
+1. embeds the training shards with the deterministic CLIP (``training.inference.embed_shards``) — what the
    post-hoc adapters are fitted on;
 2. expands the retrieval eval set (``{key}.jpg`` + ``{key}.txt`` with three captions, pipeline/demo/eval_sets.py)
    into one webdataset sample per (image, caption) pair, written to ``OUT/eval_pairs/``; the pairs of one
-   image share a uid, so retrieving any of the image's captions counts as right (compare.py's rule);
+   image share a uid, so retrieving any of the image's captions counts as right (the rule of
+   training/adapters/compare.py);
 3. embeds those pairs with each of the three checkpoints;
 4. runs ``jobs.adapters`` on them: ProbVLM and AsymVLM fitted on the CLIP training embeddings and evaluated
    on the CLIP eval embeddings, ProLIP and PCME++ as ``--native`` rows, and AsymVLM's none-of-the-above
@@ -104,7 +105,8 @@ def extra_nota(out: Path, eval_root: Path, sets: list[str], checkpoint: str, uns
     saved in ``out`` (``asymvlm_{family}.pt``); the same rule as its ``--zeroshot`` set."""
     import torch
 
-    from jobs.adapters import run_nota
+    from jobs.adapters import AdaptersConfig, run_nota
+    from pipeline.storage import LOCAL
     from training.adapters.asymvlm import AsymVLM
 
     heads = {}
@@ -117,14 +119,8 @@ def extra_nota(out: Path, eval_root: Path, sets: list[str], checkpoint: str, uns
         heads[family].eval()
     results = {}
     for name in sets:
-        ns = argparse.Namespace(
-            zeroshot=str(eval_root / name),
-            checkpoint=checkpoint,
-            s3_endpoint="",
-            unseen=unseen,
-            dummy="a photo",
-        )
-        results[name] = run_nota(ns, heads)
+        cfg = AdaptersConfig(zeroshot=str(eval_root / name), checkpoint=checkpoint, unseen=unseen)
+        results[name] = run_nota(cfg, heads, LOCAL)
     return results
 
 
@@ -148,9 +144,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    run, out = Path(args.run), Path(args.out)
+def _checkpoints(args: argparse.Namespace, run: Path) -> dict[str, str] | None:
+    """The three checkpoints (newest of a run directory), or None after saying what is wrong: a missing
+    input, or a checkpoint of the wrong kind (CLIP must be deterministic, the others probabilistic)."""
     try:
         ckpts = {name: newest_checkpoint(getattr(args, name)) for name in ("clip", "prolip", "pcmepp")}
         for sub in ("shards", "pool/eval/retrieval", "pool/eval/shapes"):
@@ -158,42 +154,44 @@ def main(argv: list[str] | None = None) -> int:
                 raise FileNotFoundError(f"{run / sub}: missing (is --run a built demo run?)")
     except FileNotFoundError as exc:
         print(f"adapters_demo: {exc}", file=sys.stderr)
-        return 2
-    from training.scoring import embed_shards, verify_checkpoint
+        return None
+    from training.scoring import verify_checkpoint
 
     for name, c in ckpts.items():
         cfg = verify_checkpoint(c)
         if cfg.probabilistic == (name == "clip"):
             kind = "deterministic" if name != "clip" else "probabilistic"
             print(f"adapters_demo: --{name} {c} is {kind}", file=sys.stderr)
-            return 2
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
-    pair_paths, n_img, n_pairs = write_retrieval_pairs(run / "pool/eval/retrieval", out / "eval_pairs")
-    print(f"[adapters_demo] eval pairs: {n_img} images → {n_pairs} pairs in {out / 'eval_pairs'}")
-    emb = out / "emb"
-    emb.mkdir(parents=True, exist_ok=True)
-    jobs = [("train_clip", str(run / "shards"), ckpts["clip"])]
-    jobs += [(f"eval_{n}", ",".join(pair_paths), ckpts[n]) for n in ("clip", "prolip", "pcmepp")]
-    todo = [j for j in jobs if not (args.reuse and (emb / f"{j[0]}.parquet").exists())]
-    if todo:
-        import ray
+            return None
+    return ckpts
 
-        from jobs.common import init_ray
 
-        init_ray()
-        try:
-            for name, shards, ckpt in todo:
-                res = embed_shards(shards, ckpt, str(emb / f"{name}.parquet"))
-                timings[f"embed_{name}"] = round(res.wall_s, 2)
-                print(
-                    f"[adapters_demo] {name}: {res.n_rows} rows ({res.n_failed} failed) in {res.wall_s:.1f} s"
-                )
-        finally:
-            ray.shutdown()  # free the cores for fitting
-    from jobs.adapters import main as adapters_main
+def _embed_all(jobs: list[tuple[str, str, str]], emb: Path, reuse: bool, timings: dict[str, float]) -> None:
+    """Embed each (name, shards, checkpoint) into ``emb/{name}.parquet`` on a local Ray, skipping the
+    parquets already there when ``reuse``; Ray is shut down afterwards to free the cores for fitting."""
+    from training.inference import embed_shards
 
-    adapters_argv = [
+    todo = [j for j in jobs if not (reuse and (emb / f"{j[0]}.parquet").exists())]
+    if not todo:
+        return
+    import ray
+
+    from jobs.common import init_ray
+
+    init_ray()
+    try:
+        for name, shards, ckpt in todo:
+            res = embed_shards(shards, ckpt, str(emb / f"{name}.parquet"))
+            timings[f"embed_{name}"] = round(res.wall_s, 2)
+            print(f"[adapters_demo] {name}: {res.n_rows} rows ({res.n_failed} failed) in {res.wall_s:.1f} s")
+    finally:
+        ray.shutdown()
+
+
+def _adapters_argv(
+    args: argparse.Namespace, run: Path, out: Path, emb: Path, ckpts: dict[str, str]
+) -> list[str]:
+    return [
         "--train", str(emb / "train_clip.parquet"), "--eval", str(emb / "eval_clip.parquet"),
         "--out", str(out),
         "--native", f"ProLIP (own Σσ²)={emb / 'eval_prolip.parquet'}",
@@ -205,11 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint", ckpts["clip"], "--zeroshot", str(run / "pool/eval/shapes"),
         "--unseen", str(args.unseen),
     ]  # fmt: skip
-    t1 = time.perf_counter()
-    rc = adapters_main(adapters_argv)
-    timings["adapters"] = round(time.perf_counter() - t1, 2)
-    sets = [x for x in args.extra_nota.split(",") if x]
-    nota = extra_nota(out, run / "pool/eval", sets, ckpts["clip"], args.unseen) if rc == 0 and sets else {}
+
+
+def _print_nota(nota: dict[str, Any]) -> None:
     for name, res in nota.items():
         for method in ("frozen cosine", "AsymVLM (vmf)", "AsymVLM (ps)"):
             if method in res:
@@ -218,6 +214,32 @@ def main(argv: list[str] | None = None) -> int:
                     f"[adapters_demo] none-of-the-above {name} {method}: pos_acc {r['pos_acc']:.3f} "
                     f"neg_acc {r['neg_acc']:.3f} pos_dummy_rate {r['pos_dummy_rate']:.3f}"
                 )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run, out = Path(args.run), Path(args.out)
+    ckpts = _checkpoints(args, run)
+    if ckpts is None:
+        return 2
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    pair_paths, n_img, n_pairs = write_retrieval_pairs(run / "pool/eval/retrieval", out / "eval_pairs")
+    print(f"[adapters_demo] eval pairs: {n_img} images → {n_pairs} pairs in {out / 'eval_pairs'}")
+    emb = out / "emb"
+    emb.mkdir(parents=True, exist_ok=True)
+    jobs = [("train_clip", str(run / "shards"), ckpts["clip"])]
+    jobs += [(f"eval_{n}", ",".join(pair_paths), ckpts[n]) for n in ("clip", "prolip", "pcmepp")]
+    _embed_all(jobs, emb, args.reuse, timings)
+    from jobs.adapters import main as adapters_main
+
+    adapters_argv = _adapters_argv(args, run, out, emb, ckpts)
+    t1 = time.perf_counter()
+    rc = adapters_main(adapters_argv)
+    timings["adapters"] = round(time.perf_counter() - t1, 2)
+    sets = [x for x in args.extra_nota.split(",") if x]
+    nota = extra_nota(out, run / "pool/eval", sets, ckpts["clip"], args.unseen) if rc == 0 and sets else {}
+    _print_nota(nota)
     timings["total"] = round(time.perf_counter() - t0, 2)
     meta = {
         "run": str(run),

@@ -14,69 +14,82 @@ classification set (docs/adapters.md). Everything runs on CPU; no Ray.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 import torch
 
-from jobs.common import print_table
+from jobs.common import parse_job_config, print_table
 from pipeline import storage
+from pipeline.config import check_types, non_negative, positive, require
+from pipeline.manifest import redacted
+from pipeline.storage import Storage
 from training.adapters.compare import evaluate_methods, markdown_table, none_of_the_above, nota_scores
 from training.adapters.fit import describe, fit_asymvlm, fit_probvlm, load_embeddings
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Fit ProbVLM/AsymVLM on cached embeddings; compare calibration.")
-    p.add_argument("--train", required=True, help="embedding parquet (file, dir or glob) to fit on")
-    p.add_argument("--eval", required=True, help="embedding parquet of the eval pairs")
-    p.add_argument("--out", required=True, help="output directory (local or s3://)")
-    p.add_argument("--native", action="append", default=[], metavar="NAME=PARQUET", help="a model's own Σσ²")
-    p.add_argument("--heads", default="vmf,ps", help="AsymVLM families to fit (vmf, ps)")
-    p.add_argument("--probvlm-epochs", type=int, default=100, help="ProbVLM §4: 100")
-    p.add_argument("--probvlm-lr", type=float, default=1e-4, help="ProbVLM §4: 1e-4")
-    p.add_argument("--probvlm-batch", type=int, default=256)
-    p.add_argument("--asymvlm-epochs", type=int, default=200, help="AsymVLM App. B.4: 200")
-    p.add_argument("--asymvlm-lr", type=float, default=1e-2, help="AsymVLM Table A.1: 1e-2")
-    p.add_argument("--asymvlm-batch", type=int, default=2048, help="AsymVLM Table A.1: 2048")
-    p.add_argument("--mc-passes", type=int, default=10, help="MC-dropout passes for ProbVLM's epistemic term")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--checkpoint", default="", help="the frozen model, for the none-of-the-above test")
-    p.add_argument("--zeroshot", default="", help="clip_benchmark classification set dir (e.g. eval/shapes)")
-    p.add_argument("--unseen", type=int, default=2, help="last N classes are held out as unseen")
-    p.add_argument("--dummy", default="a photo", help="the none-of-the-above prompt (AsymVLM Table 2)")
-    p.add_argument("--s3-endpoint", default="")
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class AdaptersConfig:
+    train: str = ""  # embedding parquet (file, dir or glob) to fit on
+    eval: str = ""  # embedding parquet of the eval pairs
+    out: str = ""  # output directory (local or s3://)
+    native: list[str] = field(default_factory=list)  # NAME=PARQUET: a model's own Σσ²
+    heads: str = "vmf,ps"  # AsymVLM families to fit (vmf, ps)
+    probvlm_epochs: int = 100  # ProbVLM §4: 100
+    probvlm_lr: float = 1e-4  # ProbVLM §4: 1e-4
+    probvlm_batch: int = 256
+    asymvlm_epochs: int = 200  # AsymVLM App. B.4: 200
+    asymvlm_lr: float = 1e-2  # AsymVLM Table A.1: 1e-2
+    asymvlm_batch: int = 2048  # AsymVLM Table A.1: 2048
+    mc_passes: int = 10  # MC-dropout passes for ProbVLM's epistemic term
+    seed: int = 0
+    threads: int = 0  # torch CPU threads (0: torch's default)
+    checkpoint: str = ""  # the frozen model, for the none-of-the-above test
+    zeroshot: str = ""  # clip_benchmark classification set dir (e.g. eval/shapes)
+    unseen: int = 2  # last N classes are held out as unseen
+    dummy: str = "a photo"  # the none-of-the-above prompt (AsymVLM Table 2)
+    s3_endpoint: str = ""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        positive(self, "probvlm_epochs", "probvlm_lr", "probvlm_batch", "asymvlm_epochs", "asymvlm_lr")
+        positive(self, "asymvlm_batch", "mc_passes")
+        non_negative(self, "threads", "unseen")
+        bad = [h for h in self.heads.split(",") if h and h not in ("vmf", "ps")]
+        require(not bad, "heads", "must list AsymVLM families from vmf, ps", self.heads)
+
+
+PRESETS = {"demo": AdaptersConfig()}
+FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(AdaptersConfig)}
 
 
 def _read_classification_set(
-    root: str, s3_endpoint: str
+    root: str, store: Storage
 ) -> tuple[list[bytes], np.ndarray, list[str], list[str]]:
     from pipeline.shards import iter_shard
 
-    classes = storage.read_bytes(storage.join(root, "classnames.txt"), s3_endpoint).decode().split("\n")
-    templates = storage.read_bytes(
-        storage.join(root, "zeroshot_classification_templates.txt"), s3_endpoint
-    ).decode()
+    classes = store.read_bytes(storage.join(root, "classnames.txt")).decode().split("\n")
+    templates = store.read_bytes(storage.join(root, "zeroshot_classification_templates.txt")).decode()
     images, labels = [], []
-    for path in storage.list_files(storage.join(root, "test"), suffix=".tar", s3_endpoint=s3_endpoint):
-        for s in iter_shard(path, s3_endpoint):
+    for path in store.list_files(storage.join(root, "test"), suffix=".tar"):
+        for s in iter_shard(path, store):
             cls = s["cls"].decode() if isinstance(s["cls"], bytes) else str(s["cls"])
             images.append(s["jpg"])
             labels.append(int(cls.strip()))
     return images, np.asarray(labels), [c for c in classes if c], [t for t in templates.split("\n") if t]
 
 
-def run_nota(args: argparse.Namespace, asym: dict[str, Any]) -> dict[str, Any]:
+def run_nota(args: AdaptersConfig, asym: dict[str, Any], store: Storage) -> dict[str, Any]:
     """Zero-shot over the seen classes + the dummy prompt; frozen cosine vs each AsymVLM head."""
     from training.encode import Encoder
 
-    images, labels, classes, templates = _read_classification_set(args.zeroshot, args.s3_endpoint)
-    enc = Encoder(args.checkpoint, s3_endpoint=args.s3_endpoint)
+    images, labels, classes, templates = _read_classification_set(args.zeroshot, store)
+    enc = Encoder(args.checkpoint, store)
     img_mu, _, ok = enc.images(images)
     img_mu, labels = img_mu[ok], labels[ok]
     seen = list(range(len(classes) - args.unseen))
@@ -94,19 +107,20 @@ def run_nota(args: argparse.Namespace, asym: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_job_config(argv, __doc__.splitlines()[0], PRESETS, FLAGS, required=("train", "eval", "out"))
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    store = Storage.from_env(args.s3_endpoint)
     try:
-        train = load_embeddings(args.train, args.s3_endpoint)
-        evald = load_embeddings(args.eval, args.s3_endpoint)
+        train = load_embeddings(args.train, store)
+        evald = load_embeddings(args.eval, store)
         natives = {}
         for spec in args.native:
             name, sep, path = spec.partition("=")
             if not sep:
                 raise ValueError(f"--native expects NAME=PARQUET, got {spec!r}")
-            natives[name] = load_embeddings(path, args.s3_endpoint)
+            natives[name] = load_embeddings(path, store)
             if "image_logvar" not in natives[name]:
                 raise ValueError(f"--native {name}: {path} has no image_logvar/text_logvar columns")
     except (OSError, ValueError) as exc:
@@ -129,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         evald, probvlm=probvlm, asymvlm=asym, natives=natives, n_passes=args.mc_passes, seed=args.seed
     )
     result: dict[str, Any] = {
-        "config": vars(args),
+        "config": redacted(dataclasses.asdict(args)),  # the endpoint may carry userinfo
         "n_train": len(train["uid"]),
         "n_eval": len(evald["uid"]),
         "training": {"probvlm": describe(hist_p), **{f"asymvlm_{h}": describe(v) for h, v in hist_a.items()}},
@@ -137,14 +151,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
     }
     if args.checkpoint and args.zeroshot:
-        result["none_of_the_above"] = run_nota(args, asym)
+        result["none_of_the_above"] = run_nota(args, asym, store)
     result["timings_s"] = {"fit": round(t_fit, 2), "total": round(time.perf_counter() - t0, 2)}
-    storage.makedirs(args.out, args.s3_endpoint)
+    store.makedirs(args.out)
     table = markdown_table(rows)
-    storage.write_json(result, storage.join(args.out, "adapters.json"), args.s3_endpoint)
-    storage.write_bytes(table.encode(), storage.join(args.out, "adapters.md"), args.s3_endpoint)
+    store.write_json(result, storage.join(args.out, "adapters.json"))
+    store.write_bytes(table.encode(), storage.join(args.out, "adapters.md"))
     for name, model in [("probvlm", probvlm), *[(f"asymvlm_{h}", m) for h, m in asym.items()]]:
-        with storage.open_output(storage.join(args.out, f"{name}.pt"), args.s3_endpoint) as f:
+        with store.open_output(storage.join(args.out, f"{name}.pt")) as f:
             torch.save(model.state_dict(), f)
     summary = [
         (r["method"], *(f"{r[d][k]:.3f}" for d in ("i2t", "t2i") for k in ("recall_at_1", "S", "R2")))

@@ -9,10 +9,11 @@ import argparse
 import logging
 import os
 import sys
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from pipeline.config import ConfigError, resolve
+from pipeline.config import ConfigError, merge, resolve
 
 T = TypeVar("T")
 
@@ -32,6 +33,51 @@ def config_parser(
 def resolve_config(args: argparse.Namespace, presets: Mapping[str, T]) -> T:
     try:
         return resolve(presets, args.preset, args.config, args.sets)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+
+
+def parse_job_config(
+    argv: Sequence[str] | None,
+    description: str,
+    presets: Mapping[str, T],
+    flags: Mapping[str, str] | None = None,
+    default: str = "demo",
+    required: Sequence[str] = (),
+) -> T:
+    """The one way a job reads its config: ``--preset`` → ``--config FILE.yaml`` → flags → ``--set k=v``.
+
+    ``flags`` maps a convenience flag (``"--shards"``) to the config key it sets (``"shards"``); its type
+    follows the field: a bool is a switch, a list takes one or more values (repeatable), anything else one
+    value coerced like ``--set``. ``--set`` is applied last, so it wins. A config error prints one line
+    naming the field (and the YAML file) and exits 2.
+    """
+    parser = config_parser(description, presets, default)
+    hints = typing.get_type_hints(type(next(iter(presets.values()))))
+    for flag, key in (flags or {}).items():
+        tp = hints[key]
+        if tp is bool:
+            parser.add_argument(
+                flag, dest=key, action="store_const", const=True, default=None, help=f"sets {key}"
+            )
+        elif typing.get_origin(tp) in (list, tuple):
+            parser.add_argument(flag, dest=key, action="extend", nargs="+", default=None, help=f"sets {key}")
+        else:
+            parser.add_argument(flag, dest=key, default=None, help=f"sets {key}")
+    args = parser.parse_args(argv)
+    sets = list(args.sets)
+    args.sets = []
+    cfg = resolve_config(args, presets)
+    given = {key: getattr(args, key) for key in (flags or {}).values() if getattr(args, key) is not None}
+    try:
+        cfg = merge(cfg, given)
+        cfg = resolve({"given": cfg}, "given", None, sets) if sets else cfg
+        missing = [key for key in required if not getattr(cfg, key)]
+        if missing:
+            how = ", ".join(next((f for f, k in (flags or {}).items() if k == key), key) for key in missing)
+            raise ConfigError(f"{', '.join(missing)} required (give {how} or --set KEY=VALUE)")
+        return cfg
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc

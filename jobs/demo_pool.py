@@ -7,24 +7,37 @@ server's URLs, prints the base URL and the status each row must end in, and serv
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
+from dataclasses import dataclass, fields
 
-from jobs.common import print_table
+from jobs.common import parse_job_config, print_table
+from pipeline.config import check_types, non_negative, positive
 from pipeline.demo.pool import generate_pool, write_metadata
 from pipeline.demo.server import serve_pool
 
 
+@dataclass(frozen=True)
+class DemoPoolConfig:
+    out: str = ""  # pool directory (reused when n and seed match)
+    n: int = 2000  # metadata rows
+    seed: int = 0
+    serve: bool = False  # serve on 127.0.0.1 until Ctrl-C
+    port: int = 0  # with serve: port (0 = any free port)
+    slow_s: float = 3.0  # with serve: delay of the 'slow' routes
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        positive(self, "n", "slow_s")
+        non_negative(self, "port")
+
+
+PRESETS = {"demo": DemoPoolConfig()}
+FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(DemoPoolConfig)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="pool directory (reused when n and seed match)")
-    parser.add_argument("--n", type=int, default=2000, help="metadata rows")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--serve", action="store_true", help="serve on 127.0.0.1 until Ctrl-C")
-    parser.add_argument("--port", type=int, default=0, help="with --serve: port (0 = any free port)")
-    parser.add_argument("--slow-s", type=float, default=3.0, help="with --serve: delay of the 'slow' routes")
-    args = parser.parse_args(argv)
+    args = parse_job_config(argv, __doc__.splitlines()[0], PRESETS, FLAGS, required=("out",))
 
     info = generate_pool(args.out, n=args.n, seed=args.seed)
     how = "reused" if info.reused else f"generated in {info.seconds:.1f}s"

@@ -1,7 +1,7 @@
 """``python -m jobs.embed --checkpoint C --shards S --out O.parquet [--num-actors N --num-gpus G]``.
 
 Writes the frozen embeddings of every pool pair — what the post-hoc adapters (ProbVLM, AsymVLM) train
-on — with Ray batch inference (``training.scoring.embed_shards``). One parquet file, local or ``s3://``,
+on — with Ray batch inference (``training.inference.embed_shards``). One parquet file, local or ``s3://``,
 rows in arrival order (join on ``uid``), one row per sample with an image:
 
 =================  ===============================  ==================================================
@@ -24,31 +24,45 @@ or ``table.column("image_mu").combine_chunks().flatten().to_numpy().reshape(-1, 
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass, fields
 
-from jobs.common import init_ray, print_table
+from jobs.common import init_ray, parse_job_config, print_table
+from pipeline.config import check_types, non_negative, positive
+from pipeline.storage import Storage
+from training.inference import embed_shards
 from training.model import CheckpointError
-from training.scoring import embed_shards, verify_checkpoint
+from training.scoring import verify_checkpoint
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory (local or s3://)")
-    p.add_argument("--shards", required=True, help="shard directory, glob or comma list (local or s3://)")
-    p.add_argument("--out", required=True, help="output .parquet (local or s3://)")
-    p.add_argument("--s3-endpoint", default="", help="e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)")
-    p.add_argument("--num-actors", type=int, default=1, help="encoding actors, one model each")
-    p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per actor (0 on CPU)")
-    p.add_argument("--cpus-per-actor", type=float, default=1.0)
-    p.add_argument("--batch-size", type=int, default=256)
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class EmbedJobConfig:
+    checkpoint: str = ""  # checkpoint directory (local or s3://)
+    shards: str = ""  # shard directory, glob or comma list (local or s3://)
+    out: str = ""  # output .parquet (local or s3://)
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    num_actors: int = 1  # encoding actors, one model each
+    num_gpus: float = 0.0  # GPUs per actor (0 on CPU)
+    cpus_per_actor: float = 1.0
+    batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        positive(self, "num_actors", "cpus_per_actor", "batch_size")
+        non_negative(self, "num_gpus")
+
+
+PRESETS = {"demo": EmbedJobConfig()}
+FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(EmbedJobConfig)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_job_config(
+        argv, __doc__.splitlines()[0], PRESETS, FLAGS, required=("checkpoint", "shards", "out")
+    )
+    store = Storage.from_env(args.s3_endpoint)
     try:  # fail before any actor starts, naming the file
-        verify_checkpoint(args.checkpoint, args.s3_endpoint)
+        verify_checkpoint(args.checkpoint, store)
     except CheckpointError as exc:
         print(f"embed: {exc}", file=sys.stderr)
         return 2
@@ -57,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         args.shards,
         args.checkpoint,
         args.out,
-        s3_endpoint=args.s3_endpoint,
+        store=store,
         num_actors=args.num_actors,
         num_gpus=args.num_gpus,
         batch_size=args.batch_size,

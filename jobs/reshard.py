@@ -1,5 +1,7 @@
 """``python -m jobs.reshard --shards PATH_OR_GLOB [...] --subset X.npy --out DIR``: materialise a subset.
 
+Like every job it also takes ``--preset``, ``--config FILE.yaml`` and ``--set key=value``.
+
 Thin entry point over ``pipeline.reshard.reshard`` (DataComp's resharder semantics: semi-join on uid,
 repeated uids up-sampled, bytes copied as they are). No Ray: one streaming pass, optional read-ahead
 threads. The summary (written, missing, shards) is printed and written to ``OUT/reshard.json``.
@@ -7,42 +9,58 @@ threads. The summary (written, missing, shards) is printed and written to ``OUT/
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
-from jobs.common import print_table
+from jobs.common import parse_job_config, print_table
+from pipeline.config import check_types, positive
 from pipeline.reshard import ReshardError, reshard
 from pipeline.shards import ShardError
+from pipeline.storage import Storage
 from pipeline.subset import SubsetError
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Write the samples of a DataComp subset (.npy) into new shards.")
-    p.add_argument(
-        "--shards", nargs="+", required=True, help="input tars, directories or globs (local or s3://)"
-    )
-    p.add_argument("--subset", required=True, help="DataComp subset .npy (u8,u8 uids), local or s3://")
-    p.add_argument("--out", required=True, help="output directory (local or s3://)")
-    p.add_argument("--samples-per-shard", type=int, default=10_000, help="DataComp's default: 10000")
-    p.add_argument(
-        "--s3-endpoint", default="", help="e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL / AWS)"
-    )
-    p.add_argument("--workers", type=int, default=1, help="input tars read ahead in parallel")
-    p.add_argument("--overwrite", action="store_true", help="replace shards already in --out")
-    p.add_argument("--skip-corrupt", action="store_true", help="keep going past a damaged input tar")
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class ReshardJobConfig:
+    shards: list[str] = field(default_factory=list)  # input tars, directories or globs (local or s3://)
+    subset: str = ""  # DataComp subset .npy (u8,u8 uids), local or s3://
+    out: str = ""  # output directory (local or s3://)
+    samples_per_shard: int = 10_000  # DataComp's default
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL / AWS)
+    workers: int = 1  # input tars read ahead in parallel
+    overwrite: bool = False  # replace shards already in out
+    skip_corrupt: bool = False  # keep going past a damaged input tar
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        positive(self, "samples_per_shard", "workers")
+
+
+PRESETS = {"demo": ReshardJobConfig()}
+FLAGS = {
+    "--shards": "shards",
+    "--subset": "subset",
+    "--out": "out",
+    "--samples-per-shard": "samples_per_shard",
+    "--s3-endpoint": "s3_endpoint",
+    "--workers": "workers",
+    "--overwrite": "overwrite",
+    "--skip-corrupt": "skip_corrupt",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_job_config(
+        argv, __doc__.splitlines()[0], PRESETS, FLAGS, required=("shards", "subset", "out")
+    )
     try:
         res = reshard(
             args.shards,
             args.subset,
             args.out,
             samples_per_shard=args.samples_per_shard,
-            s3_endpoint=args.s3_endpoint,
+            store=Storage.from_env(args.s3_endpoint),
             workers=args.workers,
             overwrite=args.overwrite,
             skip_corrupt=args.skip_corrupt,

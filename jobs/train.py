@@ -14,7 +14,8 @@ import sys
 from jobs.common import config_parser, init_ray, print_table, resolve_config
 from pipeline.config import ConfigError, merge
 from pipeline.manifest import write_manifest
-from training.config import TRAIN_PRESETS, to_plain, validate
+from pipeline.storage import Storage
+from training.config import TRAIN_PRESETS, to_plain
 from training.trainer import train
 
 
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shards:
         updates["data"] = {"shards": args.shards}
     try:
-        cfg = validate(merge(cfg, updates))
+        cfg = merge(cfg, updates)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         config=to_plain(cfg),
         counts={"steps": out.return_value.get("final_step"), "ingest": out.ingest},
         timings={"train": out.wall_s},
-        s3_endpoint=cfg.run.s3_endpoint,
+        store=Storage.from_env(cfg.run.s3_endpoint),
         extra={"checkpoint": out.checkpoint_path, "final_metrics": final},
     )
     rows = [(k, f"{v:.4g}" if isinstance(v, float) else v) for k, v in final.items()]

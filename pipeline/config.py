@@ -7,11 +7,13 @@ This module holds that machinery plus the dataset-build config; the training sid
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -22,6 +24,66 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config key is unknown or has a value of the wrong type; the message names the key."""
+
+
+# --- validation on construction: every config class checks its fields in ``__post_init__`` -----------
+
+
+@contextlib.contextmanager
+def _named(prefix: str) -> Iterator[None]:
+    """Prefix a construction error with the path of the nested config it came from (``download.``)."""
+    try:
+        yield
+    except ConfigError as exc:
+        if prefix and not str(exc).startswith(prefix):
+            raise ConfigError(f"{prefix}{exc}") from None
+        raise
+
+
+def require(ok: bool, key: str, rule: str, value: Any) -> None:
+    """Raise ``ConfigError("key rule, got value")`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key} {rule}, got {value!r}")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def positive(cfg: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(cfg, n)
+        require(_finite(v) and v > 0, n, "must be a finite number > 0", v)
+
+
+def non_negative(cfg: Any, *names: str) -> None:
+    for n in names:
+        v = getattr(cfg, n)
+        require(_finite(v) and v >= 0, n, "must be a finite number >= 0", v)
+
+
+def fraction(cfg: Any, *names: str, open_low: bool = False) -> None:
+    """Each field in [0, 1], or (0, 1] with ``open_low``."""
+    for n in names:
+        v = getattr(cfg, n)
+        ok = _finite(v) and (0 < v if open_low else 0 <= v) and v <= 1
+        require(ok, n, "must be in (0, 1]" if open_low else "must be in [0, 1]", v)
+
+
+def check_types(cfg: Any) -> None:
+    """Every field holds a value of its declared type (no silent coercion on direct construction)."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        coerced = _coerce(value, hints[f.name], f.name)
+        same_kind = isinstance(value, bool) == isinstance(coerced, bool)
+        equal = coerced == value or (isinstance(value, float) and math.isnan(value))  # ranges judge NaN
+        require(equal and same_kind, f.name, f"must be of type {hints[f.name]}", value)
+
+
+def one_of(cfg: Any, name: str, choices: Any) -> None:
+    v = getattr(cfg, name)
+    require(v in choices, name, f"must be one of {sorted(choices)}", v)
 
 
 # --- generic machinery --------------------------------------------------------------------------------
@@ -107,7 +169,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
         if key not in names:
             raise ConfigError(f"unknown config key {prefix}{key} (known: {', '.join(sorted(names))})")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
-    return cls(**kwargs)
+    with _named(prefix):
+        return cls(**kwargs)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -127,7 +190,8 @@ def merge(cfg: T, updates: Mapping[str, Any], prefix: str = "") -> T:
             changes[key] = merge(current, value, prefix=f"{prefix}{key}.")
         else:
             changes[key] = _coerce(value, hints[key], prefix + key)
-    return dataclasses.replace(cfg, **changes)
+    with _named(prefix):
+        return dataclasses.replace(cfg, **changes)
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -158,7 +222,10 @@ def resolve(
             data = yaml.safe_load(fh) or {}
         if not isinstance(data, Mapping):
             raise ConfigError(f"{config_file}: top level must be a mapping")
-        cfg = merge(cfg, data)
+        try:
+            cfg = merge(cfg, data)
+        except ConfigError as exc:
+            raise ConfigError(f"{config_file}: {exc}") from None
     if sets:
         cfg = merge(cfg, parse_set(sets))
     return cfg
@@ -184,11 +251,21 @@ class DownloadConfig:
     allow_hosts: list[str] = field(default_factory=list)  # private/loopback hosts explicitly allowed
     user_agent: str = "prolip-ray/0.1 (+https://github.com/prolip-ray)"
 
+    def __post_init__(self) -> None:
+        check_types(self)
+        positive(self, "image_size", "timeout_s", "threads_per_actor", "max_bytes", "max_pixels")
+        non_negative(self, "retries")
+        require(1 <= self.jpeg_quality <= 100, "jpeg_quality", "must be in 1..100", self.jpeg_quality)
+
 
 @dataclass(frozen=True)
 class DedupeConfig:
     near_duplicates: bool = False
     phash_threshold: int = 4  # max Hamming distance (of 64 bits) to call two images near-duplicates
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        require(0 <= self.phash_threshold <= 64, "phash_threshold", "must be in 0..64", self.phash_threshold)
 
 
 @dataclass(frozen=True)
@@ -206,6 +283,12 @@ class FilterConfig:
     image_embeddings_file: str = ""
     image_centroids_file: str = ""
     image_centroid_ids_file: str = ""
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        fraction(self, "random_fraction", open_low=True)
+        fraction(self, "clip_fraction")  # 0 = select by clip_threshold instead
+        require(len(set(self.names)) == len(self.names), "names", "must not repeat a filter", self.names)
 
 
 @dataclass(frozen=True)
@@ -228,6 +311,12 @@ class BuildConfig:
     download: DownloadConfig = field(default_factory=DownloadConfig)
     dedupe: DedupeConfig = field(default_factory=DedupeConfig)
     filters: FilterConfig = field(default_factory=FilterConfig)
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        positive(self, "samples_per_shard", "part_size", "download_actors", "download_cpus")
+        non_negative(self, "num_cpus", "tokenizer_vocab", "demo_n")
+        require(bool(self.output), "output", "must name a run directory", self.output)
 
 
 BUILD_PRESETS: dict[str, BuildConfig] = {

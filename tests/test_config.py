@@ -50,8 +50,66 @@ def test_parse_set_rejects_missing_equals():
     ("key", "value"), [("data.cache_decoded", "true"), ("scaling.torch_threads", -2), ("run.log_every", 0)]
 )
 def test_train_config_range_errors_name_the_field(key, value):
-    from training.config import TRAIN_PRESETS, validate
+    from training.config import TRAIN_PRESETS
 
-    cfg = resolve(TRAIN_PRESETS, "demo", None, [f"{key}={value}"])
     with pytest.raises(ConfigError, match=key.split(".")[-1]):
-        validate(cfg)
+        resolve(TRAIN_PRESETS, "demo", None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("download.image_size=0", "download.image_size"),
+        ("download.timeout_s=-1", "download.timeout_s"),
+        ("download.timeout_s=.nan", "download.timeout_s"),
+        ("download.timeout_s=.inf", "download.timeout_s"),
+        ("download.threads_per_actor=0", "download.threads_per_actor"),
+        ("download.max_bytes=-1", "download.max_bytes"),
+        ("download.jpeg_quality=500", "download.jpeg_quality"),
+        ("download.retries=-1", "download.retries"),
+        ("part_size=0", "part_size"),
+        ("samples_per_shard=0", "samples_per_shard"),
+        ("download_actors=0", "download_actors"),
+        ("filters.random_fraction=5", "filters.random_fraction"),
+        ("filters.random_fraction=0", "filters.random_fraction"),
+        ("filters.clip_fraction=1.5", "filters.clip_fraction"),
+        ("dedupe.phash_threshold=65", "dedupe.phash_threshold"),
+    ],
+)
+def test_build_config_ranges_fail_at_construction_naming_the_field(override, field):
+    with pytest.raises(ConfigError, match="^" + field.replace(".", r"\.") + " "):
+        resolve(BUILD_PRESETS, "demo", None, [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("optim.lr=0", "optim.lr"),
+        ("optim.betas=[0.9, 1.0]", "optim.betas"),
+        ("global_batch_size=0", "global_batch_size"),
+        ("model=ViT-Z", "model"),
+        ("loss.name=triplet", "loss.name"),
+        ("precision=fp8", "precision"),
+    ],
+)
+def test_train_config_ranges_fail_at_construction(override, field):
+    from training.config import TRAIN_PRESETS
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        resolve(TRAIN_PRESETS, "demo", None, [override])
+
+
+def test_direct_construction_checks_types_and_ranges():
+    from pipeline.config import DownloadConfig
+
+    with pytest.raises(ConfigError, match="jpeg_quality"):
+        DownloadConfig(jpeg_quality=0)
+    with pytest.raises(ConfigError, match="timeout_s"):
+        DownloadConfig(timeout_s="10")  # a string is not silently parsed outside the CLI/YAML layers
+
+
+def test_yaml_error_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("download:\n  timeout_s: -3\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: download\.timeout_s must be"):
+        resolve(BUILD_PRESETS, "demo", str(path))

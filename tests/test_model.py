@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeline.config import ConfigError
 from pipeline.masking import choose_kept_patches
 from pipeline.tokenizer import train_tokenizer
 from training.model import (
@@ -313,17 +314,18 @@ def test_model_config_overrides_and_errors() -> None:
     cfg = model_config("tiny", vocab_size=300, text_causal=True)
     assert cfg.vocab_size == 300 and cfg.text_causal and cfg.image_size == 64
     assert MODEL_CONFIGS["tiny"].vocab_size == 4096  # presets are not mutated
-    with pytest.raises(KeyError, match="vision_widht"):
+    # One error type for every config problem (ConfigError, a ValueError), naming the field.
+    with pytest.raises(ConfigError, match="vision_widht"):
         model_config("tiny", vision_widht=64)
-    with pytest.raises(KeyError, match="ViT-Z"):
+    with pytest.raises(ConfigError, match="ViT-Z"):
         model_config("ViT-Z")
-    with pytest.raises(ValueError, match="vision_width"):
+    with pytest.raises(ConfigError, match="vision_width"):
         model_config("tiny", vision_heads=3)
-    with pytest.raises(TypeError, match="vocab_size"):
+    with pytest.raises(ConfigError, match="vocab_size"):
         model_config("tiny", vocab_size="4096")
-    with pytest.raises(ValueError, match="pad_id"):
+    with pytest.raises(ConfigError, match="pad_id"):
         model_config("tiny", pad_id=4096)
-    with pytest.raises(KeyError, match="colour"):
+    with pytest.raises(ConfigError, match="ModelConfig.colour"):
         ModelConfig.from_dict({**cfg.to_dict(), "colour": 1})
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 

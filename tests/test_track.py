@@ -2,29 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
 
-from jobs.track.config import TRACK_PRESETS, TrackConfig, validate_track
+from jobs.track.config import TRACK_PRESETS, TrackConfig
 from jobs.track.report import comparison_table, markdown_table, verdict
 from pipeline.config import ConfigError, merge, resolve
 
 
 def test_unknown_subset_is_named():
     with pytest.raises(ConfigError, match="subsets"):
-        validate_track(merge(TrackConfig(), {"subsets": ["no_filter", "csd_magic"]}))
+        merge(TrackConfig(), {"subsets": ["no_filter", "csd_magic"]})
 
 
 def test_random_control_needs_its_reference():
     with pytest.raises(ConfigError, match="random_of"):
-        validate_track(merge(TrackConfig(), {"subsets": ["no_filter", "random"], "random_of": "csd"}))
+        merge(TrackConfig(), {"subsets": ["no_filter", "random"], "random_of": "csd"})
 
 
 def test_csd_needs_a_prolip_scorer():
     with pytest.raises(ConfigError, match="scorer.loss.name"):
-        validate_track(merge(TrackConfig(), {"scorer": {"loss": {"name": "clip"}}}))
+        merge(TrackConfig(), {"scorer": {"loss": {"name": "clip"}}})
 
 
 def test_presets_resolve_with_nested_overrides():
@@ -33,7 +34,7 @@ def test_presets_resolve_with_nested_overrides():
     )
     assert cfg.build.demo_n == 500 and cfg.train.samples_seen == 1280 and cfg.seeds == (0, 1)
     for name in TRACK_PRESETS:
-        validate_track(TRACK_PRESETS[name])
+        assert dataclasses.replace(TRACK_PRESETS[name]) == TRACK_PRESETS[name]  # re-validates on construction
     with pytest.raises(ConfigError, match="train.samples_sen"):
         resolve(TRACK_PRESETS, "demo", None, ["train.samples_sen=5"])
 
@@ -109,6 +110,23 @@ def test_auroc_matches_hand_counts():
 
 
 def test_baseline_subsets_must_be_built():
-    cfg = merge(TrackConfig(), {"build": {"filters": {"names": ["no_filter"]}}})
     with pytest.raises(ConfigError, match=r"build.filters.names: add \['basic'\]"):
-        validate_track(cfg)
+        merge(TrackConfig(), {"build": {"filters": {"names": ["no_filter"]}}})
+
+
+def test_track_subsets_are_filter_specs_with_the_library_random_control():
+    from jobs.track.steps import subset_specs
+    from pipeline.filtering import parse_filter_specs
+
+    subsets = ["no_filter", "basic", "csd", "csd_uncertainty", "clip_score", "random"]
+    cfg = merge(TrackConfig(), {"subsets": subsets, "random_of": "basic", "seeds": [3]})
+    specs = parse_filter_specs(subset_specs(cfg), "subsets", known=["no_filter", "basic"])
+    assert [(s.label, s.name) for s in specs] == [
+        ("csd", "csd_best"),
+        ("csd_uncertainty", "csd_uncertainty_aware"),
+        ("clip_score", "clip_score_best"),
+        ("random", "random_same_size"),
+    ]
+    assert specs[0].params == {"fraction": 0.5}
+    assert specs[1].params == {"fraction": 0.5, "text_unc_quantile": 0.9}
+    assert specs[-1].of == "basic" and specs[-1].params == {"seed": 3}

@@ -8,11 +8,11 @@ Sources of the defaults:
 - ``datacomp-small``: DataComp's small-track recipe (Gadre et al. 2023, Table 2 / App. N): ViT-B/32,
   12.8M samples seen, global batch 4096, lr 5e-4, 500 warmup steps, AdamW β2 0.98, ε 1e-6, wd 0.2,
   cosine schedule. Objective ``prolip`` by default; ``--set loss.name=clip`` gives DataComp's CLIP.
-- ``prolip-b16``: ProLIP App. B.1 (MATH.md "Training"): ViT-B/16, 1.28B seen, batch 16,384 (512 × 32
+- ``prolip-b16``: ProLIP App. B.1 (docs/math.md "Training"): ViT-B/16, 1.28B seen, batch 16,384 (512 × 32
   GPUs), lr 5e-4, β (0.9, 0.95), wd 0.2, 10k warmup then cosine, bf16, α₁ 1e-7, α₂ 1e-3, β_VIB 1e-4,
   augmentation RandomResizedCrop (0.8, 1.0), colour jitter (0.32, 0.32, 0.32, 0.08) p 0.8, grayscale p 0.2.
 - ``demo``: the tiny model on two CPU workers; lr 5e-4 with normalised pixels and no weight decay on the
-  logit scale/bias (ENVIRONMENT.md: 1e-3 collapsed, 5e-4 trained, un-normalised pixels plateaued).
+  logit scale/bias (docs/environment.md: 1e-3 collapsed, 5e-4 trained, un-normalised pixels plateaued).
 - Pixel mean/std: OpenAI CLIP's, as open_clip uses for every CLIP/SigLIP-style model trained from scratch.
 
 Elastic training: ``scaling.min_workers > 0`` turns ``num_workers`` into the range
@@ -26,15 +26,16 @@ neither the schedule nor the samples seen per step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, check_types, from_dict, positive, require
+from training.objectives import LOSS_SPECS
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
-LOSSES = ("prolip", "clip", "siglip", "pcmepp")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -65,22 +66,22 @@ class ModelConfig:
             value = getattr(self, f.name)
             expected = {"int": int, "float": (int, float), "bool": bool}[str(f.type)]
             if isinstance(value, bool) and f.type != "bool" or not isinstance(value, expected):
-                raise TypeError(f"ModelConfig.{f.name} must be {f.type}, got {value!r}")
+                raise ConfigError(f"ModelConfig.{f.name} must be {f.type}, got {value!r}")
         for name in ("image_size", "patch_size", "context_length", "vocab_size", "embed_dim"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         for tower in ("vision", "text"):
             width, layers, heads = (getattr(self, f"{tower}_{k}") for k in ("width", "layers", "heads"))
             if width <= 0 or layers <= 0 or heads <= 0 or width % heads:
-                raise ValueError(
+                raise ConfigError(
                     f"ModelConfig.{tower}_width={width} must be a positive multiple of {tower}_heads={heads}"
                 )
         if self.image_size % self.patch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"ModelConfig.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}"
             )
         if not 0 <= self.pad_id < self.vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"ModelConfig.pad_id={self.pad_id} is outside the vocabulary (vocab_size={self.vocab_size})"
             )
 
@@ -93,55 +94,25 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise KeyError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
-        return cls(**data)
+        return from_dict(cls, data, prefix="ModelConfig.")
 
 
 MODEL_CONFIGS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
-        image_size=64,
-        patch_size=8,
-        vision_width=128,
-        vision_layers=4,
-        vision_heads=4,
-        text_width=128,
-        text_layers=4,
-        text_heads=4,
-        context_length=32,
-        vocab_size=4096,
-        embed_dim=128,
-    ),  # fmt: skip
+        image_size=64, patch_size=8, context_length=32, vocab_size=4096, embed_dim=128,
+        vision_width=128, vision_layers=4, vision_heads=4, text_width=128, text_layers=4, text_heads=4,
+    ),
+    # open_clip's ViT-B-32 (CLIP's text tower: causal, context 77, CLIP BPE vocabulary).
     "ViT-B-32": ModelConfig(
-        image_size=224,
-        patch_size=32,
-        vision_width=768,
-        vision_layers=12,
-        vision_heads=12,
-        text_width=512,
-        text_layers=12,
-        text_heads=8,
-        context_length=77,
-        vocab_size=49408,
-        embed_dim=512,
-        text_causal=True,
-    ),  # fmt: skip
+        image_size=224, patch_size=32, context_length=77, vocab_size=49408, embed_dim=512, text_causal=True,
+        vision_width=768, vision_layers=12, vision_heads=12, text_width=512, text_layers=12, text_heads=8,
+    ),
+    # ProLIP B/16 (ProLIP App. B.1): SigLIP-style bidirectional text, context 64.
     "ViT-B-16-ProLIP": ModelConfig(
-        image_size=224,
-        patch_size=16,
-        vision_width=768,
-        vision_layers=12,
-        vision_heads=12,
-        text_width=768,
-        text_layers=12,
-        text_heads=12,
-        context_length=64,
-        vocab_size=32000,
-        embed_dim=768,
-    ),  # fmt: skip
-}
+        image_size=224, patch_size=16, context_length=64, vocab_size=32000, embed_dim=768,
+        vision_width=768, vision_layers=12, vision_heads=12, text_width=768, text_layers=12, text_heads=12,
+    ),
+}  # fmt: skip
 
 
 # The track demo's model: ``tiny``'s widths at 32 px (16 patches) with 2 layers per tower, ~4× the samples/s
@@ -154,11 +125,12 @@ MODEL_CONFIGS["demo-32px"] = dataclasses.replace(
 def model_config(name: str, **overrides: Any) -> ModelConfig:
     """The named preset with ``overrides`` applied; an unknown name or field raises with that name."""
     if name not in MODEL_CONFIGS:
-        raise KeyError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}")
+        raise ConfigError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}")
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise KeyError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+        raise ConfigError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+    # No coercion here: a programmatic override of the wrong type is an error, not a string to parse.
     return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
 
 
@@ -203,12 +175,13 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Objective and its weights (training/losses.py, training/pcmepp.py)."""
+    """Objective and its weights; which fields reach which loss is declared by its ``LossSpec``
+    (training/objectives.py)."""
 
     name: str = "prolip"
     # Sigmoid losses (prolip, siglip): initial logit bias b. SigLIP's −10 ≈ −log(32k), i.e. p ≈ 1/B at its
     # batch of 32k; at a small batch, −log(B) starts at the same prior instead of first collapsing every
-    # embedding together to lift all logits (the plateau of ENVIRONMENT.md at B = 128).
+    # embedding together to lift all logits (the plateau of docs/environment.md at B = 128).
     init_bias: float = -10.0
     alpha1: float = 1e-7  # ProLIP L_inc(v ⊂ t) weight (B.1)
     alpha2: float = 1e-3  # masked inclusion weight (B.1)
@@ -282,43 +255,54 @@ class TrainConfig:
         lo = self.scaling.min_workers or self.scaling.num_workers
         return list(range(lo, self.scaling.num_workers + 1))
 
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Checks that need more than one field; raises ``ConfigError`` naming the key."""
-    if cfg.model not in MODEL_CONFIGS:
-        raise ConfigError(f"model: unknown {cfg.model!r} (known: {', '.join(MODEL_CONFIGS)})")
-    if cfg.loss.name not in LOSSES:
-        raise ConfigError(f"loss.name: unknown {cfg.loss.name!r} (known: {', '.join(LOSSES)})")
-    if cfg.precision not in PRECISIONS:
-        raise ConfigError(f"precision: {cfg.precision!r} not in {PRECISIONS}")
-    if cfg.total_steps < 1:
-        raise ConfigError(
-            f"samples_seen={cfg.samples_seen} is less than one global batch ({cfg.global_batch_size})"
-        )
-    s = cfg.scaling
-    if s.num_workers < 1 or s.min_workers < 0 or s.min_workers > s.num_workers:
-        raise ConfigError(f"scaling: need 0 <= min_workers <= num_workers >= 1, got {s}")
-    bad = [w for w in cfg.world_sizes() if cfg.global_batch_size % w]
-    if bad:
-        raise ConfigError(
-            f"global_batch_size={cfg.global_batch_size} is not divisible by world size(s) {bad} "
-            f"(scaling.num_workers={s.num_workers}, scaling.min_workers={s.min_workers})"
-        )
-    if cfg.scaling.torch_threads < -1:
-        raise ConfigError(f"scaling.torch_threads must be >= -1, got {cfg.scaling.torch_threads}")
-    if cfg.data.cache_decoded and cfg.data.augment:
-        raise ConfigError(
-            "data.cache_decoded needs data.augment=false (cached crops would repeat every epoch)"
-        )
-    if cfg.run.checkpoint_every < 1 or cfg.run.log_every < 1:
-        raise ConfigError("run.checkpoint_every and run.log_every must be >= 1")
-    for name in ("mask_fraction", "text_mask_ratio", "patch_keep_ratio", "color_jitter_p", "grayscale_p"):
-        value = getattr(cfg.data, name)
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"data.{name} must be in [0, 1], got {value}")
-    if not 0.0 < cfg.data.crop_scale[0] <= cfg.data.crop_scale[1] <= 1.0:
-        raise ConfigError(f"data.crop_scale must satisfy 0 < lo <= hi <= 1, got {cfg.data.crop_scale}")
-    return cfg
+    def __post_init__(self) -> None:
+        """Field and cross-field checks on construction; ``ConfigError`` names the key."""
+        check_types(self)
+        positive(self, "global_batch_size", "samples_seen", "tokenizer_vocab")
+        if self.model not in MODEL_CONFIGS:
+            raise ConfigError(f"model: unknown {self.model!r} (known: {', '.join(MODEL_CONFIGS)})")
+        if self.loss.name not in LOSS_SPECS:
+            raise ConfigError(f"loss.name: unknown {self.loss.name!r} (known: {', '.join(LOSS_SPECS)})")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision: {self.precision!r} not in {PRECISIONS}")
+        if self.total_steps < 1:
+            raise ConfigError(
+                f"samples_seen={self.samples_seen} is less than one global batch ({self.global_batch_size})"
+            )
+        s = self.scaling
+        if s.num_workers < 1 or s.min_workers < 0 or s.min_workers > s.num_workers:
+            raise ConfigError(f"scaling: need 0 <= min_workers <= num_workers >= 1, got {s}")
+        bad = [w for w in self.world_sizes() if self.global_batch_size % w]
+        if bad:
+            raise ConfigError(
+                f"global_batch_size={self.global_batch_size} is not divisible by world size(s) {bad} "
+                f"(scaling.num_workers={s.num_workers}, scaling.min_workers={s.min_workers})"
+            )
+        if self.scaling.torch_threads < -1:
+            raise ConfigError(f"scaling.torch_threads must be >= -1, got {self.scaling.torch_threads}")
+        if self.data.cache_decoded and self.data.augment:
+            raise ConfigError(
+                "data.cache_decoded needs data.augment=false (cached crops would repeat every epoch)"
+            )
+        if self.run.checkpoint_every < 1 or self.run.log_every < 1:
+            raise ConfigError("run.checkpoint_every and run.log_every must be >= 1")
+        for name in ("mask_fraction", "text_mask_ratio", "patch_keep_ratio", "color_jitter_p", "grayscale_p"):
+            value = getattr(self.data, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"data.{name} must be in [0, 1], got {value}")
+        if not 0.0 < self.data.crop_scale[0] <= self.data.crop_scale[1] <= 1.0:
+            raise ConfigError(f"data.crop_scale must satisfy 0 < lo <= hi <= 1, got {self.data.crop_scale}")
+        o = self.optim
+        for key, ok in (
+            ("lr", math.isfinite(o.lr) and o.lr > 0),
+            ("eps", o.eps > 0),
+            ("weight_decay", o.weight_decay >= 0),
+            ("warmup_steps", o.warmup_steps >= 0),
+            ("grad_clip", o.grad_clip >= 0),
+            ("betas", all(0 <= b < 1 for b in o.betas)),
+            ("min_lr_ratio", 0 <= o.min_lr_ratio <= 1),
+        ):
+            require(ok, f"optim.{key}", "is out of range", getattr(o, key))
 
 
 _DEMO = TrainConfig(
@@ -374,24 +358,6 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         ),
     ),
 }
-
-
-def loss_kwargs(cfg: LossConfig) -> dict[str, float]:
-    """Constructor arguments of ``training.losses.build_loss(cfg.name, ...)``."""
-    if cfg.name == "prolip":
-        return dict(
-            alpha1=cfg.alpha1,
-            alpha2=cfg.alpha2,
-            beta=cfg.beta,
-            c=cfg.c,
-            log_eps=cfg.log_eps,
-            init_bias=cfg.init_bias,
-        )
-    if cfg.name == "siglip":
-        return dict(init_bias=cfg.init_bias)
-    if cfg.name == "pcmepp":
-        return dict(alpha=cfg.pcme_alpha, beta=cfg.pcme_beta)
-    return {}
 
 
 def to_plain(cfg: TrainConfig) -> dict:

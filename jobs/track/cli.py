@@ -8,25 +8,19 @@ resumes: finished steps are skipped, an interrupted training resumes from its ch
 
 from __future__ import annotations
 
-import sys
-
 from jobs.common import config_parser, init_ray, resolve_config
-from jobs.track.config import TRACK_PRESETS, validate_track
+from jobs.track.config import TRACK_PRESETS
 from jobs.track.report import markdown_table
 from jobs.track.run import run_track
-from pipeline.config import ConfigError, to_dict
+from pipeline.config import to_dict
 from pipeline.manifest import write_manifest
+from pipeline.storage import Storage
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser(__doc__.splitlines()[0], TRACK_PRESETS)
     args = parser.parse_args(argv)
-    cfg = resolve_config(args, TRACK_PRESETS)
-    try:
-        validate_track(cfg)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = resolve_config(args, TRACK_PRESETS)  # validated on construction; errors exit 2 with one line
     init_ray(cfg.num_cpus)
     result = run_track(cfg)
     write_manifest(
@@ -35,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         config=to_dict(cfg),
         counts={"subsets": {r["subset"]: r["size"] for r in result.table}},
         timings=result.timings,
-        s3_endpoint=cfg.s3_endpoint,
+        store=Storage.from_env(cfg.s3_endpoint),
         extra={"report": result.report, "verdict": result.comparisons},
     )
     print(f"\nreport: {result.report}\n")

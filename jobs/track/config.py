@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline import storage
-from pipeline.config import BUILD_PRESETS, BuildConfig, ConfigError, merge
+from pipeline.config import BUILD_PRESETS, BuildConfig, ConfigError, check_types, merge
 from training.config import TRAIN_PRESETS, TrainConfig
 
 BUILD_SUBSETS = ("no_filter", "basic", "english")  # written by the build's own filters
@@ -39,6 +39,27 @@ class TrackConfig:
     score_gpus: float = 0.0  # per scoring actor; 0 on CPU-only clusters (a GPU ask there waits forever)
     eval_gpus: float = 0.0
     share_tokenizer: bool = True  # one BPE from the build for every model (local output only)
+
+    def __post_init__(self) -> None:
+        """Checks on construction; ``ConfigError`` names the key."""
+        check_types(self)
+        unknown = [s for s in self.subsets if s not in SUBSET_KINDS]
+        if unknown:
+            raise ConfigError(f"subsets: unknown {unknown} (known: {', '.join(SUBSET_KINDS)})")
+        if not self.seeds:
+            raise ConfigError("seeds: need at least one seed")
+        for name in ("csd_fraction", "clip_fraction", "text_unc_quantile"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        from_build = [s for s in self.subsets if s in BUILD_SUBSETS and s not in self.build.filters.names]
+        if from_build:
+            raise ConfigError(f"build.filters.names: add {from_build} (subsets takes them from the build)")
+        if "random" in self.subsets and self.random_of not in self.subsets:
+            raise ConfigError(f"random_of: {self.random_of!r} is not one of subsets {list(self.subsets)}")
+        if self.scorer.loss.name != "prolip" and any(s.startswith("csd") for s in self.subsets):
+            raise ConfigError(
+                f"scorer.loss.name: CSD subsets need a prolip scorer, got {self.scorer.loss.name!r}"
+            )
 
 
 def _demo_train(samples_seen: int, name: str) -> TrainConfig:
@@ -115,25 +136,6 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         share_tokenizer=False,
     ),
 }
-
-
-def validate_track(cfg: TrackConfig) -> TrackConfig:
-    unknown = [s for s in cfg.subsets if s not in SUBSET_KINDS]
-    if unknown:
-        raise ConfigError(f"subsets: unknown {unknown} (known: {', '.join(SUBSET_KINDS)})")
-    if not cfg.seeds:
-        raise ConfigError("seeds: need at least one seed")
-    for name in ("csd_fraction", "clip_fraction", "text_unc_quantile"):
-        if not 0.0 < getattr(cfg, name) <= 1.0:
-            raise ConfigError(f"{name} must be in (0, 1], got {getattr(cfg, name)}")
-    from_build = [s for s in cfg.subsets if s in BUILD_SUBSETS and s not in cfg.build.filters.names]
-    if from_build:
-        raise ConfigError(f"build.filters.names: add {from_build} (subsets takes them from the build)")
-    if "random" in cfg.subsets and cfg.random_of not in cfg.subsets:
-        raise ConfigError(f"random_of: {cfg.random_of!r} is not one of subsets {list(cfg.subsets)}")
-    if cfg.scorer.loss.name != "prolip" and any(s.startswith("csd") for s in cfg.subsets):
-        raise ConfigError(f"scorer.loss.name: CSD subsets need a prolip scorer, got {cfg.scorer.loss.name!r}")
-    return cfg
 
 
 def paths(cfg: TrackConfig) -> dict[str, str]:

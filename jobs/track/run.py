@@ -28,8 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.track.config import TrackConfig, paths, validate_track
+from jobs.track.config import TrackConfig, paths
 from pipeline import storage
+from pipeline.storage import Storage
 
 
 @dataclass
@@ -44,18 +45,16 @@ class TrackResult:
 class _State:
     """``track_state.json``: finished steps and what they produced, so a re-run skips them."""
 
-    def __init__(self, output: str, s3_endpoint: str) -> None:
-        self.path, self.endpoint = storage.join(output, "track_state.json"), s3_endpoint
-        self.data: dict[str, Any] = (
-            storage.read_json(self.path, s3_endpoint) if storage.exists(self.path, s3_endpoint) else {}
-        )
+    def __init__(self, output: str, store: Storage) -> None:
+        self.path, self.store = storage.join(output, "track_state.json"), store
+        self.data: dict[str, Any] = store.read_json(self.path) if store.exists(self.path) else {}
 
     def get(self, step: str) -> Any:
         return self.data.get(step)
 
     def done(self, step: str, value: Any) -> Any:
         self.data[step] = value
-        storage.write_json(self.data, self.path, self.endpoint)
+        self.store.write_json(self.data, self.path)
         return value
 
 
@@ -78,12 +77,11 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
     from jobs.track.steps import evaluate_models, make_subsets, reshard_subsets, score_pool, train_models
     from pipeline.build import build, demo_source
 
-    validate_track(cfg)
     machine = cpu_reference()
     log(f"[track] machine: {machine['cores']} cores, fp32 matmul {machine['matmul_gflops']} GFLOP/s")
     t_start = time.perf_counter()
     p = paths(cfg)
-    state = _State(cfg.output, cfg.s3_endpoint)
+    state = _State(cfg.output, Storage.from_env(cfg.s3_endpoint))
     timings: dict[str, float] = dict(state.get("timings") or {})
 
     def step(name: str, fn: Callable[[], Any]) -> Any:
