@@ -2,7 +2,7 @@
 
 1. CPU, ``tiny`` model (random init: throughput does not depend on the weights), ``--n`` demo pictures
    (tests/fixtures_train.py, ``--px`` px JPEGs) with their captions, in memory:
-     end_to_end  ``PairScorer`` called in-process: decode → both towers → CSD, batches of ``--batch``
+     end_to_end  the scoring ``Encoder`` called in-process: decode → both towers → CSD, batches of ``--batch``
      forward     the ceiling: both towers only, on pre-decoded pixels and pre-tokenized captions, same
                  batch size and torch threads
    Ratio: end_to_end ÷ forward (how much of the model's speed survives decoding and scoring), by wall
@@ -36,8 +36,9 @@ sys.path.insert(0, str(ROOT))
 from pipeline.tokenizer import train_tokenizer  # noqa: E402
 from tests.fixtures_ckpt import DEMO_CAPTIONS, make_checkpoint  # noqa: E402
 from tests.fixtures_train import demo_samples  # noqa: E402
+from training.encode import Encoder  # noqa: E402
 from training.model import ProLIP, model_config, save_checkpoint  # noqa: E402
-from training.scoring import PairScorer  # noqa: E402
+from training.scoring import score_columns  # noqa: E402
 
 
 def _batches(n: int, size: int) -> list[slice]:
@@ -63,13 +64,13 @@ def _interleaved(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
     return {k: (statistics.median(walls[k]), statistics.median(cpus[k])) for k in fns}
 
 
-def measure(scorer: PairScorer, samples: list[dict], batch: int, repeats: int) -> dict[str, float]:
+def measure(scorer: Encoder, samples: list[dict], batch: int, repeats: int) -> dict[str, float]:
     n = len(samples)
     jpgs = np.array([s["jpg"] for s in samples], dtype=object)
     txts = np.array([s["txt"] for s in samples], dtype=object)
     uids = np.array([s["__key__"] for s in samples], dtype=object)
     parts = _batches(n, batch)
-    enc = scorer.encoder
+    enc = scorer
 
     def end_to_end() -> None:
         for p in parts:
@@ -110,7 +111,7 @@ def ray_path(samples: list[dict], ckpt: str, batch: int, workdir: str) -> dict[s
     import ray
 
     from pipeline.shards import write_shard
-    from training.scoring import score_shards
+    from training.inference import score_shards
 
     shard_dir = os.path.join(workdir, "shards")
     os.makedirs(shard_dir)
@@ -131,7 +132,9 @@ def gpu_case(name: str, n: int, batch: int, repeats: int, workdir: str) -> dict[
     cfg = model_config(name, vocab_size=tok.vocab_size, pad_id=tok.pad_id)
     ckpt = str(save_checkpoint(os.path.join(workdir, name), ProLIP(cfg), cfg, tok, {"loss": name}))
     # bf16 autocast on CUDA; JPEG decoding split over every core of the machine
-    scorer = PairScorer(ckpt, device="cuda", batch_size=batch, decode_threads=os.cpu_count() or 1)
+    scorer = Encoder(
+        ckpt, device="cuda", batch_size=batch, decode_threads=os.cpu_count() or 1, output=score_columns
+    )
     samples = demo_samples(n, size=cfg.image_size, seed=1)
     return {"model": name, "batch": batch, **measure(scorer, samples, batch, repeats)}
 
@@ -156,7 +159,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as workdir:
         ckpt = make_checkpoint(os.path.join(workdir, "tiny"), probabilistic=True)
-        scorer = PairScorer(ckpt, batch_size=args.batch, threads=args.threads)
+        scorer = Encoder(ckpt, batch_size=args.batch, threads=args.threads, output=score_columns)
         cpu = measure(scorer, samples, args.batch, args.repeats)
         results["cpu_tiny"] = cpu
         rows = [("cpu tiny", k, v) for k, v in cpu.items()]

@@ -12,6 +12,7 @@ from jobs.common import config_parser, init_ray, print_table, resolve_config
 from pipeline.build import build, demo_source
 from pipeline.config import BUILD_PRESETS, to_dict
 from pipeline.manifest import write_manifest
+from pipeline.storage import Storage
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,8 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = resolve_config(args, BUILD_PRESETS)
     init_ray(cfg.num_cpus)
+    store = Storage.from_env(cfg.s3_endpoint)
     with demo_source(cfg) as run_cfg:
-        result = build(run_cfg)
+        result = build(run_cfg, store=store)
     write_manifest(
         run_cfg.output,
         job="build_dataset",
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             "subsets": result.filter_counts,
         },
         timings=result.timings,
-        s3_endpoint=run_cfg.s3_endpoint,
+        store=store,
     )
     total = result.n_input
     rows = [(k, v, f"{100 * v / max(total, 1):.1f}%") for k, v in result.status_counts.items()]

@@ -18,6 +18,7 @@ import time
 from jobs.common import config_parser, init_ray, print_table, resolve_config
 from pipeline.config import ConfigError, merge, to_dict
 from pipeline.manifest import write_manifest
+from pipeline.storage import Storage
 from training.eval.run import EVAL_PRESETS, evaluate
 from training.eval.sets import EvalSetError, load_tasks
 from training.model import CheckpointError
@@ -59,11 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    for key in ("checkpoint", "tasks", "eval_root", "out"):
+    for key in ("checkpoint", "tasks", "eval_root", "out", "s3_endpoint"):
         kwargs.pop(key)
     t0 = time.perf_counter()
     try:
-        report = evaluate(cfg.checkpoint, tasks, cfg.out, init=init_ray, **kwargs)
+        store = Storage.from_env(cfg.s3_endpoint)
+        report = evaluate(cfg.checkpoint, tasks, cfg.out, store=store, init=init_ray, **kwargs)
     except (CheckpointError, EvalSetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         config=to_dict(cfg),
         counts={r["task"]: r["metrics"].get("n", r["metrics"].get("n_images")) for r in report.results},
         timings={"evaluate": wall},
-        s3_endpoint=cfg.s3_endpoint,
+        store=store,
         extra={
             "aggregates": report.aggregates,
             "missing_aggregates": report.missing_aggregates,

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -29,14 +30,15 @@ from pipeline import storage
 from pipeline.config import BuildConfig, DownloadConfig
 from pipeline.dedupe import exact_duplicates, near_duplicates, url_duplicates
 from pipeline.download import DownloadWorker
-from pipeline.filters import NEEDS_LANGUAGE, apply_filters
+from pipeline.filtering import apply_filters, needs_language, parse_filter_specs
 from pipeline.placement import scope_dataset
-from pipeline.reshard import reshard
+from pipeline.reshard import ReshardResult, reshard
 from pipeline.shards import write_shard
+from pipeline.storage import LOCAL, Storage
 from pipeline.subset import write_subset
 
-STATUS_INVALID_UID = "invalid_uid"
-STATUS_DUPLICATE_UID = "duplicate_uid"
+STATUS_INVALID_UID = S.STATUS_INVALID_UID
+STATUS_DUPLICATE_UID = S.STATUS_DUPLICATE_UID
 _PART_COLUMNS = [
     S.UID,
     S.STATUS,
@@ -89,14 +91,14 @@ def part_of(uids: pa.Array, n_parts: int) -> np.ndarray:
 # --- metadata -----------------------------------------------------------------------------------------
 
 
-def read_metadata(path: str, s3_endpoint: str = ""):
+def read_metadata(path: str, store: Storage = LOCAL):
     """A Ray Dataset over the metadata parquet files; schema errors stop here, before any download."""
     import ray.data
 
-    files = storage.list_files(path, suffix=".parquet", s3_endpoint=s3_endpoint)
+    files = store.list_files(path, suffix=".parquet")
     if not files:
         raise FileNotFoundError(f"metadata: no parquet files at {path}")
-    fs, fs_paths = storage.ray_filesystem(files, s3_endpoint)
+    fs, fs_paths = store.filesystem_for(files)
     ds = ray.data.read_parquet(fs_paths, filesystem=fs)
     S.validate_metadata_schema(_arrow_schema(ds))
     return ds
@@ -147,11 +149,10 @@ def pre_statuses(uids: pa.Array, urls: pa.Array) -> np.ndarray:
 class DownloadPart:
     """Ray Data UDF: one group = one part. Downloads it, writes tar + parquet + marker, returns the rows."""
 
-    def __init__(self, download: DownloadConfig, parts_dir: str, s3_endpoint: str = "", env=None):
-        storage.adopt_env(env or {})
+    def __init__(self, download: DownloadConfig, parts_dir: str, store: Storage = LOCAL):
         self.worker = DownloadWorker(download)
         self.parts_dir = parts_dir
-        self.s3_endpoint = s3_endpoint
+        self.store = store
 
     def __call__(self, rows: pa.Table) -> pa.Table:
         part = int(rows.column("part")[0].as_py())
@@ -162,10 +163,10 @@ class DownloadPart:
         out = out if isinstance(out, pa.Table) else pa.table(out)
         stem = part_stem(self.parts_dir, part)
         samples = _samples(rows, out)
-        write_shard(stem + ".tar", samples, s3_endpoint=self.s3_endpoint)
+        write_shard(stem + ".tar", samples, self.store)
         summary = out.select([c for c in _PART_COLUMNS if c in out.column_names])
-        storage.write_parquet(summary, stem + ".parquet", self.s3_endpoint)
-        storage.write_bytes(b"", stem + ".done", self.s3_endpoint)
+        self.store.write_parquet(summary, stem + ".parquet")
+        self.store.write_bytes(b"", stem + ".done")
         return summary.append_column("part", pa.array([part] * summary.num_rows, pa.int64()))
 
 
@@ -192,56 +193,111 @@ def _samples(rows: pa.Table, out: pa.Table) -> list[dict]:
     return samples
 
 
-def _done_parts(parts_dir: str, s3_endpoint: str) -> set[int]:
+def _done_parts(parts_dir: str, store: Storage) -> set[int]:
     done = set()
-    for path in storage.list_files(parts_dir, suffix=".done", s3_endpoint=s3_endpoint):
+    for path in store.list_files(parts_dir, suffix=".done"):
         name = path.rsplit("/", 1)[-1]
         done.add(int(name[len("part-") : -len(".done")]))
     return done
 
 
-def _check_plan(parts_dir: str, n_parts: int, n_rows: int, s3_endpoint: str) -> None:
+def _check_plan(parts_dir: str, n_parts: int, n_rows: int, store: Storage) -> None:
     """A resumed build must cut the same parts; a different pool in the same output is refused."""
     path = storage.join(parts_dir, "plan.json")
     plan = {"n_parts": n_parts, "n_rows": n_rows}
-    if storage.exists(path, s3_endpoint):
-        old = storage.read_json(path, s3_endpoint)
+    if store.exists(path):
+        old = store.read_json(path)
         if old != plan:
             raise ValueError(
                 f"{path}: output holds parts of another build ({old}); now {plan}. Use a new output."
             )
     else:
-        storage.write_json(plan, path, s3_endpoint)
+        store.write_json(plan, path)
 
 
 # --- the build ----------------------------------------------------------------------------------------
 
 
-def build(cfg: BuildConfig, log: Callable[[str], None] = print) -> BuildResult:
-    """Run the whole build for ``cfg`` (Ray must be initialised). Idempotent; resumes at part granularity."""
-    import ray.data
+@dataclass
+class _Pool:
+    """The metadata as read once: the dataset, its (uid, url) columns and the pre-download statuses."""
 
-    ep = cfg.s3_endpoint
+    ds: Any  # ray.data.Dataset (Ray is imported lazily here)
+    narrow: pa.Table
+    status_pre: np.ndarray  # "" = goes on to download
+
+
+def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage | None = None) -> BuildResult:
+    """Run the whole build for ``cfg`` (Ray must be initialised). Idempotent; resumes at part granularity.
+
+    ``store``: the run's storage as the job built it; by default resolved here, once, from ``cfg.s3_endpoint``.
+    """
+    store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
     paths = run_paths(cfg.output)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-
-    ds = scope_dataset(read_metadata(cfg.metadata, ep), cfg.data_label_selector)  # derived datasets inherit
-    narrow = _collect(ds, [S.UID, S.URL])
-    n_input = narrow.num_rows
-    status_pre = pre_statuses(narrow.column(S.UID), narrow.column(S.URL))
+    pool = _read_pool(cfg, store, log)
     timings["metadata_and_url_dedupe"] = time.perf_counter() - t0
-    log(f"metadata: {n_input} rows; {int((status_pre != '').sum())} decided before download")
-
-    live = status_pre == ""
-    live_uids = pc.filter(narrow.column(S.UID), pa.array(live))
-    n_parts = max(1, math.ceil(len(live_uids) / cfg.part_size))
-    storage.makedirs(paths["parts"], ep)
-    _check_plan(paths["parts"], n_parts, len(live_uids), ep)
-    done = _done_parts(paths["parts"], ep)
-    log(f"download: {n_parts} parts of ≤~{cfg.part_size} rows, {len(done)} already done")
 
     t1 = time.perf_counter()
+    n_parts, done = _download_parts(pool, cfg, store, paths, log)
+    timings["download"] = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    status_table = _decide_statuses(pool, cfg, store, paths, n_parts)
+    counts = Counter(status_table.column(S.STATUS).to_pylist())
+    timings["image_dedupe"] = time.perf_counter() - t2
+
+    t3 = time.perf_counter()
+    res = _write_shards(status_table, cfg, store, paths, n_parts)
+    timings["shards"] = time.perf_counter() - t3
+    log(f"shards: {res.n_written} samples in {len(res.shards)} shards")
+
+    t4 = time.perf_counter()
+    filter_counts, subsets = run_filters(pool.ds, cfg, status_table, paths, log, store)
+    timings["filters"] = time.perf_counter() - t4
+    if cfg.tokenizer_vocab > 0:
+        train_build_tokenizer(pool.ds, status_table, cfg, log, store)
+    timings["total"] = time.perf_counter() - t0
+    return BuildResult(
+        output=cfg.output,
+        n_input=pool.narrow.num_rows,
+        status_counts=dict(sorted(counts.items())),
+        filter_counts=filter_counts,
+        subsets=subsets,
+        shards=list(res.shards),
+        parts_done_before=len(done),
+        timings=timings,
+    )
+
+
+def _read_pool(cfg: BuildConfig, store: Storage, log: Callable[[str], None]) -> _Pool:
+    """Read and validate the metadata; decide invalid/repeated uids and duplicate URLs in the driver."""
+    ds = scope_dataset(
+        read_metadata(cfg.metadata, store), cfg.data_label_selector
+    )  # derived datasets inherit
+    narrow = _collect(ds, [S.UID, S.URL])
+    status_pre = pre_statuses(narrow.column(S.UID), narrow.column(S.URL))
+    log(f"metadata: {narrow.num_rows} rows; {int((status_pre != '').sum())} decided before download")
+    return _Pool(ds, narrow, status_pre)
+
+
+def _download_parts(
+    pool: _Pool, cfg: BuildConfig, store: Storage, paths: dict[str, str], log: Callable[[str], None]
+) -> tuple[int, set[int]]:
+    """Download the parts not done yet (Ray actors); returns the number of parts and those done before."""
+    import ray.data
+
+    narrow, status_pre = pool.narrow, pool.status_pre
+    live_uids = pc.filter(narrow.column(S.UID), pa.array(status_pre == ""))
+    n_parts = max(1, math.ceil(len(live_uids) / cfg.part_size))
+    store.makedirs(paths["parts"])
+    _check_plan(paths["parts"], n_parts, len(live_uids), store)
+    done = _done_parts(paths["parts"], store)
+    log(f"download: {n_parts} parts of ≤~{cfg.part_size} rows, {len(done)} already done")
+    todo_parts = n_parts - len(done)
+    if todo_parts <= 0:
+        return n_parts, done
     # Ship the (few) excluded uids to the tasks, not the (many) live ones. A repeated uid stays in: both
     # rows land in the same part, where DownloadPart keeps one.
     excluded = set(
@@ -256,74 +312,59 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print) -> BuildResult:
         batch = batch.append_column("part", pa.array(parts, pa.int64()))
         return batch.filter(pa.array(~np.isin(parts, list(done))))
 
-    todo_parts = n_parts - len(done)
-    if todo_parts > 0:
-        # Few shuffle partitions: a part is the unit of work, more partitions than parts is pure overhead.
-        grouped = ds.map_batches(tag, batch_format="pyarrow").groupby(
-            "part", num_partitions=min(todo_parts, 64)
-        )
-        results = grouped.map_groups(
-            DownloadPart,
-            fn_constructor_args=(cfg.download, paths["parts"], ep, storage.forwarded_env()),
-            compute=ray.data.ActorPoolStrategy(size=max(1, cfg.download_actors)),
-            # Downloads mostly wait on the network: a fractional CPU leaves room for the read and shuffle
-            # tasks (a whole CPU per actor deadlocks a 2-CPU machine).
-            num_cpus=cfg.download_cpus,
-            batch_format="pyarrow",
-        )
-        finished = 0
-        for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
-            finished += len(set(batch.column("part").to_pylist()))
-            ok = pc.sum(pc.equal(batch.column(S.STATUS), S.STATUS_SUCCESS)).as_py() or 0
-            log(f"  part(s) done: {finished}/{todo_parts} (+{batch.num_rows} rows, {ok} images)")
-    timings["download"] = time.perf_counter() - t1
-
-    # Every part's rows, this run's and earlier runs', from their parquet files.
-    t2 = time.perf_counter()
-    part_files = [part_stem(paths["parts"], p) + ".parquet" for p in range(n_parts)]
-    part_files = [p for p in part_files if storage.exists(p, ep)]
-    parts = (
-        storage.read_parquet(part_files, ep) if part_files else pa.table({S.UID: pa.array([], pa.string())})
+    # Few shuffle partitions: a part is the unit of work, more partitions than parts is pure overhead.
+    grouped = pool.ds.map_batches(tag, batch_format="pyarrow").groupby(
+        "part", num_partitions=min(todo_parts, 64)
     )
-    status = decide_image_duplicates(parts, cfg)
-    status_table = _status_table(narrow, status_pre, parts, status)
-    storage.write_parquet(status_table, paths["status"], ep)
-    counts = Counter(status_table.column(S.STATUS).to_pylist())
-    timings["image_dedupe"] = time.perf_counter() - t2
-    if sum(counts.values()) != n_input:
-        raise RuntimeError(f"accounting: {sum(counts.values())} statuses for {n_input} input rows")
+    results = grouped.map_groups(
+        DownloadPart,
+        # The Storage object travels to the actors with its credentials: their processes need no AWS env.
+        fn_constructor_args=(cfg.download, paths["parts"], store),
+        compute=ray.data.ActorPoolStrategy(size=max(1, cfg.download_actors)),
+        # Downloads mostly wait on the network: a fractional CPU leaves room for the read and shuffle
+        # tasks (a whole CPU per actor deadlocks a 2-CPU machine).
+        num_cpus=cfg.download_cpus,
+        batch_format="pyarrow",
+    )
+    finished = 0
+    for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
+        finished += len(set(batch.column("part").to_pylist()))
+        ok = pc.sum(pc.equal(batch.column(S.STATUS), S.STATUS_SUCCESS)).as_py() or 0
+        log(f"  part(s) done: {finished}/{todo_parts} (+{batch.num_rows} rows, {ok} images)")
+    return n_parts, done
 
-    t3 = time.perf_counter()
+
+def _decide_statuses(
+    pool: _Pool, cfg: BuildConfig, store: Storage, paths: dict[str, str], n_parts: int
+) -> pa.Table:
+    """Every part's rows (this run's and earlier runs'), image dedupe, the status table of every input row."""
+    part_files = [part_stem(paths["parts"], p) + ".parquet" for p in range(n_parts)]
+    part_files = [p for p in part_files if store.exists(p)]
+    parts = store.read_parquet(part_files) if part_files else pa.table({S.UID: pa.array([], pa.string())})
+    status = decide_image_duplicates(parts, cfg)
+    status_table = _status_table(pool.narrow, pool.status_pre, parts, status)
+    store.write_parquet(status_table, paths["status"])
+    n_input = pool.narrow.num_rows
+    if status_table.num_rows != n_input:
+        raise RuntimeError(f"accounting: {status_table.num_rows} statuses for {n_input} input rows")
+    return status_table
+
+
+def _write_shards(
+    status_table: pa.Table, cfg: BuildConfig, store: Storage, paths: dict[str, str], n_parts: int
+) -> ReshardResult:
+    """The final shards: the successful uids resharded out of the download parts."""
     success = pc.filter(status_table.column(S.UID), pc.equal(status_table.column(S.STATUS), S.STATUS_SUCCESS))
     success_pairs = np.sort(S.uids_to_u8pairs(success.to_pylist()))
     part_tars = [part_stem(paths["parts"], p) + ".tar" for p in range(n_parts)]
-    part_tars = [p for p in part_tars if storage.exists(p, ep)]
-    res = reshard(
+    part_tars = [p for p in part_tars if store.exists(p)]
+    return reshard(
         part_tars,
         success_pairs,
         paths["shards"],
         samples_per_shard=cfg.samples_per_shard,
-        s3_endpoint=ep,
+        store=store,
         overwrite=True,
-    )
-    timings["shards"] = time.perf_counter() - t3
-    log(f"shards: {res.n_written} samples in {len(res.shards)} shards")
-
-    t4 = time.perf_counter()
-    filter_counts, subsets = run_filters(ds, cfg, status_table, paths, log)
-    timings["filters"] = time.perf_counter() - t4
-    if cfg.tokenizer_vocab > 0:
-        train_build_tokenizer(ds, status_table, cfg, log)
-    timings["total"] = time.perf_counter() - t0
-    return BuildResult(
-        output=cfg.output,
-        n_input=n_input,
-        status_counts=dict(sorted(counts.items())),
-        filter_counts=filter_counts,
-        subsets=subsets,
-        shards=list(res.shards),
-        parts_done_before=len(done),
-        timings=timings,
     )
 
 
@@ -389,18 +430,14 @@ class _LangTag:
 
 
 def run_filters(
-    ds, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log
+    ds, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log, store: Storage = LOCAL
 ) -> tuple[dict, dict]:
     """Apply each requested filter to the whole pool; a subset keeps filter-passing *successful* uids."""
     import ray.data
 
-    ep = cfg.s3_endpoint
     meta = _collect(ds, _FILTER_COLUMNS)
     lang = None
-    names = set()
-    for n in cfg.filters.names:
-        names.update(n.split("+"))
-    if names & set(NEEDS_LANGUAGE):
+    if needs_language(parse_filter_specs(list(cfg.filters.names), "filters.names")):
         lang_ds = ds.select_columns([S.UID, S.TEXT]).map_batches(
             _LangTag, compute=ray.data.ActorPoolStrategy(size=1), batch_format="pyarrow"
         )
@@ -408,7 +445,7 @@ def run_filters(
         order = {u: i for i, u in enumerate(lang_tab.column(S.UID).to_pylist())}
         idx = [order[u] for u in meta.column(S.UID).to_pylist()]
         lang = np.array(lang_tab.column("lang").to_pylist(), dtype=object)[idx]
-    results = apply_filters(meta, cfg.filters, lang=lang)
+    results = apply_filters(meta, cfg.filters, lang=lang, store=store)
 
     status_of = dict(
         zip(status_table.column(S.UID).to_pylist(), status_table.column(S.STATUS).to_pylist(), strict=True)
@@ -417,23 +454,23 @@ def run_filters(
     success = np.array([status_of.get(u) == S.STATUS_SUCCESS for u in uids], dtype=bool)
     columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
     counts, subsets = {}, {}
-    storage.makedirs(paths["subsets"], ep)
+    store.makedirs(paths["subsets"])
     for name, res in results.items():
         keep = np.asarray(res.keep, dtype=bool)
         columns[f"keep_{name}"] = pa.array(keep)
         columns[f"reason_{name}"] = pa.array([str(r) for r in res.reason], pa.string())
         chosen = [u for u, k in zip(uids, keep & success, strict=True) if k]
         path = storage.join(paths["subsets"], f"{name}.npy")
-        with storage.open_output(path, ep) as fh:
+        with store.open_output(path) as fh:
             write_subset(chosen, fh)
         counts[name] = len(chosen)
         subsets[name] = path
         log(f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass, {len(chosen)} in the subset")
-    storage.write_parquet(pa.table(columns), paths["filters"], ep)
+    store.write_parquet(pa.table(columns), paths["filters"])
     return counts, subsets
 
 
-def train_build_tokenizer(ds, status_table: pa.Table, cfg: BuildConfig, log) -> str:
+def train_build_tokenizer(ds, status_table: pa.Table, cfg: BuildConfig, log, store: Storage = LOCAL) -> str:
     """Offline BPE tokenizer on the captions of successful rows, saved beside the shards for training."""
     import tempfile
 
@@ -456,7 +493,7 @@ def train_build_tokenizer(ds, status_table: pa.Table, cfg: BuildConfig, log) -> 
         tok.save(tmp)
         for name in sorted(os.listdir(tmp)):
             with open(os.path.join(tmp, name), "rb") as fh:
-                storage.write_bytes(fh.read(), storage.join(out, name), cfg.s3_endpoint)
+                store.write_bytes(fh.read(), storage.join(out, name))
     log(f"tokenizer: BPE vocab {tok.vocab_size} trained on {len(captions)} captions → {out}")
     return out
 

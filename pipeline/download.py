@@ -3,7 +3,7 @@
 ``fetch`` is our replacement for img2dataset 1.47's ``downloader.download_image_with_retry``; the reasons
 (no SSRF guard, no size bound, per-socket-op timeout only, retries on every error) are in
 docs/download.md. Defaults come from ``DownloadConfig`` (DataComp's ``download_upstream.py`` calls
-img2dataset with its defaults: timeout 10 s; the issue asks for 2 retries, img2dataset's default is 0).
+img2dataset with its defaults: timeout 10 s; we retry transient failures twice, img2dataset's default is 0).
 
 Semantics:
 

@@ -1,4 +1,9 @@
-"""The run manifest: resolved config, versions, git SHA, counts and timings at the top of a run directory."""
+"""The run manifest: resolved config, versions, git SHA, counts and timings at the top of a run directory.
+
+The manifest is a file users share and commit, so nothing secret goes in: the storage is recorded as
+``Storage.describe()`` (endpoint without userinfo, region; never a key), and every URL in the config or the
+extras loses its userinfo (``scheme://user:secret@host`` → ``scheme://host``).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import storage
+from pipeline.storage import LOCAL, Storage, redact_url
 
 _PACKAGES = ("ray", "torch", "pyarrow", "webdataset", "img2dataset", "numpy")
 
@@ -38,6 +44,17 @@ def git_sha() -> str:
         return "unknown"
 
 
+def redacted(value: Any) -> Any:
+    """``value`` with the userinfo of every URL string inside it (dicts, lists, tuples) removed."""
+    if isinstance(value, str):
+        return redact_url(value)
+    if isinstance(value, dict):
+        return {k: redacted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redacted(v) for v in value]
+    return value
+
+
 def write_manifest(
     run_dir: str,
     *,
@@ -45,21 +62,22 @@ def write_manifest(
     config: dict[str, Any],
     counts: dict[str, Any],
     timings: dict[str, float],
-    s3_endpoint: str = "",
+    store: Storage = LOCAL,
     extra: dict[str, Any] | None = None,
 ) -> str:
     """Write ``manifest.json``; an existing manifest's other jobs are kept so one run dir tells the story."""
     path = storage.join(run_dir, "manifest.json")
     manifest: dict[str, Any] = {}
-    if storage.exists(path, s3_endpoint):
-        manifest = storage.read_json(path, s3_endpoint)
+    if store.exists(path):
+        manifest = store.read_json(path)
     manifest.update({"versions": versions(), "git_sha": git_sha()})
     manifest.setdefault("jobs", {})[job] = {
-        "config": config,
+        "config": redacted(config),
+        "storage": store.describe(),
         "counts": counts,
         "timings_s": {k: round(v, 3) for k, v in timings.items()},
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **(extra or {}),
+        **redacted(extra or {}),
     }
-    storage.write_json(manifest, path, s3_endpoint)
+    store.write_json(manifest, path)
     return path

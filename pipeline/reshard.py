@@ -46,6 +46,7 @@ from pipeline.shards import (
     stats_name,
     write_stats,
 )
+from pipeline.storage import LOCAL, Storage
 from pipeline.subset import read_subset
 
 SUMMARY_NAME = "reshard.json"
@@ -100,7 +101,7 @@ def output_key(global_index: int, samples_per_shard: int) -> str:
 # --- inputs -------------------------------------------------------------------------------------------
 
 
-def expand_inputs(inputs: str | Sequence[str], s3_endpoint: str = "") -> list[str]:
+def expand_inputs(inputs: str | Sequence[str], store: Storage = LOCAL) -> list[str]:
     """Tar paths in order: files as given, directories and globs expanded (sorted ``*.tar``)."""
     items = [inputs] if isinstance(inputs, str) else list(inputs)
     out: list[str] = []
@@ -108,16 +109,16 @@ def expand_inputs(inputs: str | Sequence[str], s3_endpoint: str = "") -> list[st
         if item.endswith(".tar") and not any(c in item for c in "*?["):
             out.append(item)
         else:
-            out.extend(storage.list_files(item, suffix=".tar", s3_endpoint=s3_endpoint))
+            out.extend(store.list_files(item, suffix=".tar"))
     return out
 
 
-def load_subset(subset: str | np.ndarray, s3_endpoint: str = "") -> np.ndarray:
+def load_subset(subset: str | np.ndarray, store: Storage = LOCAL) -> np.ndarray:
     if isinstance(subset, np.ndarray):
         if subset.dtype != S.UID_DTYPE:
             raise ValueError(f"subset array has dtype {subset.dtype}, expected DataComp's u8,u8")
         return subset.reshape(-1)
-    with storage.open_input(subset, s3_endpoint, seekable=False) as fh:
+    with store.open_input(subset, seekable=False) as fh:
         return read_subset(fh, name=subset)
 
 
@@ -163,9 +164,9 @@ class _Scanned:
     corrupt: str = ""
 
 
-def _select(path: str, lookup: _Lookup, scanned: _Scanned, s3_endpoint: str, skip_corrupt: bool):
+def _select(path: str, lookup: _Lookup, scanned: _Scanned, store: Storage, skip_corrupt: bool):
     try:
-        for sample in iter_shard(path, s3_endpoint, decode=False):
+        for sample in iter_shard(path, store, decode=False):
             scanned.counts["samples"] += 1
             uid, meta = _uid_and_meta(sample)
             if uid is None:
@@ -183,32 +184,32 @@ def _select(path: str, lookup: _Lookup, scanned: _Scanned, s3_endpoint: str, ski
         scanned.corrupt = str(exc)
 
 
-def _scan(path: str, lookup: _Lookup, s3_endpoint: str, skip_corrupt: bool, eager: bool) -> _Scanned:
+def _scan(path: str, lookup: _Lookup, store: Storage, skip_corrupt: bool, eager: bool) -> _Scanned:
     scanned = _Scanned(path, iter(()))
-    gen = _select(path, lookup, scanned, s3_endpoint, skip_corrupt)
+    gen = _select(path, lookup, scanned, store, skip_corrupt)
     scanned.selected = list(gen) if eager else gen
     return scanned
 
 
 def _scanned_inputs(
-    paths: list[str], lookup: _Lookup, s3_endpoint: str, skip_corrupt: bool, workers: int
+    paths: list[str], lookup: _Lookup, store: Storage, skip_corrupt: bool, workers: int
 ) -> Iterator[_Scanned]:
     if workers <= 1:
         for p in paths:
-            yield _scan(p, lookup, s3_endpoint, skip_corrupt, eager=False)
+            yield _scan(p, lookup, store, skip_corrupt, eager=False)
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-read") as pool:
         window: deque[Future[_Scanned]] = deque()
         todo = iter(paths)
         for p in todo:
-            window.append(pool.submit(_scan, p, lookup, s3_endpoint, skip_corrupt, True))
+            window.append(pool.submit(_scan, p, lookup, store, skip_corrupt, True))
             if len(window) >= workers:
                 break
         while window:
             done = window.popleft().result()
             nxt = next(todo, None)
             if nxt is not None:
-                window.append(pool.submit(_scan, nxt, lookup, s3_endpoint, skip_corrupt, True))
+                window.append(pool.submit(_scan, nxt, lookup, store, skip_corrupt, True))
             yield done
 
 
@@ -218,8 +219,8 @@ def _scanned_inputs(
 class _RollingWriter:
     """Numbered output shards of ``samples_per_shard``; each closed shard gets its stats file."""
 
-    def __init__(self, out: str, samples_per_shard: int, s3_endpoint: str) -> None:
-        self.out, self.per_shard, self.s3_endpoint = out, samples_per_shard, s3_endpoint
+    def __init__(self, out: str, samples_per_shard: int, store: Storage) -> None:
+        self.out, self.per_shard, self.store = out, samples_per_shard, store
         self.total = 0
         self.shards: list[str] = []
         self._writer: ShardWriter | None = None
@@ -231,7 +232,7 @@ class _RollingWriter:
     def write(self, key: str, members: list[tuple[str, bytes]]) -> None:
         if self._writer is None:
             path = storage.join(self.out, shard_name(len(self.shards)))
-            self._writer, self._started = ShardWriter(path, self.s3_endpoint), time.time()
+            self._writer, self._started = ShardWriter(path, self.store), time.time()
         self._writer.write_members(key, members)
         self.total += 1
         if self._writer.count == self.per_shard:
@@ -243,7 +244,7 @@ class _RollingWriter:
         i = len(self.shards)
         self.shards.append(self._writer.path)
         stats = shard_stats({S.STATUS_SUCCESS: self._writer.count}, self._started)
-        write_stats(storage.join(self.out, stats_name(i)), stats, self.s3_endpoint)
+        write_stats(storage.join(self.out, stats_name(i)), stats, self.store)
         self._writer = None
 
     def close(self) -> None:
@@ -260,26 +261,22 @@ def _inside(path: str, directory: str) -> bool:
     if storage.is_s3(path) != storage.is_s3(directory):
         return False
     if not storage.is_s3(path):
-        path, directory = storage.resolve(path)[1], storage.resolve(directory)[1]
+        path, directory = LOCAL.resolve(path)[1], LOCAL.resolve(directory)[1]
     return path.startswith(directory.rstrip("/") + "/")
 
 
-def _prepare_output(out: str, inputs: list[str], overwrite: bool, s3_endpoint: str) -> None:
+def _prepare_output(out: str, inputs: list[str], overwrite: bool, store: Storage) -> None:
     if any(_inside(p, out) for p in inputs):
         raise ValueError(f"reshard: output {out} holds input shards; write to another directory")
-    if not storage.exists(out, s3_endpoint):
-        storage.makedirs(out, s3_endpoint)
+    if not store.exists(out):
+        store.makedirs(out)
         return
-    old = [
-        p
-        for p in storage.list_files(out, s3_endpoint=s3_endpoint)
-        if _OUTPUT_FILE.match(p.rsplit("/", 1)[-1])
-    ]
+    old = [p for p in store.list_files(out) if _OUTPUT_FILE.match(p.rsplit("/", 1)[-1])]
     if any(p.endswith(".tar") for p in old) and not overwrite:
         raise FileExistsError(
             f"reshard: {out} already holds shards; pass overwrite=True (--overwrite) to replace"
         )
-    storage.remove_files(old, s3_endpoint)  # also stale stats of a smaller earlier run
+    store.remove_files(old)  # also stale stats of a smaller earlier run
 
 
 # --- the join -----------------------------------------------------------------------------------------
@@ -290,7 +287,7 @@ def reshard(
     subset: str | np.ndarray,
     out: str,
     samples_per_shard: int = 10_000,
-    s3_endpoint: str = "",
+    store: Storage = LOCAL,
     workers: int = 1,
     overwrite: bool = False,
     skip_corrupt: bool = False,
@@ -304,10 +301,10 @@ def reshard(
     if samples_per_shard < 1:
         raise ValueError("samples_per_shard must be ≥ 1")
     t0 = time.time()
-    paths = expand_inputs(inputs, s3_endpoint)
+    paths = expand_inputs(inputs, store)
     if not paths:
         raise FileNotFoundError(f"reshard: no input .tar files at {inputs!r}")
-    rows = load_subset(subset, s3_endpoint)
+    rows = load_subset(subset, store)
     uids, expected = np.unique(rows, return_counts=True)
     n_rows = len(rows)
     del rows  # only the distinct uids and their counts are kept
@@ -315,13 +312,13 @@ def reshard(
     written = np.zeros(len(uids), np.int64)
     first_index = np.full(len(uids), -1, np.int64)
     lookup = _Lookup(uids)
-    _prepare_output(out, paths, overwrite, s3_endpoint)
+    _prepare_output(out, paths, overwrite, store)
 
-    writer = _RollingWriter(out, samples_per_shard, s3_endpoint)
+    writer = _RollingWriter(out, samples_per_shard, store)
     n_samples = n_dups = n_unkeyed = 0
     corrupt: list[str] = []
     try:
-        for scanned in _scanned_inputs(paths, lookup, s3_endpoint, skip_corrupt, workers):
+        for scanned in _scanned_inputs(paths, lookup, store, skip_corrupt, workers):
             for idx, sample, meta in scanned.selected:
                 if written[idx]:
                     n_dups += 1
@@ -358,10 +355,8 @@ def reshard(
         n_unkeyed=n_unkeyed,
         corrupt_inputs=corrupt,
     )
-    storage.write_json(
-        _summary(result, paths, subset, n_rows, time.time() - t0),
-        storage.join(out, SUMMARY_NAME),
-        s3_endpoint,
+    store.write_json(
+        _summary(result, paths, subset, n_rows, time.time() - t0), storage.join(out, SUMMARY_NAME)
     )
     return result
 

@@ -51,6 +51,8 @@ IMAGE_SHA256 = "image_sha256"
 PHASH = "phash"
 
 STATUS_SUCCESS = "success"
+STATUS_INVALID_UID = "invalid_uid"  # decided before download: not 32 hex characters
+STATUS_DUPLICATE_UID = "duplicate_uid"  # a uid seen on an earlier row
 STATUS_DUPLICATE_URL = "duplicate_url"
 STATUS_DUPLICATE_IMAGE = "duplicate_image"
 STATUS_NEAR_DUPLICATE = "near_duplicate"

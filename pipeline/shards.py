@@ -24,6 +24,7 @@ from typing import Any
 
 from pipeline import schema as S
 from pipeline import storage
+from pipeline.storage import LOCAL, Storage
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; archives are padded to it, as GNU tar and tarfile do
@@ -134,11 +135,11 @@ class ShardWriter:
     ``with ShardWriter(path) as w: w.write(sample)``; an exception inside the block discards the shard.
     """
 
-    def __init__(self, path: str, s3_endpoint: str = "") -> None:
+    def __init__(self, path: str, store: Storage = LOCAL) -> None:
         self.path = path
         self.count = 0
         self.nbytes = 0
-        self._out = storage.open_output(path, s3_endpoint)
+        self._out = store.open_output(path)
 
     def write(self, sample: Mapping[str, Any] | Sequence[Any]) -> None:
         key, members = sample_members(sample)
@@ -186,10 +187,10 @@ class PartWriter(ShardWriter):
 
 
 def write_shard(
-    path: str, samples: Iterable[Mapping[str, Any] | Sequence[Any]], s3_endpoint: str = ""
+    path: str, samples: Iterable[Mapping[str, Any] | Sequence[Any]], store: Storage = LOCAL
 ) -> int:
     """Write ``samples`` to one tar at ``path`` (local or s3://); returns the number written."""
-    with ShardWriter(path, s3_endpoint) as w:
+    with ShardWriter(path, store) as w:
         for s in samples:
             w.write(s)
     return w.count
@@ -237,7 +238,7 @@ def _pax_path(data: bytes) -> str | None:
 
 
 def iter_members(
-    path: str, s3_endpoint: str = "", extensions: set[str] | None = None
+    path: str, store: Storage = LOCAL, extensions: set[str] | None = None
 ) -> Iterator[tuple[str, bytes]]:
     """Stream ``(member name, data)`` of the regular files in a tar, in archive order.
 
@@ -245,7 +246,7 @@ def iter_members(
     Raises ``ShardError`` naming ``path`` on a bad header checksum, a short header or data, or a missing
     end-of-archive block — after yielding every member read intact before the damage.
     """
-    with storage.open_input(path, s3_endpoint, seekable=False) as f:
+    with store.open_input(path, seekable=False) as f:
         offset = 0
         long_name: str | None = None
         while True:
@@ -294,7 +295,7 @@ def _split(name: str) -> tuple[str, str]:
 
 
 def iter_shard(
-    path: str, s3_endpoint: str = "", decode: bool = True, extensions: set[str] | None = None
+    path: str, store: Storage = LOCAL, decode: bool = True, extensions: set[str] | None = None
 ) -> Iterator[dict[str, Any]]:
     """Samples of one shard, in order: ``{"__key__", "__url__", ext: value, ...}``.
 
@@ -306,7 +307,7 @@ def iter_shard(
     """
     current: dict[str, Any] | None = None
     seen: set[str] = set()
-    for name, data in iter_members(path, s3_endpoint, extensions):
+    for name, data in iter_members(path, store, extensions):
         key, ext = _split(name)
         if not ext:
             continue  # not a sample member (webdataset ignores these too)
@@ -355,5 +356,5 @@ def shard_stats(status_counts: Mapping[str, int], start_time: float, end_time: f
     }
 
 
-def write_stats(path: str, stats: Mapping[str, Any], s3_endpoint: str = "") -> None:
-    storage.write_json(dict(stats), path, s3_endpoint)
+def write_stats(path: str, stats: Mapping[str, Any], store: Storage = LOCAL) -> None:
+    store.write_json(dict(stats), path)

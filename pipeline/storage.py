@@ -1,10 +1,11 @@
 """One place that turns a path — local or ``s3://bucket/key`` — into a ``pyarrow.fs`` filesystem and path.
 
-Every stage reads and writes through these helpers so the same code runs on a laptop (local run directory)
-and on a cluster (S3 run directory). S3 goes through ``pyarrow.fs.S3FileSystem``: credentials come from the
-standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` env vars, config files, instance
-profile) and are never logged; a custom endpoint (SeaweedFS, MinIO) comes from the ``s3_endpoint`` argument
-or else the ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` env vars (the AWS SDKs' names).
+Every stage reads and writes through one ``Storage`` object so the same code runs on a laptop (local run
+directory) and on a cluster (S3 run directory). S3 goes through ``pyarrow.fs.S3FileSystem``: credentials
+come from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` env vars, config files,
+instance profile) and are never logged; a custom endpoint (SeaweedFS, MinIO) comes from the job's
+``s3_endpoint`` setting or else the ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` env vars (the AWS SDKs'
+names). ``Storage.from_env`` reads all of that once, in the job; library functions take the object.
 
 Writes are atomic per file: local files are written to a hidden temp name in the same directory and renamed
 on a successful close; an S3 object appears only when its (multipart) upload completes, and an output that
@@ -86,11 +87,6 @@ def _bucket_region(bucket: str) -> str:
         return ""  # let the SDK decide
 
 
-def resolve(path: str, s3_endpoint: str = "") -> tuple[pafs.FileSystem, str]:
-    """Transitional: ``Storage.from_env(s3_endpoint).resolve(path)``."""
-    return Storage.from_env(s3_endpoint).resolve(path)
-
-
 def join(base: str, *parts: str) -> str:
     """Join path parts, keeping an ``s3://`` prefix (always ``/``-separated there)."""
     if is_s3(base):
@@ -135,6 +131,10 @@ class Storage:
             secret_key=env["AWS_SECRET_ACCESS_KEY"] if keys else "",
             session_token=env.get("AWS_SESSION_TOKEN", "") if keys else "",
         )
+
+    def __repr__(self) -> str:
+        # Logs and tracebacks show the object: the endpoint may carry userinfo, the keys never show.
+        return f"Storage(endpoint={redact_url(self.endpoint)!r}, region={self.region!r})"
 
     def describe(self) -> dict[str, str]:
         """What may be written to a manifest: the endpoint without userinfo, never a credential."""
@@ -375,98 +375,3 @@ def _glob_files(store: Storage, pattern_path: str) -> list[str]:
         if fnmatch.fnmatchcase(rel, pattern) or fnmatch.fnmatchcase(rel, pattern.replace("**/", "")):
             out.append(i.path)
     return out
-
-
-# --- transitional module-level API (endpoint strings); callers move to ``Storage`` methods ---------------
-
-
-def _store(s3_endpoint: str) -> Storage:
-    return Storage.from_env(s3_endpoint)
-
-
-def ray_filesystem(paths: str | Sequence[str], s3_endpoint: str = "") -> tuple[pafs.FileSystem, Any]:
-    return _store(s3_endpoint).filesystem_for(paths)
-
-
-def open_output(path: str, s3_endpoint: str = "") -> AtomicOutput:
-    return _store(s3_endpoint).open_output(path)
-
-
-def open_input(path: str, s3_endpoint: str = "", seekable: bool = True) -> Any:
-    return _store(s3_endpoint).open_input(path, seekable)
-
-
-def read_bytes(path: str, s3_endpoint: str = "") -> bytes:
-    return _store(s3_endpoint).read_bytes(path)
-
-
-def write_bytes(data: bytes, path: str, s3_endpoint: str = "") -> None:
-    _store(s3_endpoint).write_bytes(data, path)
-
-
-def write_json(obj: Any, path: str, s3_endpoint: str = "") -> None:
-    _store(s3_endpoint).write_json(obj, path)
-
-
-def read_json(path: str, s3_endpoint: str = "") -> Any:
-    return _store(s3_endpoint).read_json(path)
-
-
-def write_parquet(table: pa.Table, path: str, s3_endpoint: str = "") -> None:
-    _store(s3_endpoint).write_parquet(table, path)
-
-
-def read_parquet(
-    path: str | Sequence[str], s3_endpoint: str = "", columns: Sequence[str] | None = None
-) -> pa.Table:
-    return _store(s3_endpoint).read_parquet(path, columns)
-
-
-def exists(path: str, s3_endpoint: str = "") -> bool:
-    return _store(s3_endpoint).exists(path)
-
-
-def isdir(path: str, s3_endpoint: str = "") -> bool:
-    return _store(s3_endpoint).isdir(path)
-
-
-def makedirs(path: str, s3_endpoint: str = "") -> None:
-    _store(s3_endpoint).makedirs(path)
-
-
-def remove(path: str, s3_endpoint: str = "") -> None:
-    _store(s3_endpoint).remove(path)
-
-
-def remove_files(paths: Sequence[str], s3_endpoint: str = "") -> None:
-    _store(s3_endpoint).remove_files(paths)
-
-
-def list_files(path_or_glob: str, suffix: str | None = None, s3_endpoint: str = "") -> list[str]:
-    return _store(s3_endpoint).list_files(path_or_glob, suffix)
-
-
-_FORWARDED_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_REGION",
-    "AWS_DEFAULT_REGION",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-)
-
-
-def forwarded_env() -> dict[str, str]:
-    """The driver's AWS settings, to hand to Ray actors whose processes started without them.
-
-    Passed as a constructor argument (object store), never through runtime_env or logs. On a cluster with
-    an instance profile this is usually empty and the SDK's own chain applies.
-    """
-    return {k: os.environ[k] for k in _FORWARDED_ENV if os.environ.get(k)}
-
-
-def adopt_env(env: dict[str, str]) -> None:
-    """In a worker: take the forwarded settings that this process does not have already."""
-    for key, value in env.items():
-        os.environ.setdefault(key, value)

@@ -24,10 +24,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from pipeline.config import BUILD_PRESETS
 from tests.fixtures_head import BIN, ROOT, base_env, free_ports, ray_head, start_head, stop_head  # noqa: F401
 from tests.fixtures_train import write_demo_shards
 
@@ -94,7 +96,13 @@ def test_submit_demo_build_and_tiny_training(ray_head, tmp_path) -> None:
     assert manifest["jobs"]["build_dataset"]["counts"]["input_rows"] == 100
     status = pq.read_table(out / "metadata" / "status.parquet")
     assert status.num_rows == 100 and "success" in set(status.column("status").to_pylist())
-    assert sorted(p.name for p in (out / "subsets").glob("*.npy"))
+    # One subset per filter of the demo preset, each a DataComp u8,u8 array of successful uids.
+    expected = sorted(f"{name}.npy" for name in BUILD_PRESETS["demo"].filters.names)
+    assert sorted(p.name for p in (out / "subsets").glob("*.npy")) == expected
+    success = {u for u, s in zip(status.column("uid").to_pylist(), status.column("status").to_pylist(), strict=True)
+               if s == "success"}  # fmt: skip
+    no_filter = np.load(out / "subsets" / "no_filter.npy")
+    assert no_filter.dtype == np.dtype("u8,u8") and len(no_filter) == len(success)
     assert list((out / "shards").glob("*.tar"))
 
     shards = tmp_path / "shards"

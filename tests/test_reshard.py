@@ -13,6 +13,7 @@ from pipeline import storage
 from pipeline.reshard import output_key, reshard
 from pipeline.schema import uids_to_u8pairs
 from pipeline.shards import PartWriter, ShardError, iter_shard, write_shard
+from pipeline.storage import LOCAL, Storage
 from pipeline.subset import write_subset
 from tests.fixtures_s3 import s3_server  # noqa: F401
 
@@ -22,7 +23,7 @@ def _uid(rng: random.Random) -> str:
 
 
 def make_pool(
-    base: str, n_tars: int = 3, per_tar: int = 5, seed: int = 0
+    base: str, n_tars: int = 3, per_tar: int = 5, seed: int = 0, store: Storage = LOCAL
 ) -> tuple[list[str], dict[str, dict]]:
     """``n_tars`` shards of random samples; returns the tar paths and uid → {jpg, txt, json, tar}."""
     rng = random.Random(seed)
@@ -39,13 +40,13 @@ def make_pool(
             )
             truth[uid] = {"jpg": jpg, "txt": f"caption {uid[:6]}", "json": meta, "tar": t}
         path = storage.join(base, f"{t:08d}.tar")
-        write_shard(path, samples)
+        write_shard(path, samples, store)
         paths.append(path)
     return paths, truth
 
 
-def read_out(paths: list[str]) -> list[dict]:
-    return [s for p in paths for s in iter_shard(p)]
+def read_out(paths: list[str], store: Storage = LOCAL) -> list[dict]:
+    return [s for p in paths for s in iter_shard(p, store)]
 
 
 def test_semi_join_exact_subset_bytes_and_upsampling(tmp_path):
@@ -82,9 +83,9 @@ def test_shards_split_stats_and_summary(tmp_path):
     res = reshard(str(tmp_path / "in"), subset, out, samples_per_shard=5)  # a directory as input
     assert [os.path.basename(p) for p in res.shards] == ["00000000.tar", "00000001.tar", "00000002.tar"]
     assert [len(list(iter_shard(p))) for p in res.shards] == [5, 5, 2]
-    stats = [storage.read_json(storage.join(out, f"{i:08d}_stats.json")) for i in range(3)]
+    stats = [LOCAL.read_json(storage.join(out, f"{i:08d}_stats.json")) for i in range(3)]
     assert [s["successes"] for s in stats] == [5, 5, 2] and stats[2]["status_dict"] == {"success": 2}
-    summary = storage.read_json(storage.join(out, "reshard.json"))
+    summary = LOCAL.read_json(storage.join(out, "reshard.json"))
     assert (
         summary["n_written"] == 12
         and summary["n_missing"] == 0
@@ -158,22 +159,23 @@ def test_corrupt_input_raises_or_is_skipped(tmp_path):
 
 
 def test_reshard_s3_to_s3_and_local_to_s3(s3_server, tmp_path):
+    store = Storage.from_env(s3_server.endpoint)
     src = s3_server.url("reshard-in")
-    paths, truth = make_pool(src, n_tars=2, per_tar=4)
+    paths, truth = make_pool(src, n_tars=2, per_tar=4, store=store)
     uids = list(truth)
     sub_path = s3_server.url("subsets", "pick.npy")
-    with storage.open_output(sub_path) as fh:
+    with store.open_output(sub_path) as fh:
         write_subset([uids[1], uids[1], uids[6]], fh)
     out = s3_server.url("reshard-out")
-    res = reshard(f"{src}/*.tar", sub_path, out, samples_per_shard=2, workers=2)
+    res = reshard(f"{src}/*.tar", sub_path, out, samples_per_shard=2, store=store, workers=2)
     assert res.shards == [f"{out}/00000000.tar", f"{out}/00000001.tar"]
-    got = read_out(res.shards)
+    got = read_out(res.shards, store)
     assert [s["json"]["uid"] for s in got] == [uids[1], uids[1], uids[6]]
     assert all(s["jpg"] == truth[s["json"]["uid"]]["jpg"] for s in got)
-    assert storage.read_json(f"{out}/reshard.json")["n_written"] == 3
-    assert storage.exists(f"{out}/00000001_stats.json")
+    assert store.read_json(f"{out}/reshard.json")["n_written"] == 3
+    assert store.exists(f"{out}/00000001_stats.json")
     # and back to local disk
-    back = reshard(res.shards, sub_path, str(tmp_path / "local"), samples_per_shard=10)
+    back = reshard(res.shards, sub_path, str(tmp_path / "local"), samples_per_shard=10, store=store)
     assert [s["jpg"] for s in read_out(back.shards)] == [s["jpg"] for s in got]
 
 

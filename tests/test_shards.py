@@ -165,15 +165,16 @@ def test_stats_like_img2dataset():
 
 
 def test_shard_on_s3(s3_server, tmp_path):
+    from pipeline.storage import LOCAL, Storage
+
+    store = Storage.from_env(s3_server.endpoint)
     path = s3_server.url("shards", shards.shard_name(0))
-    write_shard(path, _samples())
-    got = list(iter_shard(path))
+    write_shard(path, _samples(), store)
+    got = list(iter_shard(path, store))
     assert [g["jpg"] for g in got] == [s[1] for s in _samples()]
     local = str(tmp_path / "same.tar")
     write_shard(local, _samples())
-    from pipeline import storage
-
-    assert storage.read_bytes(path) == open(local, "rb").read()
+    assert store.read_bytes(path) == LOCAL.read_bytes(local)
 
 
 def test_fast_header_matches_tarfile():

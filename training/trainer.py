@@ -4,8 +4,8 @@
   the range ``(min_workers, num_workers)`` (Ray Train elastic). The global batch is constant: each worker
   takes ``global_batch_size // world_size`` per step (training/config.py checks divisibility for every
   size in the range), and the loop reads the world size at each (re)start.
-- Storage: ``RunConfig(storage_path, name)``, local or ``s3://`` (a ``pyarrow.fs.S3FileSystem`` built with
-  the endpoint and, when set in the environment, explicit credentials, so the controller and the
+- Storage: ``RunConfig(storage_path, name)``, local or ``s3://`` (a ``pyarrow.fs.S3FileSystem`` from the run's
+  ``Storage``: its endpoint and, when set in the environment, explicit credentials, so the controller and the
   workers — other processes, possibly other machines — can write checkpoints). Re-running with the same
   ``storage_path`` and ``name`` resumes from the latest checkpoint (Ray Train V2 has no
   ``resume_from_checkpoint``). ``FailureConfig(max_failures)`` restarts the worker group from it
@@ -28,18 +28,20 @@ from itertools import islice
 from typing import Any
 
 from pipeline import storage
-from pipeline.ingest_train import (
+from pipeline.datasets import (
+    ProgressPrinter,
     build_train_dataset,
-    list_shards,
     read_counters,
     start_counters,
     stop_counters,
-    tokenizer_state,
+    train_dataset_config,
 )
-from pipeline.placement import train_dataset_config, worker_label_selector
-from pipeline.shard_source import ProgressPrinter
+from pipeline.ingest_train import tokenizer_state
+from pipeline.placement import worker_label_selector
+from pipeline.shard_source import list_shards
+from pipeline.storage import Storage
 from pipeline.tokenizer import SPECIAL_IDS_FILE, TOKENIZER_FILE, TextTokenizer, train_tokenizer
-from training.config import TrainConfig, to_plain, validate
+from training.config import TrainConfig, to_plain
 from training.loop import train_loop_per_worker
 
 TOKENIZER_CAPTIONS = 200_000  # captions read to train a BPE when none is given
@@ -66,36 +68,16 @@ def run_dir(cfg: TrainConfig) -> str:
     return storage.join(cfg.run.storage_path, cfg.run.name)
 
 
-def storage_target(cfg: TrainConfig) -> tuple[str, Any]:
-    """(storage_path for RunConfig, filesystem or None). S3 paths lose their scheme, as Ray expects."""
-    path = cfg.run.storage_path
+def storage_target(path: str, store: Storage) -> tuple[str, Any]:
+    """(storage_path for RunConfig, filesystem or None). S3 paths lose their scheme, as Ray expects; the
+    S3 filesystem carries the store's explicit keys, so the controller and workers need no AWS env."""
     if not storage.is_s3(path):
         return os.path.abspath(path), None
-    import pyarrow.fs as pafs
-
-    endpoint = (
-        cfg.run.s3_endpoint
-        or os.environ.get("AWS_ENDPOINT_URL_S3", "")
-        or os.environ.get("AWS_ENDPOINT_URL", "")
-    )
-    kwargs: dict[str, Any] = {}
-    if endpoint:
-        scheme, _, host = endpoint.partition("://") if "://" in endpoint else ("https", "", endpoint)
-        kwargs.update(endpoint_override=host.rstrip("/"), scheme=scheme)
-    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-        # Explicit keys travel with the pickled filesystem to the controller and workers.
-        kwargs.update(
-            access_key=os.environ["AWS_ACCESS_KEY_ID"],
-            secret_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-            session_token=os.environ.get("AWS_SESSION_TOKEN") or None,
-        )
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        kwargs["region"] = region
-    return path[len(storage.S3_PREFIX) :].rstrip("/"), pafs.S3FileSystem(**kwargs)
+    fs, key = store.resolve(path)
+    return key, fs
 
 
-def prepare_tokenizer(cfg: TrainConfig) -> TextTokenizer:
+def prepare_tokenizer(cfg: TrainConfig, run_store: Storage, data_store: Storage) -> TextTokenizer:
     """The run's tokenizer (see module docstring for the order of preference)."""
     if cfg.tokenizer:
         path = cfg.tokenizer
@@ -103,29 +85,28 @@ def prepare_tokenizer(cfg: TrainConfig) -> TextTokenizer:
             return TextTokenizer.load(path)
         return TextTokenizer.from_file(path)
     saved = storage.join(run_dir(cfg), "tokenizer")
-    endpoint = cfg.run.s3_endpoint
-    if storage.exists(storage.join(saved, SPECIAL_IDS_FILE), endpoint):
+    if run_store.exists(storage.join(saved, SPECIAL_IDS_FILE)):
         with tempfile.TemporaryDirectory() as d:
             for name in (TOKENIZER_FILE, SPECIAL_IDS_FILE):
                 with open(os.path.join(d, name), "wb") as f:
-                    f.write(storage.read_bytes(storage.join(saved, name), endpoint))
+                    f.write(run_store.read_bytes(storage.join(saved, name)))
             return TextTokenizer.load(d)
-    tokenizer = train_tokenizer(_captions(cfg), vocab_size=cfg.tokenizer_vocab)
+    tokenizer = train_tokenizer(_captions(cfg, data_store), vocab_size=cfg.tokenizer_vocab)
     with tempfile.TemporaryDirectory() as d:
         tokenizer.save(d)
         for name in (TOKENIZER_FILE, SPECIAL_IDS_FILE):
             with open(os.path.join(d, name), "rb") as f:
-                storage.write_bytes(f.read(), storage.join(saved, name), endpoint)
+                run_store.write_bytes(f.read(), storage.join(saved, name))
     return tokenizer
 
 
-def _captions(cfg: TrainConfig):
+def _captions(cfg: TrainConfig, store: Storage):
     from pipeline.shards import ShardError, iter_shard
 
     def gen():
-        for path in list_shards(cfg.data.shards, cfg.data.s3_endpoint):
+        for path in list_shards(cfg.data.shards, store):
             try:
-                for sample in iter_shard(path, cfg.data.s3_endpoint, extensions={"txt"}):
+                for sample in iter_shard(path, store, extensions={"txt"}):
                     yield sample.get("txt", "")
             except ShardError:
                 continue  # the ingest counts damaged shards; a tokenizer needs only their intact part
@@ -133,7 +114,9 @@ def _captions(cfg: TrainConfig):
     return islice(gen(), TOKENIZER_CAPTIONS)
 
 
-def build_trainer(cfg: TrainConfig, tokenizer: TextTokenizer, dataset: Any, counters: str | None) -> Any:
+def build_trainer(
+    cfg: TrainConfig, tokenizer: TextTokenizer, dataset: Any, counters: str | None, run_store: Storage
+) -> Any:
     """The ``TorchTrainer`` (not yet fitted)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -143,7 +126,7 @@ def build_trainer(cfg: TrainConfig, tokenizer: TextTokenizer, dataset: Any, coun
     if s.use_gpu:
         resources["GPU"] = s.gpus_per_worker
     num_workers: int | tuple[int, int] = (s.min_workers, s.num_workers) if s.min_workers else s.num_workers
-    storage_path, filesystem = storage_target(cfg)
+    storage_path, filesystem = storage_target(cfg.run.storage_path, run_store)
     tensorboard = None
     if cfg.run.tensorboard and filesystem is None:
         tensorboard = os.path.join(storage_path, cfg.run.name, "tensorboard")
@@ -179,15 +162,18 @@ def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) training to ``cfg.total_steps``; needs Ray initialised (jobs.common.init_ray)."""
     from training.model import model_config
 
-    validate(cfg)
     t0 = time.perf_counter()
-    tokenizer = prepare_tokenizer(cfg)
+    # Run directory and shards may sit behind different endpoints: each is resolved once, here.
+    run_store = Storage.from_env(cfg.run.s3_endpoint)
+    data_store = Storage.from_env(cfg.data.s3_endpoint)
+    tokenizer = prepare_tokenizer(cfg, run_store, data_store)
     mcfg = model_config(cfg.model)
     counters = start_counters()
     try:
-        dataset = build_train_dataset(cfg.data, tokenizer, mcfg.image_size, mcfg.context_length, counters)
+        size, context = mcfg.image_size, mcfg.context_length
+        dataset = build_train_dataset(cfg.data, data_store, tokenizer, size, context, counters)
         with ProgressPrinter(counters, cfg.run.name):
-            result = build_trainer(cfg, tokenizer, dataset, counters).fit()
+            result = build_trainer(cfg, tokenizer, dataset, counters, run_store).fit()
         ingest = read_counters(counters)
     finally:
         stop_counters(counters)

@@ -14,6 +14,7 @@ from jobs.common import config_parser, init_ray, print_table, resolve_config
 from jobs.filter.run import FILTER_PRESETS, check_checkpoint, run_filter_job, validate
 from pipeline.config import ConfigError, merge, to_dict
 from pipeline.manifest import write_manifest
+from pipeline.storage import Storage
 from training.model import CheckpointError
 
 
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             **{f"subset.{k}": v.size for k, v in res.subsets.items()},
         },
         timings=res.timings,
-        s3_endpoint=cfg.s3_endpoint,
+        store=Storage.from_env(cfg.s3_endpoint),
         extra={
             "checkpoint": cfg.checkpoint,
             "scores": res.scores_path,

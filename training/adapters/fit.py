@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from pipeline.storage import LOCAL, Storage
 from training.adapters.asymvlm import AsymVLM, asymvlm_loss
 from training.adapters.probvlm import LAMBDA_CROSS, ProbVLM, probvlm_loss
 
@@ -29,16 +30,14 @@ History = list[dict[str, float]]
 VECTOR_COLUMNS = ("image_mu", "text_mu", "image_logvar", "text_logvar")
 
 
-def load_embeddings(path: str, s3_endpoint: str = "") -> dict[str, np.ndarray]:
+def load_embeddings(path: str, store: Storage = LOCAL) -> dict[str, np.ndarray]:
     """Read an embedding parquet (file, directory or glob) into numpy, keeping only rows with ``ok``.
 
     Columns: ``uid`` (str), ``ok`` (bool), ``text`` (str), ``image_mu``/``text_mu`` (vectors of dim D) and,
     for probabilistic models, ``image_logvar``/``text_logvar``. Vector columns may be list or
     fixed-size-list typed; the result holds float32 (n, D) arrays, and ``uid``/``text`` as object arrays.
     """
-    from pipeline.storage import read_parquet
-
-    table = read_parquet(path, s3_endpoint)
+    table = store.read_parquet(path)
     missing = [c for c in ("uid", "image_mu", "text_mu") if c not in table.column_names]
     if missing:
         raise ValueError(f"{path}: embedding parquet lacks column(s) {missing}")

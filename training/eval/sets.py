@@ -29,11 +29,12 @@ import numpy as np
 import yaml
 
 from pipeline import storage
+from pipeline.shard_source import IMAGE_EXTS
 from pipeline.shards import ShardError, iter_shard
+from pipeline.storage import LOCAL, Storage
 
 KINDS = ("zeroshot_classification", "retrieval", "hierarchy")
 GROUPS = ("", "imagenet", "imagenet_dist_shift", "vtab", "retrieval")
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
@@ -106,10 +107,10 @@ def load_tasks(path_or_name: str, root: str | None = None) -> list[Task]:
 # ---------------------------------------------------------------- layout
 
 
-def shard_paths(task: Task, s3_endpoint: str = "") -> list[str]:
+def shard_paths(task: Task, store: Storage = LOCAL) -> list[str]:
     """The ``test/*.tar`` shards in numeric order (``nshards.txt`` is checked when present)."""
     test = storage.join(task.path, "test")
-    tars = storage.list_files(test, suffix=".tar", s3_endpoint=s3_endpoint)
+    tars = store.list_files(test, suffix=".tar")
 
     def number(p: str) -> tuple[int, str]:
         stem = p.rsplit("/", 1)[-1][: -len(".tar")]
@@ -119,32 +120,32 @@ def shard_paths(task: Task, s3_endpoint: str = "") -> list[str]:
     if not tars:
         raise EvalSetError(f"eval set {task.name}: no shards in {test}/ (clip_benchmark layout test/N.tar)")
     nshards = storage.join(test, "nshards.txt")
-    if storage.exists(nshards, s3_endpoint):
-        text = storage.read_bytes(nshards, s3_endpoint).decode().strip()
+    if store.exists(nshards):
+        text = store.read_bytes(nshards).decode().strip()
         if not text.isdigit() or int(text) != len(tars):
             raise EvalSetError(f"{nshards} says {text!r} but {len(tars)} shard(s) are in {test}/")
     return tars
 
 
-def read_lines(path: str, s3_endpoint: str = "") -> list[str]:
+def read_lines(path: str, store: Storage = LOCAL) -> list[str]:
     """Non-empty stripped lines of a text file; a missing file raises ``EvalSetError`` naming it."""
-    if not storage.exists(path, s3_endpoint):
+    if not store.exists(path):
         raise EvalSetError(f"eval set file missing: {path}")
-    lines = [ln.strip() for ln in storage.read_bytes(path, s3_endpoint).decode("utf-8").splitlines()]
+    lines = [ln.strip() for ln in store.read_bytes(path).decode("utf-8").splitlines()]
     lines = [ln for ln in lines if ln]
     if not lines:
         raise EvalSetError(f"eval set file is empty: {path}")
     return lines
 
 
-def classnames(task: Task, s3_endpoint: str = "") -> list[str]:
-    return read_lines(storage.join(task.path, "classnames.txt"), s3_endpoint)
+def classnames(task: Task, store: Storage = LOCAL) -> list[str]:
+    return read_lines(storage.join(task.path, "classnames.txt"), store)
 
 
-def templates(task: Task, s3_endpoint: str = "") -> list[str]:
+def templates(task: Task, store: Storage = LOCAL) -> list[str]:
     """Prompt templates with ``{c}`` for the class name (clip_benchmark's file)."""
     path = storage.join(task.path, "zeroshot_classification_templates.txt")
-    lines = read_lines(path, s3_endpoint)
+    lines = read_lines(path, store)
     bad = [t for t in lines if "{c}" not in t]
     if bad:
         raise EvalSetError(f"{path}: template without '{{c}}': {bad[0]!r}")
@@ -155,14 +156,14 @@ def _image_ext(sample: dict[str, Any]) -> str | None:
     return next((e for e in IMAGE_EXTS if e in sample), None)
 
 
-def validate_task(task: Task, s3_endpoint: str = "") -> list[str]:
+def validate_task(task: Task, store: Storage = LOCAL) -> list[str]:
     """Check the set's layout (files, shard count, first sample's members); returns its shard paths."""
     if task.kind == "zeroshot_classification":
-        names = classnames(task, s3_endpoint)
-        templates(task, s3_endpoint)
-    tars = shard_paths(task, s3_endpoint)
+        names = classnames(task, store)
+        templates(task, store)
+    tars = shard_paths(task, store)
     try:
-        first = next(iter_shard(tars[0], s3_endpoint, decode=False), None)
+        first = next(iter_shard(tars[0], store, decode=False), None)
     except (ShardError, OSError) as e:
         raise EvalSetError(f"eval set {task.name}: unreadable shard {tars[0]}: {e}") from e
     if first is None:
@@ -201,10 +202,10 @@ def sample_row(sample: dict[str, Any], kind: str, group_column: int | None = Non
 
 
 def iter_rows(
-    path: str, kind: str, s3_endpoint: str = "", limit: int | None = None, group_column: int | None = None
+    path: str, kind: str, store: Storage = LOCAL, limit: int | None = None, group_column: int | None = None
 ) -> Iterator[dict[str, Any]]:
     """Rows of one shard in order, at most ``limit``; ``pos`` is the sample's index within the shard."""
-    for pos, sample in enumerate(iter_shard(path, s3_endpoint, decode=False)):
+    for pos, sample in enumerate(iter_shard(path, store, decode=False)):
         if limit is not None and pos >= limit:
             return
         yield {"pos": pos, **sample_row(sample, kind, group_column)}
