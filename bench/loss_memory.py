@@ -131,7 +131,7 @@ def _child(args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -147,39 +147,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", default=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--columns", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    return parser.parse_args(argv)
 
-    if args.child == "memory":
-        print(json.dumps(measure_memory(args.cases[0], args.batch, args.dim, args.columns)))
-        return 0
-    if args.child == "time":
-        print(json.dumps(measure_time(args.cases, args.batch, args.dim, args.columns, args.repeats)))
-        return 0
 
-    rows = []
-    shapes = [(b, b) for b in args.sizes] + ([] if args.no_worker_shape else [tuple(args.worker_shape)])
-    for batch, columns in shapes:
-        naive_gib = batch * columns * args.dim * 4 / 2**30
-        cases = [c for c in CASES if c != "naive" or naive_gib <= args.naive_limit_gib]
-        common = ["--batch", str(batch), "--columns", str(columns), "--dim", str(args.dim)]
-        common += ["--threads", str(args.threads)]
-        memory = {c: _child(["--child", "memory", "--cases", c, *common])["peak_mib"] for c in cases}
-        timing = _child(["--child", "time", "--cases", *cases, "--repeats", str(args.repeats), *common])
-        row: dict = {"rows": batch, "columns": columns, "dim": args.dim, "peak_mib": memory, "time": timing}
-        if "naive" not in cases:
-            row["naive_skipped"] = f"(rows, columns, D) float32 tensor alone is {naive_gib:.0f} GiB"
-        t = {c: timing[c]["min_s"] for c in cases}
-        row["ratios"] = {
-            "prolip/siglip time": t["prolip"] / t["siglip"],
-            "ppcl/siglip time": t["ppcl"] / t["siglip"],
-            "prolip peak / (rows*columns*4 bytes)": memory["prolip"] * 2**20 / (4 * batch * columns),
-        }
-        if "naive" in cases:
-            row["ratios"]["prolip/naive time"] = t["prolip"] / t["naive"]
-            row["ratios"]["prolip/naive memory"] = memory["prolip"] / memory["naive"]
-        rows.append(row)
+def _measure_shape(args: argparse.Namespace, batch: int, columns: int) -> dict:
+    """One result row: peak memory per case (a subprocess each), times (one subprocess) and ratios."""
+    naive_gib = batch * columns * args.dim * 4 / 2**30
+    cases = [c for c in CASES if c != "naive" or naive_gib <= args.naive_limit_gib]
+    common = ["--batch", str(batch), "--columns", str(columns), "--dim", str(args.dim)]
+    common += ["--threads", str(args.threads)]
+    memory = {c: _child(["--child", "memory", "--cases", c, *common])["peak_mib"] for c in cases}
+    timing = _child(["--child", "time", "--cases", *cases, "--repeats", str(args.repeats), *common])
+    row: dict = {"rows": batch, "columns": columns, "dim": args.dim, "peak_mib": memory, "time": timing}
+    if "naive" not in cases:
+        row["naive_skipped"] = f"(rows, columns, D) float32 tensor alone is {naive_gib:.0f} GiB"
+    t = {c: timing[c]["min_s"] for c in cases}
+    row["ratios"] = {
+        "prolip/siglip time": t["prolip"] / t["siglip"],
+        "ppcl/siglip time": t["ppcl"] / t["siglip"],
+        "prolip peak / (rows*columns*4 bytes)": memory["prolip"] * 2**20 / (4 * batch * columns),
+    }
+    if "naive" in cases:
+        row["ratios"]["prolip/naive time"] = t["prolip"] / t["naive"]
+        row["ratios"]["prolip/naive memory"] = memory["prolip"] / memory["naive"]
+    return row
 
+
+def _print_rows(rows: list[dict], args: argparse.Namespace) -> None:
     cols = ["prolip", "ppcl", "naive", "siglip"]
     print(
         f"time: min of {args.repeats} forward+backward (s); memory: peak RSS increase (MiB); D = {args.dim}"
@@ -197,6 +191,22 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for r in rows:
         print(f"{r['rows']} x {r['columns']}: " + ", ".join(f"{k} = {v:.3f}" for k, v in r["ratios"].items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    if args.child == "memory":
+        print(json.dumps(measure_memory(args.cases[0], args.batch, args.dim, args.columns)))
+        return 0
+    if args.child == "time":
+        print(json.dumps(measure_time(args.cases, args.batch, args.dim, args.columns, args.repeats)))
+        return 0
+
+    shapes = [(b, b) for b in args.sizes] + ([] if args.no_worker_shape else [tuple(args.worker_shape)])
+    rows = [_measure_shape(args, batch, columns) for batch, columns in shapes]
+    _print_rows(rows, args)
     result = {
         "benchmark": "loss_memory",
         "device": f"cpu {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",

@@ -62,7 +62,7 @@ def test_noise_counts_follow_the_issue_rates(demo_pool):
     want = {k: noise_count(r, n) for k, r in NOISE_RATES.items()}
     assert {k: got[k] for k in want} == want
     assert got["clean"] == n - sum(want.values())
-    # The issue's targets, with the tolerance of rounding to whole rows.
+    # The generator's target rates (pipeline/demo/pool.py), with the tolerance of rounding to whole rows.
     assert abs((got["small"] + got["elongated"]) / n - 0.05) < 0.01
     assert abs(got["duplicate_url"] / n - 0.03) < 0.005
     assert abs(got["duplicate_image"] / n - 0.02) < 0.005

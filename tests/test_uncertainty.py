@@ -36,7 +36,7 @@ def _csd(m1, v1, m2, v2):
     return float(((m1 - m2) ** 2).sum() + v1.sum() + v2.sum())
 
 
-def _h(m1, v1, m2, v2):  # Eq. 4 per the simplified per-dimension form (MATH.md), float64
+def _h(m1, v1, m2, v2):  # Eq. 4 per the simplified per-dimension form (docs/math.md), float64
     a = 0.5 * np.log(v2 / v1) + 0.5 * np.log((v2 + 2 * v1) / (v1 + 2 * v2))
     b = (m1 - m2) ** 2 * (1 / (v2 + 2 * v1) - 1 / (v1 + 2 * v2))
     return float((a + b).sum())

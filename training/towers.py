@@ -1,6 +1,6 @@
 """Transformer towers of ProLIP: a ViT image encoder and a text encoder, each ending in a Gaussian head.
 
-Architecture (ProLIP paper §3.2, Fig. 2; ../shared/MATH.md "Architecture"):
+Architecture (ProLIP paper §3.2, Fig. 2):
 
 - Image tower: tokens ``[CLS, UNC, patch_1..patch_N]`` with learned positional embeddings for all N+2.
   Patch drop (MAE-style, He et al. 2022, used for the masked inputs of Eq. 6 with 25% kept) gathers the
@@ -13,7 +13,7 @@ Architecture (ProLIP paper §3.2, Fig. 2; ../shared/MATH.md "Architecture"):
 - ``probabilistic=False`` drops the UNC token and the σ head and keeps everything else, so the CLIP/SigLIP
   baselines differ from ProLIP only in the objective (Table C.6 "Deterministic").
 
-Judgement calls (documented in the reply and docs/fidelity.md):
+Judgement calls (documented in docs/fidelity.md):
 
 - The μ projection has no bias (CLIP's ``proj``): a bias before L2 normalisation only shifts every
   embedding towards one direction.
@@ -125,7 +125,33 @@ def _init_weights(module: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
-class VisionTower(nn.Module):
+class _Tower(nn.Module):
+    """What both towers share: the transformer trunk, the final LayerNorm, the Gaussian head and the init.
+
+    Subclasses register their embeddings (``cls_token``, ``unc_token``, ``pos_embed``) first, then call
+    ``_add_trunk``, so parameters keep their names and registration order (checkpoints load unchanged).
+    """
+
+    cls_token: nn.Parameter
+    unc_token: nn.Parameter | None
+    pos_embed: nn.Parameter
+
+    def _add_trunk(self, cfg: ModelConfig, width: int, layers: int, heads: int) -> None:
+        self.transformer = Transformer(width, layers, heads, cfg.mlp_ratio)
+        self.ln_post = nn.LayerNorm(width)
+        self.head = GaussianHead(width, cfg.embed_dim, cfg.probabilistic, cfg.unc_bias_init)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _init_weights(self)
+        nn.init.normal_(self.cls_token, std=_INIT_STD)
+        if self.unc_token is not None:
+            nn.init.normal_(self.unc_token, std=_INIT_STD)
+        nn.init.normal_(self.pos_embed, std=_POS_INIT_STD)
+        self.head.reset_logvar_bias()
+
+
+class VisionTower(_Tower):
     """ViT over ``[CLS, UNC, patches]``; ``forward(images, keep_idx)`` returns ``(mu, logvar)``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -144,18 +170,7 @@ class VisionTower(nn.Module):
         self.unc_token = nn.Parameter(torch.empty(width)) if cfg.probabilistic else None
         self.pos_embed = nn.Parameter(torch.empty(self.n_special + self.n_patches, width))
         self.ln_pre = nn.LayerNorm(width)
-        self.transformer = Transformer(width, cfg.vision_layers, cfg.vision_heads, cfg.mlp_ratio)
-        self.ln_post = nn.LayerNorm(width)
-        self.head = GaussianHead(width, cfg.embed_dim, cfg.probabilistic, cfg.unc_bias_init)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        _init_weights(self)
-        nn.init.normal_(self.cls_token, std=_INIT_STD)
-        if self.unc_token is not None:
-            nn.init.normal_(self.unc_token, std=_INIT_STD)
-        nn.init.normal_(self.pos_embed, std=_POS_INIT_STD)
-        self.head.reset_logvar_bias()
+        self._add_trunk(cfg, width, cfg.vision_layers, cfg.vision_heads)
 
     def patchify(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) → (B, N, 3·p·p), patches in row-major grid order (index = row·grid + col)."""
@@ -194,7 +209,7 @@ class VisionTower(nn.Module):
         return self.head(x[:, 0], h_unc)
 
 
-class TextTower(nn.Module):
+class TextTower(_Tower):
     """Transformer over ``[tok_1..tok_L, UNC, CLS]``; ``forward(tokens)`` returns ``(mu, logvar)``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -209,18 +224,7 @@ class TextTower(nn.Module):
         self.cls_token = nn.Parameter(torch.empty(width))
         # Rows 0..C-1 for text positions, C (UNC) and C+1 (CLS): fixed rows whatever the input length.
         self.pos_embed = nn.Parameter(torch.empty(cfg.context_length + self.n_special, width))
-        self.transformer = Transformer(width, cfg.text_layers, cfg.text_heads, cfg.mlp_ratio)
-        self.ln_post = nn.LayerNorm(width)
-        self.head = GaussianHead(width, cfg.embed_dim, cfg.probabilistic, cfg.unc_bias_init)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        _init_weights(self)
-        nn.init.normal_(self.cls_token, std=_INIT_STD)
-        if self.unc_token is not None:
-            nn.init.normal_(self.unc_token, std=_INIT_STD)
-        nn.init.normal_(self.pos_embed, std=_POS_INIT_STD)
-        self.head.reset_logvar_bias()
+        self._add_trunk(cfg, width, cfg.text_layers, cfg.text_heads)
 
     def special_tokens(self) -> torch.Tensor:
         tokens = [self.cls_token] if self.unc_token is None else [self.unc_token, self.cls_token]

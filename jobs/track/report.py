@@ -14,6 +14,7 @@ import statistics
 from typing import Any
 
 from pipeline import storage
+from pipeline.storage import Storage
 
 Row = dict[str, Any]
 
@@ -90,15 +91,20 @@ def verdict(cfg: Any, evals: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def subset_purity(cfg: Any, subsets: dict[str, Any]) -> dict[str, dict[str, float]] | None:
+def _pool_truth(cfg: Any, store: Storage) -> dict[str, list] | None:
+    """The demo pool's ground truth as columns, or None when the run was built from real metadata."""
+    truth_path = storage.join(cfg.output, "pool", "truth.parquet")
+    if cfg.build.metadata or not store.exists(truth_path):
+        return None
+    return store.read_parquet(truth_path).to_pydict()
+
+
+def subset_purity(cfg: Any, subsets: dict[str, Any], store: Storage) -> dict[str, dict[str, float]] | None:
     """Share of clean / mismatched / non-English captions in each subset (demo pool ground truth)."""
     from pipeline.subset import subset_uids
 
-    truth_path = storage.join(cfg.output, "pool", "truth.parquet")
-    if cfg.build.metadata or not storage.exists(truth_path, cfg.s3_endpoint):
-        return None
-    truth = storage.read_parquet(truth_path, s3_endpoint=cfg.s3_endpoint).to_pydict()
-    if "uid" not in truth or "caption_noise" not in truth:
+    truth = _pool_truth(cfg, store)
+    if truth is None or "uid" not in truth or "caption_noise" not in truth:
         return None
     noise = dict(zip(truth["uid"], truth["caption_noise"], strict=True))
     out: dict[str, dict[str, float]] = {}
@@ -123,15 +129,14 @@ def _auroc(score: list[float], positive: list[bool]) -> float:
     return float((ranks[y].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def noise_detection(cfg: Any, scores_path: str) -> dict[str, float] | None:
+def noise_detection(cfg: Any, scores_path: str, store: Storage) -> dict[str, float] | None:
     """How well each score separates the demo pool's bad captions (ground truth), as ROC AUC: CSD and
     −cosine for mismatched captions, Σσ²_t for mismatched and for non-English ones. 0.5 = chance."""
-    truth_path = storage.join(cfg.output, "pool", "truth.parquet")
-    if cfg.build.metadata or not storage.exists(truth_path, cfg.s3_endpoint):
+    truth = _pool_truth(cfg, store)
+    if truth is None:
         return None
-    truth = storage.read_parquet(truth_path, s3_endpoint=cfg.s3_endpoint).to_pydict()
     noise = dict(zip(truth["uid"], truth["caption_noise"], strict=True))
-    sc = storage.read_parquet(scores_path, s3_endpoint=cfg.s3_endpoint).to_pydict()
+    sc = store.read_parquet(scores_path).to_pydict()
     rows = [i for i, ok in enumerate(sc["ok"]) if ok and sc["uid"][i] in noise]
     kinds = [noise[sc["uid"][i]] for i in rows]
     out = {
@@ -173,22 +178,9 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write_report(
-    cfg: Any,
-    built: dict[str, Any],
-    scores: dict[str, Any],
-    subsets: dict[str, Any],
-    models: dict[str, Any],
-    scorer: dict[str, Any],
-    evals: dict[str, Any],
-    timings: dict[str, float],
-    machine: dict[str, float] | None = None,
-) -> tuple[str, list[Row], dict[str, Any]]:
-    rows = comparison_table(cfg, subsets, models, evals)
-    verdicts = verdict(cfg, evals)
-    purity = subset_purity(cfg, subsets)
+def _header_lines(cfg: Any, built: dict[str, Any], scorer: dict[str, Any], rows: list[Row]) -> list[str]:
     seeds = ", ".join(str(s) for s in cfg.seeds)
-    lines = [
+    return [
         "# Filtering track report",
         "",
         f"Run directory `{cfg.output}`; pool of {built['n_input']} rows, {built['status'].get('success', 0)} "
@@ -199,10 +191,11 @@ def write_report(
         "## Results (main metric per task; average = mean of the task main metrics)",
         "",
         markdown_table(rows),
-        "",
-        "## CSD filter vs controls (equal samples seen)",
-        "",
     ]
+
+
+def _verdict_lines(verdicts: dict[str, Any]) -> list[str]:
+    lines = ["", "## CSD filter vs controls (equal samples seen)", ""]
     if not verdicts:
         lines.append("No CSD subset with a control in this run.")
     for key, v in verdicts.items():
@@ -215,7 +208,14 @@ def write_report(
             f"- **{cand}** {word} **{ctrl}** on the average: mean difference {v['mean_diff']:+.4f} "
             f"({v['wins']}/{len(v['diff_by_seed'])} seeds better; {by_seed})."
         )
-    detection = noise_detection(cfg, scores["path"])
+    return lines
+
+
+def _ground_truth_lines(
+    detection: dict[str, float] | None, purity: dict[str, dict[str, float]] | None
+) -> list[str]:
+    """The demo-only sections: how well the scores find bad captions, and what each subset kept."""
+    lines: list[str] = []
     if detection:
         lines += ["", "## Does the scorer see the bad captions? (ROC AUC on the pool's ground truth)", ""]
         lines.append(", ".join(f"{k} {_fmt(v)}" for k, v in detection.items()) + " (0.5 = chance).")
@@ -226,7 +226,13 @@ def write_report(
         lines.append("|" + "---|" * (len(kinds) + 1))
         for name, d in purity.items():
             lines.append(f"| {name} | " + " | ".join(f"{100 * d.get(k, 0.0):.1f}%" for k in kinds) + " |")
-    analyses = evals.get("scorer", {}).get("analyses") or {}
+    return lines
+
+
+def _scorer_lines(cfg: Any, scorer_eval: dict[str, Any]) -> list[str]:
+    """The scorer's uncertainty analyses as a flat table, and its plots linked relative to the run."""
+    lines: list[str] = []
+    analyses = scorer_eval.get("analyses") or {}
     if analyses:
         flat: list[tuple[str, Any]] = []
         _flat("", analyses, flat)
@@ -238,13 +244,19 @@ def write_report(
             "|---|---|",
         ]
         lines += [f"| {k} | {_fmt(v, 4)} |" for k, v in flat]
-    plots = evals.get("scorer", {}).get("plots") or []
+    plots = scorer_eval.get("plots") or []
     if plots:
         lines += ["", "## Plots", ""]
         for path in plots:
             rel = path[len(cfg.output) :].lstrip("/") if path.startswith(cfg.output) else path
             lines.append(f"![{rel.rsplit('/', 1)[-1]}]({rel})")
-    lines += [
+    return lines
+
+
+def _timing_lines(
+    scores: dict[str, Any], timings: dict[str, float], machine: dict[str, float] | None
+) -> list[str]:
+    lines = [
         "",
         "## Timings (seconds)",
         "",
@@ -259,8 +271,37 @@ def write_report(
             "at the start of this invocation (a yardstick for comparing these timings between runs).",
             "",
         ]
+    return lines
+
+
+def write_report(
+    cfg: Any,
+    built: dict[str, Any],
+    scores: dict[str, Any],
+    subsets: dict[str, Any],
+    models: dict[str, Any],
+    scorer: dict[str, Any],
+    evals: dict[str, Any],
+    timings: dict[str, float],
+    machine: dict[str, float] | None = None,
+    store: Storage | None = None,
+) -> tuple[str, list[Row], dict[str, Any]]:
+    """Write ``report.md`` and ``track_results.json`` under ``cfg.output``; returns (report path, table,
+    verdicts). ``store`` defaults to the one ``cfg.s3_endpoint`` names."""
+    store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
+    rows = comparison_table(cfg, subsets, models, evals)
+    verdicts = verdict(cfg, evals)
+    purity = subset_purity(cfg, subsets, store)
+    detection = noise_detection(cfg, scores["path"], store)
+    lines = [
+        *_header_lines(cfg, built, scorer, rows),
+        *_verdict_lines(verdicts),
+        *_ground_truth_lines(detection, purity),
+        *_scorer_lines(cfg, evals.get("scorer", {})),
+        *_timing_lines(scores, timings, machine),
+    ]
     path = storage.join(cfg.output, "report.md")
-    storage.write_bytes("\n".join(lines).encode(), path, cfg.s3_endpoint)
+    store.write_bytes("\n".join(lines).encode(), path)
     results = {
         "table": rows,
         "verdict": verdicts,
@@ -269,5 +310,5 @@ def write_report(
         "timings": timings,
         "machine": machine or {},
     }
-    storage.write_json(results, storage.join(cfg.output, "track_results.json"), cfg.s3_endpoint)
+    store.write_json(results, storage.join(cfg.output, "track_results.json"))
     return path, rows, verdicts

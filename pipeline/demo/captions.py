@@ -6,14 +6,14 @@ The non-English captions (German, French, Spanish, Italian) are real sentences w
 so fastText's lid.176 — the model DataComp's English filter uses — labels them non-English.
 
 English wordings were chosen with that model too: very short English captions can get a non-English
-top-1 (ENVIRONMENT.md), so level 0 never says just "an object". The generator still runs the model on
+top-1 (measured with lid.176), so level 0 never says just "an object". The generator still runs the model on
 every caption it writes (``english_mask``) and records the answer, so tests compare exactly.
 """
 
 from __future__ import annotations
 
 import importlib.resources
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -127,186 +127,102 @@ def _german(level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b:
     return forms[variant % len(forms)]
 
 
-_FR_NOUN = {
-    "circle": ("cercle", "m"),
-    "square": ("carré", "m"),
-    "triangle": ("triangle", "m"),
-    "star": ("étoile", "f"),
-    "cross": ("croix", "f"),
-    "ring": ("anneau", "m"),
-    "diamond": ("losange", "m"),
-    "heart": ("cœur", "m"),
+# French, Spanish and Italian share one grammar here (article + noun + agreeing adjectives), so their
+# words sit side by side, one column per language in _ROMANCE order, and one writer serves all three.
+_ROMANCE = ("fr", "es", "it")
+_ROMANCE_FEMININE = {"star", "cross"}  # the other shapes' nouns are masculine in all three languages
+_ROMANCE_NOUN = {
+    "circle": ("cercle", "círculo", "cerchio"),
+    "square": ("carré", "cuadrado", "quadrato"),
+    "triangle": ("triangle", "triángulo", "triangolo"),
+    "star": ("étoile", "estrella", "stella"),
+    "cross": ("croix", "cruz", "croce"),
+    "ring": ("anneau", "anillo", "anello"),
+    "diamond": ("losange", "rombo", "rombo"),
+    "heart": ("cœur", "corazón", "cuore"),
 }
-_FR_COLOUR = {
-    "red": ("rouge", "rouge"),
-    "green": ("vert", "verte"),
-    "blue": ("bleu", "bleue"),
-    "yellow": ("jaune", "jaune"),
-    "purple": ("violet", "violette"),
-    "orange": ("orange", "orange"),
-    "white": ("blanc", "blanche"),
-    "black": ("noir", "noire"),
+_ROMANCE_COLOUR = {  # (masculine, feminine)
+    "red": (("rouge", "rouge"), ("rojo", "roja"), ("rosso", "rossa")),
+    "green": (("vert", "verte"), ("verde", "verde"), ("verde", "verde")),
+    "blue": (("bleu", "bleue"), ("azul", "azul"), ("blu", "blu")),
+    "yellow": (("jaune", "jaune"), ("amarillo", "amarilla"), ("giallo", "gialla")),
+    "purple": (("violet", "violette"), ("morado", "morada"), ("viola", "viola")),
+    "orange": (("orange", "orange"), ("naranja", "naranja"), ("arancione", "arancione")),
+    "white": (("blanc", "blanche"), ("blanco", "blanca"), ("bianco", "bianca")),
+    "black": (("noir", "noire"), ("negro", "negra"), ("nero", "nera")),
 }
-_FR_SIZE = {"small": ("petit", "petite"), "large": ("grand", "grande")}
-_FR_POSITION = dict(
-    zip(
-        POSITIONS,
-        (
-            "en haut à gauche",
-            "en haut",
-            "en haut à droite",
-            "à gauche",
-            "au centre",
-            "à droite",
-            "en bas à gauche",
-            "en bas",
-            "en bas à droite",
-        ),
-        strict=True,
-    )
+_ROMANCE_SIZE = {
+    "small": (("petit", "petite"), ("pequeño", "pequeña"), ("piccolo", "piccola")),
+    "large": (("grand", "grande"), ("grande", "grande"), ("grande", "grande")),
+}
+_ROMANCE_ARTICLE = (("un", "une"), ("un", "una"), ("un", "una"))
+_ROMANCE_POSITION = {
+    "top left": ("en haut à gauche", "arriba a la izquierda", "in alto a sinistra"),
+    "top": ("en haut", "arriba", "in alto"),
+    "top right": ("en haut à droite", "arriba a la derecha", "in alto a destra"),
+    "left": ("à gauche", "a la izquierda", "a sinistra"),
+    "center": ("au centre", "en el centro", "al centro"),
+    "right": ("à droite", "a la derecha", "a destra"),
+    "bottom left": ("en bas à gauche", "abajo a la izquierda", "in basso a sinistra"),
+    "bottom": ("en bas", "abajo", "in basso"),
+    "bottom right": ("en bas à droite", "abajo a la derecha", "in basso a destra"),
+}
+_ROMANCE_TEXTURE = {
+    "plain": ("uni", "liso", "in tinta unita"),
+    "striped": ("rayé", "a rayas", "a righe"),
+    "dotted": ("à pois", "de lunares", "a pois"),
+    "checkered": ("à carreaux", "a cuadros", "a quadretti"),
+    "noisy": ("bruité", "con ruido", "granuloso"),
+}
+_ROMANCE_BG = {
+    "grey": ("gris", "gris", "grigio"),
+    "beige": ("beige", "beige", "beige"),
+    "brown": ("marron", "marrón", "marrone"),
+    "teal": ("turquoise", "turquesa", "turchese"),
+}
+_ROMANCE_OBJECT = (  # level 0: two wordings per language
+    ("une photo d'un objet", "une image d'un objet"),
+    ("una foto de un objeto", "una imagen de un objeto"),
+    ("una foto di un oggetto", "un'immagine di un oggetto"),
 )
-_FR_TEXTURE = dict(zip(TEXTURES, ("uni", "rayé", "à pois", "à carreaux", "bruité"), strict=True))
-_FR_BG = dict(zip(BACKGROUNDS, ("gris", "beige", "marron", "turquoise"), strict=True))
+_ROMANCE_PHOTO_OF = ("une photo d'", "una foto de ", "una foto di ")  # prefix of the second wording
+_ROMANCE_A_SHAPE = ("une forme", "una forma", "una forma")  # level 1 names "a shape" (feminine everywhere)
+_ROMANCE_FULL = (  # level 3, word order per language
+    "{un} {size} {noun} {colour} {pos} sur un fond {bg} {texture}",
+    "{un} {noun} {colour} {size} {pos} sobre un fondo {bg} {texture}",
+    "{un} {size} {noun} {colour} {pos} su uno sfondo {bg} {texture}",
+)
 
 
-def _french(level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b: int) -> str:
-    noun, g = _FR_NOUN[SHAPES[s]]
-    k = 1 if g == "f" else 0
-    un = ("un", "une")[k]
-    colour = _FR_COLOUR[COLOURS[c]]
-    forms = {
-        0: ("une photo d'un objet", "une image d'un objet"),
-        1: (f"une forme {colour[1]}", f"une photo d'une forme {colour[1]}"),
-        2: (f"{un} {noun} {colour[k]}", f"une photo d'{un} {noun} {colour[k]}"),
-        3: (
-            f"{un} {_FR_SIZE[SIZES[z]][k]} {noun} {colour[k]} {_FR_POSITION[POSITIONS[p]]} "
-            f"sur un fond {_FR_BG[BACKGROUNDS[b]]} {_FR_TEXTURE[TEXTURES[t]]}",
-        ),
-    }[level]
+def _romance(lang: str, level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b: int) -> str:
+    i = _ROMANCE.index(lang)
+    k = 1 if SHAPES[s] in _ROMANCE_FEMININE else 0
+    un, noun = _ROMANCE_ARTICLE[i][k], _ROMANCE_NOUN[SHAPES[s]][i]
+    colour = _ROMANCE_COLOUR[COLOURS[c]][i]
+    if level == 0:
+        forms = _ROMANCE_OBJECT[i]
+    elif level == 1:
+        shape = f"{_ROMANCE_A_SHAPE[i]} {colour[1]}"
+        forms = (shape, _ROMANCE_PHOTO_OF[i] + shape)
+    elif level == 2:
+        named = f"{un} {noun} {colour[k]}"
+        forms = (named, _ROMANCE_PHOTO_OF[i] + named)
+    else:
+        forms = (
+            _ROMANCE_FULL[i].format(
+                un=un,
+                noun=noun,
+                colour=colour[k],
+                size=_ROMANCE_SIZE[SIZES[z]][i][k],
+                pos=_ROMANCE_POSITION[POSITIONS[p]][i],
+                texture=_ROMANCE_TEXTURE[TEXTURES[t]][i],
+                bg=_ROMANCE_BG[BACKGROUNDS[b]][i],
+            ),
+        )
     return forms[variant % len(forms)]
 
 
-_ES_NOUN = {
-    "circle": ("círculo", "m"),
-    "square": ("cuadrado", "m"),
-    "triangle": ("triángulo", "m"),
-    "star": ("estrella", "f"),
-    "cross": ("cruz", "f"),
-    "ring": ("anillo", "m"),
-    "diamond": ("rombo", "m"),
-    "heart": ("corazón", "m"),
-}
-_ES_COLOUR = {
-    "red": ("rojo", "roja"),
-    "green": ("verde", "verde"),
-    "blue": ("azul", "azul"),
-    "yellow": ("amarillo", "amarilla"),
-    "purple": ("morado", "morada"),
-    "orange": ("naranja", "naranja"),
-    "white": ("blanco", "blanca"),
-    "black": ("negro", "negra"),
-}
-_ES_SIZE = {"small": ("pequeño", "pequeña"), "large": ("grande", "grande")}
-_ES_POSITION = dict(
-    zip(
-        POSITIONS,
-        (
-            "arriba a la izquierda",
-            "arriba",
-            "arriba a la derecha",
-            "a la izquierda",
-            "en el centro",
-            "a la derecha",
-            "abajo a la izquierda",
-            "abajo",
-            "abajo a la derecha",
-        ),
-        strict=True,
-    )
-)
-_ES_TEXTURE = dict(zip(TEXTURES, ("liso", "a rayas", "de lunares", "a cuadros", "con ruido"), strict=True))
-_ES_BG = dict(zip(BACKGROUNDS, ("gris", "beige", "marrón", "turquesa"), strict=True))
-
-
-def _spanish(level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b: int) -> str:
-    noun, g = _ES_NOUN[SHAPES[s]]
-    k = 1 if g == "f" else 0
-    un = ("un", "una")[k]
-    colour = _ES_COLOUR[COLOURS[c]]
-    forms = {
-        0: ("una foto de un objeto", "una imagen de un objeto"),
-        1: (f"una forma {colour[1]}", f"una foto de una forma {colour[1]}"),
-        2: (f"{un} {noun} {colour[k]}", f"una foto de {un} {noun} {colour[k]}"),
-        3: (
-            f"{un} {noun} {colour[k]} {_ES_SIZE[SIZES[z]][k]} {_ES_POSITION[POSITIONS[p]]} "
-            f"sobre un fondo {_ES_BG[BACKGROUNDS[b]]} {_ES_TEXTURE[TEXTURES[t]]}",
-        ),
-    }[level]
-    return forms[variant % len(forms)]
-
-
-_IT_NOUN = {
-    "circle": ("cerchio", "m"),
-    "square": ("quadrato", "m"),
-    "triangle": ("triangolo", "m"),
-    "star": ("stella", "f"),
-    "cross": ("croce", "f"),
-    "ring": ("anello", "m"),
-    "diamond": ("rombo", "m"),
-    "heart": ("cuore", "m"),
-}
-_IT_COLOUR = {
-    "red": ("rosso", "rossa"),
-    "green": ("verde", "verde"),
-    "blue": ("blu", "blu"),
-    "yellow": ("giallo", "gialla"),
-    "purple": ("viola", "viola"),
-    "orange": ("arancione", "arancione"),
-    "white": ("bianco", "bianca"),
-    "black": ("nero", "nera"),
-}
-_IT_SIZE = {"small": ("piccolo", "piccola"), "large": ("grande", "grande")}
-_IT_POSITION = dict(
-    zip(
-        POSITIONS,
-        (
-            "in alto a sinistra",
-            "in alto",
-            "in alto a destra",
-            "a sinistra",
-            "al centro",
-            "a destra",
-            "in basso a sinistra",
-            "in basso",
-            "in basso a destra",
-        ),
-        strict=True,
-    )
-)
-_IT_TEXTURE = dict(
-    zip(TEXTURES, ("in tinta unita", "a righe", "a pois", "a quadretti", "granuloso"), strict=True)
-)
-_IT_BG = dict(zip(BACKGROUNDS, ("grigio", "beige", "marrone", "turchese"), strict=True))
-
-
-def _italian(level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b: int) -> str:
-    noun, g = _IT_NOUN[SHAPES[s]]
-    k = 1 if g == "f" else 0
-    un = ("un", "una")[k]
-    colour = _IT_COLOUR[COLOURS[c]]
-    forms = {
-        0: ("una foto di un oggetto", "un'immagine di un oggetto"),
-        1: (f"una forma {colour[1]}", f"una foto di una forma {colour[1]}"),
-        2: (f"{un} {noun} {colour[k]}", f"una foto di {un} {noun} {colour[k]}"),
-        3: (
-            f"{un} {_IT_SIZE[SIZES[z]][k]} {noun} {colour[k]} {_IT_POSITION[POSITIONS[p]]} "
-            f"su uno sfondo {_IT_BG[BACKGROUNDS[b]]} {_IT_TEXTURE[TEXTURES[t]]}",
-        ),
-    }[level]
-    return forms[variant % len(forms)]
-
-
-_WRITERS = {"en": _english, "de": _german, "fr": _french, "es": _spanish, "it": _italian}
+_WRITERS = {"en": _english, "de": _german} | {lang: partial(_romance, lang) for lang in _ROMANCE}
 
 
 def caption(

@@ -11,8 +11,8 @@ measured the way the build measures them: decode the served JPEG (simplejpeg her
 decode the same pixels), downscale if larger than 512, hash; for pictures with a face box also after an
 approximation of the build's face blur. A build that hashes its q95 re-encoded output instead sees hashes
 up to 4 bits off (measured: 0 bits for 84%, 2 for 16%, 4 for 0.3% of pictures), so near-duplicate pairs
-are also checked after a q95 re-encode, and unrelated pictures are kept 12 bits apart (the issue asks
-for 10): even two 4-bit shifts towards each other leave them above the threshold of 4.
+are also checked after a q95 re-encode, and unrelated pictures are kept 12 bits apart (rather than
+10): even two 4-bit shifts towards each other leave them above the threshold of 4.
 """
 
 from __future__ import annotations
@@ -201,6 +201,57 @@ def render_units(plan: dict[str, np.ndarray], seed: int, workers: int | None = N
     raise RuntimeError("could not separate the pool's perceptual hashes in 50 rounds")
 
 
+def _serving(
+    kind: str,
+    token: str,
+    src_token: str,
+    jpeg: bytes,
+    size: tuple[int, int],
+    rng: np.random.Generator,
+    n_opted: int,
+) -> tuple[str | None, bytes | None, dict | None, tuple[int, int]]:
+    """How the server treats one row of noise ``kind``: (body file, body bytes, route, original size).
+
+    ``route`` None means no route of its own (a duplicate URL reuses its source's; a blocked or invalid
+    URL is never requested); ``n_opted`` counts the opted-out rows before this one (alternating headers).
+    """
+    file, body = f"images/{token}.jpg", jpeg
+    route: dict | None = {"fault": "ok", "type": "image/jpeg"}
+    original = size
+    if kind == "duplicate_url":
+        route = None  # same path as its source: the source's route serves it
+    elif kind == "duplicate_image":
+        file = f"images/{src_token}.jpg"  # the very same file, under another URL
+    elif kind in ("http_404", "http_500", "blocked", "invalid_url"):
+        route = {"fault": kind} if kind.startswith("http_") else None
+        file, body = None, None
+    elif kind == "html":
+        file, body, route["type"] = f"pages/{token}.html", html_page(token), "text/html; charset=utf-8"
+    elif kind == "corrupt":
+        body = corrupt_jpeg(jpeg, rng)
+    elif kind == "bomb":
+        file, body, route["type"] = "bomb.png", bomb_png(), "image/png"
+        original = (BOMB_SIDE, BOMB_SIDE)
+    elif kind == "oversize":
+        route.update(fault="oversize", pad_to=OVERSIZE_BYTES)
+    elif kind in ("slow", "truncated"):
+        route["fault"] = kind
+    elif kind == "opted_out":
+        route.update(fault="opted_out", robots=("noai", "noimageai")[n_opted % 2])
+    return file, body, route, original
+
+
+def _shas(kind: str, body: bytes | None, jpeg: bytes) -> tuple[str, str | None]:
+    """(sha256 the metadata lists, sha256 of the bytes actually served — None when nothing is)."""
+    served = None
+    if body is not None:
+        served = sha256_hex(oversize_body(body) if kind == "oversize" else body)
+    meta_sha = served if served is not None else sha256_hex(jpeg)
+    if kind == "wrong_sha256":
+        meta_sha = sha256_hex(b"stale copy of " + body)  # the crawl saw other bytes
+    return meta_sha, served
+
+
 def render_pool(
     plan: dict[str, np.ndarray], seed: int, out: Path, workers: int | None = None
 ) -> dict[str, list]:
@@ -221,41 +272,15 @@ def render_pool(
         quality = int(plan["quality"][i])
         if kind == "near_duplicate":
             jpeg, ph, size, quality = r.copy_jpeg, r.copy_phash, r.copy_size, r.copy_quality
-        file, body = f"images/{token}.jpg", jpeg
-        route: dict | None = {"fault": "ok", "type": "image/jpeg"}
-        original = size
-        if kind == "duplicate_url":
-            route = None  # same path as its source: the source's route serves it
-        elif kind == "duplicate_image":
-            file = f"images/{plan['token'][src]}.jpg"  # the very same file, under another URL
-        elif kind in ("http_404", "http_500", "blocked", "invalid_url"):
-            route = {"fault": kind} if kind.startswith("http_") else None
-            file, body = None, None
-        elif kind == "html":
-            file, body, route["type"] = f"pages/{token}.html", html_page(token), "text/html; charset=utf-8"
-        elif kind == "corrupt":
-            body = corrupt_jpeg(jpeg, rng)
-        elif kind == "bomb":
-            file, body, route["type"] = "bomb.png", bomb_png(), "image/png"
-            original = (BOMB_SIDE, BOMB_SIDE)
-        elif kind == "oversize":
-            route.update(fault="oversize", pad_to=OVERSIZE_BYTES)
-        elif kind in ("slow", "truncated"):
-            route["fault"] = kind
-        elif kind == "opted_out":
-            route.update(fault="opted_out", robots=("noai", "noimageai")[n_opted % 2])
-            n_opted += 1
+        src_token = str(plan["token"][src]) if src >= 0 else token
+        file, body, route, original = _serving(kind, token, src_token, jpeg, size, rng, n_opted)
+        n_opted += kind == "opted_out"
         if route is not None:
             routes[path] = dict(route, file=file)
         owns_file = body is not None and (src < 0 or kind == "near_duplicate")  # copies share the source's
         if owns_file and not (kind == "bomb" and (out / file).exists()):
             (out / file).write_bytes(body)
-        served = None
-        if body is not None:
-            served = sha256_hex(oversize_body(body) if kind == "oversize" else body)
-        meta_sha = served if served is not None else sha256_hex(jpeg)
-        if kind == "wrong_sha256":
-            meta_sha = sha256_hex(b"stale copy of " + body)  # the crawl saw other bytes
+        meta_sha, served = _shas(kind, body, jpeg)
         for k, v in zip(
             _ROW_COLUMNS,
             (path, size[0], size[1], quality, ph, None if src >= 0 else r.blurred_phash,

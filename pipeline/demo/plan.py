@@ -1,6 +1,6 @@
 """Which demo-pool row gets which scene, caption and noise: a seeded plan, before any pixel is drawn.
 
-Rates are the dataset issue's (web-like noise at DataComp scale): image/transport noise labels are
+Rates are web-like noise at DataComp scale (see ``pipeline/demo/pool.py``): image/transport noise labels are
 mutually exclusive, and duplicate copies always point at a clean source row, so a fault is the only thing
 wrong with its row. Counts are ``round(rate × n)`` (at least one of each kind), so a pool of n rows holds
 exactly predictable numbers of each label.
@@ -98,12 +98,28 @@ def plan_pool(n: int, seed: int) -> dict[str, np.ndarray]:
     """Columnar plan of ``n`` rows: uid, noise labels, scene, caption choice, URL template."""
     if n < MIN_ROWS:
         raise ValueError(f"the demo pool needs at least {MIN_ROWS} rows to hold every noise kind, got {n}")
+    # One generator drawn from in a fixed order (uids, image noise, scenes, captions, URLs): reordering the
+    # steps would change every pool.
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0]))
+    plan: dict[str, np.ndarray] = {"uid": _uids(n, rng)}
+    plan["noise"], plan["dup_of"] = _image_noise(n, rng)
+    _scenes(plan, rng)
+    _caption_choices(plan, rng)
+    plan["url_template"] = _url_templates(plan, rng)
+    return plan
+
+
+def _uids(n: int, rng: np.random.Generator) -> np.ndarray:
     raw = rng.bytes(16 * n)
     uid = np.array([raw[16 * i : 16 * i + 16].hex() for i in range(n)], dtype=object)
     if len(set(uid)) != n:  # 128 random bits: never in practice
         raise RuntimeError("uid collision")
+    return uid
 
+
+def _image_noise(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Mutually exclusive image-level noise labels at NOISE_RATES, and for each copy the clean row it
+    copies (``dup_of``, −1 elsewhere; every source is used once)."""
     order = rng.permutation(n)
     noise = np.full(n, "clean", dtype=object)
     at = 0
@@ -114,10 +130,15 @@ def plan_pool(n: int, seed: int) -> dict[str, np.ndarray]:
     copies = np.flatnonzero(np.isin(noise, COPY_KINDS))
     dup_of = np.full(n, -1, dtype=np.int64)
     dup_of[copies] = rng.choice(np.flatnonzero(noise == "clean"), size=len(copies), replace=False)
+    return noise, dup_of
+
+
+def _scenes(plan: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+    """What each picture shows, its size and JPEG quality, and whether it carries a face."""
+    n, noise, dup_of = len(plan["uid"]), plan["noise"], plan["dup_of"]
+    copies = np.flatnonzero(np.isin(noise, COPY_KINDS))
     is_source = np.zeros(n, dtype=bool)
     is_source[dup_of[copies]] = True
-
-    plan: dict[str, np.ndarray] = {"uid": uid, "noise": noise, "dup_of": dup_of}
     for name, vocab in (
         ("shape", SHAPES), ("colour", COLOURS), ("size", SIZES), ("position", POSITIONS),
         ("texture", TEXTURES), ("background", BACKGROUNDS),
@@ -140,6 +161,11 @@ def plan_pool(n: int, seed: int) -> dict[str, np.ndarray]:
         plan[name][copies] = plan[name][dup_of[copies]]  # a copy shows its source's picture
     plan["is_source"] = is_source
 
+
+def _caption_choices(plan: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+    """Caption noise (independent of the image noise), level, language, wording and the attributes the
+    caption names (another row's for mismatched captions)."""
+    n = len(plan["uid"])
     cap_order = rng.permutation(n)
     caption_noise = np.full(n, "clean", dtype=object)
     k_mis = round(CAPTION_NOISE_RATES["mismatched"] * n)
@@ -159,9 +185,6 @@ def plan_pool(n: int, seed: int) -> dict[str, np.ndarray]:
     for a in ("shape", "colour", "size", "position", "texture", "background"):
         plan["cap_" + a] = plan[a].copy()
     _mismatch(plan, mismatched, rng)
-
-    plan["url_template"] = _url_templates(plan, rng)
-    return plan
 
 
 def _url_templates(plan: dict[str, np.ndarray], rng: np.random.Generator) -> np.ndarray:

@@ -12,7 +12,7 @@
 ``write_metadata(out_dir, base_url)`` then writes ``metadata/part-00000.parquet`` (DataComp columns) with
 full URLs once the server's port is known.
 
-Noise rates follow the dataset issue (≈30% mismatched captions, 5% non-English, 5% small or elongated,
+Noise rates are chosen to look like web data at DataComp scale (≈30% mismatched captions, 5% non-English, 5% small or elongated,
 3% duplicate URLs, 2% identical bytes, 2% near-duplicates, each failure kind ≈0.75%). Image-level noise
 labels (``noise``) are mutually exclusive and never touch the source rows of duplicates, so each fault
 is the only thing wrong with its row; caption noise (``caption_noise``) is an independent column.

@@ -4,7 +4,7 @@ The visual vocabulary (8 shapes × 8 colours × 2 sizes × 3×3 positions × 5 t
 colours) is what the captions talk about and what the zero-shot eval sets classify. Choices that matter:
 
 - Shapes are large (radius ≈ 0.19 or 0.33 of the short side) with distinct silhouettes, because the demo
-  model sees 64 px images and, per ENVIRONMENT.md, learns shapes much later than colours.
+  model sees 64 px images and, as measured on the demo, learns shapes much later than colours.
 - Every picture gets a random smooth lighting ramp and a random texture phase: the low DCT frequencies
   that the perceptual hash (pipeline/phash.py) looks at then differ between unrelated pictures, which the
   generator needs to promise "unrelated images are ≥ 12 bits apart".

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pipeline.masking import choose_kept_patches, mask_text_tokens
+from pipeline.storage import LOCAL, Storage
 from training.encode import Encoder
 from training.eval import sets as eval_sets
 from training.eval import uncertainty
@@ -58,94 +59,122 @@ def masked_inclusion(
     return out, h
 
 
+Found = dict[str, Any]
+Arrays = dict[str, np.ndarray]
+_MISSING = "not run: the task list has no {} task"
+
+
+def _retrieval_analyses(ret: Any, encoder: Encoder, seed: int, store: Storage) -> tuple[Found, Arrays]:
+    """σ² per modality, image ⊂ own caption, and original ⊂ masked on the first shard's samples."""
+    found: Found = {
+        "sigma2_modality": {
+            "task": ret.task.name,
+            **uncertainty.modality_sigma2(ret.image_logvar, ret.text_logvar),
+        }
+    }
+    arrays: Arrays = {
+        "image_trace": uncertainty.trace(ret.image_logvar),
+        "text_trace": uncertainty.trace(ret.text_logvar),
+    }
+    own = np.repeat(np.arange(len(ret.captions)), [len(c) for c in ret.captions])
+    pairs = (ret.image_mu[own], ret.image_logvar[own], ret.text_mu, ret.text_logvar)
+    inc = {"image_in_caption": uncertainty.inclusion_rate(*pairs)}
+    arrays["H_image ⊂ caption"] = uncertainty.hypothesis(*pairs)
+    n = min(MASKED_SAMPLES, len(ret.captions))
+    first_shard = eval_sets.shard_paths(ret.task, store)[0]
+    rows = list(eval_sets.iter_rows(first_shard, ret.task.kind, store, limit=n))
+    masked, h = masked_inclusion(
+        encoder,
+        [r["image"] for r in rows],
+        [eval_sets.split_captions(r["captions"])[0] for r in rows],
+        seed,
+    )
+    inc.update({"original_in_masked_text": masked["text"], "original_in_masked_image": masked["image"]})
+    inc["paper_original_in_masked"] = "> 0.70"
+    found["inclusion"] = {"task": ret.task.name, **inc}
+    arrays.update({f"H_{k}": v for k, v in h.items()})
+    return found, arrays
+
+
+def _length_analysis(texts: list) -> tuple[Found, Arrays]:
+    """σ² vs caption length over every retrieval and hierarchy caption."""
+    caps = [c for d in texts for cs in d.captions for c in cs]
+    lv = np.concatenate([d.text_logvar for d in texts])
+    found = {
+        "sigma2_length": {"tasks": [d.task.name for d in texts], **uncertainty.length_correlation(caps, lv)}
+    }
+    arrays = {
+        "caption_words": np.array([len(c.split()) for c in caps]),
+        "caption_trace": uncertainty.trace(lv),
+    }
+    return found, arrays
+
+
+def _hierarchy_analyses(hier: Any, encoder: Encoder) -> tuple[Found, Arrays]:
+    """Level ordering of tr(Σ) and the image traversal towards the empty caption."""
+    levels = min(len(c) for c in hier.captions)
+    counts = [len(c) for c in hier.captions]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    idx = starts[:, None] + np.arange(levels)[None, :]  # (n, L): level k of image i
+    tr = uncertainty.trace(hier.text_logvar)[idx]
+    found: Found = {"hierarchy_order": {"task": hier.task.name, **uncertainty.hierarchy_order(tr)}}
+    level = np.concatenate([np.arange(c) for c in counts])
+    e_mu, e_lv = encoder.texts([""])
+    found["traversal"] = {
+        "task": hier.task.name,
+        **uncertainty.traversal(
+            hier.image_mu, hier.image_logvar, hier.text_mu, hier.text_logvar, level, e_mu[0], e_lv[0]
+        ),
+    }
+    return found, {"level_traces": tr}
+
+
+def _bprw_analysis(cls: Any, seed: int) -> Found:
+    c, t = len(cls.classnames), len(cls.templates)
+    return {
+        "task": cls.task.name,
+        **uncertainty.bprw_analysis(
+            cls.text_mu.reshape(c, t, -1),
+            cls.text_logvar.reshape(c, t, -1),
+            cls.image_mu,
+            cls.image_logvar,
+            cls.labels,
+            seed=seed,
+        ),
+    }
+
+
 def run_analyses(
-    data: list, encoder: Encoder, plot_dir: str, seed: int = 0, s3_endpoint: str = ""
+    data: list, encoder: Encoder, plot_dir: str, seed: int = 0, store: Storage = LOCAL
 ) -> tuple[dict, list[str]]:
-    """(analyses dict, PNG paths) for the gathered ``TaskData`` list."""
+    """(analyses dict, PNG paths) for the gathered ``TaskData`` list; ``store`` reads the eval shards."""
     if not encoder.probabilistic:
         return {name: uncertainty.NOT_APPLICABLE for name in ANALYSES}, []
-    found: dict[str, Any] = {}
-    arrays: dict[str, np.ndarray] = {}
+    found: Found = {}
+    arrays: Arrays = {}
     ret, hier, cls = (
         _first(data, "retrieval"),
         _first(data, "hierarchy"),
         _first(data, "zeroshot_classification"),
     )
-    missing = "not run: the task list has no {} task"
     if ret is not None:
-        found["sigma2_modality"] = {
-            "task": ret.task.name,
-            **uncertainty.modality_sigma2(ret.image_logvar, ret.text_logvar),
-        }
-        arrays["image_trace"] = uncertainty.trace(ret.image_logvar)
-        arrays["text_trace"] = uncertainty.trace(ret.text_logvar)
-        own = np.repeat(np.arange(len(ret.captions)), [len(c) for c in ret.captions])
-        inc = {
-            "image_in_caption": uncertainty.inclusion_rate(
-                ret.image_mu[own], ret.image_logvar[own], ret.text_mu, ret.text_logvar
-            )
-        }
-        arrays["H_image ⊂ caption"] = uncertainty.hypothesis(
-            ret.image_mu[own], ret.image_logvar[own], ret.text_mu, ret.text_logvar
-        )
-        n = min(MASKED_SAMPLES, len(ret.captions))
-        first_shard = eval_sets.shard_paths(ret.task, s3_endpoint)[0]
-        rows = list(eval_sets.iter_rows(first_shard, ret.task.kind, s3_endpoint, limit=n))
-        masked, h = masked_inclusion(
-            encoder,
-            [r["image"] for r in rows],
-            [eval_sets.split_captions(r["captions"])[0] for r in rows],
-            seed,
-        )
-        inc.update({"original_in_masked_text": masked["text"], "original_in_masked_image": masked["image"]})
-        inc["paper_original_in_masked"] = "> 0.70"
-        found["inclusion"] = {"task": ret.task.name, **inc}
-        arrays.update({f"H_{k}": v for k, v in h.items()})
+        part, more = _retrieval_analyses(ret, encoder, seed, store)
+        found.update(part)
+        arrays.update(more)
     else:
-        found["sigma2_modality"] = found["inclusion"] = missing.format("retrieval")
+        found["sigma2_modality"] = found["inclusion"] = _MISSING.format("retrieval")
     texts = [d for d in data if d.task.kind in ("retrieval", "hierarchy")]
     if texts:
-        caps = [c for d in texts for cs in d.captions for c in cs]
-        lv = np.concatenate([d.text_logvar for d in texts])
-        found["sigma2_length"] = {
-            "tasks": [d.task.name for d in texts],
-            **uncertainty.length_correlation(caps, lv),
-        }
-        arrays["caption_words"] = np.array([len(c.split()) for c in caps])
-        arrays["caption_trace"] = uncertainty.trace(lv)
+        part, more = _length_analysis(texts)
+        found.update(part)
+        arrays.update(more)
     else:
-        found["sigma2_length"] = missing.format("retrieval or hierarchy")
+        found["sigma2_length"] = _MISSING.format("retrieval or hierarchy")
     if hier is not None:
-        levels = min(len(c) for c in hier.captions)
-        counts = [len(c) for c in hier.captions]
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        idx = starts[:, None] + np.arange(levels)[None, :]  # (n, L): level k of image i
-        tr = uncertainty.trace(hier.text_logvar)[idx]
-        found["hierarchy_order"] = {"task": hier.task.name, **uncertainty.hierarchy_order(tr)}
-        arrays["level_traces"] = tr
-        level = np.concatenate([np.arange(c) for c in counts])
-        e_mu, e_lv = encoder.texts([""])
-        found["traversal"] = {
-            "task": hier.task.name,
-            **uncertainty.traversal(
-                hier.image_mu, hier.image_logvar, hier.text_mu, hier.text_logvar, level, e_mu[0], e_lv[0]
-            ),
-        }
+        part, more = _hierarchy_analyses(hier, encoder)
+        found.update(part)
+        arrays.update(more)
     else:
-        found["hierarchy_order"] = found["traversal"] = missing.format("hierarchy")
-    if cls is not None:
-        c, t = len(cls.classnames), len(cls.templates)
-        found["bprw"] = {
-            "task": cls.task.name,
-            **uncertainty.bprw_analysis(
-                cls.text_mu.reshape(c, t, -1),
-                cls.text_logvar.reshape(c, t, -1),
-                cls.image_mu,
-                cls.image_logvar,
-                cls.labels,
-                seed=seed,
-            ),
-        }
-    else:
-        found["bprw"] = missing.format("classification")
+        found["hierarchy_order"] = found["traversal"] = _MISSING.format("hierarchy")
+    found["bprw"] = _bprw_analysis(cls, seed) if cls is not None else _MISSING.format("classification")
     return found, uncertainty.plot_all(found, arrays, plot_dir)

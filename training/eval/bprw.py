@@ -8,7 +8,7 @@ the MAP weights of
     log p(π | x) = Σ_n (α − 1) log π_n + Σ_j log Σ_n π_n f_n(x_j) + const,
 
 E-step γ_jn ∝ π_n f_n(x_j); M-step π_n = (N_n + α − 1) / (M' + N(α − 1)), N_n = Σ_j γ_jn; π starts
-∝ 1/tr(Σ_n) (MATH.md). Defaults: ε = 0.02, zero-shot α = 5 with 5 nearest images × 10 samples, few-shot
+∝ 1/tr(Σ_n) (precise prompts weigh more from the start). Defaults: ε = 0.02, zero-shot α = 5 with 5 nearest images × 10 samples, few-shot
 α = 2 (§3.4 / C.7).
 
 The new class embedding "Σ_n π_n Z_n" is taken as N(Σ_n π_n μ_n, Σ_n π_n σ²_n): the π-weighted form of the

@@ -1,6 +1,6 @@
 """Uncertainty-calibration metrics shared by every probabilistic method (ProLIP, PCME++, ProbVLM, AsymVLM).
 
-The protocol of ProbVLM §4 (seed 004, after PCME [10]) that AsymVLM §5 (seed 002) reuses:
+The protocol of ProbVLM §4 (after PCME [10]) that AsymVLM §5 reuses:
 
 1. sort the retrieval queries by their scalar uncertainty and cut them into ``n_levels`` equal-count
    uncertainty levels (10 in both papers);

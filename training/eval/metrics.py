@@ -4,8 +4,8 @@ Pure numpy/torch; the Ray side (``training/eval/run.py``) gathers the embeddings
 
 - Scores are "higher is better": −CSD (Eq. 1 of ProLIP) for probabilistic embeddings, cosine similarity
   for deterministic ones (``logvar`` None), so one ranking code path serves both.
-- Zero-shot (ProLIP §4.2, MATH.md): the class embedding of N prompts is N(mean_i μ_i, mean_i σ²_i), the
-  plain mean (not 1/N² of a sum of Gaussians). The mean of unit vectors is *not* renormalised (MATH.md
+- Zero-shot (ProLIP §4.2): the class embedding of N prompts is N(mean_i μ_i, mean_i σ²_i), the
+  plain mean (not 1/N² of a sum of Gaussians). The mean of unit vectors is *not* renormalised (ProLIP
   says nothing of it), so its CSD keeps the exact ‖μ_c‖² term; for deterministic models the cosine
   normalises it anyway, which is CLIP's prompt ensemble.
 - Classification metrics follow clip_benchmark/DataComp names: ``acc1``, ``acc5`` (top-min(5, C)),

@@ -1,7 +1,7 @@
 """Uncertainty analyses of a probabilistic checkpoint (ProLIP §4.3–4.4, C.7) and their PNG plots.
 
 Everything takes gathered embeddings (numpy μ, log σ²) and returns JSON-able dicts; plots are written with
-matplotlib's Agg backend. The claims measured in miniature (MATH.md "Uncertainty of an input"):
+matplotlib's Agg backend. The claims measured in miniature (ProLIP §4.3–4.4):
 
 - text σ² > image σ² (mean tr(Σ) = Σ_d σ²_d per modality);
 - shorter / more general captions have larger σ² (Spearman of word count vs tr(Σ); per hierarchy level,
@@ -195,71 +195,108 @@ def _figure():
     return plt
 
 
+def _plot_modality(plt, analyses: dict, arrays: dict[str, np.ndarray]):
+    if "image_trace" not in arrays or "text_trace" not in arrays:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.hist([arrays["image_trace"], arrays["text_trace"]], bins=30, label=["images", "captions"])
+    ax.set_xlabel("tr(Σ) = Σ_d σ²_d")
+    ax.set_ylabel("count")
+    ax.legend()
+    return fig
+
+
+def _plot_length(plt, analyses: dict, arrays: dict[str, np.ndarray]):
+    if "caption_words" not in arrays:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.scatter(arrays["caption_words"], arrays["caption_trace"], s=6, alpha=0.5)
+    ax.set_xlabel("caption length (words)")
+    ax.set_ylabel("tr(Σ_text)")
+    return fig
+
+
+def _plot_level(plt, analyses: dict, arrays: dict[str, np.ndarray]):
+    if "level_traces" not in arrays:
+        return None
+    lt = arrays["level_traces"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.boxplot([lt[:, k] for k in range(lt.shape[1])])
+    ax.set_xticks(range(1, lt.shape[1] + 1), [str(k) for k in range(lt.shape[1])])
+    ax.set_xlabel("hierarchy level (0 = general)")
+    ax.set_ylabel("tr(Σ_text)")
+    return fig
+
+
+def _plot_inclusion(plt, analyses: dict, arrays: dict[str, np.ndarray]):
+    inc = {k[len("H_") :]: v for k, v in arrays.items() if k.startswith("H_")}
+    if not inc:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for name, h in inc.items():
+        ax.hist(h, bins=30, alpha=0.5, label=name)
+    ax.axvline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("H(Z₁ ⊂ Z₂)")
+    ax.legend()
+    return fig
+
+
+def _plot_bprw(plt, analyses: dict, arrays: dict[str, np.ndarray]):
+    bp = analyses.get("bprw")
+    if not isinstance(bp, dict):
+        return None
+    labels, before, after = [], [], []
+    for mode in ("zero_shot", "few_shot"):
+        if isinstance(bp.get(mode), dict):
+            labels.append(mode)
+            before.append(bp[mode]["acc1_before"])
+            after.append(bp[mode]["acc1_after"])
+    if not labels:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, before, 0.4, label="prompt ensemble")
+    ax.bar(x + 0.2, after, 0.4, label="BPRW")
+    ax.set_xticks(x, labels)
+    ax.set_ylabel("top-1 accuracy")
+    ax.legend()
+    return fig
+
+
+def _plot_traversal(plt, analyses: dict, arrays: dict[str, np.ndarray]):
+    tr = analyses.get("traversal")
+    if not isinstance(tr, dict):
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(np.linspace(0, 1, tr["steps"]), tr["mean_level_per_step"])
+    ax.set_xlabel("root → nearest caption")
+    ax.set_ylabel("mean level of retrieved caption")
+    return fig
+
+
+# (file name, drawer): a drawer returns a figure, or None when its analysis is absent.
+_PLOTS = (
+    ("sigma2_modality.png", _plot_modality),
+    ("sigma2_vs_length.png", _plot_length),
+    ("sigma2_vs_level.png", _plot_level),
+    ("inclusion.png", _plot_inclusion),
+    ("bprw.png", _plot_bprw),
+    ("traversal.png", _plot_traversal),
+)
+
+
 def plot_all(analyses: dict, arrays: dict[str, np.ndarray], plot_dir: str) -> list[str]:
     """PNGs for whichever analyses are present; ``arrays`` holds the raw per-sample values plotted."""
     plt = _figure()
     os.makedirs(plot_dir, exist_ok=True)
     paths = []
-
-    def save(fig, name: str) -> None:
+    for name, draw in _PLOTS:
+        fig = draw(plt, analyses, arrays)
+        if fig is None:
+            continue
         path = os.path.join(plot_dir, name)
         fig.tight_layout()
         fig.savefig(path, dpi=90)
         plt.close(fig)
         paths.append(path)
-
-    if "image_trace" in arrays and "text_trace" in arrays:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.hist([arrays["image_trace"], arrays["text_trace"]], bins=30, label=["images", "captions"])
-        ax.set_xlabel("tr(Σ) = Σ_d σ²_d")
-        ax.set_ylabel("count")
-        ax.legend()
-        save(fig, "sigma2_modality.png")
-    if "caption_words" in arrays:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.scatter(arrays["caption_words"], arrays["caption_trace"], s=6, alpha=0.5)
-        ax.set_xlabel("caption length (words)")
-        ax.set_ylabel("tr(Σ_text)")
-        save(fig, "sigma2_vs_length.png")
-    if "level_traces" in arrays:
-        lt = arrays["level_traces"]
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.boxplot([lt[:, k] for k in range(lt.shape[1])])
-        ax.set_xticks(range(1, lt.shape[1] + 1), [str(k) for k in range(lt.shape[1])])
-        ax.set_xlabel("hierarchy level (0 = general)")
-        ax.set_ylabel("tr(Σ_text)")
-        save(fig, "sigma2_vs_level.png")
-    inc = {k[len("H_") :]: v for k, v in arrays.items() if k.startswith("H_")}
-    if inc:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for name, h in inc.items():
-            ax.hist(h, bins=30, alpha=0.5, label=name)
-        ax.axvline(0.0, color="k", lw=0.8)
-        ax.set_xlabel("H(Z₁ ⊂ Z₂)")
-        ax.legend()
-        save(fig, "inclusion.png")
-    bp = analyses.get("bprw")
-    if isinstance(bp, dict):
-        labels, before, after = [], [], []
-        for mode in ("zero_shot", "few_shot"):
-            if isinstance(bp.get(mode), dict):
-                labels.append(mode)
-                before.append(bp[mode]["acc1_before"])
-                after.append(bp[mode]["acc1_after"])
-        if labels:
-            fig, ax = plt.subplots(figsize=(5, 3.5))
-            x = np.arange(len(labels))
-            ax.bar(x - 0.2, before, 0.4, label="prompt ensemble")
-            ax.bar(x + 0.2, after, 0.4, label="BPRW")
-            ax.set_xticks(x, labels)
-            ax.set_ylabel("top-1 accuracy")
-            ax.legend()
-            save(fig, "bprw.png")
-    tr = analyses.get("traversal")
-    if isinstance(tr, dict):
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.plot(np.linspace(0, 1, tr["steps"]), tr["mean_level_per_step"])
-        ax.set_xlabel("root → nearest caption")
-        ax.set_ylabel("mean level of retrieved caption")
-        save(fig, "traversal.png")
     return paths
