@@ -10,7 +10,7 @@ Pure numpy, used by the training-ingest stage:
   (default 75%, §4.1, BERT-style [MASK] of Devlin et al.); padding, the end token and any
   ``protected_ids`` (e.g. CLIP's start token) are never masked.
 - ``choose_kept_patches``: per-sample sorted indices of the K = round(keep_ratio·N) patches to keep
-  (default 25% kept = 75% dropped, §4.1, MAE token drop; the official code keeps 75% — a bug, MATH.md).
+  (default 25% kept = 75% dropped, §4.1, MAE token drop; the official code keeps 75% — a bug, docs/math.md).
 
 Rounding is half-up (``floor(x + 0.5)``), so a batch of 4 at 12.5% still gets one masked sample. Every
 random choice ranks i.i.d. keys with ``argsort`` — no per-token Python loops.

@@ -1,8 +1,8 @@
 """SSRF guard for the download stage: which URLs we may fetch, and which addresses we may connect to.
 
 A metadata pool is untrusted input: any row can point at ``http://169.254.169.254/`` (cloud credentials),
-``http://127.0.0.1:8265/`` (the Ray dashboard) or a private service. The issue asks that destinations resolving
-to private, loopback, link-local or cloud-metadata addresses be refused unless allow-listed; img2dataset
+``http://127.0.0.1:8265/`` (the Ray dashboard) or a private service. Destinations resolving
+to private, loopback, link-local or cloud-metadata addresses are refused unless allow-listed; img2dataset
 1.47 (``downloader.download_image``) has no such check and lets urllib follow redirects unchecked.
 
 Decisions (docs/download.md explains them):

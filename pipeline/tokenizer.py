@@ -9,7 +9,7 @@
   ``vocab_size`` — build the model config from ``tok.vocab_size`` and ``tok.pad_id``.
 - ``encode_batch(texts, C)`` → int64 (B, C): ``[start?] tokens… <end> <pad>…``, truncated so that the end
   token always fits (the text tower pools CLS/UNC, not the end token, but the end token marks where a
-  truncated caption stops and is never masked, ProLIP §4.1 / MATH.md "masked variants").
+  truncated caption stops and is never masked, ProLIP §4.1 / docs/math.md "Objective").
   Special-token spellings inside captions are encoded as plain text, so a caption cannot inject ``<pad>``.
 """
 

@@ -46,8 +46,10 @@ SAFETENSORS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
 EXTRA_FILE = "extra.json"
 
-# Parameter names (last component) that never decay although they may be 2-D.
-NO_DECAY_NAMES = frozenset({"pos_embed", "cls_token", "unc_token", "logit_scale", "logit_bias"})
+# Parameter names (last component) that never decay although they are 2-D or more (ProLIP App. B.1: no
+# decay on embeddings and tokens). Gains, biases and the losses' learnable scalars (``log_scale``, ``bias``,
+# ``scale``, ``shift``: 0-d) are 1-D or less and never decay by rank alone.
+NO_DECAY_NAMES = frozenset({"pos_embed", "cls_token", "unc_token"})
 
 
 class CheckpointError(RuntimeError):

@@ -1,4 +1,4 @@
-"""AsymVLM (seed 002): text-only spherical uncertainty on top of a frozen deterministic VLM.
+"""AsymVLM (docs/math.md "AsymVLM"): text-only spherical uncertainty on top of a frozen deterministic VLM.
 
 Only the text side becomes a random variable: an MLP maps the frozen text embedding to η ∈ R^d,
 ``κ = ‖η‖`` and ``μ = η/κ`` parametrise a von Mises–Fisher or Power Spherical distribution on S^{d−1};
@@ -11,7 +11,7 @@ the (unit-norm) image embedding stays a point. Everything is a log-likelihood of
 
 Normalisers (checked against scipy in tests/test_adapters.py):
 
-- vMF: ``log C_d(κ) = (d/2−1) log κ − (d/2) log 2π − log I_{d/2−1}(κ)``. ``F_d`` (Eq. 4, MATH.md) integrates
+- vMF: ``log C_d(κ) = (d/2−1) log κ − (d/2) log 2π − log I_{d/2−1}(κ)``. ``F_d`` (Eq. 4, docs/math.md) integrates
   the midpoint of the Ruiz-Antolín–Segura bounds on ``I_{d/2}/I_{d/2−1} = −d log C_d/dκ``, so it equals
   ``log C_d`` only *up to an additive constant in d*. ``vmf_log_normaliser`` fixes that constant by the
   exact value at κ = 0 (the uniform density ``Γ(d/2)/(2π^{d/2})``); the error then grows at most like
@@ -48,7 +48,7 @@ def _sqrt_terms(kappa: Tensor, d: int) -> tuple[float, Tensor, Tensor]:
 
 
 def vmf_f_d(kappa: Tensor, d: int) -> Tensor:
-    """``F_d(κ)`` of AsymVLM Eq. 4 (MATH.md), the approximation of ``log C_d(κ)`` up to a constant.
+    """``F_d(κ)`` of AsymVLM Eq. 4 (docs/math.md), the approximation of ``log C_d(κ)`` up to a constant.
 
     ``F_d = (d−1)/4·log((d−1)/2 + √(((d−1)/2)² + κ²)) − ½√(((d−1)/2)² + κ²)
           + (d−1)/4·log((d−1)/2 + √(((d+1)/2)² + κ²)) − ½√(((d+1)/2)² + κ²)``.

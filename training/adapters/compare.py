@@ -4,11 +4,11 @@ A *method* is a retrieval rule plus a scalar uncertainty per query. Each method 
 ``Method(image_u, text_u, correct_i2t, correct_t2i)`` and the shared metrics of ``training/eval/calibration.py``
 are computed per direction, binning the queries by their own uncertainty (image queries for i2t, caption
 queries for t2i) — except AsymVLM, whose images have no uncertainty: its i2t bins use the uncertainty of
-the top-1 retrieved caption (AsymVLM §5; MATH.md).
+the top-1 retrieved caption (AsymVLM §5; docs/math.md).
 
 Retrieval rules (row i of the eval set is image i with its caption i):
 - deterministic CLIP: cosine; ProLIP / PCME++ (their own Σσ²): CSD, i.e. the largest
-  ``μ_v·μ_t − ½(Σσ²_v + Σσ²_t)`` (MATH.md "Zero-shot/Retrieval");
+  ``μ_v·μ_t − ½(Σσ²_v + Σσ²_t)`` (docs/math.md "Zero-shot");
 - ProbVLM: the frozen model's cosine — the adapter adds uncertainty and leaves the ranking alone
   (a user keeps the retrieval they had; ProbVLM's ẑ is not trained for retrieval);
 - AsymVLM: maximum likelihood ``argmax L(m, n)`` (App. A.2).

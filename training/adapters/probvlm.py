@@ -1,4 +1,4 @@
-"""ProbVLM (seed 004): a post-hoc probabilistic adapter on frozen image and text embeddings.
+"""ProbVLM (docs/math.md "ProbVLM"): a post-hoc probabilistic adapter on frozen image and text embeddings.
 
 Each modality gets its own head Ψ: z ↦ (ẑ, α, β), a generalized Gaussian per embedding dimension.
 
