@@ -41,6 +41,6 @@ def build_loss_from_config(loss_cfg: Any) -> tuple[nn.Module, LossSpec]:
 
 def logit_scalars(loss: nn.Module, spec: LossSpec) -> tuple[float, float]:
     """(logit scale a, logit bias b) as logged; b = 0 for losses without one (CLIP)."""
-    raw = float(getattr(loss, spec.scale))
+    raw = float(getattr(loss, spec.scale).detach())
     scale = math.exp(raw) if spec.scale_is_log else raw
-    return scale, float(getattr(loss, spec.bias)) if spec.bias else 0.0
+    return scale, float(getattr(loss, spec.bias).detach()) if spec.bias else 0.0
