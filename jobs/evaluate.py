@@ -19,7 +19,8 @@ from jobs.common import config_parser, init_ray, print_table, resolve_config
 from pipeline.config import ConfigError, merge, to_dict
 from pipeline.manifest import write_manifest
 from pipeline.storage import Storage
-from training.eval.run import EVAL_PRESETS, evaluate
+from training.config import EVAL_PRESETS
+from training.eval.run import evaluate
 from training.eval.sets import EvalSetError, load_tasks
 from training.model import CheckpointError
 

@@ -255,7 +255,7 @@ def _presets(verb: str):
     elif verb == "filter":
         from jobs.filter.run import FILTER_PRESETS as presets
     else:
-        from training.eval.run import EVAL_PRESETS as presets
+        from training.config import EVAL_PRESETS as presets
     return presets
 
 

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import ConfigError, check_types, from_dict, positive, require
+from pipeline.config import ConfigError, check_types, from_dict, non_negative, positive, require
 from training.objectives import LOSS_SPECS
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -369,3 +369,37 @@ def from_plain(data: dict) -> TrainConfig:
     from pipeline.config import from_dict
 
     return from_dict(TrainConfig, data)
+
+
+# --- evaluation (training/eval/run.py, ``python -m jobs.evaluate``) --------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What ``python -m jobs.evaluate`` resolves (preset → YAML → --set → flags)."""
+
+    checkpoint: str = ""
+    tasks: str = "demo"  # a task-list name (training/eval/tasks/NAME.yaml) or a YAML file
+    eval_root: str = ""  # root of the task list's relative paths
+    out: str = ""
+    s3_endpoint: str = ""
+    num_actors: int = 1
+    num_gpus: float = 0.0  # per actor; 0 on CPU-only clusters (a GPU request there waits forever)
+    batch_size: int = 256
+    analyses: bool = True
+    max_samples: int | None = None  # per task, for quick checks
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_types(self)
+        positive(self, "num_actors", "batch_size")
+        non_negative(self, "num_gpus")
+        if self.max_samples is not None:
+            positive(self, "max_samples")
+
+
+EVAL_PRESETS = {
+    "demo": EvalConfig(batch_size=128),
+    "datacomp-small": EvalConfig(tasks="datacomp", num_actors=1, batch_size=256),
+    "prolip-b16": EvalConfig(tasks="datacomp", num_actors=4, num_gpus=1.0, batch_size=512),
+}

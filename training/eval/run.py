@@ -38,30 +38,6 @@ from training.eval.metrics import (
 from training.eval.sets import EvalSetError, Task
 
 
-@dataclass(frozen=True)
-class EvalConfig:
-    """What ``python -m jobs.evaluate`` resolves (preset → YAML → --set → flags)."""
-
-    checkpoint: str = ""
-    tasks: str = "demo"  # a task-list name (training/eval/tasks/NAME.yaml) or a YAML file
-    eval_root: str = ""  # root of the task list's relative paths
-    out: str = ""
-    s3_endpoint: str = ""
-    num_actors: int = 1
-    num_gpus: float = 0.0  # per actor; 0 on CPU-only clusters (a GPU request there waits forever)
-    batch_size: int = 256
-    analyses: bool = True
-    max_samples: int | None = None  # per task, for quick checks
-    seed: int = 0
-
-
-EVAL_PRESETS = {
-    "demo": EvalConfig(batch_size=128),
-    "datacomp-small": EvalConfig(tasks="datacomp", num_actors=1, batch_size=256),
-    "prolip-b16": EvalConfig(tasks="datacomp", num_actors=4, num_gpus=1.0, batch_size=512),
-}
-
-
 @dataclass
 class EvalReport:
     results: list[dict]
