@@ -101,54 +101,75 @@ def dct_factor(width: int, height: int, out_w: int, out_h: int) -> int:
 
 # --- face blur ------------------------------------------------------------------------------------------
 
+# img2dataset's blur strengths: DataComp pinned 1.40 (σ = 0.1·d, kernel 2·⌈4σ⌉+1); 1.46+ keeps only the
+# kernel 2·⌈σ⌉+1 and lets OpenCV derive a weaker σ from it (docs/download.md).
+BLUR_VARIANTS = ("img2dataset_1.40", "img2dataset_1.47")
 
-def blur_boxes(img: np.ndarray, boxes: Sequence[Sequence[float]]) -> np.ndarray:
-    """Blur ``boxes`` ([x0, y0, x1, y1] in [0, 1]) of an (H, W, 3) uint8 image with img2dataset ≤ 1.45's σ.
 
-    Only the region the feathered mask can reach is computed; the Gaussian there sees the same
-    neighbourhood (and the same reflect-101 border at the image edge) as a whole-image blur would.
-    """
-    h, w = img.shape[:2]
-    rects = []
-    side = 0
+def _gaussian(variant: str, sigma: float) -> tuple[int, float]:
+    """(kernel size, σ handed to OpenCV; 0 = derive it from the kernel) for the largest box's σ."""
+    if variant == "img2dataset_1.40":
+        return int(2 * np.ceil(4 * sigma)) + 1, sigma
+    if variant == "img2dataset_1.47":
+        return max(3, int(2 * np.ceil(sigma) + 1)), 0.0
+    raise ValueError(f"face blur variant must be one of {BLUR_VARIANTS}, got {variant!r}")
+
+
+def _grown_rects(boxes: Sequence[Sequence[float]], w: int, h: int) -> tuple[list[tuple[int, ...]], int]:
+    """img2dataset's mask rectangles and the largest box side ``d`` (its "diagonal"): corners scaled with
+    ``int()``, grown by 0.1·d, then clipped to [0, W−1] × [0, H−1] as slice bounds — so the mask never
+    reaches the last column or row. Boxes are used as given: no clamping, an inverted box adds nothing."""
+    rects, side = [], 0
     for box in boxes:
-        x0, y0, x1, y1 = (int(float(v) * s) for v, s in zip(box, (w, h, w, h), strict=True))
+        x0, y0, x1, y1 = int(box[0] * w), int(box[1] * h), int(box[2] * w), int(box[3] * h)
         d = max(x1 - x0, y1 - y0)
         side = max(side, d)
-        grow = 0.1 * d  # the ImageNet face-obfuscation margin img2dataset copied
-        rects.append((int(x0 - grow), int(y0 - grow), int(x1 + grow), int(y1 + grow)))
-    sigma = 0.1 * side
-    if sigma <= 0:
-        return img
-    radius = int(math.ceil(4 * sigma))  # kernel 2·⌈4σ⌉+1
-    mask = np.zeros((h, w), np.float32)
+        grown = (int(x0 - 0.1 * d), int(y0 - 0.1 * d), int(x1 + 0.1 * d), int(y1 + 0.1 * d))
+        rects.append(tuple(min(max(v, 0), lim - 1) for v, lim in zip(grown, (w, h, w, h), strict=True)))
+    return rects, side
+
+
+def blur_boxes(
+    img: np.ndarray, boxes: Sequence[Sequence[float]], variant: str = "img2dataset_1.40"
+) -> np.ndarray:
+    """Blur ``boxes`` ([x0, y0, x1, y1], relative) of an (H, W, 3) uint8 image exactly as img2dataset's
+    ``BoundingBoxBlurrer`` of ``variant`` does: float32 pixels/255, a box mask blurred by the same
+    Gaussian (reflect-101 border) as the image, ``img·(1−M̃) + G(img)·M̃``, back to uint8 by truncation.
+
+    Only the band of full-width rows the blurred mask can reach is computed (plus one more kernel radius
+    of context): outside it the result equals the input exactly, and whole rows keep OpenCV's arithmetic
+    per pixel the same as on the whole image.
+    """
+    h, w = img.shape[:2]
+    rects, side = _grown_rects(boxes, w, h)
+    ksize, sigma = _gaussian(variant, 0.1 * side)
+    rects = [r for r in rects if r[2] > r[0] and r[3] > r[1]]
+    if not rects or ksize <= 1:
+        return img  # an empty mask or a 1-tap kernel leaves every pixel as it was
+    radius = ksize // 2
+    top = max(0, min(r[1] for r in rects) - 2 * radius)
+    bottom = min(h, max(r[3] for r in rects) + 2 * radius)
+    band = np.ascontiguousarray(img[top:bottom]).astype(np.float32) / 255.0
+    mask = np.zeros_like(band)
     for x0, y0, x1, y1 in rects:
-        mask[max(0, y0) : max(0, min(h, y1)), max(0, x0) : max(0, min(w, x1))] = 1.0
-    ys, xs = np.nonzero(mask)
-    if len(ys) == 0:
-        return img
-    # The blended region is mask support ± radius; its blur needs another radius of context.
-    top, left = max(0, ys.min() - 2 * radius), max(0, xs.min() - 2 * radius)
-    bottom, right = min(h, ys.max() + 1 + 2 * radius), min(w, xs.max() + 1 + 2 * radius)
-    crop = img[top:bottom, left:right].astype(np.float32)
-    ksize = (2 * radius + 1, 2 * radius + 1)
-    blurred = cv2.GaussianBlur(crop, ksize, sigmaX=sigma, sigmaY=sigma, borderType=cv2.BORDER_REFLECT_101)
-    soft = cv2.GaussianBlur(mask[top:bottom, left:right], ksize, sigmaX=sigma, sigmaY=sigma,
-                            borderType=cv2.BORDER_REFLECT_101)[..., None]  # fmt: skip
+        mask[y0 - top : y1 - top, x0:x1] = 1
+    blurred = cv2.GaussianBlur(band, (ksize, ksize), sigma)
+    soft = cv2.GaussianBlur(mask, (ksize, ksize), sigma)
     out = img.copy()
-    mixed = crop + (blurred - crop) * soft
-    out[top:bottom, left:right] = np.clip(np.rint(mixed), 0, 255).astype(np.uint8)
+    out[top:bottom] = ((band * (1 - soft) + blurred * soft) * 255.0).astype(np.uint8)
     return out
 
 
 def _valid_boxes(face_bboxes: object) -> list[list[float]]:
+    """Boxes img2dataset can compute with (4 finite numbers), unchanged; others are skipped (there they
+    raise and fail the whole image)."""
     boxes = []
     for box in face_bboxes if face_bboxes is not None else ():
         try:
-            vals = [min(1.0, max(0.0, float(v))) for v in box]
+            vals = [float(v) for v in box]
         except (TypeError, ValueError):
             continue
-        if len(vals) == 4 and all(math.isfinite(v) for v in vals) and vals[2] > vals[0] and vals[3] > vals[1]:
+        if len(vals) == 4 and all(math.isfinite(v) for v in vals):
             boxes.append(vals)
     return boxes
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import math
+import os
 import struct
+import types
 import zlib
 
 import cv2
@@ -204,6 +207,108 @@ def test_blur_changes_only_the_feathered_box_region() -> None:
     assert changed[:, 1].min() >= 120 - reach and changed[:, 1].max() < 150 + reach
     assert changed[:, 0].min() >= 80 - reach and changed[:, 0].max() < 100 + reach
     assert np.array_equal(blur_boxes(img, []), img)
+
+
+def _img2dataset_blurrer():
+    """img2dataset's own ``blurrer.py`` from the installed package, loaded by file: the package's
+    ``__init__`` imports its whole CLI stack (~15 s); the module itself needs numpy and albumentations."""
+    os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
+    found = importlib.util.find_spec("img2dataset")
+    if found is None or not found.submodule_search_locations:
+        pytest.skip("img2dataset is not installed")
+    path = os.path.join(found.submodule_search_locations[0], "blurrer.py")
+    spec = importlib.util.spec_from_file_location("img2dataset_blurrer", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Boxes that pin each rule: inside, touching the right/bottom edge (the mask stops at W−1/H−1), the
+# whole image, partly or wholly outside [0, 1] (σ from the unclamped box), inverted, zero-size, thin.
+_EDGE_BOXES = [
+    [[0.2, 0.25, 0.4, 0.6], [0.7, 0.1, 0.75, 0.2]],
+    [[0.9, 0.9, 1.0, 1.0]],
+    [[0.0, 0.0, 1.0, 1.0]],
+    [[0.8, -0.2, 1.3, 0.4]],
+    [[-0.5, -0.5, -0.1, -0.1], [0.45, 0.45, 0.5, 0.5]],
+    [[1.2, 1.2, 1.6, 1.9]],
+    [[0.6, 0.6, 0.4, 0.4]],
+    [[0.3, 0.3, 0.3, 0.3]],
+    [[0.5, 0.1, 0.5, 0.9]],
+    [[0.1, 0.5, 0.9, 0.5004]],
+    [[0.0, 0.0, 0.004, 0.004]],
+    [[0.999, 0.999, 1.0, 1.0]],
+]
+
+
+def _random_boxes(rng: np.random.Generator) -> list[list[float]]:
+    out = []
+    for _ in range(int(rng.integers(1, 4))):
+        if rng.random() < 0.5:
+            x0, x1 = np.sort(rng.uniform(0, 1, 2))
+            y0, y1 = np.sort(rng.uniform(0, 1, 2))
+            out.append([float(x0), float(y0), float(x1), float(y1)])
+        else:
+            out.append([float(v) for v in rng.uniform(-0.3, 1.3, 4)])
+    return out
+
+
+def test_blur_is_pixel_identical_to_img2dataset_blurrer() -> None:
+    """Our blur against img2dataset's ``BoundingBoxBlurrer`` called directly on the same image. The
+    installed release (1.47) differs from 1.40, which DataComp pinned, only in its Gaussian call: 1.40
+    called ``albumentations.augmentations.gaussian_blur(img, ksize=2·⌈4σ⌉+1, sigma=σ)`` with σ = 0.1·d;
+    for that variant the module's ``A.GaussianBlur`` is swapped for exactly that call, everything else
+    (box scaling, growth, clipping, mask, blend, truncation) runs as installed."""
+    blurrer_mod = _img2dataset_blurrer()
+    albumentations = blurrer_mod.A
+    blurrer = blurrer_mod.BoundingBoxBlurrer()
+    rng = np.random.default_rng(7)
+    cases = [(300, 200, b) for b in _EDGE_BOXES] + [(97, 61, b) for b in _EDGE_BOXES]
+    cases += [(int(rng.integers(16, 400)), int(rng.integers(16, 400)), _random_boxes(rng)) for _ in range(40)]
+    for i, (w, h, boxes) in enumerate(cases):
+        img = _textured(w, h, seed=i)
+        assert np.array_equal(blur_boxes(img, boxes, "img2dataset_1.47"), blurrer(img, boxes)), (w, h, boxes)
+        side = max(0, *(max(int(b[2] * w) - int(b[0] * w), int(b[3] * h) - int(b[1] * h)) for b in boxes))
+        sigma = 0.1 * side
+        ksize = int(2 * np.ceil(4 * sigma)) + 1
+
+        class Blur140:  # 1.40's call in place of 1.47's A.GaussianBlur(blur_limit=(k, k))
+            def __init__(self, **_: object) -> None:
+                pass
+
+            def __call__(self, image: np.ndarray) -> dict[str, np.ndarray]:
+                return {"image": albumentations.augmentations.gaussian_blur(image, ksize=ksize, sigma=sigma)}
+
+        blurrer_mod.A = types.SimpleNamespace(GaussianBlur=Blur140)
+        try:
+            reference = blurrer(img, boxes)
+        finally:
+            blurrer_mod.A = albumentations
+        ours = blur_boxes(img, boxes)
+        assert np.array_equal(ours, reference), (w, h, boxes, np.abs(ours.astype(int) - reference).max())
+    with pytest.raises(ValueError, match="variant"):
+        blur_boxes(_textured(20, 20), [[0.1, 0.1, 0.5, 0.5]], "rounded")
+
+
+def test_blur_mask_stops_before_the_last_row_and_column() -> None:
+    """img2dataset clips the grown box to W−1/H−1 as a slice end, so a whole-image box leaves the last
+    column out of the mask; blurred pixels are truncated back to uint8, not rounded."""
+    img = _textured(50, 40)
+    out = blur_boxes(img, [[0.0, 0.0, 1.0, 1.0]])  # d = 50 → σ = 5: every pixel is blended
+    inner = cv2.GaussianBlur(img.astype(np.float32) / 255.0, (41, 41), 5.0)
+    assert np.array_equal(out[:20, :20], (inner[:20, :20] * 255.0).astype(np.uint8))  # truncated, not rounded
+    assert not np.array_equal(out[:, -1], (inner[:, -1] * 255.0).astype(np.uint8))  # mask ends at W−2
+
+
+def test_blur_uses_unclamped_boxes_for_sigma() -> None:
+    img = _textured(200, 100)
+    outside = blur_boxes(img, [[0.4, 0.4, 0.6, 1.6]])  # 40×160 px box → σ = 16 (60 px of it lie inside)
+    clamped = blur_boxes(img, [[0.4, 0.4, 0.6, 1.0]])  # 40×60 px → σ = 6
+    region = (slice(50, 95), slice(85, 115))
+    detail = [float(np.abs(np.diff(a[region].astype(float), axis=1)).mean()) for a in (outside, clamped)]
+    assert detail[0] < detail[1]
+    assert np.array_equal(blur_boxes(img, [[0.6, 0.6, 0.4, 0.4]]), img)  # inverted: empty mask, σ = 0
+    assert np.array_equal(blur_boxes(img, [[0.3, 0.3, 0.3, 0.3]]), img)  # zero size
 
 
 def test_blur_happens_after_resize_in_output_pixels() -> None:
