@@ -8,17 +8,17 @@ DataComp's ``download_upstream.py`` calls img2dataset with ``image_size=512``,
   albumentations' ``LongestMaxSize`` (img2dataset 1.47's resizer) computes it; OpenCV ``INTER_AREA``;
 - alpha composited on white, as img2dataset's resizer does; every other mode converted to RGB;
 - face blur *after* the resize, on the output-size image (img2dataset blurs whichever image it returns),
-  with img2dataset ≤ 1.45's strength: σ = 0.1 · the longest side of the largest box in pixels (the code
-  calls it "diagonal"), kernel 2·⌈4σ⌉+1, boxes grown by 0.1·that side, mask feathered with the same
-  Gaussian — not 1.46+'s kernel-derived σ' = 0.3·⌈σ⌉ + 0.5 (docs/download.md);
+  pixel for pixel as img2dataset 1.40's ``BoundingBoxBlurrer`` (``blur_boxes``): σ = 0.1 · the longest
+  side of the largest box in pixels, kernel 2·⌈4σ⌉+1 — not 1.46+'s kernel-derived σ' (docs/download.md);
 - JPEG quality 95 with OpenCV's encoder (4:2:0), as img2dataset: for the same pixels, the same bytes.
 
 Deviations, each deliberate (docs/download.md): the pixel count is checked from the header *before*
 decoding (img2dataset decodes fully first); EXIF orientation is applied (OpenCV's ``IMREAD_UNCHANGED``
 ignores it) *after* blurring, because DataComp's boxes were detected on unrotated images; JPEGs with
-recoverable decode errors (truncated scans) are rejected as corrupt rather than kept half-grey; blurred
-pixels are rounded, not truncated. Large JPEGs are decoded with libjpeg's DCT-domain downscale by a
-power of two while staying ≥ 3× the target size, then area-resized: ≥ 45 dB from the full decode.
+recoverable decode errors (truncated scans) are rejected as corrupt rather than kept half-grey; a face box
+that is not four finite numbers is skipped (img2dataset fails the whole image on it). Large JPEGs are
+decoded with libjpeg's DCT-domain downscale by a power of two while staying ≥ 3× the target size, then
+area-resized: ≥ 45 dB from the full decode.
 """
 
 from __future__ import annotations

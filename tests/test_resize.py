@@ -272,14 +272,11 @@ def test_blur_is_pixel_identical_to_img2dataset_blurrer() -> None:
         sigma = 0.1 * side
         ksize = int(2 * np.ceil(4 * sigma)) + 1
 
-        class Blur140:  # 1.40's call in place of 1.47's A.GaussianBlur(blur_limit=(k, k))
-            def __init__(self, **_: object) -> None:
-                pass
+        def blur140(image: np.ndarray, k: int = ksize, s: float = sigma) -> dict[str, np.ndarray]:
+            return {"image": albumentations.augmentations.gaussian_blur(image, ksize=k, sigma=s)}
 
-            def __call__(self, image: np.ndarray) -> dict[str, np.ndarray]:
-                return {"image": albumentations.augmentations.gaussian_blur(image, ksize=ksize, sigma=sigma)}
-
-        blurrer_mod.A = types.SimpleNamespace(GaussianBlur=Blur140)
+        # 1.40's call in place of 1.47's A.GaussianBlur(blur_limit=(k, k))
+        blurrer_mod.A = types.SimpleNamespace(GaussianBlur=lambda **_: blur140)
         try:
             reference = blurrer(img, boxes)
         finally:
