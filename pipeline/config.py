@@ -288,6 +288,8 @@ class FilterConfig:
         check_types(self)
         fraction(self, "random_fraction", open_low=True)
         fraction(self, "clip_fraction")  # 0 = select by clip_threshold instead
+        # DataComp's get_threshold indexes past the end at 1: it has no top-100% threshold.
+        require(self.clip_fraction < 1.0, "clip_fraction", "must be < 1 (no_filter keeps every row)", self.clip_fraction)
         require(len(set(self.names)) == len(self.names), "names", "must not repeat a filter", self.names)
 
 

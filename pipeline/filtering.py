@@ -86,9 +86,11 @@ def _file(name: str, key: str, path: str) -> str:
     return path
 
 
-def _clip_score(t: Any, ctx: Context, column: str, fraction: float, threshold: float) -> FilterResult:
+def _clip_score(
+    t: Any, ctx: Context, column: str, fraction: float, threshold: float, nan_cut: str
+) -> FilterResult:
     if fraction > 0:
-        return F.clip_score_fraction(t, column, fraction)
+        return F.clip_score_fraction(t, column, fraction, nan_cut=nan_cut)
     return F.clip_score_threshold(t, column, threshold)
 
 
@@ -134,7 +136,9 @@ FILTERS: dict[str, Filter] = {
     "english": Filter(lambda t, ctx: F.english(t, ctx.lang), {}, (S.TEXT,), language=True),
     "basic": Filter(lambda t, ctx: F.basic(t, ctx.lang), {}, _SIZE, language=True),
     "text_based": Filter(_text_based, {"concepts_file": ""}, (S.TEXT,), language=True),
-    "clip_score": Filter(_clip_score, {"column": S.CLIP_L14, "fraction": 0.3, "threshold": 0.3}),
+    "clip_score": Filter(
+        _clip_score, {"column": S.CLIP_L14, "fraction": 0.3, "threshold": 0.3, "nan_cut": "datacomp"}
+    ),
     "laion2b": Filter(
         lambda t, ctx, threshold: F.laion2b(t, threshold, ctx.lang),
         {"threshold": 0.28},

@@ -284,35 +284,66 @@ def text_based(table: Table, concepts: list[str], lang: Any = None) -> FilterRes
     return from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_concept_match")])
 
 
+def column_threshold(table: Table, column: str, threshold: float, filt: str) -> float:
+    """``threshold`` as the column's own float type holds it: DataComp compares ``df[key] >= t`` in the
+    column's dtype (a float32 column against float32(t)), so a row equal to float32(t) is kept even where
+    float32(t) < t. Returned as a float64 that compares with the widened column exactly as that does."""
+    typ = _col(table, column, filt).type
+    if pa.types.is_floating(typ) and typ.bit_width < 64:
+        return float(np.asarray(threshold, dtype=typ.to_pandas_dtype()))
+    return float(threshold)
+
+
 def clip_score_threshold(
     table: Table, column: str, threshold: float, filt: str = "clip_score"
 ) -> FilterResult:
     s = _floats(table, column, filt)
-    return from_drops(
-        len(s), [(np.isnan(s), "missing_clip_score"), (~(s >= threshold), "clip_score_below_threshold")]
-    )
+    t = column_threshold(table, column, threshold, filt)
+    below = "clip_score_cut_among_missing" if np.isnan(t) else "clip_score_below_threshold"
+    return from_drops(len(s), [(np.isnan(s), "missing_clip_score"), (~(s >= t), below)])
 
 
-def clip_fraction_threshold(scores: np.ndarray, fraction: float) -> float:
-    """DataComp's ``get_threshold``: the ``int(N·fraction)``-th largest score, N = all rows incl. nulls.
-    (≥ it keeps that many rows plus one, plus ties — as DataComp does.) When the index runs past the
-    non-null scores (DataComp would get NaN and keep nothing) we keep every scored row instead."""
+NAN_CUTS = ("datacomp", "all_scored")
+
+
+def clip_fraction_threshold(scores: np.ndarray, fraction: float, nan_cut: str = "datacomp") -> float:
+    """DataComp's ``get_threshold``: the ``int(N·fraction)``-th largest score (0-based), N = all rows
+    incl. nulls, which sort last. ``≥`` it keeps that many rows plus one, plus ties, as DataComp does.
+
+    When the index lands among the nulls DataComp's threshold is NaN and it keeps no row: ``nan_cut=
+    "datacomp"`` returns NaN; ``"all_scored"`` returns the smallest score instead (every scored row
+    kept). An index past the end (fraction 1, or no rows) is where DataComp's code fails: FilterError.
+    """
     if not 0.0 <= fraction <= 1.0:
         raise FilterError(f"filter 'clip_score': fraction must be in [0, 1], got {fraction}")
+    if nan_cut not in NAN_CUTS:
+        raise FilterError(f"filter 'clip_score': nan_cut must be one of {NAN_CUTS}, got {nan_cut!r}")
     scores = np.asarray(scores, dtype=np.float64)
+    k = int(len(scores) * fraction)
+    if k >= len(scores):
+        raise FilterError(
+            f"filter 'clip_score': fraction={fraction} over {len(scores)} rows asks for score number "
+            f"{k + 1} of {len(scores)}; DataComp's rule has no threshold there (use no_filter to keep all)"
+        )
     valid = np.sort(scores[~np.isnan(scores)])[::-1]
-    if len(valid) == 0:
-        return float("inf")
-    return float(valid[min(int(len(scores) * fraction), len(valid) - 1)])
+    if k < len(valid):
+        return float(valid[k])
+    if nan_cut == "datacomp" or len(valid) == 0:
+        return float("nan")
+    return float(valid[-1])
 
 
 def clip_score_fraction(
-    table: Table, column: str, fraction: float, pool_scores: np.ndarray | None = None
+    table: Table,
+    column: str,
+    fraction: float,
+    pool_scores: np.ndarray | None = None,
+    nan_cut: str = "datacomp",
 ) -> FilterResult:
     """Top ``fraction`` by score; the threshold comes from ``pool_scores`` (all metadata rows) when the
     table is only part of the pool, else from the table itself."""
     scores = _floats(table, column, "clip_score") if pool_scores is None else pool_scores
-    return clip_score_threshold(table, column, clip_fraction_threshold(scores, fraction))
+    return clip_score_threshold(table, column, clip_fraction_threshold(scores, fraction, nan_cut))
 
 
 def laion2b(table: Table, threshold: float = 0.28, lang: Any = None) -> FilterResult:

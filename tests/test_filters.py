@@ -160,8 +160,12 @@ def test_clip_fraction_threshold_uses_all_rows():
     assert F.clip_fraction_threshold(scores, 0.3) == 0.6
     full = np.random.default_rng(1).random(1000)
     assert F.clip_fraction_threshold(full, 0.3) == -np.sort(-full)[int(len(full) * 0.3)]  # DataComp's formula
-    assert F.clip_fraction_threshold(scores, 0.9) == 0.5  # past the scored rows: keep all scored
-    assert F.clip_fraction_threshold(np.full(3, np.nan), 0.5) == float("inf")
+    # Past the scored rows DataComp's threshold is NaN (no row kept); all_scored keeps every scored row.
+    assert np.isnan(F.clip_fraction_threshold(scores, 0.9))
+    assert F.clip_fraction_threshold(scores, 0.9, nan_cut="all_scored") == 0.5
+    assert np.isnan(F.clip_fraction_threshold(np.full(3, np.nan), 0.5, nan_cut="all_scored"))
+    with pytest.raises(F.FilterError, match="no threshold"):
+        F.clip_fraction_threshold(scores, 1.0)  # index N: DataComp's code fails there
 
 
 def test_clip_fraction_on_a_table_and_with_pool_scores():
