@@ -3,8 +3,9 @@
 DataComp's ``image_based`` baseline (Gadre et al. 2023, §3.4; ``baselines/apply_filter.py``) clusters the
 pool's CLIP L/14 image embeddings with k-means (100k centroids at small scale), marks the centroids nearest
 to some ImageNet-1k training image as targets, and keeps pool images whose nearest centroid is a target.
-Assignment is the argmax of the dot product with the centroids; we normalise the centroids, so it is
-cosine similarity (identical for DataComp's spherical k-means centroids, scale-free otherwise).
+"Nearest" is DataComp's: the argmax of the raw dot product of the float32 embedding with the centroids as
+given. DataComp's centroids come from plain (L2) k-means and are not unit length, so this is neither
+cosine similarity nor Euclidean distance; normalising them would move assignments.
 
 Files (local or ``s3://``, read through the run's ``pipeline.storage.Storage``; nothing is unpickled):
 
@@ -76,11 +77,13 @@ def load_centroid_ids(path: str, store: Storage = LOCAL) -> np.ndarray:
 
 
 def nearest_centroid(vectors: np.ndarray, centroids: np.ndarray, batch_size: int = 65536) -> np.ndarray:
-    """Index of the most cosine-similar centroid per row, in batches to bound the (B, k) score matrix."""
-    c = centroids / np.maximum(np.linalg.norm(centroids, axis=1, keepdims=True), 1e-12)
+    """Per row, the index of the centroid with the largest raw float32 dot product (first on a tie), in
+    batches to bound the (B, k) score matrix."""
+    c = np.asarray(centroids, dtype=np.float32)
     out = np.empty(len(vectors), dtype=np.int64)
     for a in range(0, len(vectors), batch_size):
-        out[a : a + batch_size] = np.argmax(vectors[a : a + batch_size] @ c.T, axis=1)  # (B, k)
+        rows = np.asarray(vectors[a : a + batch_size], dtype=np.float32)
+        out[a : a + batch_size] = np.argmax(rows @ c.T, axis=1)  # (B, k)
     return out
 
 

@@ -142,6 +142,21 @@ def _words_and_chars(table: Table, filt: str) -> tuple[np.ndarray, np.ndarray]:
     return words, chars
 
 
+# fastText's word separators (Dictionary::readWord): only these ASCII bytes; each newline is also a token.
+_FASTTEXT_WORD = r"[^ \n\r\t\x0b\x0c\x00]+"
+
+
+def fasttext_token_counts(texts: pa.Array | list[str | None]) -> np.ndarray:
+    """``len(fasttext.tokenize(text))`` per row, vectorised: runs of bytes other than space, \\n, \\r,
+    \\t, \\v, \\f and NUL, plus one end-of-line token per "\\n" (so "a\\nb" is 3 tokens and a
+    non-ASCII space such as U+00A0 joins words). Null text → 0."""
+    text = texts if isinstance(texts, pa.Array) else pa.array(texts, type=pa.string())
+    text = text.cast(pa.string())
+    runs = pc.count_substring_regex(text, _FASTTEXT_WORD)
+    newlines = pc.count_substring(text, "\n")
+    return pc.fill_null(pc.add(runs, newlines), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 # --- the rules ----------------------------------------------------------------------------------------
 
 
@@ -380,7 +395,9 @@ def image_based(
     lang: Any = None,
 ) -> FilterResult:
     labels = language_labels(table, lang, "image_based")
-    words, chars = _words_and_chars(table, "image_based")
+    text = _col(table, S.TEXT, "image_based")
+    words = fasttext_token_counts(text)  # DataComp's caption_filter counts with fasttext.tokenize
+    chars = pc.fill_null(pc.utf8_length(text.cast(pa.string())), 0).to_numpy(zero_copy_only=False)
     caption = from_drops(
         len(labels),
         [(labels != "en", "not_english"), (words <= 1, "too_few_words"), (chars <= 5, "too_short")],

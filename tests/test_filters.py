@@ -263,7 +263,9 @@ def centroid_inputs():
 
 def test_nearest_centroid_and_membership():
     centroids, vectors = centroid_inputs()
-    assert C.nearest_centroid(vectors, centroids * 5).tolist() == [0, 1, 2, 0]  # scale-free (cosine)
+    assert C.nearest_centroid(vectors, centroids * 5).tolist() == [0, 1, 2, 0]  # a common scale changes nothing
+    # Raw dot product, not cosine: a longer centroid wins a vector nearer (in angle) to a shorter one.
+    assert C.nearest_centroid(vectors[:1], centroids * [[1.0], [10.0], [1.0]]).tolist() == [1]
     assert C.target_centroid_ids(vectors[:2], centroids).tolist() == [0, 1]
     t = pa.table({"uid": U[:5]})
     emb = C.Embeddings(uids=[U[3], U[0], U[1], U[2]], vectors=vectors)  # U[4] has none
