@@ -279,7 +279,11 @@ class FilterConfig:
     clip_fraction: float = 0.3
     clip_column: str = "clip_l14_similarity_score"
     laion_threshold: float = 0.28
-    text_concepts_file: str = ""
+    # text_based: a WordNet 3.0 dict directory or nltk's wordnet.zip, and DataComp's ImageNet-21k id list
+    text_wordnet: str = ""
+    text_synsets_file: str = ""
+    text_concepts_file: str = ""  # text_based:method=lemmas only
+    language_model: str = ""  # fastText lid.176 model (.bin or .ftz); empty = the wheel's lid.176.ftz
     image_embeddings_file: str = ""
     image_centroids_file: str = ""
     image_centroid_ids_file: str = ""
@@ -289,7 +293,12 @@ class FilterConfig:
         fraction(self, "random_fraction", open_low=True)
         fraction(self, "clip_fraction")  # 0 = select by clip_threshold instead
         # DataComp's get_threshold indexes past the end at 1: it has no top-100% threshold.
-        require(self.clip_fraction < 1.0, "clip_fraction", "must be < 1 (no_filter keeps every row)", self.clip_fraction)
+        require(
+            self.clip_fraction < 1.0,
+            "clip_fraction",
+            "must be < 1 (no_filter keeps every row)",
+            self.clip_fraction,
+        )
         require(len(set(self.names)) == len(self.names), "names", "must not repeat a filter", self.names)
 
 

@@ -39,6 +39,7 @@ from pipeline import centroids as C
 from pipeline import filters as F
 from pipeline import schema as S
 from pipeline import score_filters as SF
+from pipeline import wordnet as WN
 from pipeline.config import ConfigError, FilterConfig
 from pipeline.filters import FilterError, FilterResult
 from pipeline.reshard import ReshardResult, reshard
@@ -94,13 +95,29 @@ def _clip_score(
     return F.clip_score_threshold(t, column, threshold)
 
 
-def _text_based(t: Any, ctx: Context, concepts_file: str) -> FilterResult:
-    path = _file("text_based", "concepts_file", concepts_file)
+def _read(name: str, key: str, path: str, store: Storage) -> bytes:
+    path = _file(name, key, path)
     try:
-        data = ctx.store.read_bytes(path)
+        return store.read_bytes(path)
     except FileNotFoundError as exc:
-        raise FilterError(f"filter 'text_based': file not found: {path}") from exc
-    return F.text_based(t, F.load_concepts(io.BytesIO(data)), ctx.lang)
+        raise FilterError(f"filter {name!r}: file not found: {path}") from exc
+
+
+def _text_based(
+    t: Any, ctx: Context, method: str, wordnet: str, synsets_file: str, concepts_file: str
+) -> FilterResult:
+    if method == "lemmas":
+        concepts = F.load_concepts(io.BytesIO(_read("text_based", "concepts_file", concepts_file, ctx.store)))
+        return F.text_based_lemmas(t, concepts, ctx.lang)
+    if method != "wordnet":
+        raise FilterError(f"filter 'text_based': method must be wordnet or lemmas, got {method!r}")
+    ids = _read("text_based", "synsets_file", synsets_file, ctx.store).decode("utf-8").splitlines()
+    try:
+        wn = WN.WordNet.load(_file("text_based", "wordnet", wordnet), ctx.store)
+        synset_ids = WN.load_synset_ids(ids)
+    except WN.WordNetError as exc:
+        raise FilterError(f"filter 'text_based': {exc}") from exc
+    return F.text_based(t, wn, synset_ids, ctx.lang)
 
 
 def _image_based(
@@ -118,11 +135,23 @@ def _image_based(
     return F.image_based(t, emb, centroids, target, ctx.lang)
 
 
+def _laion2b(t: Any, ctx: Context, threshold: float, language_model: str) -> FilterResult:
+    if language_model == "cld3":  # DataComp's laion2b rule used gcld3
+        from pipeline.langid import Cld3LanguageId
+
+        return F.laion2b(t, threshold, Cld3LanguageId())
+    if language_model == "fasttext":
+        return F.laion2b(t, threshold, ctx.lang)
+    raise FilterError(f"filter 'laion2b': language_model must be cld3 or fasttext, got {language_model!r}")
+
+
 def _on_scores(rule: Callable[..., FilterResult]) -> Callable[..., FilterResult]:
     return lambda t, ctx, **params: rule(t, **params)
 
 
 _CONFIG_KEYS = {
+    "wordnet": "text_wordnet",
+    "synsets_file": "text_synsets_file",
     "concepts_file": "text_concepts_file",
     "embeddings_file": "image_embeddings_file",
     "centroids_file": "image_centroids_file",
@@ -135,15 +164,17 @@ FILTERS: dict[str, Filter] = {
     "random": Filter(lambda t, ctx, **p: F.random_subset(t, **p), {"fraction": 0.3, "seed": 0}, (S.UID,)),
     "english": Filter(lambda t, ctx: F.english(t, ctx.lang), {}, (S.TEXT,), language=True),
     "basic": Filter(lambda t, ctx: F.basic(t, ctx.lang), {}, _SIZE, language=True),
-    "text_based": Filter(_text_based, {"concepts_file": ""}, (S.TEXT,), language=True),
+    "text_based": Filter(
+        _text_based,
+        {"method": "wordnet", "wordnet": "", "synsets_file": "", "concepts_file": ""},
+        (S.TEXT,),
+        language=True,
+    ),
     "clip_score": Filter(
         _clip_score, {"column": S.CLIP_L14, "fraction": 0.3, "threshold": 0.3, "nan_cut": "datacomp"}
     ),
     "laion2b": Filter(
-        lambda t, ctx, threshold: F.laion2b(t, threshold, ctx.lang),
-        {"threshold": 0.28},
-        (S.CLIP_B32,),
-        language=True,
+        _laion2b, {"threshold": 0.28, "language_model": "cld3"}, (S.CLIP_B32, S.TEXT), language=True
     ),
     "image_based": Filter(
         _image_based,
@@ -184,7 +215,9 @@ def config_params(cfg: FilterConfig) -> dict[str, dict[str, Any]]:
             "threshold": cfg.clip_threshold,
         },
         "laion2b": {"threshold": cfg.laion_threshold},
-        "text_based": {"concepts_file": cfg.text_concepts_file},
+        "text_based": {
+            k: getattr(cfg, _CONFIG_KEYS[k]) for k in ("wordnet", "synsets_file", "concepts_file")
+        },
         "image_based": {k: getattr(cfg, _CONFIG_KEYS[k]) for k in FILTERS["image_based"].params},
     }
 

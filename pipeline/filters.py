@@ -9,13 +9,15 @@ spec syntax that the build, the filter job and the track run them through. Rules
 - ``english``: fastText lid.176 top-1 label == "en", no threshold (``pipeline.langid``).
 - ``basic``: english AND caption > 2 whitespace words AND > 5 characters AND min(original w, h) ≥ 200
   AND max/min ≤ 3.0, on the metadata sizes.
-- ``text_based``: english AND the caption contains a concept lemma (DataComp: ImageNet-21k synsets via
-  WordNet; here a lemma file, matched as whole lower-cased words, see ``load_concepts``).
-- ``clip_score``: score ≥ threshold; for a fraction, the threshold is DataComp's ``get_threshold``: the
-  ``int(N·f)``-th largest score over *all* N rows (nulls count in N).
-- ``laion2b``: B/32 score ≥ 0.28 AND english (DataComp used gcld3 here; we use the same fastText rule).
-- ``image_based``: DataComp's caption pre-filter (english, > 1 word, > 5 chars) AND the nearest pool
-  centroid of the image embedding lies in the target set (``pipeline.centroids``).
+- ``text_based``: english AND, for some ``str.split()`` word, the first WordNet synset (nltk's
+  ``synsets(word)[0]``, ``pipeline.wordnet``) is an ImageNet-21k synset. ``text_based_lemmas`` is the
+  WordNet-free approximation (whole lower-cased words from a lemma file, ``load_concepts``).
+- ``clip_score``: score ≥ threshold, compared in the column's float type; for a fraction, the threshold
+  is DataComp's ``get_threshold``: the ``int(N·f)``-th largest score over *all* N rows (nulls count in N
+  and sort last; a cut among them keeps nothing).
+- ``laion2b``: B/32 score ≥ 0.28 AND english by the language model given (DataComp: CLD3).
+- ``image_based``: DataComp's caption pre-filter (english, > 1 fastText token, > 5 chars) AND the
+  pool centroid with the largest dot product lies in the target set (``pipeline.centroids``).
 - ``random``: exactly round(f·n) rows, the ones with the smallest hash of (seed, uid).
 
 The embedding, centroid and target-id file formats for ``image_based`` are in ``pipeline.centroids``.
@@ -32,6 +34,7 @@ import pyarrow.compute as pc
 
 from pipeline import centroids as C
 from pipeline import schema as S
+from pipeline import wordnet as WN
 
 Table = pa.Table | Mapping[str, Any]
 LANG = "lang"  # optional precomputed column of fastText labels
@@ -291,12 +294,39 @@ def concept_match(texts: pa.Array | list[str | None], concepts: list[str]) -> np
     return hit
 
 
-def text_based(table: Table, concepts: list[str], lang: Any = None) -> FilterResult:
+def text_based_lemmas(table: Table, concepts: list[str], lang: Any = None) -> FilterResult:
+    """english AND a concept lemma as whole lower-cased words (``concept_match``): no WordNet needed,
+    not DataComp's rule (``text_based:method=lemmas``)."""
     labels = language_labels(table, lang, "text_based")
     english_rows = np.flatnonzero(labels == "en")  # only they can pass: match just those
     match = np.zeros(len(labels), dtype=bool)
     match[english_rows] = concept_match(_col(table, S.TEXT, "text_based").take(english_rows), concepts)
     return from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_concept_match")])
+
+
+def synset_match(texts: pa.Array | list[str | None], wordnet: WN.WordNet, synset_ids: set[int]) -> np.ndarray:
+    """DataComp's ``does_contain_text_entity``: some ``str.split()`` word's first WordNet synset has an
+    offset in ``synset_ids`` (``pipeline.wordnet``). Null text → False."""
+    text = texts.to_pylist() if isinstance(texts, pa.Array) else list(texts)
+    hit: dict[str, bool] = {}
+
+    def word_hits(word: str) -> bool:
+        if word not in hit:
+            hit[word] = wordnet.first_offset(word) in synset_ids
+        return hit[word]
+
+    return np.array([isinstance(t, str) and any(word_hits(w) for w in t.split()) for t in text], dtype=bool)
+
+
+def text_based(table: Table, wordnet: WN.WordNet, synset_ids: set[int], lang: Any = None) -> FilterResult:
+    """DataComp's text_based: english AND some word's first WordNet sense is an ImageNet-21k synset."""
+    labels = language_labels(table, lang, "text_based")
+    english_rows = np.flatnonzero(labels == "en")  # only they can pass: match just those
+    match = np.zeros(len(labels), dtype=bool)
+    match[english_rows] = synset_match(
+        _col(table, S.TEXT, "text_based").take(english_rows), wordnet, synset_ids
+    )
+    return from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_in21k_synset")])
 
 
 def column_threshold(table: Table, column: str, threshold: float, filt: str) -> float:

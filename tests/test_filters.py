@@ -250,7 +250,7 @@ def test_text_based_needs_english_and_a_concept():
             "lang": ["en", "de", "en"],
         }
     )
-    r = F.text_based(t, ["dog", "hund"])
+    r = F.text_based_lemmas(t, ["dog", "hund"])
     assert r.reason.tolist() == ["", "not_english", "no_concept_match"]
 
 
@@ -263,7 +263,12 @@ def centroid_inputs():
 
 def test_nearest_centroid_and_membership():
     centroids, vectors = centroid_inputs()
-    assert C.nearest_centroid(vectors, centroids * 5).tolist() == [0, 1, 2, 0]  # a common scale changes nothing
+    assert C.nearest_centroid(vectors, centroids * 5).tolist() == [
+        0,
+        1,
+        2,
+        0,
+    ]  # a common scale changes nothing
     # Raw dot product, not cosine: a longer centroid wins a vector nearer (in angle) to a shorter one.
     assert C.nearest_centroid(vectors[:1], centroids * [[1.0], [10.0], [1.0]]).tolist() == [1]
     assert C.target_centroid_ids(vectors[:2], centroids).tolist() == [0, 1]
@@ -330,8 +335,10 @@ def test_unknown_filter_and_missing_inputs_are_named():
         P.apply_filters(t.drop_columns(["original_width"]), FilterConfig(names=["basic"]))
     with pytest.raises(F.FilterError, match="'laion2b' needs column 'clip_b32_similarity_score'"):
         P.apply_filters(t.drop_columns(["clip_b32_similarity_score"]), FilterConfig(names=["laion2b"]))
-    with pytest.raises(F.FilterError, match="text_concepts_file"):
+    with pytest.raises(F.FilterError, match="text_synsets_file"):
         P.apply_filters(t, FilterConfig(names=["text_based"]))
+    with pytest.raises(F.FilterError, match="text_concepts_file"):
+        P.apply_filters(t, FilterConfig(names=["text_based:method=lemmas"]))
     with pytest.raises(F.FilterError, match="image_embeddings_file"):
         P.apply_filters(t, FilterConfig(names=["image_based"]))
     missing = FilterConfig(
@@ -342,9 +349,12 @@ def test_unknown_filter_and_missing_inputs_are_named():
     )
     with pytest.raises(F.FilterError, match="'image_based'.*emb.npz"):
         P.apply_filters(t, missing)
-    no_file = FilterConfig(names=["text_based"], text_concepts_file="/nonexistent/lemmas.txt")
+    no_file = FilterConfig(names=["text_based:method=lemmas"], text_concepts_file="/nonexistent/lemmas.txt")
     with pytest.raises(F.FilterError, match="'text_based': file not found: /nonexistent/lemmas.txt"):
         P.apply_filters(t, no_file)
+    no_wordnet = FilterConfig(names=["text_based"], text_synsets_file=__file__, text_wordnet="/nonexistent/wn")
+    with pytest.raises(F.FilterError, match="WordNet file not found: /nonexistent/wn/index.noun"):
+        P.apply_filters(t, no_wordnet)
 
 
 def test_lang_argument_labels_override_and_length_checked():
