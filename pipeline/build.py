@@ -419,10 +419,10 @@ def _status_table(narrow: pa.Table, pre: np.ndarray, parts: pa.Table, part_statu
 class _LangTag:
     """Ray Data UDF: fastText language label per caption, the model loaded once per actor."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_path: str = "") -> None:
         from pipeline.langid import LanguageId
 
-        self.lid = LanguageId()
+        self.lid = LanguageId(model_path or None)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         labels, _scores = self.lid(batch.column(S.TEXT).to_pylist())
@@ -439,7 +439,10 @@ def run_filters(
     lang = None
     if needs_language(parse_filter_specs(list(cfg.filters.names), "filters.names")):
         lang_ds = ds.select_columns([S.UID, S.TEXT]).map_batches(
-            _LangTag, compute=ray.data.ActorPoolStrategy(size=1), batch_format="pyarrow"
+            _LangTag,
+            fn_constructor_args=(cfg.filters.language_model,),
+            compute=ray.data.ActorPoolStrategy(size=1),
+            batch_format="pyarrow",
         )
         lang_tab = _collect(lang_ds, [S.UID, "lang"])
         order = {u: i for i, u in enumerate(lang_tab.column(S.UID).to_pylist())}

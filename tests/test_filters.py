@@ -352,7 +352,9 @@ def test_unknown_filter_and_missing_inputs_are_named():
     no_file = FilterConfig(names=["text_based:method=lemmas"], text_concepts_file="/nonexistent/lemmas.txt")
     with pytest.raises(F.FilterError, match="'text_based': file not found: /nonexistent/lemmas.txt"):
         P.apply_filters(t, no_file)
-    no_wordnet = FilterConfig(names=["text_based"], text_synsets_file=__file__, text_wordnet="/nonexistent/wn")
+    no_wordnet = FilterConfig(
+        names=["text_based"], text_synsets_file=__file__, text_wordnet="/nonexistent/wn"
+    )
     with pytest.raises(F.FilterError, match="WordNet file not found: /nonexistent/wn/index.noun"):
         P.apply_filters(t, no_wordnet)
 
