@@ -39,6 +39,7 @@ from pipeline import centroids as C
 from pipeline import filters as F
 from pipeline import schema as S
 from pipeline import score_filters as SF
+from pipeline import text_filters as T
 from pipeline import wordnet as WN
 from pipeline.config import ConfigError, FilterConfig
 from pipeline.filters import FilterError, FilterResult
@@ -107,8 +108,8 @@ def _text_based(
     t: Any, ctx: Context, method: str, wordnet: str, synsets_file: str, concepts_file: str
 ) -> FilterResult:
     if method == "lemmas":
-        concepts = F.load_concepts(io.BytesIO(_read("text_based", "concepts_file", concepts_file, ctx.store)))
-        return F.text_based_lemmas(t, concepts, ctx.lang)
+        concepts = T.load_concepts(io.BytesIO(_read("text_based", "concepts_file", concepts_file, ctx.store)))
+        return T.text_based_lemmas(t, concepts, ctx.lang)
     if method != "wordnet":
         raise FilterError(f"filter 'text_based': method must be wordnet or lemmas, got {method!r}")
     ids = _read("text_based", "synsets_file", synsets_file, ctx.store).decode("utf-8").splitlines()
@@ -117,7 +118,7 @@ def _text_based(
         synset_ids = WN.load_synset_ids(ids)
     except WN.WordNetError as exc:
         raise FilterError(f"filter 'text_based': {exc}") from exc
-    return F.text_based(t, wn, synset_ids, ctx.lang)
+    return T.text_based(t, wn, synset_ids, ctx.lang)
 
 
 def _image_based(

@@ -9,9 +9,8 @@ spec syntax that the build, the filter job and the track run them through. Rules
 - ``english``: fastText lid.176 top-1 label == "en", no threshold (``pipeline.langid``).
 - ``basic``: english AND caption > 2 whitespace words AND > 5 characters AND min(original w, h) ≥ 200
   AND max/min ≤ 3.0, on the metadata sizes.
-- ``text_based``: english AND, for some ``str.split()`` word, the first WordNet synset (nltk's
-  ``synsets(word)[0]``, ``pipeline.wordnet``) is an ImageNet-21k synset. ``text_based_lemmas`` is the
-  WordNet-free approximation (whole lower-cased words from a lemma file, ``load_concepts``).
+- ``text_based`` (``pipeline.text_filters``): english AND, for some ``str.split()`` word, the first
+  WordNet synset (nltk's ``synsets(word)[0]``, ``pipeline.wordnet``) is an ImageNet-21k synset.
 - ``clip_score``: score ≥ threshold, compared in the column's float type; for a fraction, the threshold
   is DataComp's ``get_threshold``: the ``int(N·f)``-th largest score over *all* N rows (nulls count in N
   and sort last; a cut among them keeps nothing).
@@ -26,7 +25,7 @@ The embedding, centroid and target-id file formats for ``image_based`` are in ``
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +33,6 @@ import pyarrow.compute as pc
 
 from pipeline import centroids as C
 from pipeline import schema as S
-from pipeline import wordnet as WN
 
 Table = pa.Table | Mapping[str, Any]
 LANG = "lang"  # optional precomputed column of fastText labels
@@ -92,7 +90,7 @@ def _num_rows(table: Table) -> int:
     return len(next(iter(table.values()))) if table else 0
 
 
-def _col(table: Table, name: str, filt: str) -> pa.Array:
+def table_column(table: Table, name: str, filt: str) -> pa.Array:
     names = table.column_names if isinstance(table, pa.Table) else list(table)
     if name not in names:
         raise FilterError(f"filter {filt!r} needs column {name!r}; the table has {sorted(names)}")
@@ -107,7 +105,7 @@ def _col(table: Table, name: str, filt: str) -> pa.Array:
 
 def _floats(table: Table, name: str, filt: str) -> np.ndarray:
     """Float column with NaN for nulls (an all-null column arrives as Arrow type null)."""
-    col = _col(table, name, filt)
+    col = table_column(table, name, filt)
     return pc.fill_null(col.cast(pa.float64()), np.nan).to_numpy(zero_copy_only=False)
 
 
@@ -119,9 +117,9 @@ def language_labels(table: Table, lang: Any, filt: str) -> np.ndarray:
             raise FilterError(
                 f"filter {filt!r} needs language labels: a {LANG!r} column or lang= (labels or a LanguageId)"
             )
-        labels = _col(table, LANG, filt)
+        labels = table_column(table, LANG, filt)
     elif callable(lang):
-        labels = list(lang(_col(table, S.TEXT, filt))[0])
+        labels = list(lang(table_column(table, S.TEXT, filt))[0])
     elif isinstance(lang, (pa.Array, pa.ChunkedArray)):
         labels = lang
     else:
@@ -136,7 +134,7 @@ def language_labels(table: Table, lang: Any, filt: str) -> np.ndarray:
 
 def _words_and_chars(table: Table, filt: str) -> tuple[np.ndarray, np.ndarray]:
     """Python ``len(text.split())`` and ``len(text)`` (DataComp's counts), vectorised; null text → 0, 0."""
-    text = _col(table, S.TEXT, filt).cast(pa.string())
+    text = table_column(table, S.TEXT, filt).cast(pa.string())
     trimmed = pc.utf8_trim_whitespace(text)
     words = pc.list_value_length(pc.utf8_split_whitespace(trimmed))
     words = pc.if_else(pc.equal(trimmed, ""), 0, words)
@@ -208,7 +206,7 @@ def random_subset(table: Table, fraction: float, seed: int = 0) -> FilterResult:
     whatever the row order, and nested as the fraction grows."""
     if not 0.0 <= fraction <= 1.0:
         raise FilterError(f"filter 'random': fraction must be in [0, 1], got {fraction}")
-    uids = _col(table, S.UID, "random")
+    uids = table_column(table, S.UID, "random")
     n = len(uids)
     k = int(np.floor(fraction * n + 0.5))
     key = uid_hash(uids, seed)
@@ -248,92 +246,11 @@ def basic(table: Table, lang: Any = None) -> FilterResult:
     )
 
 
-def load_concepts(source: str | list[str] | BinaryIO) -> list[str]:
-    """Lemmas from a file (path or binary file) or lines: one per line, or comma-separated synonyms per
-    line (ImageNet-21k's ``lemmas`` style); blank lines and ``#`` comments skipped."""
-    if isinstance(source, list):
-        lines = source
-    elif isinstance(source, str):
-        with open(source, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    else:
-        lines = source.read().decode("utf-8").splitlines()
-    out = [t.strip() for line in lines if not line.lstrip().startswith("#") for t in line.split(",")]
-    return [t for t in out if t]
-
-
-def _tokens(text: pa.Array) -> pa.Array:
-    """Lower-cased words: runs of letters/digits; '_' '-' and punctuation separate ('hot_dog' = 'hot dog')."""
-    norm = pc.replace_substring_regex(pc.utf8_lower(text.cast(pa.string())), r"[^\p{L}\p{N}]+", " ")
-    return pc.utf8_split_whitespace(pc.utf8_trim_whitespace(norm))
-
-
-def concept_match(texts: pa.Array | list[str | None], concepts: list[str]) -> np.ndarray:
-    """True where the text contains a concept as a whole word sequence (case-insensitive)."""
-    text = texts if isinstance(texts, pa.Array) else pa.array(texts, type=pa.string())
-    n = len(text)
-    by_len: dict[int, set[str]] = {}
-    for toks in _tokens(pa.array(concepts, type=pa.string())).to_pylist():
-        toks = [t for t in toks if t]
-        if toks:
-            by_len.setdefault(len(toks), set()).add(" ".join(toks))
-    tokens = _tokens(text)
-    flat = pc.list_flatten(tokens)
-    parent = pc.list_parent_indices(tokens).to_numpy(zero_copy_only=False)
-    hit = np.zeros(n, dtype=bool)
-    for size, grams in by_len.items():
-        if len(flat) < size:
-            continue
-        m = len(flat) - size + 1
-        same_row = parent[:m] == parent[size - 1 :]
-        pieces = [flat.slice(k, m) for k in range(size)]
-        joined = pieces[0] if size == 1 else pc.binary_join_element_wise(*pieces, " ")
-        found = pc.fill_null(pc.is_in(joined, value_set=pa.array(sorted(grams))), False)
-        found = found.to_numpy(zero_copy_only=False) & same_row
-        hit[parent[:m][found]] = True
-    return hit
-
-
-def text_based_lemmas(table: Table, concepts: list[str], lang: Any = None) -> FilterResult:
-    """english AND a concept lemma as whole lower-cased words (``concept_match``): no WordNet needed,
-    not DataComp's rule (``text_based:method=lemmas``)."""
-    labels = language_labels(table, lang, "text_based")
-    english_rows = np.flatnonzero(labels == "en")  # only they can pass: match just those
-    match = np.zeros(len(labels), dtype=bool)
-    match[english_rows] = concept_match(_col(table, S.TEXT, "text_based").take(english_rows), concepts)
-    return from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_concept_match")])
-
-
-def synset_match(texts: pa.Array | list[str | None], wordnet: WN.WordNet, synset_ids: set[int]) -> np.ndarray:
-    """DataComp's ``does_contain_text_entity``: some ``str.split()`` word's first WordNet synset has an
-    offset in ``synset_ids`` (``pipeline.wordnet``). Null text → False."""
-    text = texts.to_pylist() if isinstance(texts, pa.Array) else list(texts)
-    hit: dict[str, bool] = {}
-
-    def word_hits(word: str) -> bool:
-        if word not in hit:
-            hit[word] = wordnet.first_offset(word) in synset_ids
-        return hit[word]
-
-    return np.array([isinstance(t, str) and any(word_hits(w) for w in t.split()) for t in text], dtype=bool)
-
-
-def text_based(table: Table, wordnet: WN.WordNet, synset_ids: set[int], lang: Any = None) -> FilterResult:
-    """DataComp's text_based: english AND some word's first WordNet sense is an ImageNet-21k synset."""
-    labels = language_labels(table, lang, "text_based")
-    english_rows = np.flatnonzero(labels == "en")  # only they can pass: match just those
-    match = np.zeros(len(labels), dtype=bool)
-    match[english_rows] = synset_match(
-        _col(table, S.TEXT, "text_based").take(english_rows), wordnet, synset_ids
-    )
-    return from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_in21k_synset")])
-
-
 def column_threshold(table: Table, column: str, threshold: float, filt: str) -> float:
     """``threshold`` as the column's own float type holds it: DataComp compares ``df[key] >= t`` in the
     column's dtype (a float32 column against float32(t)), so a row equal to float32(t) is kept even where
     float32(t) < t. Returned as a float64 that compares with the widened column exactly as that does."""
-    typ = _col(table, column, filt).type
+    typ = table_column(table, column, filt).type
     if pa.types.is_floating(typ) and typ.bit_width < 64:
         return float(np.asarray(threshold, dtype=typ.to_pandas_dtype()))
     return float(threshold)
@@ -404,7 +321,7 @@ def centroid_membership(
     n = _num_rows(table)
     if isinstance(embeddings, C.Embeddings):
         idx = pc.index_in(
-            _col(table, S.UID, "image_based").cast(pa.string()), value_set=pa.array(embeddings.uids)
+            table_column(table, S.UID, "image_based").cast(pa.string()), value_set=pa.array(embeddings.uids)
         )
         present = idx.is_valid().to_numpy(zero_copy_only=False)
         rows = embeddings.vectors[pc.fill_null(idx, 0).to_numpy(zero_copy_only=False)[present]]
@@ -425,7 +342,7 @@ def image_based(
     lang: Any = None,
 ) -> FilterResult:
     labels = language_labels(table, lang, "image_based")
-    text = _col(table, S.TEXT, "image_based")
+    text = table_column(table, S.TEXT, "image_based")
     words = fasttext_token_counts(text)  # DataComp's caption_filter counts with fasttext.tokenize
     chars = pc.fill_null(pc.utf8_length(text.cast(pa.string())), 0).to_numpy(zero_copy_only=False)
     caption = from_drops(

@@ -12,6 +12,7 @@ import pytest
 from pipeline import centroids as C
 from pipeline import filtering as P
 from pipeline import filters as F
+from pipeline import text_filters as T
 from pipeline.config import ConfigError, FilterConfig
 from pipeline.schema import uids_to_u8pairs
 from pipeline.storage import LOCAL
@@ -204,7 +205,7 @@ def test_concepts_file_formats(tmp_path):
     path.write_text(
         "# ImageNet-21k style\ndog, domestic dog, Canis familiaris\n\nhot_dog\nice cream\nt-shirt\n"
     )
-    assert F.load_concepts(str(path)) == [
+    assert T.load_concepts(str(path)) == [
         "dog",
         "domestic dog",
         "Canis familiaris",
@@ -228,7 +229,7 @@ def test_concept_match_word_boundaries():
         None,
         "canis familiaris, the dog",
     ]
-    assert F.concept_match(texts, concepts).tolist() == [
+    assert T.concept_match(texts, concepts).tolist() == [
         True,
         False,
         False,
@@ -250,7 +251,7 @@ def test_text_based_needs_english_and_a_concept():
             "lang": ["en", "de", "en"],
         }
     )
-    r = F.text_based_lemmas(t, ["dog", "hund"])
+    r = T.text_based_lemmas(t, ["dog", "hund"])
     assert r.reason.tolist() == ["", "not_english", "no_concept_match"]
 
 
