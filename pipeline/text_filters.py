@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -68,16 +69,21 @@ def concept_match(texts: pa.Array | list[str | None], concepts: list[str]) -> np
     return hit
 
 
+def _english_and(
+    table: Table, lang: Any, match: Callable[[pa.Array], np.ndarray], why: str
+) -> F.FilterResult:
+    """english AND ``match`` over the captions; only English rows can pass, so only they are matched."""
+    labels = F.language_labels(table, lang, "text_based")
+    english_rows = np.flatnonzero(labels == "en")
+    hit = np.zeros(len(labels), dtype=bool)
+    hit[english_rows] = match(F.table_column(table, S.TEXT, "text_based").take(english_rows))
+    return F.from_drops(len(labels), [(labels != "en", "not_english"), (~hit, why)])
+
+
 def text_based_lemmas(table: Table, concepts: list[str], lang: Any = None) -> F.FilterResult:
     """english AND a concept lemma as whole lower-cased words (``concept_match``): no WordNet needed,
     not DataComp's rule (``text_based:method=lemmas``)."""
-    labels = F.language_labels(table, lang, "text_based")
-    english_rows = np.flatnonzero(labels == "en")  # only they can pass: match just those
-    match = np.zeros(len(labels), dtype=bool)
-    match[english_rows] = concept_match(
-        F.table_column(table, S.TEXT, "text_based").take(english_rows), concepts
-    )
-    return F.from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_concept_match")])
+    return _english_and(table, lang, lambda text: concept_match(text, concepts), "no_concept_match")
 
 
 def synset_match(texts: pa.Array | list[str | None], wordnet: WN.WordNet, synset_ids: set[int]) -> np.ndarray:
@@ -96,10 +102,4 @@ def synset_match(texts: pa.Array | list[str | None], wordnet: WN.WordNet, synset
 
 def text_based(table: Table, wordnet: WN.WordNet, synset_ids: set[int], lang: Any = None) -> F.FilterResult:
     """DataComp's text_based: english AND some word's first WordNet sense is an ImageNet-21k synset."""
-    labels = F.language_labels(table, lang, "text_based")
-    english_rows = np.flatnonzero(labels == "en")  # only they can pass: match just those
-    match = np.zeros(len(labels), dtype=bool)
-    match[english_rows] = synset_match(
-        F.table_column(table, S.TEXT, "text_based").take(english_rows), wordnet, synset_ids
-    )
-    return F.from_drops(len(labels), [(labels != "en", "not_english"), (~match, "no_in21k_synset")])
+    return _english_and(table, lang, lambda text: synset_match(text, wordnet, synset_ids), "no_in21k_synset")
