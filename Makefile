@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# Pin torch first so pip takes the CPU wheel rather than a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,dev]'
+	# CLIP's BPE vocabulary ships in open_clip_torch; --no-deps keeps its torchvision/timm (CUDA builds) out.
+	$(BIN)/pip install -q --no-deps open_clip_torch==3.3.0
 	touch $(STAMP)
 
 install: $(STAMP)
