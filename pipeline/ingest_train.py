@@ -161,7 +161,7 @@ def decode_augment_batch(batch: dict[str, np.ndarray], **kwargs: Any) -> dict[st
     an actor pool would be re-created — seconds each time — at every epoch's re-execution.
     """
     key = (kwargs["image_size"], kwargs["context_length"], hash(kwargs["tokenizer"]["json"]),
-           repr(kwargs["data"]), repr(kwargs.get("on_bad_images")), kwargs.get("seed"))  # fmt: skip
+           repr(kwargs["tokenizer"]["ids"]), repr(kwargs["data"]), repr(kwargs.get("on_bad_images")), kwargs.get("seed"))  # fmt: skip
     stage = _STAGE_CACHE.get(key)
     if stage is None:
         _STAGE_CACHE.clear()  # one configuration at a time per process is the common case
@@ -171,22 +171,13 @@ def decode_augment_batch(batch: dict[str, np.ndarray], **kwargs: Any) -> dict[st
 
 def tokenizer_state(tokenizer: Any) -> dict[str, Any]:
     """A plain-data form of a ``TextTokenizer`` (JSON string + special ids) for Ray configs and actors."""
-    return {"json": tokenizer._tokenizer.to_str(), "ids": tokenizer.special_ids}
+    return tokenizer.to_state()
 
 
 def tokenizer_from_state(state: dict[str, Any]) -> Any:
-    from tokenizers import Tokenizer
-
     from pipeline.tokenizer import TextTokenizer
 
-    ids = state["ids"]
-    return TextTokenizer(
-        Tokenizer.from_str(state["json"]),
-        pad_id=ids["pad_id"],
-        end_id=ids["end_id"],
-        mask_id=ids["mask_id"],
-        start_id=ids.get("start_id"),
-    )
+    return TextTokenizer.from_state(state)
 
 
 # --- 4. masked variants -------------------------------------------------------------------------------

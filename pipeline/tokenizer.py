@@ -7,6 +7,12 @@
   are given by name or detected among common spellings; a missing pad or mask token is *added* (CLIP's BPE
   has neither; padding with a real token id would hide that token from attention), which grows
   ``vocab_size`` — build the model config from ``tok.vocab_size`` and ``tok.pad_id``.
+- ``clip_bpe_tokenizer()`` builds CLIP's BPE (the vocabulary ``bpe_simple_vocab_16e6.txt.gz`` that ships in
+  the ``open_clip_torch`` wheel, or a path to that file) as a ``tokenizers`` model with open_clip's text
+  cleaning (``clean="lower"``: ftfy, HTML unescape twice, whitespace collapse, lower-case), its split
+  pattern and ``<start_of_text>``/``<end_of_text>``; ``encode_batch(texts, 77)`` then gives open_clip's ids
+  (its pad 0 aside: ours is an added ``<pad>``). Captions spelling a special token stay plain text here,
+  where open_clip would emit the special id.
 - ``encode_batch(texts, C)`` → int64 (B, C): ``[start?] tokens… <end> <pad>…``, truncated so that the end
   token always fits (the text tower pools CLS/UNC, not the end token, but the end token marks where a
   truncated caption stops and is never masked, ProLIP §4.1 / docs/math.md "Objective").
@@ -15,13 +21,17 @@
 
 from __future__ import annotations
 
+import gzip
+import html
+import importlib.metadata
 import json
-from collections.abc import Iterable, Sequence
+import string
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_IDS_FILE = "special_tokens.json"
@@ -31,16 +41,50 @@ _PAD_CANDIDATES = (PAD_TOKEN, "[PAD]", "<|pad|>", "<|padding|>")
 _END_CANDIDATES = (END_TOKEN, "<|endoftext|>", "</s>", "[SEP]", "<eos>", "[EOS]")
 _MASK_CANDIDATES = (MASK_TOKEN, "[MASK]", "<|mask|>")
 
+CLIP_VOCAB_FILE = "bpe_simple_vocab_16e6.txt.gz"
+CLIP_START, CLIP_END = "<start_of_text>", "<end_of_text>"
+# CLIP's pre-tokenisation pattern (Radford et al. 2021, as open_clip applies it after cleaning).
+_CLIP_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
+_CLIP_N_MERGES = 49152 - 256 - 2  # merges used by CLIP: vocab 49408 = 2·256 bytes + merges + 2 specials
+
+
+def _basic_clean(text: str) -> str:
+    import ftfy  # a runtime dependency; imported here so tokenizers without cleaning do not need it
+
+    return html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+
+
+def _clean_lower(text: str) -> str:
+    return " ".join(_basic_clean(text).split()).lower()
+
+
+def _clean_canonicalize(text: str) -> str:
+    """SigLIP-style: basic clean, ``_`` → space, punctuation removed, lower-case, whitespace collapsed."""
+    text = _basic_clean(text).replace("_", " ").translate(str.maketrans("", "", string.punctuation))
+    return " ".join(text.lower().split())
+
+
+CLEANERS: dict[str, Callable[[str], str]] = {"lower": _clean_lower, "canonicalize": _clean_canonicalize}
+
 
 class TextTokenizer:
     """A ``tokenizers.Tokenizer`` plus pad/end/mask (and optional start) token ids."""
 
     def __init__(
-        self, tokenizer: Tokenizer, pad_id: int, end_id: int, mask_id: int, start_id: int | None = None
+        self,
+        tokenizer: Tokenizer,
+        pad_id: int,
+        end_id: int,
+        mask_id: int,
+        start_id: int | None = None,
+        clean: str | None = None,
     ) -> None:
         ids = {"pad": pad_id, "end": end_id, "mask": mask_id}
         if len(set(ids.values())) != 3:
             raise ValueError(f"pad, end and mask ids must differ, got {ids}")
+        if clean is not None and clean not in CLEANERS:
+            raise ValueError(f"clean: unknown {clean!r} (known: {', '.join(CLEANERS)})")
+        self.clean = clean
         self._tokenizer = tokenizer
         # Captions are data: "<pad>" typed in a caption must not become the pad id.
         self._tokenizer.encode_special_tokens = True
@@ -75,6 +119,26 @@ class TextTokenizer:
             "start_id": self.start_id,
         }
 
+    def to_state(self) -> dict:
+        """Plain data (JSON string, special ids, cleaning) for Ray configs, actors and ``save``."""
+        return {"json": self._tokenizer.to_str(), "ids": {**self.special_ids, "clean": self.clean}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> TextTokenizer:
+        return cls._from_ids(Tokenizer.from_str(state["json"]), state["ids"])
+
+    @classmethod
+    def _from_ids(cls, tokenizer: Tokenizer, ids: dict) -> TextTokenizer:
+        start = ids.get("start_id")
+        return cls(
+            tokenizer,
+            pad_id=int(ids["pad_id"]),
+            end_id=int(ids["end_id"]),
+            mask_id=int(ids["mask_id"]),
+            start_id=None if start is None else int(start),
+            clean=ids.get("clean"),
+        )
+
     @classmethod
     def from_file(
         cls,
@@ -83,10 +147,12 @@ class TextTokenizer:
         end_token: str | None = None,
         mask_token: str | None = None,
         start_token: str | None = None,
+        clean: str | None = None,
     ) -> TextTokenizer:
         """Wrap a ``tokenizer.json``; tokens not named are detected, and a missing pad/mask is added.
 
-        ``start_token`` (e.g. CLIP's ``<|startoftext|>``) is prepended only when given.
+        ``start_token`` (e.g. CLIP's ``<|startoftext|>``) is prepended only when given; ``clean`` names
+        a text cleaning applied before encoding (``CLEANERS``: ``lower``, ``canonicalize``).
         """
         path = Path(path)
         if path.is_dir():
@@ -106,14 +172,14 @@ class TextTokenizer:
         start_id = None
         if start_token is not None:
             start_id = _find_token(tokenizer, start_token, (), "start", path)
-        return cls(tokenizer, pad_id=pad_id, end_id=end_id, mask_id=mask_id, start_id=start_id)
+        return cls(tokenizer, pad_id=pad_id, end_id=end_id, mask_id=mask_id, start_id=start_id, clean=clean)
 
     def save(self, directory: str | Path) -> Path:
         """Write ``tokenizer.json`` and ``special_tokens.json`` into ``directory``; returns the directory."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self._tokenizer.save(str(directory / TOKENIZER_FILE))
-        (directory / SPECIAL_IDS_FILE).write_text(json.dumps(self.special_ids, indent=2) + "\n")
+        (directory / SPECIAL_IDS_FILE).write_text(json.dumps(self.to_state()["ids"], indent=2) + "\n")
         return directory
 
     @classmethod
@@ -125,14 +191,7 @@ class TextTokenizer:
             if not p.is_file():
                 raise FileNotFoundError(f"tokenizer file missing: {p}")
         try:
-            ids = json.loads(ids_path.read_text())
-            return cls(
-                Tokenizer.from_file(str(tok_path)),
-                pad_id=int(ids["pad_id"]),
-                end_id=int(ids["end_id"]),
-                mask_id=int(ids["mask_id"]),
-                start_id=None if ids.get("start_id") is None else int(ids["start_id"]),
-            )
+            return cls._from_ids(Tokenizer.from_file(str(tok_path)), json.loads(ids_path.read_text()))
         except Exception as e:  # tokenizers raises a bare Exception for a corrupt tokenizer.json
             raise ValueError(
                 f"cannot read tokenizer from {directory} ({TOKENIZER_FILE}, {SPECIAL_IDS_FILE}): {e}"
@@ -141,6 +200,8 @@ class TextTokenizer:
     def encode_batch(self, texts: Sequence[str] | Iterable[str], context_length: int) -> np.ndarray:
         """int64 (B, context_length): ``[start] ids… end pad…``; the end token always fits."""
         texts = list(texts)
+        if self.clean is not None:
+            texts = [CLEANERS[self.clean](t) for t in texts]
         n_prefix = 0 if self._start_id is None else 1
         room = context_length - 1 - n_prefix
         if room < 0:
@@ -209,3 +270,93 @@ def train_tokenizer(captions: Iterable[str], vocab_size: int = 4096, min_frequen
         end_id=tokenizer.token_to_id(END_TOKEN),
         mask_id=tokenizer.token_to_id(MASK_TOKEN),
     )
+
+
+CLIP_SPEC = "clip"
+
+
+def tokenizer_from_spec(spec: str, clean: str | None = None) -> TextTokenizer:
+    """The tokenizer a config names: ``clip`` (CLIP's BPE from the installed open_clip_torch),
+    ``clip:PATH`` (CLIP's BPE from that ``bpe_simple_vocab_16e6.txt.gz``), a directory written by ``save``,
+    or any ``tokenizer.json`` (or a directory holding one), e.g. SigLIP's, cleaned by ``clean``."""
+    if spec == CLIP_SPEC or spec.startswith(CLIP_SPEC + ":"):
+        return clip_bpe_tokenizer(spec[len(CLIP_SPEC) + 1 :] or None)
+    path = Path(spec)
+    if path.is_dir() and (path / SPECIAL_IDS_FILE).is_file():
+        return TextTokenizer.load(path)
+    return TextTokenizer.from_file(path, clean=clean)
+
+
+def clip_vocab_path() -> Path:
+    """``bpe_simple_vocab_16e6.txt.gz`` inside the installed ``open_clip_torch`` (found without importing it)."""
+    try:
+        path = Path(
+            importlib.metadata.distribution("open_clip_torch").locate_file(f"open_clip/{CLIP_VOCAB_FILE}")
+        )
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"CLIP's BPE vocabulary ({CLIP_VOCAB_FILE}) needs open_clip_torch installed "
+            "(pip install 'prolip-ray[clip]', or `pip install --no-deps open_clip_torch` on a CPU-only "
+            f"machine), or a tokenizer setting of the form clip:/path/to/{CLIP_VOCAB_FILE}"
+        )
+    return path
+
+
+def clip_bpe_tokenizer(vocab_path: str | Path | None = None) -> TextTokenizer:
+    """CLIP's BPE (49,408 ids, open_clip's numbering) plus an added ``<pad>`` and ``<mask>``.
+
+    Ids: the 256 byte symbols, the same 256 with the end-of-word mark ``</w>``, one id per merge in rank
+    order, then ``<start_of_text>`` = 49406 and ``<end_of_text>`` = 49407 — as open_clip's
+    ``SimpleTokenizer`` numbers them, so token embeddings of open_clip/OpenAI checkpoints line up.
+    """
+    path = Path(vocab_path) if vocab_path else clip_vocab_path()
+    lines = gzip.open(path).read().decode("utf-8").split("\n")[1 : _CLIP_N_MERGES + 1]
+    merges = [tuple(line.split()) for line in lines]
+    symbols = list(pre_tokenizers.ByteLevel.alphabet())
+    symbols = sorted(symbols, key=_BYTE_ORDER.get)
+    vocab_list = (
+        symbols + [s + "</w>" for s in symbols] + ["".join(m) for m in merges] + [CLIP_START, CLIP_END]
+    )
+    vocab = {token: i for i, token in enumerate(vocab_list)}
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="", end_of_word_suffix="</w>")
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_CLIP_SPLIT), behavior="removed", invert=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Replace("</w>", " ")])
+    tokenizer.add_special_tokens([CLIP_START, CLIP_END])
+    pad_id, mask_id = _add_special(tokenizer, PAD_TOKEN), _add_special(tokenizer, MASK_TOKEN)
+    return TextTokenizer(
+        tokenizer,
+        pad_id=pad_id,
+        end_id=vocab[CLIP_END],
+        mask_id=mask_id,
+        start_id=vocab[CLIP_START],
+        clean="lower",
+    )
+
+
+def _byte_symbol_order() -> dict[str, int]:
+    """GPT-2's byte → symbol map in byte order (printable bytes map to themselves, the rest to 256+n)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    order, extra = [], 0
+    for b in printable:
+        order.append(chr(b))
+    for b in range(256):
+        if b not in printable:
+            order.append(chr(256 + extra))
+            extra += 1
+    return {symbol: i for i, symbol in enumerate(order)}
+
+
+_BYTE_ORDER = _byte_symbol_order()

@@ -7,7 +7,8 @@ Sources of the defaults:
 
 - ``datacomp-small``: DataComp's small-track recipe (Gadre et al. 2023, Table 2 / App. N): ViT-B/32,
   12.8M samples seen, global batch 4096, lr 5e-4, 500 warmup steps, AdamW β2 0.98, ε 1e-6, wd 0.2,
-  cosine schedule. Objective ``prolip`` by default; ``--set loss.name=clip`` gives DataComp's CLIP.
+  cosine schedule. Objective ``prolip`` by default; ``--set loss.name=clip`` gives DataComp's CLIP. CLIP's
+  BPE tokenizer (context 77), as DataComp's fixed recipe uses.
 - ``prolip-b16``: ProLIP App. B.1 (docs/math.md "Training"): ViT-B/16, 1.28B seen, batch 16,384 (512 × 32
   GPUs), lr 5e-4, β (0.9, 0.95), wd 0.2, 10k warmup then cosine, bf16, α₁ 1e-7, α₂ 1e-3, β_VIB 1e-4,
   augmentation RandomResizedCrop (0.8, 1.0), colour jitter (0.32, 0.32, 0.32, 0.08) p 0.8, grayscale p 0.2.
@@ -235,7 +236,12 @@ class RunSettings:
 class TrainConfig:
     model: str = "tiny"  # training.model.MODEL_CONFIGS name
     grad_checkpointing: bool = False
-    tokenizer: str = ""  # a tokenizer directory or tokenizer.json; empty = train BPE on the captions
+    # "clip" (CLIP's BPE from open_clip_torch), "clip:PATH" (its bpe_simple_vocab_16e6.txt.gz), a saved
+    # tokenizer directory or any tokenizer.json (e.g. SigLIP's); empty = train a BPE on the captions
+    tokenizer: str = ""
+    tokenizer_clean: str = (
+        ""  # for a tokenizer.json: "", "lower" (CLIP's cleaning), "canonicalize" (SigLIP's)
+    )
     tokenizer_vocab: int = 4096
     global_batch_size: int = 128
     samples_seen: int = 60_000  # total training samples; steps = samples_seen // global_batch_size
@@ -263,6 +269,10 @@ class TrainConfig:
             raise ConfigError(f"model: unknown {self.model!r} (known: {', '.join(MODEL_CONFIGS)})")
         if self.loss.name not in LOSS_SPECS:
             raise ConfigError(f"loss.name: unknown {self.loss.name!r} (known: {', '.join(LOSS_SPECS)})")
+        if self.tokenizer_clean not in ("", "lower", "canonicalize"):
+            raise ConfigError(
+                f"tokenizer_clean: {self.tokenizer_clean!r} not in ('', 'lower', 'canonicalize')"
+            )
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision: {self.precision!r} not in {PRECISIONS}")
         if self.total_steps < 1:
@@ -320,6 +330,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     "demo": _DEMO,
     "datacomp-small": TrainConfig(
         model="ViT-B-32",
+        tokenizer="clip",
         global_batch_size=4096,
         samples_seen=12_800_000,
         data=DataConfig(

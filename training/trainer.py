@@ -40,7 +40,13 @@ from pipeline.ingest_train import tokenizer_state
 from pipeline.placement import worker_label_selector
 from pipeline.shard_source import list_shards
 from pipeline.storage import Storage
-from pipeline.tokenizer import SPECIAL_IDS_FILE, TOKENIZER_FILE, TextTokenizer, train_tokenizer
+from pipeline.tokenizer import (
+    SPECIAL_IDS_FILE,
+    TOKENIZER_FILE,
+    TextTokenizer,
+    tokenizer_from_spec,
+    train_tokenizer,
+)
 from training.config import TrainConfig, to_plain
 from training.loop import train_loop_per_worker
 
@@ -80,10 +86,7 @@ def storage_target(path: str, store: Storage) -> tuple[str, Any]:
 def prepare_tokenizer(cfg: TrainConfig, run_store: Storage, data_store: Storage) -> TextTokenizer:
     """The run's tokenizer (see module docstring for the order of preference)."""
     if cfg.tokenizer:
-        path = cfg.tokenizer
-        if os.path.isdir(path) and os.path.isfile(os.path.join(path, SPECIAL_IDS_FILE)):
-            return TextTokenizer.load(path)
-        return TextTokenizer.from_file(path)
+        return tokenizer_from_spec(cfg.tokenizer, cfg.tokenizer_clean or None)
     saved = storage.join(run_dir(cfg), "tokenizer")
     if run_store.exists(storage.join(saved, SPECIAL_IDS_FILE)):
         with tempfile.TemporaryDirectory() as d:

@@ -38,7 +38,8 @@ class TrackConfig:
     score_actors: int = 1
     score_gpus: float = 0.0  # per scoring actor; 0 on CPU-only clusters (a GPU ask there waits forever)
     eval_gpus: float = 0.0
-    share_tokenizer: bool = True  # one BPE from the build for every model (local output only)
+    # A BPE trained by the build for every model whose config names no tokenizer (local output only)
+    share_tokenizer: bool = True
 
     def __post_init__(self) -> None:
         """Checks on construction; ``ConfigError`` names the key."""
@@ -56,10 +57,25 @@ class TrackConfig:
             raise ConfigError(f"build.filters.names: add {from_build} (subsets takes them from the build)")
         if "random" in self.subsets and self.random_of not in self.subsets:
             raise ConfigError(f"random_of: {self.random_of!r} is not one of subsets {list(self.subsets)}")
+        self._check_one_tokenizer()
         if self.scorer.loss.name != "prolip" and any(s.startswith("csd") for s in self.subsets):
             raise ConfigError(
                 f"scorer.loss.name: CSD subsets need a prolip scorer, got {self.scorer.loss.name!r}"
             )
+
+    def _check_one_tokenizer(self) -> None:
+        """Every model of a track reads captions through one tokenizer (DataComp: only the data differs)."""
+        shared = self.share_tokenizer and self.build.tokenizer_vocab > 0 and not storage.is_s3(self.output)
+        given = {self.scorer.tokenizer, self.train.tokenizer}
+        if given == {""} and shared:
+            return
+        if len(given) == 1 and "" not in given:
+            return
+        raise ConfigError(
+            f"scorer.tokenizer={self.scorer.tokenizer!r}, train.tokenizer={self.train.tokenizer!r}: every "
+            "model of a track needs the same tokenizer — set both to one value (e.g. 'clip'), or leave both "
+            "empty with share_tokenizer=true, build.tokenizer_vocab>0 and a local output"
+        )
 
 
 def _demo_train(samples_seen: int, name: str) -> TrainConfig:
@@ -133,7 +149,6 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         score_actors=8,
         score_gpus=1.0,
         eval_gpus=1.0,
-        share_tokenizer=False,
     ),
 }
 
@@ -160,6 +175,11 @@ def train_config(cfg: TrackConfig, base: TrainConfig, name: str, shards: str, se
         "data": {"shards": shards, "s3_endpoint": cfg.s3_endpoint, "shuffle_seed": seed, "mask_seed": seed},
         "run": {"storage_path": p["train"], "name": name, "s3_endpoint": cfg.s3_endpoint},
     }
-    if cfg.share_tokenizer and not storage.is_s3(cfg.output) and cfg.build.tokenizer_vocab > 0:
+    if (
+        not base.tokenizer
+        and cfg.share_tokenizer
+        and not storage.is_s3(cfg.output)
+        and cfg.build.tokenizer_vocab > 0
+    ):
         updates["tokenizer"] = p["tokenizer"]
     return merge(base, updates)
