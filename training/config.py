@@ -40,6 +40,13 @@ OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
+VARIANTS = {
+    "activation": ("gelu", "quick_gelu"),
+    "text_pool": ("cls", "eot"),
+    "head_variant": ("paper", "prolip_official"),
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of both towers. Widths/layers/heads per tower; ``embed_dim`` is the shared space."""
@@ -61,11 +68,19 @@ class ModelConfig:
     text_causal: bool = False
     pad_id: int = 0
     grad_checkpointing: bool = False
+    # Variants for imported weights (training/imports/): OpenAI CLIP's MLP activation, CLIP's end-token text
+    # pooling (deterministic only), and the official ProLIP code's text tower and heads (training/towers.py).
+    activation: str = "gelu"  # gelu | quick_gelu
+    text_pool: str = "cls"  # cls (appended CLS token) | eot (the end token's position, as CLIP)
+    text_mask_padding: bool = True  # False: padding keys are attended, as the official ProLIP code does
+    text_proj_bias: bool = False
+    text_ln_eps: float = 1e-5
+    head_variant: str = "paper"  # paper | prolip_official
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            expected = {"int": int, "float": (int, float), "bool": bool}[str(f.type)]
+            expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[str(f.type)]
             if isinstance(value, bool) and f.type != "bool" or not isinstance(value, expected):
                 raise ConfigError(f"ModelConfig.{f.name} must be {f.type}, got {value!r}")
         for name in ("image_size", "patch_size", "context_length", "vocab_size", "embed_dim"):
@@ -77,6 +92,13 @@ class ModelConfig:
                 raise ConfigError(
                     f"ModelConfig.{tower}_width={width} must be a positive multiple of {tower}_heads={heads}"
                 )
+        for name, allowed in VARIANTS.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"ModelConfig.{name}={getattr(self, name)!r} not in {allowed}")
+        if self.text_pool == "eot" and self.probabilistic:
+            raise ConfigError("ModelConfig.text_pool='eot' needs probabilistic=false (UNC/CLS are appended)")
+        if self.head_variant == "prolip_official" and self.text_width != self.embed_dim:
+            raise ConfigError("ModelConfig.head_variant='prolip_official' needs text_width == embed_dim")
         if self.image_size % self.patch_size:
             raise ConfigError(
                 f"ModelConfig.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}"

@@ -26,6 +26,16 @@ Judgement calls (documented in docs/fidelity.md):
   text setup ProLIP B/16 follows (§4.1) — is bidirectional, and [MASK] inputs (BERT-style) profit from
   seeing both sides. Either way every query may attend to itself, so no attention row is ever empty
   (an all-masked softmax row gives NaN, whose gradient would poison the batch).
+
+Variants selected by ``ModelConfig`` so that imported weights (training/imports/) run in this one model:
+
+- ``activation="quick_gelu"``: x·σ(1.702x), the MLP activation OpenAI's CLIP weights were trained with.
+- ``text_pool="eot"`` (deterministic only): no appended CLS; the text embedding is read at the end token,
+  the last non-pad position (CLIP pools its EOT token; with causal attention it sees the whole caption).
+- ``head_variant="prolip_official"`` with ``text_mask_padding=False``, ``text_proj_bias=True`` and
+  ``text_ln_eps=1e-6``: the released ProLIP checkpoints' arithmetic — the image CLS state passes the final
+  LayerNorm twice, the text σ head reads the projected (unnormalised) text mean, and text attention sees
+  the padding (so such a model needs full-length, padded token rows, as its tokenizer gives).
 """
 
 from __future__ import annotations
@@ -45,19 +55,30 @@ _INIT_STD = 0.02
 _POS_INIT_STD = 0.01
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x·σ(1.702·x): the GELU approximation OpenAI's CLIP weights were trained with."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu}
+
+
 class Block(nn.Module):
     """Pre-LN transformer block: x + Attn(LN(x)), then x + MLP(LN(x))."""
 
-    def __init__(self, width: int, heads: int, mlp_ratio: float) -> None:
+    def __init__(
+        self, width: int, heads: int, mlp_ratio: float, activation: str = "gelu", eps: float = 1e-5
+    ) -> None:
         super().__init__()
         if width % heads:
             raise ValueError(f"width {width} is not divisible by heads {heads}")
         self.heads = heads
+        self.act = ACTIVATIONS[activation]
         hidden = int(width * mlp_ratio)
-        self.ln_1 = nn.LayerNorm(width)
+        self.ln_1 = nn.LayerNorm(width, eps=eps)
         self.qkv = nn.Linear(width, 3 * width)
         self.attn_out = nn.Linear(width, width)
-        self.ln_2 = nn.LayerNorm(width)
+        self.ln_2 = nn.LayerNorm(width, eps=eps)
         self.fc_1 = nn.Linear(width, hidden)
         self.fc_2 = nn.Linear(hidden, width)
 
@@ -67,16 +88,18 @@ class Block(nn.Module):
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, S, Dh)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, S, Dh)
         x = x + self.attn_out(attn.transpose(1, 2).reshape(b, s, d))  # (B, S, D)
-        x = x + self.fc_2(F.gelu(self.fc_1(self.ln_2(x))))  # (B, S, D)
+        x = x + self.fc_2(self.act(self.fc_1(self.ln_2(x))))  # (B, S, D)
         return x
 
 
 class Transformer(nn.Module):
     """A stack of pre-LN blocks with optional activation checkpointing (recompute in backward)."""
 
-    def __init__(self, width: int, layers: int, heads: int, mlp_ratio: float) -> None:
+    def __init__(
+        self, width: int, layers: int, heads: int, mlp_ratio: float, activation: str = "gelu", eps: float = 1e-5
+    ) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio, activation, eps) for _ in range(layers))
         self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,12 +112,25 @@ class Transformer(nn.Module):
 
 
 class GaussianHead(nn.Module):
-    """Maps the final CLS (and UNC) states to ``(mu, logvar)``; ``logvar`` is None when deterministic."""
+    """Maps the final CLS (and UNC) states to ``(mu, logvar)``; ``logvar`` is None when deterministic.
 
-    def __init__(self, width: int, embed_dim: int, probabilistic: bool, unc_bias_init: float) -> None:
+    ``logvar_from_mu`` (official ProLIP text head): ``logvar`` is read from the projected mean before
+    normalisation instead of from the UNC state."""
+
+    def __init__(
+        self,
+        width: int,
+        embed_dim: int,
+        probabilistic: bool,
+        unc_bias_init: float,
+        mu_bias: bool = False,
+        logvar_from_mu: bool = False,
+    ) -> None:
         super().__init__()
-        self.mu_proj = nn.Linear(width, embed_dim, bias=False)
-        self.logvar_proj = nn.Linear(width, embed_dim) if probabilistic else None
+        self.mu_proj = nn.Linear(width, embed_dim, bias=mu_bias)
+        self.logvar_from_mu = logvar_from_mu
+        logvar_in = embed_dim if logvar_from_mu else width
+        self.logvar_proj = nn.Linear(logvar_in, embed_dim) if probabilistic else None
         self.unc_bias_init = unc_bias_init
 
     def reset_logvar_bias(self) -> None:
@@ -105,10 +141,11 @@ class GaussianHead(nn.Module):
         self, h_cls: torch.Tensor, h_unc: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # Heads return float32 so the losses' exp/normalise never run in bf16.
-        mu = F.normalize(self.mu_proj(h_cls).float(), dim=-1)  # (B, E)
-        if self.logvar_proj is None or h_unc is None:
+        projected = self.mu_proj(h_cls)  # (B, E)
+        mu = F.normalize(projected.float(), dim=-1)  # (B, E)
+        if self.logvar_proj is None or (h_unc is None and not self.logvar_from_mu):
             return mu, None
-        logvar = self.logvar_proj(h_unc).float()  # (B, E)
+        logvar = self.logvar_proj(projected if self.logvar_from_mu else h_unc).float()  # (B, E)
         return mu, logvar
 
 
@@ -132,19 +169,30 @@ class _Tower(nn.Module):
     ``_add_trunk``, so parameters keep their names and registration order (checkpoints load unchanged).
     """
 
-    cls_token: nn.Parameter
+    cls_token: nn.Parameter | None
     unc_token: nn.Parameter | None
     pos_embed: nn.Parameter
 
-    def _add_trunk(self, cfg: ModelConfig, width: int, layers: int, heads: int) -> None:
-        self.transformer = Transformer(width, layers, heads, cfg.mlp_ratio)
-        self.ln_post = nn.LayerNorm(width)
-        self.head = GaussianHead(width, cfg.embed_dim, cfg.probabilistic, cfg.unc_bias_init)
+    def _add_trunk(
+        self, cfg: ModelConfig, width: int, layers: int, heads: int, eps: float = 1e-5, text: bool = False
+    ) -> None:
+        self.transformer = Transformer(width, layers, heads, cfg.mlp_ratio, cfg.activation, eps)
+        self.ln_post = nn.LayerNorm(width, eps=eps)
+        official = cfg.head_variant == "prolip_official"
+        self.head = GaussianHead(
+            width,
+            cfg.embed_dim,
+            cfg.probabilistic,
+            cfg.unc_bias_init,
+            mu_bias=text and cfg.text_proj_bias,
+            logvar_from_mu=text and official,
+        )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         _init_weights(self)
-        nn.init.normal_(self.cls_token, std=_INIT_STD)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=_INIT_STD)
         if self.unc_token is not None:
             nn.init.normal_(self.unc_token, std=_INIT_STD)
         nn.init.normal_(self.pos_embed, std=_POS_INIT_STD)
@@ -170,6 +218,7 @@ class VisionTower(_Tower):
         self.unc_token = nn.Parameter(torch.empty(width)) if cfg.probabilistic else None
         self.pos_embed = nn.Parameter(torch.empty(self.n_special + self.n_patches, width))
         self.ln_pre = nn.LayerNorm(width)
+        self.cls_ln_twice = cfg.head_variant == "prolip_official"
         self._add_trunk(cfg, width, cfg.vision_layers, cfg.vision_heads)
 
     def patchify(self, images: torch.Tensor) -> torch.Tensor:
@@ -206,7 +255,8 @@ class VisionTower(_Tower):
         x = self.transformer(self.ln_pre(x))  # (B, S0 + K, D)
         x = self.ln_post(x)  # (B, S0 + K, D)
         h_unc = x[:, 1] if self.unc_token is not None else None  # (B, D)
-        return self.head(x[:, 0], h_unc)
+        h_cls = self.ln_post(x[:, 0]) if self.cls_ln_twice else x[:, 0]  # (B, D)
+        return self.head(h_cls, h_unc)
 
 
 class TextTower(_Tower):
@@ -218,16 +268,20 @@ class TextTower(_Tower):
         self.context_length = cfg.context_length
         self.pad_id = cfg.pad_id
         self.causal = cfg.text_causal
-        self.n_special = 2 if cfg.probabilistic else 1
+        self.mask_padding = cfg.text_mask_padding
+        self.eot_pool = cfg.text_pool == "eot"
+        self.n_special = (2 if cfg.probabilistic else 1) - int(self.eot_pool)
         self.token_embed = nn.Embedding(cfg.vocab_size, width)
         self.unc_token = nn.Parameter(torch.empty(width)) if cfg.probabilistic else None
-        self.cls_token = nn.Parameter(torch.empty(width))
+        self.cls_token = None if self.eot_pool else nn.Parameter(torch.empty(width))
         # Rows 0..C-1 for text positions, C (UNC) and C+1 (CLS): fixed rows whatever the input length.
         self.pos_embed = nn.Parameter(torch.empty(cfg.context_length + self.n_special, width))
-        self._add_trunk(cfg, width, cfg.text_layers, cfg.text_heads)
+        self._add_trunk(cfg, width, cfg.text_layers, cfg.text_heads, eps=cfg.text_ln_eps, text=True)
 
     def special_tokens(self) -> torch.Tensor:
-        tokens = [self.cls_token] if self.unc_token is None else [self.unc_token, self.cls_token]
+        tokens = [t for t in (self.unc_token, self.cls_token) if t is not None]
+        if not tokens:
+            return self.pos_embed[:0]  # (0, D)
         return torch.stack(tokens) + self.pos_embed[self.context_length :]  # (S0, D)
 
     def attention_mask(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -235,7 +289,8 @@ class TextTower(_Tower):
         b, length = tokens.shape
         s = length + self.n_special
         special_ok = torch.ones(b, self.n_special, dtype=torch.bool, device=tokens.device)  # (B, S0)
-        key_ok = torch.cat([tokens != self.pad_id, special_ok], dim=1)  # (B, S)
+        text_ok = tokens != self.pad_id if self.mask_padding else torch.ones_like(tokens, dtype=torch.bool)
+        key_ok = torch.cat([text_ok, special_ok], dim=1)  # (B, S)
         mask = key_ok[:, None, None, :].expand(b, 1, s, s)  # (B, 1, S, S)
         eye = torch.eye(s, dtype=torch.bool, device=tokens.device)  # (S, S)
         if self.causal:
@@ -251,5 +306,9 @@ class TextTower(_Tower):
         x = torch.cat([x, special], dim=1)  # (B, L + S0, D)
         x = self.transformer(x, self.attention_mask(tokens))  # (B, L + S0, D)
         x = self.ln_post(x)  # (B, L + S0, D)
+        if self.eot_pool:
+            # The end token is the last non-pad position (pipeline/tokenizer.py's layout).
+            last = ((tokens != self.pad_id).sum(dim=1) - 1).clamp(min=0)  # (B,)
+            return self.head(x[torch.arange(b, device=x.device), last], None)
         h_unc = x[:, -2] if self.unc_token is not None else None  # (B, D)
         return self.head(x[:, -1], h_unc)
