@@ -1,0 +1,105 @@
+"""Checkpoint import: open_clip CLIP and official-ProLIP state dicts into our model, checked against the
+source library's own forward (open_clip's ``model.py`` run from the installed wheel, tests/open_clip_src.py).
+
+The state dicts are written here in each library's naming at small widths and depths (no weights can be
+downloaded in tests), with every parameter randomised so no term can hide behind a zero or identity init.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipeline.tokenizer import clip_bpe_tokenizer
+from tests import open_clip_src
+from tests.test_tokenizer_clip import CORPUS
+from training.imports.common import read_weights
+from training.imports.open_clip import convert_open_clip
+from training.model import CheckpointError, load_checkpoint, save_checkpoint
+
+TOL = 1e-5
+
+
+def _randomise(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(p + 0.05 * torch.randn(p.shape, generator=g))
+
+
+@pytest.fixture(scope="module")
+def oc_model():
+    return open_clip_src.load_or_skip("model")
+
+
+@pytest.fixture(scope="module")
+def clip_tok():
+    if open_clip_src.package_dir() is None:
+        pytest.skip("open_clip_torch not installed (make install adds it with --no-deps)")
+    return clip_bpe_tokenizer()
+
+
+def _open_clip_reference(oc_model, patch: int, quick_gelu: bool, seed: int):
+    """open_clip's own ``CLIP`` with a ViT-B/``patch`` layout at 224 px, shrunk to 2 layers × 128 wide."""
+    vision = oc_model.CLIPVisionCfg(layers=2, width=128, head_width=64, patch_size=patch, image_size=224)
+    text = oc_model.CLIPTextCfg(context_length=77, vocab_size=49408, width=128, heads=2, layers=2)
+    model = oc_model.CLIP(embed_dim=64, vision_cfg=vision, text_cfg=text, quick_gelu=quick_gelu).eval()
+    _randomise(model, seed)
+    return model
+
+
+@pytest.mark.parametrize(("patch", "quick_gelu"), [(32, True), (16, False)], ids=["B32-openai", "B16"])
+def test_open_clip_embeddings_equal(oc_model, clip_tok, tmp_path, patch: int, quick_gelu: bool) -> None:
+    ref = _open_clip_reference(oc_model, patch, quick_gelu, seed=patch)
+    weights = tmp_path / "open_clip_model.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(weights))
+    model, extra = convert_open_clip(read_weights(weights), clip_tok, quick_gelu=quick_gelu)
+    cfg = model.config
+    assert (cfg.patch_size, cfg.image_size, cfg.vision_heads, cfg.text_heads) == (patch, 224, 2, 2)
+    assert cfg.activation == ("quick_gelu" if quick_gelu else "gelu") and not cfg.probabilistic
+    assert extra["logit_scale"] == pytest.approx(float(ref.logit_scale.detach()))
+
+    images = torch.randn(3, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    ours_tokens = torch.from_numpy(clip_tok.encode_batch(CORPUS, 77))
+    ref_tokens = oc_model_tokens(CORPUS)
+    with torch.no_grad():
+        ref_img, ref_txt = ref.encode_image(images, normalize=True), ref.encode_text(ref_tokens, normalize=True)
+        img, img_var = model.encode_image(images)
+        txt, txt_var = model.encode_text(ours_tokens)
+    assert img_var is None and txt_var is None
+    assert (img - ref_img).abs().max() < TOL and (txt - ref_txt).abs().max() < TOL
+    # Trimmed padding (the ingest's trim_text_padding) gives the same text embeddings.
+    width = int((ours_tokens != clip_tok.pad_id).sum(1).max())
+    with torch.no_grad():
+        assert (model.encode_text(ours_tokens[:, :width])[0] - ref_txt).abs().max() < TOL
+
+    # Through our checkpoint directory (what every job loads) the model is unchanged.
+    model2, _, tok2 = load_checkpoint(save_checkpoint(tmp_path / "ckpt", model, cfg, clip_tok, extra))
+    with torch.no_grad():
+        assert torch.equal(model2.encode_image(images)[0], img)
+    assert tok2.to_state() == clip_tok.to_state()
+
+
+def oc_model_tokens(texts: list[str]) -> torch.Tensor:
+    return open_clip_src.load("tokenizer").SimpleTokenizer()(texts, context_length=77)
+
+
+def test_open_clip_import_refuses_bad_input(oc_model, clip_tok, tmp_path) -> None:
+    ref = _open_clip_reference(oc_model, 32, False, seed=0)
+    state = {k: v.contiguous() for k, v in ref.state_dict().items()}
+    missing = dict(state)
+    del missing["visual.proj"]
+    with pytest.raises(CheckpointError, match="visual.proj"):
+        convert_open_clip(missing, clip_tok)
+    with pytest.raises(CheckpointError, match="unexpected keys"):
+        convert_open_clip({**state, "visual.extra_head.weight": torch.zeros(2)}, clip_tok)
+    pickled = tmp_path / "model.pt"
+    torch.save({"state_dict": state, "optimizer": object()}, pickled)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        read_weights(pickled)  # weights_only refuses arbitrary objects
+    wrapped = tmp_path / "wrapped.pt"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 3}, wrapped)
+    assert set(read_weights(wrapped)) == set(state)
+    np.testing.assert_array_equal(read_weights(wrapped)["visual.proj"].numpy(), state["visual.proj"].numpy())
