@@ -4,8 +4,8 @@
 which import torchvision, and PyPI's torchvision is a CUDA build that will not load beside the CPU torch
 (docs/environment.md). The modules the tests compare against do not need torchvision to *run*:
 
-- ``tokenizer.py``, ``loss.py``, ``transformer.py``, ``pos_embed.py`` import only torch, numpy, ftfy, regex;
-- ``model.py`` imports ``utils.py``, whose only torchvision use is the top-level
+- ``tokenizer.py``, ``loss.py``, ``pos_embed.py`` import only torch, numpy, ftfy, regex;
+- ``transformer.py`` and ``model.py`` import ``utils.py``, whose only torchvision use is the top-level
   ``from torchvision.ops.misc import FrozenBatchNorm2d``, called solely by ``freeze_batch_norm_2d``
   (ResNet/timm towers being frozen) — never on the ViT/text forward the tests run.
 
@@ -94,7 +94,7 @@ def _exec_with_torchvision_standin(name: str) -> types.ModuleType:
 
 def load(name: str) -> types.ModuleType:
     """open_clip's ``tokenizer``, ``loss``, ``transformer`` or ``model`` module from the installed wheel."""
-    if name == "model":
+    if name in ("model", "transformer"):
         _exec_with_torchvision_standin("utils")
     return _exec(name)
 

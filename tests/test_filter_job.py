@@ -122,3 +122,50 @@ def test_metadata_filters_and_bad_specs_stop_the_filter_job_at_validation():
         validate(cfg)
     specs = validate(FilterJobConfig(shards="pool", checkpoint="ckpt"))
     assert [s.label for s in specs][-1] == "random_same_size" and specs[-1].of == "csd_best"
+
+
+def test_filter_job_scores_with_an_imported_open_clip_model(ray_local, pool, tmp_path):
+    """``--checkpoint openclip:MODEL:PATH``: imported into OUT/checkpoint, then CLIP-score filtering runs;
+    the cosines equal open_clip's own forward on the same pixels and captions."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests import open_clip_src
+    from tests.test_imports import _open_clip_reference
+    from training.encode import Encoder
+
+    oc_model = open_clip_src.load_or_skip("model")
+    ref = _open_clip_reference(oc_model, 32, quick_gelu=True, seed=3)
+    weights = tmp_path / "open_clip_model.safetensors"
+    save_file({k: v.detach().contiguous() for k, v in ref.state_dict().items()}, str(weights))
+    shards, uids = pool
+    out = str(tmp_path / "run")
+    source = f"openclip:ViT-B-32-quickgelu:{weights}"
+    rc = filter_job.main(
+        [
+            "--checkpoint",
+            source,
+            "--shards",
+            shards,
+            "--out",
+            out,
+            "--set",
+            "filters=clip_score_best:fraction=0.3",
+        ]
+    )
+    assert rc == 0
+    manifest = json.load(open(os.path.join(out, "manifest.json")))["jobs"]["filter"]
+    assert manifest["imported_from"] == source and manifest["checkpoint"] == os.path.join(out, "checkpoint")
+    scores = pq.read_table(os.path.join(out, "scores", "scores.parquet")).to_pandas().set_index("uid")
+    assert len(subset_uids(os.path.join(out, "subsets", "clip_score_best.npy"))) == round(0.3 * len(uids))
+
+    samples = [s for p in sorted(LOCAL.list_files(shards, ".tar")) for s in iter_shard(p)][:16]
+    encoder = Encoder(os.path.join(out, "checkpoint"))
+    pixels, ok = encoder.preprocess([s["jpg"] for s in samples])
+    tokens = open_clip_src.load("tokenizer").SimpleTokenizer()([s["txt"] for s in samples])
+    with torch.no_grad():
+        mu_v = ref.encode_image(torch.from_numpy(pixels), normalize=True)
+        mu_t = ref.encode_text(tokens, normalize=True)
+    expected = (mu_v * mu_t).sum(-1).numpy()
+    got = scores.loc[[s["json"]["uid"] for s in samples], "cosine"].to_numpy()
+    assert ok.all() and np.abs(got - expected).max() < 1e-5

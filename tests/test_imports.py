@@ -7,12 +7,14 @@ downloaded in tests), with every parameter randomised so no term can hide behind
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.tokenizer import clip_bpe_tokenizer
+from pipeline.tokenizer import TextTokenizer, clip_bpe_tokenizer
 from tests import open_clip_src
 from tests.test_tokenizer_clip import CORPUS
 from training.imports.common import read_weights
@@ -65,7 +67,10 @@ def test_open_clip_embeddings_equal(oc_model, clip_tok, tmp_path, patch: int, qu
     ours_tokens = torch.from_numpy(clip_tok.encode_batch(CORPUS, 77))
     ref_tokens = oc_model_tokens(CORPUS)
     with torch.no_grad():
-        ref_img, ref_txt = ref.encode_image(images, normalize=True), ref.encode_text(ref_tokens, normalize=True)
+        ref_img, ref_txt = (
+            ref.encode_image(images, normalize=True),
+            ref.encode_text(ref_tokens, normalize=True),
+        )
         img, img_var = model.encode_image(images)
         txt, txt_var = model.encode_text(ours_tokens)
     assert img_var is None and txt_var is None
@@ -103,3 +108,87 @@ def test_open_clip_import_refuses_bad_input(oc_model, clip_tok, tmp_path) -> Non
     torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 3}, wrapped)
     assert set(read_weights(wrapped)) == set(state)
     np.testing.assert_array_equal(read_weights(wrapped)["visual.proj"].numpy(), state["visual.proj"].numpy())
+
+
+# ------------------------------------------------------------------ official ProLIP
+
+
+class _OfficialLayout(torch.nn.Module):
+    """The released ProLIP model's parameter names and forward arithmetic (facts from the official
+    repository's ``ProLIP``/``VisionTransformer``/``TextTransformer``), built on open_clip's own
+    ``Transformer`` and ``LayerNorm`` (the official code's blocks are open_clip's). The official package is
+    not on PyPI, so this is the reference that can run here."""
+
+    def __init__(self, T, patch: int, width: int = 128, layers: int = 2, context: int = 64, vocab: int = 100):
+        super().__init__()
+        nn, grid, embed = torch.nn, 224 // patch, width
+        self.visual, self.text = nn.Module(), nn.Module()
+        v, t = self.visual, self.text
+        v.conv1 = nn.Conv2d(3, width, patch, patch, bias=False)
+        v.class_embedding, v.unc_embedding = (
+            nn.Parameter(torch.zeros(width)),
+            nn.Parameter(torch.zeros(width)),
+        )
+        v.positional_embedding = nn.Parameter(torch.zeros(grid * grid + 2, width))
+        v.ln_pre, v.ln_post = T.LayerNorm(width), T.LayerNorm(width)
+        v.transformer = T.Transformer(width, layers, width // 64)
+        v.proj = nn.Parameter(torch.zeros(width, embed))
+        v.uncertainty_proj = nn.Linear(width, embed)
+        t.token_embedding = nn.Embedding(vocab, width)
+        t.positional_embedding = nn.Parameter(torch.zeros(context + 2, width))
+        t.cls_emb, t.unc_emb = nn.Parameter(torch.zeros(width)), nn.Parameter(torch.zeros(width))
+        text_norm = functools.partial(T.LayerNorm, eps=1e-6)  # the released text config's norm_kwargs
+        t.transformer = T.Transformer(width, layers, width // 64, norm_layer=text_norm)
+        t.ln_final = text_norm(width)
+        t.text_projection, t.text_uncertainty_projection = nn.Linear(width, embed), nn.Linear(width, embed)
+        self.logit_scale, self.logit_bias = nn.Parameter(torch.tensor(2.3)), nn.Parameter(torch.tensor(-10.0))
+
+    def encode_image(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v = self.visual
+        x = v.conv1(images).flatten(2).transpose(1, 2)  # (B, N, D)
+        b = x.shape[0]
+        x = torch.cat([v.class_embedding.expand(b, 1, -1), v.unc_embedding.expand(b, 1, -1), x], dim=1)
+        x = v.ln_post(v.transformer(v.ln_pre(x + v.positional_embedding)))
+        mean = v.ln_post(x[:, 0]) @ v.proj  # the CLS state is normalised a second time
+        return torch.nn.functional.normalize(mean, dim=-1), v.uncertainty_proj(x[:, 1])
+
+    def encode_text(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.text
+        x = t.token_embedding(tokens)
+        b, length = tokens.shape
+        x = torch.cat([x, t.unc_emb.expand(b, 1, -1), t.cls_emb.expand(b, 1, -1)], dim=1)
+        x = t.transformer(x + t.positional_embedding[: length + 2])  # no attention mask at all
+        mean = t.text_projection(t.ln_final(x[:, -1]))
+        return torch.nn.functional.normalize(mean, dim=-1), t.text_uncertainty_projection(mean)
+
+
+@pytest.mark.parametrize("patch", [16, 32])
+def test_official_prolip_embeddings_equal(tmp_path, patch: int) -> None:
+    from tests.test_tokenizer_clip import _siglip_style_file
+    from training.imports.prolip_official import convert_prolip
+
+    T = open_clip_src.load_or_skip("transformer")
+    ref = _OfficialLayout(T, patch).eval()
+    _randomise(ref, seed=patch)
+    weights = tmp_path / "model.safetensors"
+    save_file({k: v.detach().contiguous() for k, v in ref.state_dict().items()}, str(weights))
+    tok = TextTokenizer.from_file(_siglip_style_file(tmp_path / "t.json"), clean="canonicalize")
+    model, extra = convert_prolip(read_weights(weights), tok)
+    cfg = model.config
+    assert (cfg.context_length, cfg.patch_size, cfg.head_variant, cfg.probabilistic) == (
+        64,
+        patch,
+        "prolip_official",
+        True,
+    )
+    assert extra["logit_bias"] == pytest.approx(float(ref.logit_bias.detach()))
+
+    images = torch.randn(3, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    tokens = torch.from_numpy(tok.encode_batch(["A photo of the red car", "a dog and a cat " * 30, ""], 64))
+    with torch.no_grad():
+        (ri, rvi), (rt, rvt) = ref.encode_image(images), ref.encode_text(tokens)
+        (mi, vi), (mt, vt) = model.encode_image(images), model.encode_text(tokens)
+    for ours, theirs in ((mi, ri), (mt, rt)):
+        assert (ours - theirs).abs().max() < TOL
+    for ours, theirs in ((vi, rvi), (vt, rvt)):  # log σ² of magnitude ~10: compare relatively
+        assert ((ours - theirs).abs() / theirs.abs().clamp(min=1)).max() < TOL

@@ -96,7 +96,13 @@ class Transformer(nn.Module):
     """A stack of pre-LN blocks with optional activation checkpointing (recompute in backward)."""
 
     def __init__(
-        self, width: int, layers: int, heads: int, mlp_ratio: float, activation: str = "gelu", eps: float = 1e-5
+        self,
+        width: int,
+        layers: int,
+        heads: int,
+        mlp_ratio: float,
+        activation: str = "gelu",
+        eps: float = 1e-5,
     ) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio, activation, eps) for _ in range(layers))

@@ -4,6 +4,8 @@ Presets: demo, datacomp-small (``jobs/filter/run.py``). Scores every pool pair w
 checkpoint (CSD, cosine, per-tower uncertainty; Ray batch inference), runs the score filters, writes one
 DataComp subset ``.npy`` per filter (and, with ``reshard``, its shards) and ``manifest.json`` into the
 run directory. A missing or corrupt checkpoint, or a bad config, stops the job at start (exit code 2).
+``--checkpoint`` also takes a model trained elsewhere — ``openclip:MODEL:LOCATION`` or ``prolip:LOCATION``
+(training/imports/load.py) — imported first into ``OUT/checkpoint``.
 """
 
 from __future__ import annotations
@@ -12,24 +14,40 @@ import sys
 
 from jobs.common import config_parser, init_ray, print_table, resolve_config
 from jobs.filter.run import FILTER_PRESETS, check_checkpoint, run_filter_job, validate
+from pipeline import storage
 from pipeline.config import ConfigError, merge, to_dict
 from pipeline.manifest import write_manifest
 from pipeline.storage import Storage
+from training.imports.load import import_checkpoint, is_import_source
 from training.model import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser(__doc__.splitlines()[0], FILTER_PRESETS)
-    parser.add_argument("--checkpoint", default=None, help="checkpoint directory (sets checkpoint)")
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        help="checkpoint directory or openclip:/prolip: source (sets checkpoint)",
+    )
     parser.add_argument("--shards", default=None, help="pool shards: directory, glob or list (sets shards)")
     parser.add_argument("--out", default=None, help="run directory, local or s3:// (sets out)")
     args = parser.parse_args(argv)
     cfg = resolve_config(args, FILTER_PRESETS)
     updates = {k: v for k, v in vars(args).items() if k in ("checkpoint", "shards", "out") and v}
+    imported_from = None
     try:
         cfg = merge(cfg, updates)
-        check_checkpoint(cfg, validate(cfg))
-    except (ConfigError, CheckpointError) as exc:
+        specs = validate(cfg)
+        if is_import_source(cfg.checkpoint):
+            imported_from, target = cfg.checkpoint, storage.join(cfg.out, "checkpoint")
+            print(f"filter: importing {imported_from} → {target}", file=sys.stderr)
+            store = Storage.from_env(cfg.s3_endpoint)
+            cfg = merge(
+                cfg,
+                {"checkpoint": import_checkpoint(cfg.checkpoint, target, store, cfg.checkpoint_tokenizer)},
+            )
+        check_checkpoint(cfg, specs)
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
         print(f"filter: {exc}", file=sys.stderr)
         return 2
     init_ray()
@@ -47,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         store=Storage.from_env(cfg.s3_endpoint),
         extra={
             "checkpoint": cfg.checkpoint,
+            "imported_from": imported_from,
             "scores": res.scores_path,
             "subsets": {k: v.path for k, v in res.subsets.items()},
             "pairs_per_s": round(res.score.pairs_per_s, 1) if res.score else None,

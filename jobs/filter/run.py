@@ -40,7 +40,10 @@ from training.scoring import SCORE_COLUMNS, ScoreResult, verify_checkpoint
 @dataclass(frozen=True)
 class FilterJobConfig:
     shards: str = ""  # directory, glob or comma list of pool shards (local or s3://)
-    checkpoint: str = ""  # checkpoint directory (local or s3://)
+    # our checkpoint directory (local or s3://), or a source to import first into <out>/checkpoint:
+    # openclip:MODEL:LOCATION | prolip:LOCATION (training/imports/load.py)
+    checkpoint: str = ""
+    checkpoint_tokenizer: str = ""  # for an imported source: a tokenizer other than its own
     out: str = "runs/demo/filter"  # run directory (local or s3://)
     s3_endpoint: str = ""
     num_actors: int = 1  # scoring actors, each holding one model
