@@ -3,8 +3,10 @@
 Presets: demo, datacomp-small, prolip-b16 (training/config.py).
 
 Trains (or resumes: same ``run.storage_path`` + ``run.name``) a ProLIP / CLIP / SigLIP / PCME++ model on
-webdataset shards with Ray Train. Without ``--tokenizer`` a BPE is trained on the shards' captions and
-saved in the run directory and in every checkpoint. Writes ``manifest.json`` into the run directory.
+webdataset shards with Ray Train. ``--tokenizer`` takes ``clip`` (CLIP's BPE; the ``datacomp-small``
+default), ``clip:VOCAB_PATH``, a saved tokenizer directory or any ``tokenizer.json`` (``--set
+tokenizer_clean=canonicalize`` for SigLIP's); without one a BPE is trained on the shards' captions. The
+tokenizer is saved in the run directory and in every checkpoint. Writes ``manifest.json`` into the run directory.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from training.trainer import train
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser(__doc__.splitlines()[0], TRAIN_PRESETS)
     parser.add_argument("--shards", default=None, help="shard directory, glob or list (sets data.shards)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or tokenizer.json")
+    parser.add_argument("--tokenizer", default=None, help="clip, clip:VOCAB, a tokenizer directory or tokenizer.json")
     args = parser.parse_args(argv)
     cfg = resolve_config(args, TRAIN_PRESETS)
     updates = {k: v for k, v in (("tokenizer", args.tokenizer),) if v}

@@ -8,6 +8,7 @@ downloaded in tests), with every parameter randomised so no term can hide behind
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -192,3 +193,59 @@ def test_official_prolip_embeddings_equal(tmp_path, patch: int) -> None:
         assert (ours - theirs).abs().max() < TOL
     for ours, theirs in ((vi, rvi), (vt, rvt)):  # log σ² of magnitude ~10: compare relatively
         assert ((ours - theirs).abs() / theirs.abs().clamp(min=1)).max() < TOL
+
+
+# ------------------------------------------------------------------ the import job
+
+
+def test_import_job_prolip_with_released_config(tmp_path, capsys) -> None:
+    """``prolip:DIR`` reads ``model.safetensors`` and the released ``config.json`` beside it (text LN eps,
+    tokenizer cleaning); the result is a checkpoint directory every job loads."""
+    from jobs import import_checkpoint as job
+    from tests.test_tokenizer_clip import _siglip_style_file
+
+    T = open_clip_src.load_or_skip("transformer")
+    ref = _OfficialLayout(T, 32).eval()
+    _randomise(ref, seed=5)
+    src = tmp_path / "released"
+    src.mkdir()
+    save_file(
+        {k: v.detach().contiguous() for k, v in ref.state_dict().items()}, str(src / "model.safetensors")
+    )
+    text_cfg = {
+        "context_length": 64,
+        "tokenizer_kwargs": {"clean": "canonicalize"},
+        "norm_kwargs": {"eps": 1e-6},
+    }
+    (src / "config.json").write_text(json.dumps({"embed_dim": 128, "text_cfg": text_cfg}))
+    tok_file = _siglip_style_file(tmp_path / "tokenizer.json")
+    out = tmp_path / "ours"
+    assert job.main(["--source", f"prolip:{src}", "--tokenizer", tok_file, "--out", str(out)]) == 0
+    assert "Gaussian" in capsys.readouterr().out
+    model, cfg, tok = load_checkpoint(out)
+    assert tok.clean == "canonicalize" and cfg.text_ln_eps == 1e-6 and cfg.head_variant == "prolip_official"
+    tokens = torch.from_numpy(tok.encode_batch(["the red car"], 64))
+    with torch.no_grad():
+        (mt, vt), (rt, rvt) = model.encode_text(tokens), ref.encode_text(tokens)
+    assert (mt - rt).abs().max() < TOL and ((vt - rvt).abs() / rvt.abs().clamp(min=1)).max() < TOL
+
+
+def test_import_job_errors_name_the_problem(oc_model, clip_tok, tmp_path, capsys) -> None:
+    from jobs import import_checkpoint as job
+    from training.imports.load import is_import_source, parse_source
+
+    assert parse_source("openclip:ViT-B-16:hf-hub:org/repo").location == "hf-hub:org/repo"
+    assert parse_source("prolip:hf-hub:org/repo").location == "hf-hub:org/repo"
+    assert is_import_source("prolip:/w") and not is_import_source("/runs/ckpt")
+    ref = _open_clip_reference(oc_model, 32, False, seed=0)
+    weights = tmp_path / "w.safetensors"
+    save_file({k: v.detach().contiguous() for k, v in ref.state_dict().items()}, str(weights))
+    cases = [
+        (f"openclip:ViT-B-16:{weights}", "patch size 32"),  # the name says /16, the weights are /32
+        ("openclip:ViT-B-32", "expected openclip:MODEL:LOCATION"),
+        (f"openclip:ViT-B-32:{tmp_path / 'missing.safetensors'}", "checkpoint file missing"),
+        (f"prolip:{weights}", "give the SigLIP tokenizer.json"),
+    ]
+    for source, message in cases:
+        assert job.main(["--source", source, "--out", str(tmp_path / "o")]) == 1
+        assert message in capsys.readouterr().err

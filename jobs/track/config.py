@@ -23,7 +23,10 @@ class TrackConfig:
     output: str = "runs/demo"  # the run directory, local or s3://
     s3_endpoint: str = ""
     num_cpus: int = 0  # local Ray: 0 = all cores
-    build: BuildConfig = field(default_factory=lambda: BUILD_PRESETS["demo"])
+    # the build also trains the BPE that every model shares (share_tokenizer)
+    build: BuildConfig = field(
+        default_factory=lambda: merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096})
+    )
     scorer: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])
     train: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])  # one per subset and seed
     subsets: tuple[str, ...] = ("no_filter", "basic", "csd", "csd_uncertainty", "random")
@@ -57,11 +60,11 @@ class TrackConfig:
             raise ConfigError(f"build.filters.names: add {from_build} (subsets takes them from the build)")
         if "random" in self.subsets and self.random_of not in self.subsets:
             raise ConfigError(f"random_of: {self.random_of!r} is not one of subsets {list(self.subsets)}")
-        self._check_one_tokenizer()
         if self.scorer.loss.name != "prolip" and any(s.startswith("csd") for s in self.subsets):
             raise ConfigError(
                 f"scorer.loss.name: CSD subsets need a prolip scorer, got {self.scorer.loss.name!r}"
             )
+        self._check_one_tokenizer()
 
     def _check_one_tokenizer(self) -> None:
         """Every model of a track reads captions through one tokenizer (DataComp: only the data differs)."""

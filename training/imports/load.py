@@ -66,7 +66,11 @@ def fetch(location: str, filename: str) -> Path:
     if location.startswith(HUB):
         from huggingface_hub import hf_hub_download
 
-        return Path(hf_hub_download(location[len(HUB) :], filename))
+        repo = location[len(HUB) :]
+        try:
+            return Path(hf_hub_download(repo, filename))
+        except Exception as e:  # huggingface_hub's HTTP/offline/missing-entry errors
+            raise CheckpointError(f"{location}: cannot download {filename} ({type(e).__name__}: {e})") from e
     path = Path(location)
     return path / filename if path.is_dir() else path
 
