@@ -24,7 +24,9 @@ from training.trainer import train
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser(__doc__.splitlines()[0], TRAIN_PRESETS)
     parser.add_argument("--shards", default=None, help="shard directory, glob or list (sets data.shards)")
-    parser.add_argument("--tokenizer", default=None, help="clip, clip:VOCAB, a tokenizer directory or tokenizer.json")
+    parser.add_argument(
+        "--tokenizer", default=None, help="clip, clip:VOCAB, a tokenizer directory or tokenizer.json"
+    )
     args = parser.parse_args(argv)
     cfg = resolve_config(args, TRAIN_PRESETS)
     updates = {k: v for k, v in (("tokenizer", args.tokenizer),) if v}
