@@ -77,6 +77,38 @@ def map_blocks(state: Mapping[str, torch.Tensor], src: str, dst: str, n: int) ->
     return out
 
 
+def tower_shapes(state: Mapping[str, torch.Tensor], text_prefix: str, probabilistic: bool, vocab_size: int):
+    """``ModelConfig`` architecture fields read from the weight shapes, which both libraries name alike.
+
+    Image positions: CLS (+ UNC) + patches; text positions: the context (+ UNC, CLS for ProLIP)."""
+    conv = take(state, "visual.conv1.weight")  # (D, 3, p, p)
+    v_width, patch = conv.shape[0], conv.shape[-1]
+    grid = round((take(state, "visual.positional_embedding").shape[0] - 1 - int(probabilistic)) ** 0.5)
+    tok = take(state, f"{text_prefix}token_embedding.weight")  # (V, W)
+    t_width = tok.shape[1]
+    ratios = {
+        take(state, f"{p}transformer.resblocks.0.mlp.c_fc.weight").shape[0] / w
+        for p, w in (("visual.", v_width), (text_prefix, t_width))
+    }
+    if len(ratios) != 1:
+        raise CheckpointError(f"image and text MLP ratios differ ({ratios}); one mlp_ratio is supported")
+    return {
+        "image_size": grid * patch,
+        "patch_size": patch,
+        "vision_width": v_width,
+        "vision_layers": count_blocks(state, "visual.transformer."),
+        "vision_heads": v_width // HEAD_WIDTH,
+        "text_width": t_width,
+        "text_layers": count_blocks(state, f"{text_prefix}transformer."),
+        "text_heads": t_width // HEAD_WIDTH,
+        "context_length": take(state, f"{text_prefix}positional_embedding").shape[0] - 2 * int(probabilistic),
+        "vocab_size": max(vocab_size, tok.shape[0]),
+        "embed_dim": take(state, "visual.proj").shape[1],
+        "mlp_ratio": ratios.pop(),
+        "probabilistic": probabilistic,
+    }
+
+
 def block_keys(prefix: str, n: int) -> set[str]:
     """The source keys ``map_blocks`` reads."""
     return {f"{prefix}resblocks.{i}.{k}" for i in range(n) for k in _BLOCK_MAP}

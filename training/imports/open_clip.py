@@ -24,13 +24,12 @@ import torch
 
 from training.config import ModelConfig
 from training.imports.common import (
-    HEAD_WIDTH,
     block_keys,
     build_and_check,
-    count_blocks,
     grow_rows,
     map_blocks,
     take,
+    tower_shapes,
 )
 from training.model import ProLIP
 
@@ -39,31 +38,8 @@ HUB_FILE = "open_clip_model.safetensors"  # open_clip's file name on the Hugging
 
 def open_clip_config(state: Mapping[str, torch.Tensor], vocab_size: int, pad_id: int, quick_gelu: bool):
     """Our ``ModelConfig`` for an open_clip ViT CLIP state dict."""
-    conv = take(state, "visual.conv1.weight")  # (D, 3, p, p)
-    v_width, patch = conv.shape[0], conv.shape[-1]
-    grid = round((take(state, "visual.positional_embedding").shape[0] - 1) ** 0.5)
-    tok = take(state, "token_embedding.weight")  # (V, W)
-    t_width = tok.shape[1]
-    ratios = {
-        take(state, f"{p}transformer.resblocks.0.mlp.c_fc.weight").shape[0] / w
-        for p, w in (("visual.", v_width), ("", t_width))
-    }
-    if len(ratios) != 1:
-        raise ValueError(f"image and text MLP ratios differ ({ratios}); one mlp_ratio is supported")
     return ModelConfig(
-        image_size=grid * patch,
-        patch_size=patch,
-        vision_width=v_width,
-        vision_layers=count_blocks(state, "visual.transformer."),
-        vision_heads=v_width // HEAD_WIDTH,
-        text_width=t_width,
-        text_layers=count_blocks(state, "transformer."),
-        text_heads=t_width // HEAD_WIDTH,
-        context_length=take(state, "positional_embedding").shape[0],
-        vocab_size=max(vocab_size, tok.shape[0]),
-        embed_dim=take(state, "text_projection").shape[1],
-        mlp_ratio=ratios.pop(),
-        probabilistic=False,
+        **tower_shapes(state, "", False, vocab_size),
         text_causal=True,
         pad_id=pad_id,
         activation="quick_gelu" if quick_gelu else "gelu",

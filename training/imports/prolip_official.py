@@ -27,13 +27,12 @@ import torch
 
 from training.config import ModelConfig
 from training.imports.common import (
-    HEAD_WIDTH,
     block_keys,
     build_and_check,
-    count_blocks,
     grow_rows,
     map_blocks,
     take,
+    tower_shapes,
 )
 from training.model import ProLIP
 
@@ -44,25 +43,8 @@ HUB_CONFIG = "config.json"
 def prolip_config(
     state: Mapping[str, torch.Tensor], vocab_size: int, pad_id: int, text_ln_eps: float, quick_gelu: bool
 ) -> ModelConfig:
-    conv = take(state, "visual.conv1.weight")  # (D, 3, p, p)
-    v_width, patch = conv.shape[0], conv.shape[-1]
-    grid = round((take(state, "visual.positional_embedding").shape[0] - 2) ** 0.5)
-    tok = take(state, "text.token_embedding.weight")  # (V, W)
-    t_width = tok.shape[1]
     return ModelConfig(
-        image_size=grid * patch,
-        patch_size=patch,
-        vision_width=v_width,
-        vision_layers=count_blocks(state, "visual.transformer."),
-        vision_heads=v_width // HEAD_WIDTH,
-        text_width=t_width,
-        text_layers=count_blocks(state, "text.transformer."),
-        text_heads=t_width // HEAD_WIDTH,
-        context_length=take(state, "text.positional_embedding").shape[0] - 2,
-        vocab_size=max(vocab_size, tok.shape[0]),
-        embed_dim=take(state, "visual.proj").shape[1],
-        mlp_ratio=take(state, "visual.transformer.resblocks.0.mlp.c_fc.weight").shape[0] / v_width,
-        probabilistic=True,
+        **tower_shapes(state, "text.", True, vocab_size),
         text_causal=False,
         pad_id=pad_id,
         activation="quick_gelu" if quick_gelu else "gelu",
