@@ -149,3 +149,30 @@ def test_spec_resolution_and_one_tokenizer_per_track(clip_tok: TextTokenizer, tm
         merge(TRACK_PRESETS["demo"], {"share_tokenizer": False})
     with pytest.raises(ConfigError, match="tokenizer_clean"):
         merge(dc, {"train": {"tokenizer_clean": "upper"}})
+
+
+def test_masked_clip_tokens_run_through_a_prolip_text_tower(clip_tok: TextTokenizer) -> None:
+    """The model built from the tokenizer (vocab 49,410, pad 49,408) encodes masked CLIP rows: finite μ and
+    log σ² from the UNC token, and padding does not change the result (pad keys are masked)."""
+    import torch
+
+    from training.model import ProLIP, model_config
+
+    cfg = model_config("tiny", vocab_size=clip_tok.vocab_size, pad_id=clip_tok.pad_id, context_length=77)
+    model = ProLIP(cfg).eval()
+    ids = clip_tok.encode_batch(CORPUS[:4], 77)
+    masked = mask_text_tokens(
+        ids,
+        clip_tok.pad_id,
+        clip_tok.end_id,
+        clip_tok.mask_id,
+        0.5,
+        rng=1,
+        protected_ids=(clip_tok.start_id,),
+    )
+    with torch.no_grad():
+        mu, logvar = model.encode_text(torch.from_numpy(masked))
+        width = int((masked != clip_tok.pad_id).sum(1).max())
+        mu_trim, _ = model.encode_text(torch.from_numpy(masked[:, :width]))
+    assert torch.isfinite(mu).all() and logvar is not None and torch.isfinite(logvar).all()
+    assert (mu - mu_trim).abs().max() < 1e-5
