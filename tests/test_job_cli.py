@@ -6,7 +6,10 @@ import importlib
 
 import pytest
 
-JOBS = ("build_dataset", "train", "embed", "reshard", "demo_pool", "evaluate", "adapters", "filter", "track")
+JOBS = (
+    "build_dataset", "train", "embed", "reshard", "demo_pool", "evaluate", "adapters", "filter", "track",
+    "import_checkpoint",
+)  # fmt: skip
 
 
 def _run(main, argv):
