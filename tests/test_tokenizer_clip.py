@@ -79,17 +79,16 @@ def test_cleaning_and_ids_survive_save_load_and_state(clip_tok: TextTokenizer, t
     assert clip_tok.decode(expected[0]) == "a photo of a dog & a cat"
 
 
+def _mask(tok: TextTokenizer, ids: np.ndarray, ratio: float, seed: int) -> np.ndarray:
+    """The training collate's call (training/loop.py): the start token is protected like pad and end."""
+    return mask_text_tokens(
+        ids, tok.pad_id, tok.end_id, tok.mask_id, ratio, rng=seed, protected_ids=(tok.start_id,)
+    )
+
+
 def test_masking_keeps_start_end_and_padding(clip_tok: TextTokenizer) -> None:
     ids = clip_tok.encode_batch(CORPUS, 77)
-    masked = mask_text_tokens(
-        ids,
-        clip_tok.pad_id,
-        clip_tok.end_id,
-        clip_tok.mask_id,
-        0.75,
-        rng=0,
-        protected_ids=(clip_tok.start_id,),
-    )
+    masked = _mask(clip_tok, ids, 0.75, seed=0)
     special = np.isin(ids, [clip_tok.pad_id, clip_tok.end_id, clip_tok.start_id])
     np.testing.assert_array_equal(masked[special], ids[special])
     changed = masked != ids
@@ -161,15 +160,7 @@ def test_masked_clip_tokens_run_through_a_prolip_text_tower(clip_tok: TextTokeni
     cfg = model_config("tiny", vocab_size=clip_tok.vocab_size, pad_id=clip_tok.pad_id, context_length=77)
     model = ProLIP(cfg).eval()
     ids = clip_tok.encode_batch(CORPUS[:4], 77)
-    masked = mask_text_tokens(
-        ids,
-        clip_tok.pad_id,
-        clip_tok.end_id,
-        clip_tok.mask_id,
-        0.5,
-        rng=1,
-        protected_ids=(clip_tok.start_id,),
-    )
+    masked = _mask(clip_tok, ids, 0.5, seed=1)
     with torch.no_grad():
         mu, logvar = model.encode_text(torch.from_numpy(masked))
         width = int((masked != clip_tok.pad_id).sum(1).max())
