@@ -23,10 +23,16 @@ area-resized: ≥ 45 dB from the full decode.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import ctypes
+import ctypes.util
 import io
 import math
+import threading
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import cv2
@@ -36,7 +42,7 @@ import simplejpeg
 from PIL import Image
 
 from pipeline.phash import phash64
-from pipeline.schema import STATUS_SUCCESS, failed_resize
+from pipeline.schema import STATUS_SUCCESS, failed_download, failed_resize
 
 # What Pillow may open. Excludes formats that shell out (EPS → Ghostscript) or are rarely images on the web.
 # (MPO, the multi-picture JPEG of phones, is opened by the JPEG plugin; AVIF only where Pillow has it.)
@@ -177,22 +183,113 @@ def _valid_boxes(face_bboxes: object) -> list[list[float]]:
 # --- decode ---------------------------------------------------------------------------------------------
 
 
-def _to_rgb(im: Image.Image) -> np.ndarray:
-    """Pillow image of any mode → (H, W, 3) uint8; transparency composited on white like img2dataset."""
+STRIP_PIXELS = 1 << 18  # mode conversion runs over strips of about this many pixels (a few MB of temporaries)
+# Resident bytes per decoded pixel while an image is converted: Pillow's own buffer (at most 4 B/px for the
+# modes we accept) plus our uint8 RGB copy (3 B/px); strips add a bounded constant (docs/download.md).
+DECODE_BYTES_PER_PIXEL = 7
+
+
+class PixelBudget:
+    """Decoded pixels an actor's threads may hold at once; a FIFO so a large image is not starved.
+
+    ``hold(n)`` blocks until ``n`` pixels are free. An image larger than the whole budget waits until the
+    budget is entirely free and is then decoded alone, so pixels in flight never exceed
+    ``max(total, the largest single image)``. A ``deadline`` (``time.monotonic()``) bounds the wait.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = int(total)
+        self._free = self.total
+        self._queue: collections.deque[object] = collections.deque()
+        self._cv = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, n: int, deadline: float = math.inf) -> Iterator[None]:
+        need = min(int(n), self.total)
+        ticket = object()
+        with self._cv:
+            self._queue.append(ticket)
+            try:
+                ok = self._cv.wait_for(
+                    lambda: self._queue[0] is ticket and self._free >= need,
+                    None if deadline == math.inf else max(0.0, deadline - time.monotonic()),
+                )
+            finally:
+                self._queue.remove(ticket)
+                self._cv.notify_all()
+            if not ok:
+                raise TimeoutError("deadline passed waiting for the decode pixel budget")
+            self._free -= need
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._free += need
+                self._cv.notify_all()
+
+
+def return_large_buffers_to_os(threshold: int = 1 << 20) -> bool:
+    """Ask glibc to serve allocations ≥ ``threshold`` with their own mmap, returned to the OS on free.
+
+    By default glibc raises that threshold after freeing a large buffer (up to 32 MiB), after which Pillow's
+    16 MiB blocks land in per-thread heaps that are rarely given back: an actor's idle size then grows to
+    its largest image. Process-wide; a no-op (False) where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD; a fixed value also stops the adjusting
+    except (OSError, AttributeError):
+        return False
+
+
+def _composite_on_white(rgba: np.ndarray) -> np.ndarray:
+    """uint8 RGBA → uint8 RGB on white: round((c·a + 255·(255 − a)) / 255), integers only.
+
+    Equals img2dataset's float formula ``c·(a/255) + 255·(1 − a/255)`` rounded: the exact quotient is never
+    a half (255 is odd), and float32 error is far below the 1/510 distance to one.
+    """
+    a = rgba[..., 3:].astype(np.uint16)
+    num = rgba[..., :3] * a + (255 * (255 - a) + 127)
+    return (num // 255).astype(np.uint8)
+
+
+def _strip_converter(im: Image.Image) -> Callable[[Image.Image], np.ndarray]:
+    """A function turning one strip of ``im`` into (rows, W, 3) uint8 or (rows, W) grey uint8."""
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (im.mode == "P" and "transparency" in im.info):
-        rgba = np.asarray(im.convert("RGBA"), dtype=np.float32)
-        alpha = rgba[..., 3:] / 255.0
-        return np.rint(rgba[..., :3] * alpha + 255.0 * (1.0 - alpha)).clip(0, 255).astype(np.uint8)
-    if im.mode.startswith("I;16") or im.mode == "I":
-        arr = np.asarray(im).astype(np.int64)
-        if im.mode != "I" or arr.max(initial=0) > 255:
-            arr = arr >> 8  # 16-bit samples → 8 bits (Pillow's convert would clip them instead)
-        gray = arr.clip(0, 255).astype(np.uint8)
-        return np.repeat(gray[..., None], 3, axis=2)
+        return lambda s: _composite_on_white(np.asarray(s.convert("RGBA")))
+    if im.mode.startswith("I;16"):
+        return lambda s: (np.asarray(s).astype(np.uint16, copy=False) >> 8).astype(np.uint8)
+    if im.mode == "I":
+        # 16-bit samples → 8 bits (Pillow's convert would clip them instead); decided on the whole image.
+        shift = 8 if (im.getextrema()[1] or 0) > 255 else 0  # type: ignore[index]
+        return lambda s: (np.asarray(s) >> shift).clip(0, 255).astype(np.uint8)
     if im.mode == "F":
-        gray = np.asarray(im).clip(0, 255).astype(np.uint8)
-        return np.repeat(gray[..., None], 3, axis=2)
-    return np.asarray(im.convert("RGB"))
+        return lambda s: np.asarray(s).clip(0, 255).astype(np.uint8)
+    return lambda s: np.asarray(s.convert("RGB"))
+
+
+def _to_rgb(im: Image.Image) -> np.ndarray:
+    """Loaded Pillow image of any mode → (H, W, 3) uint8; transparency composited on white like img2dataset.
+
+    Converted strip by strip into one preallocated array, in integers: no full-size float or wide-int copy.
+    """
+    w, h = im.size
+    out = np.empty((h, w, 3), np.uint8)
+    convert = _strip_converter(im)
+    rows = max(1, STRIP_PIXELS // max(1, w))
+    for y in range(0, h, rows):
+        part = convert(im.crop((0, y, w, min(h, y + rows))))
+        out[y : y + part.shape[0]] = part if part.ndim == 3 else part[..., None]
+    return out
+
+
+def decoded_pixels(im: Image.Image, out_w: int, out_h: int) -> int:
+    """Pixels ``_decode`` will materialise for ``im`` (after the DCT-domain scale-down for JPEGs)."""
+    w, h = im.size
+    if im.format in ("JPEG", "MPO"):
+        f = dct_factor(w, h, out_w, out_h)
+        return math.ceil(w / f) * math.ceil(h / f)
+    return w * h
 
 
 def _decode(data: bytes, im: Image.Image, out_w: int, out_h: int) -> np.ndarray:
@@ -214,6 +311,19 @@ def _decode(data: bytes, im: Image.Image, out_w: int, out_h: int) -> np.ndarray:
     return _to_rgb(im)
 
 
+def _decode_resized(data: bytes, im: Image.Image, out_w: int, out_h: int) -> np.ndarray:
+    """Decode (closing Pillow's buffer as soon as our copy exists) and area-resize to the output size."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            pixels = _decode(data, im, out_w, out_h)
+        finally:
+            im.close()
+    if pixels.shape[1] != out_w or pixels.shape[0] != out_h:
+        pixels = cv2.resize(pixels, (out_w, out_h), interpolation=cv2.INTER_AREA)
+    return pixels
+
+
 _ORIENT = {  # EXIF orientation → numpy ops turning the stored frame into the displayed one
     2: lambda a: a[:, ::-1],
     3: lambda a: a[::-1, ::-1],
@@ -233,8 +343,14 @@ def process_image(
     max_pixels: int = 89_478_485,
     face_bboxes: Sequence[Sequence[float]] | None = None,
     blur_faces: bool = True,
+    budget: PixelBudget | None = None,
+    deadline: float = math.inf,
 ) -> ImageResult:
-    """Downloaded bytes → re-encoded JPEG and sizes, or a ``failed_to_resize:<reason>`` status."""
+    """Downloaded bytes → re-encoded JPEG and sizes, or a ``failed_to_resize:<reason>`` status.
+
+    With a ``budget``, the decode waits for its pixels (``decoded_pixels``) to be free; still waiting at
+    ``deadline`` (``time.monotonic()``) gives ``failed_to_download:deadline``.
+    """
     if not data or not looks_like_image(data):
         return ImageResult(failed_resize("not_an_image"), error="no image signature")
     try:
@@ -254,15 +370,14 @@ def process_image(
     except Exception:
         orientation = 1  # a broken EXIF block should not cost us the image
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pixels = _decode(data, im, out_w, out_h)
+        with budget.hold(decoded_pixels(im, out_w, out_h), deadline) if budget else contextlib.nullcontext():
+            pixels = _decode_resized(data, im, out_w, out_h)
+    except TimeoutError as exc:
+        return ImageResult(failed_download("deadline"), error=str(exc))
     except Exception as exc:
         return ImageResult(failed_resize("corrupt"), error=f"decode: {exc}")
     finally:
         im.close()
-    if pixels.shape[1] != out_w or pixels.shape[0] != out_h:
-        pixels = cv2.resize(pixels, (out_w, out_h), interpolation=cv2.INTER_AREA)
     if blur_faces:
         boxes = _valid_boxes(face_bboxes)
         if boxes:
