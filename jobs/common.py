@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from pipeline.config import ConfigError, merge, resolve
 
 T = TypeVar("T")
+LOOPBACK = "127.0.0.1"
 
 
 def config_parser(
@@ -98,6 +99,9 @@ def init_ray(num_cpus: int = 0, **kwargs: Any) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **kwargs)
     else:
+        _loopback_only(ray)
+        kwargs.setdefault("_node_ip_address", LOOPBACK)
+        kwargs.setdefault("dashboard_host", LOOPBACK)
         ray.init(
             address="local",
             num_cpus=num_cpus or None,
@@ -112,6 +116,22 @@ def init_ray(num_cpus: int = 0, **kwargs: Any) -> None:
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
+
+
+def _loopback_only(ray: Any) -> None:
+    """Make a private local Ray listen on 127.0.0.1 only (docs/download.md, "Local Ray").
+
+    Ray 2.60 turns an explicit ``_node_ip_address="127.0.0.1"`` back into the machine's routable address
+    (``services.resolve_ip_for_localhost``), and its GCS, raylet, workers and agents then listen on all
+    interfaces. Its single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the default on macOS
+    and Windows) uses the loopback address as the node address instead, and every component binds to
+    the node address. The env var reaches the processes Ray starts; the driver read it at import, so its
+    copy is set too. tests/test_local_ray_bind.py lists every listening socket of the process tree.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    constants = ray._private.ray_constants
+    if hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False
 
 
 def print_table(title: str, rows: Sequence[tuple[Any, ...]], headers: Sequence[str]) -> None:
