@@ -22,6 +22,7 @@ import io
 import json
 import os
 import posixpath
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -38,13 +39,29 @@ WRITE_BUFFER_BYTES = 1024 * 1024
 _GLOB_CHARS = "*?["
 
 
+# Query parameters that carry a credential (S3/GCS/Azure presigned URLs, common API tokens).
+_SECRET_PARAMS = re.compile(
+    r"(?i)([?&](?:x-amz-(?:credential|signature|security-token)|x-goog-(?:credential|signature)|signature|sig"
+    r"|awsaccesskeyid|access_token|token|api_key|apikey|password|secret)=)[^&#\s]*"
+)
+_USERINFO = re.compile(r"(?i)^((?:[a-z][a-z0-9+.-]*:)?//)[^/?#\s]*@")  # scheme://userinfo@ or //userinfo@
+_BARE_USERINFO = re.compile(r"^[^/?#@\s:]*:[^/?#@\s]*@(?=[^/?#@\s])")  # user:secret@host (endpoint, no scheme)
+
+
 def redact_url(url: str) -> str:
-    """``scheme://user:secret@host:port/x`` → ``scheme://host:port/x``: userinfo never reaches a file or log."""
-    if "://" not in url or "@" not in url.split("://", 1)[1].split("/", 1)[0]:
-        return url
-    scheme, rest = url.split("://", 1)
-    netloc, _, path = rest.partition("/")
-    return f"{scheme}://{netloc.rsplit('@', 1)[1]}" + (f"/{path}" if path else "")
+    """``scheme://user:secret@host:port/x`` → ``scheme://host:port/x``: userinfo never reaches a file or log.
+
+    Also a scheme-less endpoint ``user:secret@host:port`` (a bare endpoint means https) and the values of
+    credential query parameters (``X-Amz-Signature=…`` → ``X-Amz-Signature=REDACTED``).
+    """
+    out = _BARE_USERINFO.sub("", _USERINFO.sub(r"\1", url, count=1), count=1)
+    return _SECRET_PARAMS.sub(r"\1REDACTED", out) if ("?" in out or "&" in out) else out
+
+
+def redact_text(text: str) -> str:
+    """Every URL inside free text (an error message, a log line) with its userinfo and credentials removed."""
+    text = re.sub(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/?#\s@]*@", r"\1", text)
+    return _SECRET_PARAMS.sub(r"\1REDACTED", text)
 
 
 def is_s3(path: str) -> bool:
