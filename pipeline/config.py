@@ -250,11 +250,18 @@ class DownloadConfig:
     honor_robots: bool = True
     allow_hosts: list[str] = field(default_factory=list)  # private/loopback hosts explicitly allowed
     user_agent: str = "prolip-ray/0.1 (+https://github.com/prolip-ray)"
+    # Hard limit of one part's download call; 0 = 10 · (retries + 1) · timeout_s (docs/download.md).
+    part_deadline_s: float = 0.0
+    per_host_connections: int = 4  # per actor: N actors may open N times this to one host
+    retry_backoff_s: float = 1.0  # exponential backoff base, full jitter
+    retry_after_max_s: float = 30.0  # longest Retry-After honoured by waiting; longer → no early retry
+    decode_pixel_budget: int = 89_478_485  # decoded pixels an actor's threads hold at once
 
     def __post_init__(self) -> None:
         check_types(self)
         positive(self, "image_size", "timeout_s", "threads_per_actor", "max_bytes", "max_pixels")
-        non_negative(self, "retries")
+        positive(self, "per_host_connections", "decode_pixel_budget")
+        non_negative(self, "retries", "part_deadline_s", "retry_backoff_s", "retry_after_max_s")
         require(1 <= self.jpeg_quality <= 100, "jpeg_quality", "must be in 1..100", self.jpeg_quality)
 
 

@@ -16,8 +16,12 @@ Semantics:
   our user-agent token, and DataComp set none, so only un-prefixed values count. ``none`` is not in the list.
 - Body bounded: Content-Length above ``max_bytes`` is refused before reading; otherwise we read at most
   ``max_bytes + 1`` bytes. Fewer bytes than Content-Length, or a dropped connection, is ``truncated``.
-- Retries only for transient failures: timeout, 5xx, connection errors and truncation. 4xx, opt-out,
-  blocked/invalid URLs and oversize bodies are final.
+- Retries only for transient failures: timeout, 429, 5xx, connection errors and truncation. Other 4xx,
+  opt-out, blocked/invalid URLs and oversize bodies are final. Before a retry we wait ``Retry-After`` (on
+  429/503, capped) or an exponential backoff with jitter (``pipeline/politeness.py``), never past the deadline.
+- The X-Robots-Tag opt-out is decided on the headers: an opted-out body is never read.
+- ``DownloadWorker``: a hard deadline per call (one part), a connection cap per host and a decode pixel
+  budget shared by the actor's threads, so its memory is a function of the config (``memory_bound``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import ssl
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin
@@ -39,13 +45,23 @@ import pyarrow as pa
 from pipeline import schema as S
 from pipeline.config import DownloadConfig
 from pipeline.netguard import GuardDecision, UrlGuard
-from pipeline.resize import process_image
+from pipeline.politeness import HostSlots, parse_retry_after, retry_wait
+from pipeline.resize import (
+    DECODE_BYTES_PER_PIXEL,
+    STRIP_PIXELS,
+    PixelBudget,
+    process_image,
+    return_large_buffers_to_os,
+)
 
 MAX_REDIRECTS = 5
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
 # img2dataset 1.47 main.download's default ``disallowed_header_directives`` (DataComp passes none).
 OPT_OUT_DIRECTIVES = frozenset({"noai", "noimageai", "noindex", "noimageindex"})
 _CHUNK = 64 * 1024
+RETRY_AFTER_CODES = frozenset({429, 503})
+DEADLINE = S.failed_download("deadline")
+DEADLINE_GRACE_S = 1.0  # rows still running this long after the part deadline are cut
 
 
 @dataclass(frozen=True)
@@ -54,6 +70,7 @@ class FetchResult:
     data: bytes | None = None
     error: str = ""
     http_status: int | None = None
+    retry_after: float | None = None  # seconds a 429/503 asked us to wait
 
 
 class _Transient(FetchResult):
@@ -173,9 +190,9 @@ def _read_body(resp: http.client.HTTPResponse, max_bytes: int) -> FetchResult:
     return FetchResult(S.STATUS_SUCCESS, bytes(buf), "", code)
 
 
-def _attempt(url: str, timeout_s: float, max_bytes: int, guard: UrlGuard, headers: dict[str, str],
+def _attempt(url: str, deadline: float, max_bytes: int, guard: UrlGuard, headers: dict[str, str],
              honor_robots: bool) -> FetchResult:  # fmt: skip
-    deadline = time.monotonic() + timeout_s
+    timeout_s = round(deadline - time.monotonic(), 3)
     for _hop in range(MAX_REDIRECTS + 1):
         decision = guard.resolve(url)
         if decision.status is not None:
@@ -198,8 +215,10 @@ def _attempt(url: str, timeout_s: float, max_bytes: int, guard: UrlGuard, header
                 url = urljoin(url, resp.getheader("Location", "").strip())
                 continue
             if not 200 <= code < 300:
-                cls = _Transient if code >= 500 else FetchResult
-                return cls(S.failed_download(f"http_{code}"), None, resp.reason or "", code)
+                cls = _Transient if code >= 500 or code == 429 else FetchResult
+                wait = parse_retry_after(resp.getheader("Retry-After")) if code in RETRY_AFTER_CODES else None
+                return cls(S.failed_download(f"http_{code}"), None, resp.reason or "", code, wait)
+            # Decided on the headers alone: the body of an opted-out image is never read (the close drops it).
             if honor_robots and is_opted_out(resp.headers.get_all("X-Robots-Tag") or []):
                 return FetchResult(S.STATUS_OPTED_OUT, None, "X-Robots-Tag opt-out", code)
             return _read_body(resp, max_bytes)
@@ -217,15 +236,36 @@ def fetch(
     guard: UrlGuard,
     user_agent: str,
     honor_robots: bool,
+    deadline: float = math.inf,
+    hosts: HostSlots | None = None,
+    backoff_s: float = 0.0,
+    retry_after_max_s: float = 0.0,
 ) -> FetchResult:
-    """Download ``url``; never raises for network or server misbehaviour (those become statuses)."""
+    """Download ``url``; never raises for network or server misbehaviour (those become statuses).
+
+    ``deadline`` (``time.monotonic()``) bounds everything, retries and waits included: reaching it gives
+    ``failed_to_download:deadline``. ``hosts`` caps concurrent connections per host (a slot is held for
+    one attempt, not while waiting to retry).
+    """
     # http.client adds "Accept-Encoding: identity": the bytes we hash are the bytes the sha256 was taken on.
     headers = {"User-Agent": user_agent, "Accept": "image/*,*/*;q=0.8", "Connection": "close"}
     result = FetchResult(S.failed_download("connection_error"), None, "not attempted")
-    for _ in range(max(0, retries) + 1):
-        result = _attempt(url, timeout_s, max_bytes, guard, headers, honor_robots)
+    for attempt in range(max(0, retries) + 1):
+        if attempt:
+            wait = retry_wait(attempt - 1, result.retry_after, backoff_s, retry_after_max_s)
+            if wait is None or time.monotonic() + wait >= deadline:
+                break  # not allowed, or no time left, for another attempt: keep the last failure
+            time.sleep(wait)
+        try:
+            with hosts.hold(url, deadline) if hosts else nullcontext():
+                result = _attempt(url, min(deadline, time.monotonic() + timeout_s), max_bytes, guard, headers,
+                                  honor_robots)  # fmt: skip
+        except TimeoutError as exc:
+            return FetchResult(DEADLINE, None, str(exc))
         if not isinstance(result, _Transient):
             return result
+        if time.monotonic() >= deadline:
+            return FetchResult(DEADLINE, None, f"part deadline reached ({result.status}: {result.error})")
     return FetchResult(result.status, result.data, result.error, result.http_status)
 
 
@@ -256,20 +296,46 @@ def _column(rows: pa.Table | Mapping[str, Any], name: str, n: int) -> list[Any]:
     return col.to_pylist() if hasattr(col, "to_pylist") else list(col)
 
 
+def part_deadline_s(cfg: DownloadConfig) -> float:
+    """The hard time limit of one ``DownloadWorker`` call: ``cfg.part_deadline_s``, or when 0,
+    ten rows each exhausting every attempt one after another: 10 · (retries + 1) · timeout_s."""
+    return cfg.part_deadline_s or 10 * (cfg.retries + 1) * cfg.timeout_s
+
+
+THREAD_OVERHEAD_BYTES = 40 * STRIP_PIXELS + 32 * 1024 * 1024  # strip temporaries, output-size copies, stack
+
+
+def memory_bound(cfg: DownloadConfig) -> int:
+    """Bytes one actor's images in flight may hold above its idle resident size (docs/download.md).
+
+    Decoded pixels: the budget, or a single larger image decoded alone (≤ max_pixels), at
+    ``DECODE_BYTES_PER_PIXEL`` each; per thread: a body being read (≤ max_bytes, grown by bytearray's
+    1/8 over-allocation) and its bytes copy, plus a constant. The part's output JPEGs are not counted.
+    """
+    pixels = max(cfg.decode_pixel_budget, cfg.max_pixels)
+    body = int(2.25 * (cfg.max_bytes + _CHUNK))
+    return DECODE_BYTES_PER_PIXEL * pixels + cfg.threads_per_actor * (body + THREAD_OVERHEAD_BYTES)
+
+
 class DownloadWorker:
     """Callable over a batch of metadata rows → one output row per input row, same order.
 
-    Built once per Ray Data actor: the guard and a bounded thread pool (``threads_per_actor``, the
-    counterpart of img2dataset's ``thread_count``). Each thread runs fetch → sha256 → decode/resize/blur.
+    Built once per Ray Data actor: the guard, a bounded thread pool (``threads_per_actor``, the
+    counterpart of img2dataset's ``thread_count``), the per-host connection slots and the decode pixel
+    budget its threads share. Each thread runs fetch → sha256 → decode/resize/blur. A call ends by its
+    deadline (``part_deadline_s``): rows still running then get ``failed_to_download:deadline``.
     """
 
     def __init__(self, cfg: DownloadConfig) -> None:
         import cv2
 
         cv2.setNumThreads(1)  # parallelism comes from threads and actors, not from OpenCV's own pool
+        return_large_buffers_to_os()  # idle size stays flat between large images (pipeline/resize.py)
         self.cfg = cfg
         self.guard = UrlGuard(cfg.allow_hosts)
         self.pool = ThreadPoolExecutor(cfg.threads_per_actor, thread_name_prefix="download")
+        self.hosts = HostSlots(cfg.per_host_connections)
+        self.budget = PixelBudget(cfg.decode_pixel_budget)
 
     def __call__(self, rows: pa.Table | Mapping[str, Any]) -> pa.Table:
         n = rows.num_rows if isinstance(rows, pa.Table) else len(_column(rows, S.UID, 0))
@@ -277,21 +343,40 @@ class DownloadWorker:
         urls = _column(rows, S.URL, n)
         hashes = _column(rows, S.SHA256, n)
         bboxes = _column(rows, S.FACE_BBOXES, n)
-        out = list(self.pool.map(self._one, uids, urls, hashes, bboxes))
+        limit = part_deadline_s(self.cfg)
+        deadline = time.monotonic() + limit
+        futures = [
+            self.pool.submit(self._one, *row, deadline)
+            for row in zip(uids, urls, hashes, bboxes, strict=True)
+        ]
+        # Every socket operation, retry wait, slot wait and budget wait ends by the deadline; the grace
+        # lets rows that hit it report their own status. What is still running after that is cut here.
+        wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()) + DEADLINE_GRACE_S)
+        out = []
+        for uid, fut in zip(uids, futures, strict=True):
+            if fut.done() and not fut.cancelled():
+                out.append(fut.result())
+            else:
+                fut.cancel()
+                out.append({S.UID: uid, S.STATUS: DEADLINE, "error": f"part deadline of {limit:g} s passed"})
         return pa.Table.from_pylist(out, schema=OUTPUT_SCHEMA)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _one(self, uid: str, url: str, expected_sha: str | None, bboxes: Any) -> dict[str, Any]:
+    def _one(
+        self, uid: str, url: str, expected_sha: str | None, bboxes: Any, deadline: float
+    ) -> dict[str, Any]:
         row: dict[str, Any] = {S.UID: uid}
+        if time.monotonic() >= deadline:
+            return {**row, S.STATUS: DEADLINE, "error": "part deadline passed before the row started"}
         try:
-            row.update(self._process(url, expected_sha, bboxes))
+            row.update(self._process(url, expected_sha, bboxes, deadline))
         except Exception as exc:  # a bad row must never fail the batch
             row.update({S.STATUS: S.failed_resize("corrupt"), "error": f"unexpected: {exc!r}", S.IMAGE: None})
         return row
 
-    def _process(self, url: str, expected_sha: str | None, bboxes: Any) -> dict[str, Any]:
+    def _process(self, url: str, expected_sha: str | None, bboxes: Any, deadline: float) -> dict[str, Any]:
         cfg = self.cfg
         res = fetch(
             url,
@@ -301,6 +386,10 @@ class DownloadWorker:
             guard=self.guard,
             user_agent=cfg.user_agent,
             honor_robots=cfg.honor_robots,
+            deadline=deadline,
+            hosts=self.hosts,
+            backoff_s=cfg.retry_backoff_s,
+            retry_after_max_s=cfg.retry_after_max_s,
         )
         if res.status != S.STATUS_SUCCESS or res.data is None:
             return {S.STATUS: res.status, "error": res.error}
@@ -314,6 +403,8 @@ class DownloadWorker:
             max_pixels=cfg.max_pixels,
             face_bboxes=bboxes,
             blur_faces=cfg.blur_faces,
+            budget=self.budget,
+            deadline=deadline,
         )
         return {
             S.STATUS: img.status,

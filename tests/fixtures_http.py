@@ -4,7 +4,9 @@ Routes are set per test (``server.route("/x.jpg", Route(body=...))``); each rout
 web servers do: fail the first N hits, sleep before answering, trickle the body, declare more bytes than
 it sends, redirect. ``server.hits[path]`` counts requests so tests can assert retries (or their absence), and
 ``server.answered[path]`` counts responses sent to the last byte, so a timeout test can assert the client
-gave up before the server finished instead of timing the client.
+gave up before the server finished instead of timing the client. ``body_sent[path]`` counts body bytes
+written to the socket, ``hit_times[path]`` the arrival time of each request and ``max_in_flight`` the most
+requests answered at once (for the per-host cap).
 The server runs in a thread of the test process and is shut down by the fixture.
 """
 
@@ -15,6 +17,7 @@ import ipaddress
 import socket
 import ssl
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ class Route:
     content_type: str = "image/jpeg"
     fail_first: int = 0  # answer ``fail_status`` to the first N hits
     fail_status: int = 500
+    fail_headers: dict[str, str] = field(default_factory=dict)  # sent with the failing answers only
     delay_s: float = 0.0  # wait before the status line (cut short when the server stops)
     trickle_s: float = 0.0  # wait between body bytes, after sending the headers (cut short likewise)
     declared_length: int | None = None  # Content-Length to announce (default: len(body))
@@ -49,43 +53,54 @@ class _Handler(BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.hits[path] += 1
             hit = self.server.hits[path]
+            self.server.hit_times.setdefault(path, []).append(time.monotonic())
+            self.server.in_flight += 1
+            self.server.max_in_flight = max(self.server.max_in_flight, self.server.in_flight)
             self.server.user_agents.append(self.headers.get("User-Agent", ""))
             self.server.host_headers.append(self.headers.get("Host", ""))
         route = self.server.routes.get(path)
         if route is None:
             route = Route(status=404, body=b"not found", content_type="text/plain")
         try:
-            finished = self._answer(route, hit)
+            finished = self._answer(route, hit, path)
         except (BrokenPipeError, ConnectionResetError):
             return  # the client gave up (timeout tests): expected
+        finally:
+            with self.server.lock:
+                self.server.in_flight -= 1
         if finished:
             with self.server.lock:
                 self.server.answered[path] += 1
 
-    def _answer(self, route: Route, hit: int) -> bool:
+    def _send_body(self, body: bytes, path: str, trickle_s: float) -> bool:
+        step = 1 if trickle_s else 64 * 1024
+        for i in range(0, len(body), step):
+            self.wfile.write(body[i : i + step])
+            self.wfile.flush()
+            with self.server.lock:
+                self.server.body_sent[path] += len(body[i : i + step])
+            if trickle_s and self.server.stopping.wait(trickle_s):
+                return False
+        return True
+
+    def _answer(self, route: Route, hit: int, path: str) -> bool:
         """Send the response; False when the fixture's shutdown cut it short."""
         if route.delay_s and self.server.stopping.wait(route.delay_s):
             return False  # the fixture is shutting down: never answer
-        status, body = route.status, route.body
+        status, body, headers = route.status, route.body, route.headers
         if hit <= route.fail_first:
-            status, body = route.fail_status, b"transient failure"
+            status, body, headers = route.fail_status, b"transient failure", route.fail_headers
         self.send_response(status)
         self.send_header("Content-Type", route.content_type)
         if route.send_length:
             declared = route.declared_length if route.declared_length is not None else len(body)
             self.send_header("Content-Length", str(declared))
-        for k, v in route.headers.items():
+        for k, v in headers.items():
             self.send_header(k, v)
         self.send_header("Connection", "close")
         self.end_headers()
-        if route.trickle_s and body:
-            for i in range(len(body)):
-                self.wfile.write(body[i : i + 1])
-                self.wfile.flush()
-                if self.server.stopping.wait(route.trickle_s):
-                    return False
-        else:
-            self.wfile.write(body)
+        if not self._send_body(body, path, route.trickle_s):
+            return False
         self.wfile.flush()
         self.close_connection = True
         return True
@@ -100,6 +115,10 @@ class _Server(ThreadingHTTPServer):
         self.routes: dict[str, Route] = {}
         self.hits: Counter[str] = Counter()
         self.answered: Counter[str] = Counter()
+        self.body_sent: Counter[str] = Counter()
+        self.hit_times: dict[str, list[float]] = {}
+        self.in_flight = 0
+        self.max_in_flight = 0
         self.stopping = threading.Event()
         self.user_agents: list[str] = []
         self.host_headers: list[str] = []
@@ -122,6 +141,18 @@ class HttpTestServer:
     @property
     def answered(self) -> Counter[str]:
         return self._server.answered
+
+    @property
+    def body_sent(self) -> Counter[str]:
+        return self._server.body_sent
+
+    @property
+    def hit_times(self) -> dict[str, list[float]]:
+        return self._server.hit_times
+
+    @property
+    def max_in_flight(self) -> int:
+        return self._server.max_in_flight
 
     @property
     def user_agents(self) -> list[str]:
