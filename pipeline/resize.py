@@ -311,17 +311,29 @@ def _decode(data: bytes, im: Image.Image, out_w: int, out_h: int) -> np.ndarray:
     return _to_rgb(im)
 
 
-def _decode_resized(data: bytes, im: Image.Image, out_w: int, out_h: int) -> np.ndarray:
-    """Decode (closing Pillow's buffer as soon as our copy exists) and area-resize to the output size."""
+def _orientation(im: Image.Image) -> int:
+    try:
+        return int(im.getexif().get(0x0112, 1) or 1)
+    except Exception:
+        return 1  # a broken EXIF block should not cost us the image
+
+
+def _decode_resized(data: bytes, im: Image.Image, out_w: int, out_h: int) -> tuple[np.ndarray, int]:
+    """Pixels area-resized to the output size, and the EXIF orientation; Pillow's buffer closed early.
+
+    The orientation is read after the decode: Pillow's PNG ``getexif`` decodes the whole image to look
+    for an ``eXIf`` chunk after the pixel data, which must happen inside the pixel budget, and only once.
+    """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             pixels = _decode(data, im, out_w, out_h)
+            orientation = _orientation(im)
         finally:
             im.close()
     if pixels.shape[1] != out_w or pixels.shape[0] != out_h:
         pixels = cv2.resize(pixels, (out_w, out_h), interpolation=cv2.INTER_AREA)
-    return pixels
+    return pixels, orientation
 
 
 _ORIENT = {  # EXIF orientation → numpy ops turning the stored frame into the displayed one
@@ -366,12 +378,8 @@ def process_image(
         return ImageResult(failed_resize("too_many_pixels"), error=f"{w}x{h} > {max_pixels} pixels")
     out_w, out_h = output_size(w, h, image_size)
     try:
-        orientation = int(im.getexif().get(0x0112, 1) or 1)
-    except Exception:
-        orientation = 1  # a broken EXIF block should not cost us the image
-    try:
         with budget.hold(decoded_pixels(im, out_w, out_h), deadline) if budget else contextlib.nullcontext():
-            pixels = _decode_resized(data, im, out_w, out_h)
+            pixels, orientation = _decode_resized(data, im, out_w, out_h)
     except TimeoutError as exc:
         return ImageResult(failed_download("deadline"), error=str(exc))
     except Exception as exc:
