@@ -261,6 +261,13 @@ class DownloadConfig:
         check_types(self)
         positive(self, "image_size", "timeout_s", "threads_per_actor", "max_bytes", "max_pixels")
         positive(self, "per_host_connections", "decode_pixel_budget")
+        from pipeline.netguard import parse_allow_entry  # the guard's own parser: one rule for both
+
+        for entry in self.allow_hosts:
+            try:
+                parse_allow_entry(entry)
+            except ValueError as exc:
+                raise ConfigError(f"allow_hosts {exc}") from None
         non_negative(self, "retries", "part_deadline_s", "retry_backoff_s", "retry_after_max_s")
         require(1 <= self.jpeg_quality <= 100, "jpeg_quality", "must be in 1..100", self.jpeg_quality)
 

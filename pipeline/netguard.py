@@ -18,6 +18,8 @@ Decisions (docs/download.md explains them):
 - ``allow_hosts`` entries are host names (matched case-insensitively against the URL's host), IP
   addresses, or CIDR networks (matched against each resolved address). An allow-listed host name allows
   whatever it resolves to — it is an explicit operator decision (the demo and tests allow ``127.0.0.1``).
+  An entry with a port (``127.0.0.1:8080``, ``[::1]:8080``, ``images.internal:443``, ``10.0.0.0/8:80``)
+  allows that port only; a bare entry allows every port (``parse_allow_entry``).
 - A name that does not resolve is ``failed_to_download:connection_error`` (transient: DNS hiccups happen).
 """
 
@@ -99,6 +101,41 @@ def _parse_ip(text: str) -> IPAddress | None:
         return None
 
 
+AllowNet = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_allow_entry(entry: str) -> tuple[str | AllowNet, int | None] | None:
+    """``allow_hosts`` entry → (host name or network, port or None for any); None for an empty entry.
+
+    Raises ``ValueError`` naming the entry for a bad port or an unbracketed IPv6 address with a port.
+    """
+    text = entry.strip().lower()
+    if not text:
+        return None
+    port: int | None = None
+    if text.startswith("["):  # [v6] or [v6]:port or [v6/len]:port
+        host, _, rest = text[1:].partition("]")
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError(f"allow_hosts entry {entry!r}: expected [address]:port")
+            port = _port(rest[1:], entry)
+    elif text.count(":") == 1:  # v4, name or v4 network, with a port
+        host, _, p = text.partition(":")
+        port = _port(p, entry)
+    else:  # a bare name, v4, v6 or network
+        host = text
+    try:
+        return ipaddress.ip_network(host, strict=False), port
+    except ValueError:
+        return host.rstrip("."), port
+
+
+def _port(text: str, entry: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"allow_hosts entry {entry!r}: port must be 1..65535")
+    return int(text)
+
+
 class UrlGuard:
     """Validates URLs and resolves their hosts to connectable, non-internal addresses.
 
@@ -106,21 +143,25 @@ class UrlGuard:
     """
 
     def __init__(self, allow_hosts: Iterable[str] = (), *, resolver: Resolver | None = None) -> None:
-        self._allow_names: set[str] = set()
-        self._allow_nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        self._allow_names: list[tuple[str, int | None]] = []
+        self._allow_nets: list[tuple[AllowNet, int | None]] = []
         for entry in allow_hosts:
-            entry = entry.strip().lower().strip("[]")
-            if not entry:
+            parsed = parse_allow_entry(entry)
+            if parsed is None:
                 continue
-            try:
-                self._allow_nets.append(ipaddress.ip_network(entry, strict=False))
-            except ValueError:
-                self._allow_names.add(entry.rstrip("."))
+            what, port = parsed
+            if isinstance(what, str):
+                self._allow_names.append((what, port))
+            else:
+                self._allow_nets.append((what, port))
         self._resolve = resolver or socket.getaddrinfo
 
-    def _ip_allowed(self, ip: IPAddress) -> bool:
+    def _name_allowed(self, host: str, port: int) -> bool:
+        return any(host == name and p in (None, port) for name, p in self._allow_names)
+
+    def _ip_allowed(self, ip: IPAddress, port: int) -> bool:
         return any(
-            ip.version == net.version and ip in net for net in self._allow_nets
+            ip.version == net.version and ip in net and p in (None, port) for net, p in self._allow_nets
         ) or not is_forbidden_ip(ip)
 
     def resolve(self, url: str) -> GuardDecision:
@@ -150,7 +191,7 @@ class UrlGuard:
             return GuardDecision(
                 failed_download("connection_error"), f"cannot resolve {host!r}: {exc}", transient=True
             )
-        name_allowed = host.rstrip(".") in self._allow_names
+        name_allowed = self._name_allowed(host.rstrip("."), port)
         allowed: list[tuple[int, tuple]] = []
         refused: list[str] = []
         for family, _type, _proto, _canon, sockaddr in infos:
@@ -159,7 +200,7 @@ class UrlGuard:
             ip = _parse_ip(sockaddr[0])
             if ip is None:
                 continue
-            if name_allowed or self._ip_allowed(ip):
+            if name_allowed or self._ip_allowed(ip, port):
                 if (family, sockaddr) not in allowed:
                     allowed.append((family, sockaddr))
             else:

@@ -214,3 +214,13 @@ def test_pixel_budget_fifo_big_image_alone_and_deadline() -> None:
     big.join(5)
     small.join(5)
     assert events == ["big in", "big out", "small in", "small out"]
+
+
+def test_port_scoped_allow_list_refuses_a_redirect_to_another_local_port(http_server) -> None:
+    port = http_server.port
+    guard = UrlGuard([f"127.0.0.1:{port}"])
+    url = http_server.route("/a.jpg", Route(body=JPEG))
+    assert _fetch(url, guard=guard).status == "success"
+    hop = http_server.route("/hop", Route(status=302, headers={"Location": f"http://127.0.0.1:{port + 1}/x"}))
+    assert _fetch(hop, guard=guard).status == "blocked_address"
+    assert _fetch(url, guard=UrlGuard([f"127.0.0.1:{port + 1}"])).status == "blocked_address"

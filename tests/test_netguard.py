@@ -117,3 +117,29 @@ def test_is_forbidden_ip_direct() -> None:
 
     assert is_forbidden_ip(ipaddress.ip_address("::ffff:169.254.169.254"))
     assert not is_forbidden_ip(ipaddress.ip_address("93.184.216.34"))
+
+
+def test_allow_list_entries_with_a_port_allow_that_port_only() -> None:
+    guard = UrlGuard(["127.0.0.1:8080", "[::1]:9000", "10.0.0.0/8:80"])
+    assert guard.check("http://127.0.0.1:8080/x") is None
+    assert guard.check("http://127.0.0.1:8081/x") == "blocked_address"
+    assert guard.check("http://127.0.0.1/x") == "blocked_address"  # port 80 by default
+    assert (
+        guard.check("http://[::1]:9000/") is None and guard.check("http://[::1]:9001/") == "blocked_address"
+    )
+    assert guard.check("http://10.1.2.3/") is None and guard.check("https://10.1.2.3/") == "blocked_address"
+    named = UrlGuard(["demo.local:8000"], resolver=_fake_resolver({"demo.local": ["127.0.0.1"]}))
+    assert named.check("http://demo.local:8000/a") is None
+    assert named.check("http://demo.local:8001/a") == "blocked_address"
+    # A bare entry keeps allowing every port; the redirect-to-another-port bypass needs the port too.
+    assert UrlGuard(["127.0.0.1"]).check("http://127.0.0.1:8265/") is None
+
+
+@pytest.mark.parametrize("entry", ["127.0.0.1:0", "127.0.0.1:99999", "host:http", "[::1]x", "[::1]:"])
+def test_bad_allow_list_port_is_refused_naming_the_entry(entry: str) -> None:
+    from pipeline.config import ConfigError, DownloadConfig
+
+    with pytest.raises(ValueError, match="allow_hosts entry"):
+        UrlGuard([entry])
+    with pytest.raises(ConfigError, match="allow_hosts"):
+        DownloadConfig(allow_hosts=[entry])
