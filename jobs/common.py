@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from pipeline.config import ConfigError, merge, resolve
+from pipeline.storage import redact_text
 
 T = TypeVar("T")
 LOOPBACK = "127.0.0.1"
@@ -35,7 +36,7 @@ def resolve_config(args: argparse.Namespace, presets: Mapping[str, T]) -> T:
     try:
         return resolve(presets, args.preset, args.config, args.sets)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {redact_text(str(exc))}", file=sys.stderr)
         raise SystemExit(2) from exc
 
 
@@ -80,7 +81,7 @@ def parse_job_config(
             raise ConfigError(f"{', '.join(missing)} required (give {how} or --set KEY=VALUE)")
         return cfg
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {redact_text(str(exc))}", file=sys.stderr)
         raise SystemExit(2) from exc
 
 

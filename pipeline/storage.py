@@ -45,7 +45,9 @@ _SECRET_PARAMS = re.compile(
     r"|awsaccesskeyid|access_token|token|api_key|apikey|password|secret)=)[^&#\s]*"
 )
 _USERINFO = re.compile(r"(?i)^((?:[a-z][a-z0-9+.-]*:)?//)[^/?#\s]*@")  # scheme://userinfo@ or //userinfo@
-_BARE_USERINFO = re.compile(r"^[^/?#@\s:]*:[^/?#@\s]*@(?=[^/?#@\s])")  # user:secret@host (endpoint, no scheme)
+_BARE_USERINFO = re.compile(
+    r"^[^/?#@\s:]*:[^/?#@\s]*@(?=[^/?#@\s])"
+)  # user:secret@host (endpoint, no scheme)
 
 
 def redact_url(url: str) -> str:
