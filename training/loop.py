@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 import torch
@@ -35,7 +37,15 @@ import torch
 from pipeline.datasets import RayTrainCollate, publish_progress, read_counters
 from pipeline.ingest_train import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
 from training.config import from_plain
-from training.step import TrainState, Window, save_state, setup_state, train_step, window_metrics
+from training.step import (
+    TrainState,
+    Window,
+    restore_with_fallback,
+    save_state,
+    setup_state,
+    train_step,
+    window_metrics,
+)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -82,11 +92,35 @@ def _restored_state(cfg: Any, tokenizer: Any, device: torch.device, rank: int) -
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return setup_state(cfg, tokenizer, device, rank, wrap=ray.train.torch.prepare_model)
+    fs = checkpoint.filesystem
+
     # A private copy per worker: ``as_directory()`` downloads a remote checkpoint into one temp path per
     # node, and two workers of a node reading it while it is being written saw a torn weights.pt.
-    with tempfile.TemporaryDirectory(prefix="prolip-restore-") as d:
-        checkpoint.to_directory(d)
+    def fetch(path: str, d: str) -> None:
+        ray.train.Checkpoint(path, filesystem=fs).to_directory(d)
+
+    def build(d: str) -> TrainState:
         return setup_state(cfg, tokenizer, device, rank, restore_dir=d, wrap=ray.train.torch.prepare_model)
+
+    # A corrupt latest checkpoint falls back to the previous kept one (every rank reads the same files,
+    # so every rank makes the same choice); the warning and the error name the checkpoint, not the copy.
+    state, _ = restore_with_fallback(checkpoint_candidates(checkpoint.path, fs), fetch, build)
+    return state
+
+
+def checkpoint_candidates(latest: str, fs: pafs.FileSystem) -> list[str]:
+    """``latest`` then the older kept ``checkpoint_<step>`` directories beside it, newest first."""
+    parent, name = posixpath.split(latest.rstrip("/"))
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(parent))
+    except OSError:
+        return [latest]
+    older = [
+        i.path
+        for i in infos
+        if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_") and i.base_name < name
+    ]
+    return [latest, *sorted(older, key=posixpath.basename, reverse=True)]
 
 
 def _masker(state: TrainState, tokenizer: Any) -> MaskedVariants:

@@ -22,22 +22,35 @@ history is ``[[1, total_steps]]`` exactly when no committed step was repeated or
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from training.distributed import all_reduce_sum, ddp_loss_scale, gather_with_grad, rank_and_world
 from training.losses import LossSpec
-from training.model import ProLIP, load_checkpoint, load_extra, model_config, param_groups, save_checkpoint
+from training.model import (
+    CheckpointError,
+    ProLIP,
+    load_checkpoint,
+    load_extra,
+    model_config,
+    param_groups,
+    save_checkpoint,
+)
 from training.objectives import build_loss_from_config, logit_scalars
 from training.pcmepp import mix_images, pcmepp_soft_labels
+
+T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 TRAIN_STATE_FILE = "train_state.pt"
 
@@ -333,3 +346,29 @@ def restore(module: TrainModule, directory: str) -> tuple[dict[str, Any], dict[s
     saved = torch.load(os.path.join(directory, TRAIN_STATE_FILE), map_location="cpu", weights_only=True)
     module.loss.load_state_dict(saved["loss"])
     return load_extra(directory), saved
+
+
+def restore_with_fallback(
+    candidates: Sequence[str],
+    fetch: Callable[[str, str], None],
+    build: Callable[[str], T],
+    warn: Callable[[str], None] = _log.warning,
+) -> tuple[T, str]:
+    """``build`` from the newest usable checkpoint of ``candidates`` (newest first): (result, its path).
+
+    Each candidate is ``fetch``ed (path, private temp dir) and ``build`` reads the copy; a candidate that
+    fails (corrupt or missing file, weights that do not match) is skipped with a warning naming the
+    checkpoint's own path, never the temp copy. None usable: ``CheckpointError`` naming every path.
+    """
+    failures = []
+    for i, path in enumerate(candidates):
+        with tempfile.TemporaryDirectory(prefix="prolip-restore-") as d:
+            try:
+                fetch(path, d)
+                return build(d), path
+            except Exception as exc:  # any unreadable checkpoint: try the older one
+                why = f"{type(exc).__name__}: {exc}".replace(d, path)
+        failures.append(f"{path} ({why})")
+        nxt = candidates[i + 1] if i + 1 < len(candidates) else None
+        warn(f"checkpoint {path} is unusable ({why}); " + (f"falling back to {nxt}" if nxt else "none left"))
+    raise CheckpointError("no usable checkpoint: " + "; ".join(failures or ["none given"]))

@@ -1,0 +1,85 @@
+"""Restoring a run from real checkpoint directories: a corrupt latest one falls back to the previous kept
+one with a warning naming it; none usable is an error naming every checkpoint, never a temp copy."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from pipeline.config import merge
+from pipeline.tokenizer import train_tokenizer
+from tests.fixtures_ckpt import DEMO_CAPTIONS
+from training.config import TRAIN_PRESETS
+from training.loop import checkpoint_candidates
+from training.model import CheckpointError
+from training.step import restore_with_fallback, save_state, setup_state
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> tuple[Path, object, object]:
+    """checkpoint_00000002 and checkpoint_00000004 of one run, as the loop writes them."""
+    tok = train_tokenizer(DEMO_CAPTIONS * 4, vocab_size=512)
+    cfg = merge(TRAIN_PRESETS["demo"], {"model": "demo-32px", "tokenizer_vocab": 512})
+    root = tmp_path_factory.mktemp("run")
+    for step in (2, 4):
+        state = setup_state(cfg, tok, CPU, 0)
+        state.step = step
+        save_state(str(root / f"checkpoint_{step:08d}"), state, tok)
+    (root / "checkpoint_00000009.tmp").mkdir()  # not a checkpoint name of ours: never a candidate
+    return root, cfg, tok
+
+
+def _restore(root: Path, cfg, tok, latest: str, warnings: list[str]):
+    cands = checkpoint_candidates(str(root / latest), pafs.LocalFileSystem())
+    return restore_with_fallback(
+        cands,
+        lambda src, dst: shutil.copytree(src, dst, dirs_exist_ok=True),
+        lambda d: setup_state(cfg, tok, CPU, 0, restore_dir=d),
+        warn=warnings.append,
+    )
+
+
+def test_candidates_newest_first(run_dir) -> None:
+    root, _, _ = run_dir
+    got = checkpoint_candidates(str(root / "checkpoint_00000004"), pafs.LocalFileSystem())
+    assert [Path(p).name for p in got] == ["checkpoint_00000004", "checkpoint_00000002"]
+
+
+def test_intact_latest_is_restored(run_dir) -> None:
+    root, cfg, tok = run_dir
+    warnings: list[str] = []
+    state, path = _restore(root, cfg, tok, "checkpoint_00000004", warnings)
+    assert state.step == 4 and path.endswith("checkpoint_00000004") and warnings == []
+
+
+def test_corrupt_latest_falls_back_naming_the_real_checkpoint(run_dir, tmp_path) -> None:
+    root, cfg, tok = run_dir
+    copy = tmp_path / "run"
+    shutil.copytree(root, copy)
+    weights = copy / "checkpoint_00000004" / "weights.pt"
+    weights.write_bytes(weights.read_bytes()[:1000])  # torn write
+    warnings: list[str] = []
+    state, path = _restore(copy, cfg, tok, "checkpoint_00000004", warnings)
+    assert state.step == 2 and state.restored and path == str(copy / "checkpoint_00000002")
+    assert len(warnings) == 1 and str(copy / "checkpoint_00000004" / "weights.pt") in warnings[0]
+    assert "prolip-restore-" not in warnings[0] and "falling back to" in warnings[0]
+
+
+def test_no_usable_checkpoint_is_an_error_naming_each(run_dir, tmp_path) -> None:
+    root, cfg, tok = run_dir
+    copy = tmp_path / "run"
+    shutil.copytree(root, copy)
+    (copy / "checkpoint_00000004" / "train_state.pt").write_bytes(b"not a torch file")
+    (copy / "checkpoint_00000002" / "model_config.json").unlink()
+    warnings: list[str] = []
+    with pytest.raises(CheckpointError) as err:
+        _restore(copy, cfg, tok, "checkpoint_00000004", warnings)
+    msg = str(err.value)
+    assert str(copy / "checkpoint_00000004") in msg and str(copy / "checkpoint_00000002") in msg
+    assert "prolip-restore-" not in msg and len(warnings) == 2
