@@ -355,6 +355,10 @@ BUILD_PRESETS: dict[str, BuildConfig] = {
             max_bytes=2 * 1024 * 1024,  # the demo pool serves a 3 MB body to exercise the size bound
             allow_hosts=["127.0.0.1"],
             threads_per_actor=16,
+            # The demo server is one host standing in for a web of them: no per-host cap, and a part
+            # deadline that a loaded 2-core machine does not reach (the derived one is 20 s here).
+            per_host_connections=16,
+            part_deadline_s=600.0,
         ),
         dedupe=DedupeConfig(near_duplicates=True),
         filters=FilterConfig(names=["no_filter", "basic", "english", "random"]),
