@@ -100,7 +100,7 @@ def init_ray(num_cpus: int = 0, **kwargs: Any) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], **kwargs)
     else:
-        _loopback_only(ray)
+        loopback_only(ray)
         kwargs.setdefault("_node_ip_address", LOOPBACK)
         kwargs.setdefault("dashboard_host", LOOPBACK)
         ray.init(
@@ -119,7 +119,7 @@ def init_ray(num_cpus: int = 0, **kwargs: Any) -> None:
     ctx.print_on_execution_start = False
 
 
-def _loopback_only(ray: Any) -> None:
+def loopback_only(ray: Any) -> None:
     """Make a private local Ray listen on 127.0.0.1 only (docs/download.md, "Local Ray").
 
     Ray 2.60 turns an explicit ``_node_ip_address="127.0.0.1"`` back into the machine's routable address

@@ -11,6 +11,9 @@ import pytest
 def ray_local():
     import ray
 
+    from jobs.common import loopback_only
+
+    loopback_only(ray)  # the suite's Ray listens on 127.0.0.1 only, like a job's local Ray
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     # address="local" always starts a new instance: never attach to a cluster someone else runs here.
