@@ -9,9 +9,12 @@ from __future__ import annotations
 import sys
 
 from jobs.common import config_parser, init_ray, print_table, resolve_config
-from pipeline.build import build, demo_source
-from pipeline.config import BUILD_PRESETS, to_dict
+from pipeline.build import MetadataError, build, demo_source
+from pipeline.config import BUILD_PRESETS, ConfigError, to_dict
+from pipeline.filtering import check_build_filters
 from pipeline.manifest import write_manifest
+from pipeline.runstate import FingerprintMismatch
+from pipeline.schema import METADATA_SCHEMA, SchemaError
 from pipeline.storage import Storage
 
 
@@ -19,10 +22,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = config_parser(__doc__.splitlines()[0], BUILD_PRESETS)
     args = parser.parse_args(argv)
     cfg = resolve_config(args, BUILD_PRESETS)
+    try:
+        check_build_filters(cfg.filters, _ALL_COLUMNS, "filters")  # names and parameters, before Ray starts
+    except ConfigError as exc:
+        return _stop("config error", exc)
+    except SchemaError:
+        pass  # the columns are checked against the real metadata in build()
     init_ray(cfg.num_cpus)
     store = Storage.from_env(cfg.s3_endpoint)
-    with demo_source(cfg) as run_cfg:
-        result = build(run_cfg, store=store)
+    try:
+        with demo_source(cfg) as run_cfg:
+            result = build(run_cfg, store=store)
+    except ConfigError as exc:
+        return _stop("config error", exc)
+    except (MetadataError, SchemaError) as exc:
+        return _stop("metadata error", exc)
+    except FingerprintMismatch as exc:
+        return _stop("refused", exc)
     write_manifest(
         run_cfg.output,
         job="build_dataset",
@@ -41,6 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"status of {total} input rows → {run_cfg.output}", rows, ("status", "rows", "share"))
     print_table("subsets", sorted(result.filter_counts.items()), ("filter", "uids"))
     return 0
+
+
+_ALL_COLUMNS = [f.name for f in METADATA_SCHEMA]
+
+
+def _stop(kind: str, exc: Exception) -> int:
+    """One line on stderr naming the field or file, exit code 2 (no traceback: the message is the fix)."""
+    print(f"{kind}: {exc}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
-"""Compose the dataset build from the pure stages: metadata → dedupe → download parts → shards → subsets.
+"""Compose the dataset build from the pure stages: metadata → row checks → download parts → shards → subsets.
 
-The one Ray-aware module of the build. Global decisions (URL, exact-image and near-duplicate dedupe; filter
-thresholds over the whole pool) are made in the driver on narrow columns (uid, url, hashes: ~100 bytes a row,
-≈1.3 GB for DataComp small's 12.8M rows); everything that touches bytes or models runs in Ray Data.
+The one Ray-aware module of the build. Global decisions (row checks, URL, exact-image and near-duplicate
+dedupe; filter thresholds over the whole pool) are made in the driver on narrow columns (uid, url, two
+short strings: ~150 bytes a row); everything that touches bytes or models runs in Ray Data.
 
-Resume unit = a download *part*: rows are bucketed by the top 32 bits of their (random) uid into
-``ceil(n / part_size)`` parts, so the assignment depends only on the metadata. A part writes its tar, its
-per-row parquet and finally a ``.done`` marker; a re-run skips parts with a marker. Final shards, the
-status table and the subsets are derived from the parts each run, so a resumed build ends with exactly the
-uid set an uninterrupted one would.
+Order of a run: read the metadata and check its schema (each file named), the filter specs and the columns
+they need; decide every row that can be decided before download (pipeline/rows.py); check and record
+the run fingerprint (pipeline/runstate.py: a different pool or different part settings are refused);
+download the parts not committed yet (or, with ``retry_failed``, re-fetch the transient rows of committed
+ones); then derive the status table, the shards and the subsets from the committed parts. Resume unit = a
+download *part*: uids are bucketed by their top 32 bits into ``ceil(live rows / part_size)`` parts, so
+the assignment depends only on the metadata, and a resumed build ends with what an uninterrupted one
+would. A part is committed by the driver when it receives the part's rows, never by the actor that wrote
+it (pipeline/runstate.py explains why and how stale files are ignored).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,33 +29,26 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
+from pipeline import runstate as R
 from pipeline import schema as S
 from pipeline import storage
-from pipeline.config import BuildConfig, DownloadConfig
-from pipeline.dedupe import exact_duplicates, near_duplicates, url_duplicates
-from pipeline.download import DownloadWorker
-from pipeline.filtering import apply_filters, needs_language, parse_filter_specs
+from pipeline.config import BuildConfig
+from pipeline.dedupe import exact_duplicates, near_duplicates
+from pipeline.filtering import apply_filters, check_build_filters, needs_language, parse_filter_specs
+from pipeline.parts import DownloadPart
 from pipeline.placement import scope_dataset
 from pipeline.reshard import ReshardResult, reshard
-from pipeline.shards import write_shard
+from pipeline.rows import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch
 from pipeline.storage import LOCAL, Storage
 from pipeline.subset import write_subset
 
-STATUS_INVALID_UID = S.STATUS_INVALID_UID
-STATUS_DUPLICATE_UID = S.STATUS_DUPLICATE_UID
-_PART_COLUMNS = [
-    S.UID,
-    S.STATUS,
-    "error",
-    S.WIDTH,
-    S.HEIGHT,
-    S.ORIGINAL_WIDTH,
-    S.ORIGINAL_HEIGHT,
-    S.IMAGE_SHA256,
-    S.PHASH,
-]
-_FILTER_COLUMNS = [S.UID, S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT, S.CLIP_B32, S.CLIP_L14]
+_FILTER_COLUMNS = [S.UID, S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT, S.CLIP_B32, S.CLIP_L14, ROW_KEY]
+
+
+class MetadataError(ValueError):
+    """The metadata cannot be read or has the wrong schema; the message names the file."""
 
 
 @dataclass
@@ -63,28 +61,16 @@ class BuildResult:
     shards: list[str]
     parts_done_before: int
     timings: dict[str, float] = field(default_factory=dict)
-
-
-# --- paths --------------------------------------------------------------------------------------------
+    n_retried: int = 0
 
 
 def run_paths(output: str) -> dict[str, str]:
-    return {
-        "parts": storage.join(output, "work", "parts"),
-        "shards": storage.join(output, "shards"),
-        "subsets": storage.join(output, "subsets"),
-        "status": storage.join(output, "metadata", "status.parquet"),
-        "filters": storage.join(output, "metadata", "filters.parquet"),
-    }
+    return R.run_dirs(output)
 
 
-def part_stem(parts_dir: str, part: int) -> str:
-    return storage.join(parts_dir, f"part-{part:06d}")
-
-
-def part_of(uids: pa.Array, n_parts: int) -> np.ndarray:
+def part_of(uids: list[str], n_parts: int) -> np.ndarray:
     """Part index of each uid: top 32 bits of the uid scaled to ``n_parts`` (uids are uniform random hex)."""
-    top = np.array([int(u[:8], 16) for u in uids.to_pylist()], dtype=np.uint64)
+    top = np.array([int(u[:8], 16) for u in uids], dtype=np.uint64)
     return ((top * np.uint64(n_parts)) >> np.uint64(32)).astype(np.int64)
 
 
@@ -92,16 +78,24 @@ def part_of(uids: pa.Array, n_parts: int) -> np.ndarray:
 
 
 def read_metadata(path: str, store: Storage = LOCAL):
-    """A Ray Dataset over the metadata parquet files; schema errors stop here, before any download."""
+    """A Ray Dataset over the metadata parquet files; each file's schema is checked here, before any
+    download, and an unreadable or mistyped file is a ``MetadataError`` naming it."""
     import ray.data
 
     files = store.list_files(path, suffix=".parquet")
     if not files:
-        raise FileNotFoundError(f"metadata: no parquet files at {path}")
+        raise MetadataError(f"metadata: no parquet files at {path}")
     fs, fs_paths = store.filesystem_for(files)
-    ds = ray.data.read_parquet(fs_paths, filesystem=fs)
-    S.validate_metadata_schema(_arrow_schema(ds))
-    return ds
+    for name, fs_path in zip(files, fs_paths, strict=True):
+        try:
+            schema = pq.read_schema(fs_path, filesystem=fs)
+        except (OSError, pa.ArrowException) as exc:
+            raise MetadataError(f"{name}: not a readable parquet file ({exc})") from None
+        try:
+            S.validate_metadata_schema(schema)
+        except S.SchemaError as exc:
+            raise MetadataError(f"{name}: {exc}") from None
+    return ray.data.read_parquet(fs_paths, filesystem=fs)
 
 
 def _arrow_schema(ds) -> pa.Schema:
@@ -115,7 +109,10 @@ def _arrow_schema(ds) -> pa.Schema:
 def _collect(ds, columns: list[str]) -> pa.Table:
     import ray
 
-    present = [c for c in columns if c in _arrow_schema(ds).names]
+    if ds.schema() is None:  # Ray knows no schema for a dataset without rows
+        return pa.table({c: pa.array([], pa.string()) for c in columns})
+    names = _arrow_schema(ds).names
+    present = [c for c in columns if c in names]
     refs = ds.select_columns(present).to_arrow_refs()
     tables = [t for t in ray.get(refs) if t.num_rows]
     if not tables:
@@ -123,108 +120,19 @@ def _collect(ds, columns: list[str]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def pre_statuses(uids: pa.Array, urls: pa.Array) -> np.ndarray:
-    """Statuses decided before any download: invalid uid, repeated uid, duplicate URL ("" = go on)."""
-    n = len(uids)
-    status = np.full(n, "", dtype=object)
-    uid_list = uids.to_pylist()
-    valid = np.array([S.is_valid_uid(u) for u in uid_list], dtype=bool)
-    status[~valid] = STATUS_INVALID_UID
-    seen: set[str] = set()
-    for i in np.flatnonzero(valid):
-        if uid_list[i] in seen:
-            status[i] = STATUS_DUPLICATE_UID
-        seen.add(uid_list[i])
-    live = status == ""
-    idx = np.flatnonzero(live)
-    url_list = urls.to_pylist()
-    dup = url_duplicates(np.array([uid_list[i] for i in idx], dtype=object), [url_list[i] for i in idx])
-    status[idx[np.asarray(dup, dtype=bool)]] = S.STATUS_DUPLICATE_URL
-    return status
-
-
-# --- download parts (Ray actors) ----------------------------------------------------------------------
-
-
-class DownloadPart:
-    """Ray Data UDF: one group = one part. Downloads it, writes tar + parquet + marker, returns the rows."""
-
-    def __init__(self, download: DownloadConfig, parts_dir: str, store: Storage = LOCAL):
-        self.worker = DownloadWorker(download)
-        self.parts_dir = parts_dir
-        self.store = store
-
-    def __call__(self, rows: pa.Table) -> pa.Table:
-        part = int(rows.column("part")[0].as_py())
-        rows = rows.sort_by(S.UID)
-        first = np.unique(np.array(rows.column(S.UID).to_pylist(), dtype=object), return_index=True)[1]
-        rows = rows.take(pa.array(np.sort(first)))  # a repeated uid is downloaded once
-        out = self.worker(rows)
-        out = out if isinstance(out, pa.Table) else pa.table(out)
-        stem = part_stem(self.parts_dir, part)
-        samples = _samples(rows, out)
-        write_shard(stem + ".tar", samples, self.store)
-        summary = out.select([c for c in _PART_COLUMNS if c in out.column_names])
-        self.store.write_parquet(summary, stem + ".parquet")
-        self.store.write_bytes(b"", stem + ".done")
-        return summary.append_column("part", pa.array([part] * summary.num_rows, pa.int64()))
-
-
-def _samples(rows: pa.Table, out: pa.Table) -> list[dict]:
-    statuses = out.column(S.STATUS).to_pylist()
-    keep = [i for i, s in enumerate(statuses) if s == S.STATUS_SUCCESS]
-    meta = rows.to_pylist()
-    res = out.to_pylist()
-    samples = []
-    for i in keep:
-        m, r = meta[i], res[i]
-        info = {
-            "uid": m[S.UID],
-            "url": m[S.URL],
-            "caption": m.get(S.TEXT),
-            "width": r[S.WIDTH],
-            "height": r[S.HEIGHT],
-            "original_width": r[S.ORIGINAL_WIDTH],
-            "original_height": r[S.ORIGINAL_HEIGHT],
-            "sha256": r[S.IMAGE_SHA256],
-            "key": m[S.UID],
-        }
-        samples.append({"key": m[S.UID], "jpg": r[S.IMAGE], "txt": m.get(S.TEXT) or "", "json": info})
-    return samples
-
-
-def _done_parts(parts_dir: str, store: Storage) -> set[int]:
-    done = set()
-    for path in store.list_files(parts_dir, suffix=".done"):
-        name = path.rsplit("/", 1)[-1]
-        done.add(int(name[len("part-") : -len(".done")]))
-    return done
-
-
-def _check_plan(parts_dir: str, n_parts: int, n_rows: int, store: Storage) -> None:
-    """A resumed build must cut the same parts; a different pool in the same output is refused."""
-    path = storage.join(parts_dir, "plan.json")
-    plan = {"n_parts": n_parts, "n_rows": n_rows}
-    if store.exists(path):
-        old = store.read_json(path)
-        if old != plan:
-            raise ValueError(
-                f"{path}: output holds parts of another build ({old}); now {plan}. Use a new output."
-            )
-    else:
-        store.write_json(plan, path)
-
-
 # --- the build ----------------------------------------------------------------------------------------
 
 
 @dataclass
 class _Pool:
-    """The metadata as read once: the dataset, its (uid, url) columns and the pre-download statuses."""
+    """The metadata as read once: the prepared dataset, its narrow columns and the pre-download statuses."""
 
     ds: Any  # ray.data.Dataset (Ray is imported lazily here)
-    narrow: pa.Table
+    narrow: pa.Table  # uid, url, caption_status, row_key
     status_pre: np.ndarray  # "" = goes on to download
+
+    def live(self) -> np.ndarray:
+        return self.status_pre == ""
 
 
 def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage | None = None) -> BuildResult:
@@ -237,10 +145,11 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     pool = _read_pool(cfg, store, log)
-    timings["metadata_and_url_dedupe"] = time.perf_counter() - t0
+    R.claim(cfg, R.fingerprint(cfg, pool.narrow.column(S.UID).to_pylist()), store, log)
+    timings["metadata_and_row_checks"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    n_parts, done = _download_parts(pool, cfg, store, paths, log)
+    n_parts, done, n_retried = _download_parts(pool, cfg, store, paths, log)
     timings["download"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -254,10 +163,10 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
     log(f"shards: {res.n_written} samples in {len(res.shards)} shards")
 
     t4 = time.perf_counter()
-    filter_counts, subsets = run_filters(pool.ds, cfg, status_table, paths, log, store)
+    filter_counts, subsets = run_filters(pool, cfg, status_table, paths, log, store)
     timings["filters"] = time.perf_counter() - t4
     if cfg.tokenizer_vocab > 0:
-        train_build_tokenizer(pool.ds, status_table, cfg, log, store)
+        train_build_tokenizer(pool, status_table, cfg, log, store)
     timings["total"] = time.perf_counter() - t0
     return BuildResult(
         output=cfg.output,
@@ -266,80 +175,139 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
         filter_counts=filter_counts,
         subsets=subsets,
         shards=list(res.shards),
-        parts_done_before=len(done),
+        parts_done_before=done,
         timings=timings,
+        n_retried=n_retried,
     )
 
 
 def _read_pool(cfg: BuildConfig, store: Storage, log: Callable[[str], None]) -> _Pool:
-    """Read and validate the metadata; decide invalid/repeated uids and duplicate URLs in the driver."""
-    ds = scope_dataset(
-        read_metadata(cfg.metadata, store), cfg.data_label_selector
-    )  # derived datasets inherit
-    narrow = _collect(ds, [S.UID, S.URL])
-    status_pre = pre_statuses(narrow.column(S.UID), narrow.column(S.URL))
+    """Read and check the metadata and the filters it must feed; decide the rows that need no download."""
+    raw = read_metadata(cfg.metadata, store)
+    check_build_filters(cfg.filters, _arrow_schema(raw).names, cfg.metadata)
+    max_caption = cfg.max_caption_bytes
+    ds = scope_dataset(raw, cfg.data_label_selector).map_batches(  # derived datasets inherit the scope
+        lambda b: prepare_batch(b, max_caption), batch_format="pyarrow", zero_copy_batch=True
+    )
+    narrow = _collect(ds, [S.UID, S.URL, CAPTION_STATUS, ROW_KEY])
+    if narrow.num_rows == 0:
+        narrow = pa.table({c: pa.array([], pa.string()) for c in (S.UID, S.URL, CAPTION_STATUS, ROW_KEY)})
+    status_pre = pre_statuses(narrow)
     log(f"metadata: {narrow.num_rows} rows; {int((status_pre != '').sum())} decided before download")
     return _Pool(ds, narrow, status_pre)
 
 
 def _download_parts(
     pool: _Pool, cfg: BuildConfig, store: Storage, paths: dict[str, str], log: Callable[[str], None]
-) -> tuple[int, set[int]]:
-    """Download the parts not done yet (Ray actors); returns the number of parts and those done before."""
+) -> tuple[int, int, int]:
+    """Download the parts not committed yet (Ray actors) → (parts, parts done before, rows retried)."""
+    live = pool.live()
+    live_uids = [u for u, ok in zip(pool.narrow.column(S.UID).to_pylist(), live, strict=True) if ok]
+    n_parts = math.ceil(len(live_uids) / cfg.part_size)
+    store.makedirs(paths["parts"])
+    done = R.committed(paths["parts"], store)
+    done = {p: t for p, t in done.items() if p < n_parts}
+    R.remove_uncommitted(paths["parts"], done, store)
+    retry = _transient_rows(paths["parts"], done, store) if cfg.retry_failed else {}
+    todo = sorted(set(range(n_parts)) - set(done))
+    n_retry = sum(len(u) for u in retry.values())
+    log(
+        f"download: {n_parts} parts of ≤~{cfg.part_size} rows, {len(done)} already done"
+        + (f"; retrying {n_retry} transient rows in {len(retry)} parts" if cfg.retry_failed else "")
+    )
+    if not todo and not retry:
+        return n_parts, len(done), 0
+    token = uuid.uuid4().hex[:16]
+    results = _download_dataset(pool, cfg, store, paths, live_uids, n_parts, todo, retry, token)
+    finished: set[int] = set()
+    for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
+        new = set(batch.column("part").to_pylist()) - finished
+        for part in sorted(new):
+            R.commit(paths["parts"], part, token, store)  # the driver is alive: the part counts
+        finished |= new
+        ok = pc.sum(pc.equal(batch.column(S.STATUS), S.STATUS_SUCCESS)).as_py() or 0
+        log(f"  part(s) done: {len(finished)}/{len(todo) + len(retry)} (+{batch.num_rows} rows, {ok} images)")
+    R.remove_uncommitted(paths["parts"], R.committed(paths["parts"], store), store)
+    return n_parts, len(done), n_retry
+
+
+def _transient_rows(parts_dir: str, done: dict[int, str], store: Storage) -> dict[int, set[str]]:
+    """Committed part → its uids whose status is transient (only parts that have some)."""
+    out = {}
+    for part, token in sorted(done.items()):
+        t = store.read_parquet(R.part_file(parts_dir, part, token, "parquet"), columns=[S.UID, S.STATUS])
+        uids = {
+            u
+            for u, s in zip(t.column(S.UID).to_pylist(), t.column(S.STATUS).to_pylist(), strict=True)
+            if S.is_transient(s)
+        }
+        if uids:
+            out[part] = uids
+    return out
+
+
+def _download_dataset(pool, cfg, store, paths, live_uids, n_parts, todo, retry, token):
+    """The Ray Data pipeline: canonical live rows of the parts to do (or their transient rows) → parts."""
     import ray.data
 
-    narrow, status_pre = pool.narrow, pool.status_pre
-    live_uids = pc.filter(narrow.column(S.UID), pa.array(status_pre == ""))
-    n_parts = max(1, math.ceil(len(live_uids) / cfg.part_size))
-    store.makedirs(paths["parts"])
-    _check_plan(paths["parts"], n_parts, len(live_uids), store)
-    done = _done_parts(paths["parts"], store)
-    log(f"download: {n_parts} parts of ≤~{cfg.part_size} rows, {len(done)} already done")
-    todo_parts = n_parts - len(done)
-    if todo_parts <= 0:
-        return n_parts, done
-    # Ship the (few) excluded uids to the tasks, not the (many) live ones. A repeated uid stays in: both
-    # rows land in the same part, where DownloadPart keeps one.
-    excluded = set(
-        pc.filter(narrow.column(S.UID), pa.array(np.isin(status_pre, [S.STATUS_DUPLICATE_URL]))).to_pylist()
-    )
+    todo_set = set(todo)
+    retry_uids = set().union(*retry.values()) if retry else set()
+    # Ship the canonical row key of each live uid: tag keeps exactly the rows the driver let through.
+    keys = pool.narrow.column(ROW_KEY).to_pylist()
+    uid_col = pool.narrow.column(S.UID).to_pylist()
+    live_key = {uid_col[i]: keys[i] for i in np.flatnonzero(pool.live())}
 
     def tag(batch: pa.Table) -> pa.Table:
         uids = batch.column(S.UID).to_pylist()
-        keep = np.array([S.is_valid_uid(u) and u not in excluded for u in uids], dtype=bool)
+        bkeys = batch.column(ROW_KEY).to_pylist()
+        keep = np.array([live_key.get(u) == k for u, k in zip(uids, bkeys, strict=True)], dtype=bool)
         batch = batch.filter(pa.array(keep))
-        parts = part_of(batch.column(S.UID), n_parts) if batch.num_rows else np.zeros(0, np.int64)
+        kept = batch.column(S.UID).to_pylist()
+        parts = part_of(kept, n_parts) if kept else np.zeros(0, np.int64)
         batch = batch.append_column("part", pa.array(parts, pa.int64()))
-        return batch.filter(pa.array(~np.isin(parts, list(done))))
+        wanted = [
+            p in todo_set or (p in retry and u in retry_uids)
+            for p, u in zip(parts.tolist(), kept, strict=True)
+        ]
+        return batch.filter(pa.array(wanted, pa.bool_()))
 
+    n_groups = len(todo_set | set(retry))
     # Few shuffle partitions: a part is the unit of work, more partitions than parts is pure overhead.
     grouped = pool.ds.map_batches(tag, batch_format="pyarrow").groupby(
-        "part", num_partitions=min(todo_parts, 64)
+        "part", num_partitions=min(n_groups, 64)
     )
-    results = grouped.map_groups(
+    return grouped.map_groups(
         DownloadPart,
         # The Storage object travels to the actors with its credentials: their processes need no AWS env.
-        fn_constructor_args=(cfg.download, paths["parts"], store),
+        fn_constructor_args=(
+            cfg.download,
+            paths["parts"],
+            token,
+            {p: _done_token(paths, p, store) for p in retry},
+            store,
+        ),
         compute=ray.data.ActorPoolStrategy(size=max(1, cfg.download_actors)),
         # Downloads mostly wait on the network: a fractional CPU leaves room for the read and shuffle
         # tasks (a whole CPU per actor deadlocks a 2-CPU machine).
         num_cpus=cfg.download_cpus,
         batch_format="pyarrow",
     )
-    finished = 0
-    for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
-        finished += len(set(batch.column("part").to_pylist()))
-        ok = pc.sum(pc.equal(batch.column(S.STATUS), S.STATUS_SUCCESS)).as_py() or 0
-        log(f"  part(s) done: {finished}/{todo_parts} (+{batch.num_rows} rows, {ok} images)")
-    return n_parts, done
+
+
+def _done_token(paths: dict[str, str], part: int, store: Storage) -> str:
+    return store.read_json(R.marker(paths["parts"], part))["token"]
+
+
+def _part_files(paths: dict[str, str], n_parts: int, store: Storage, ext: str) -> list[str]:
+    done = R.committed(paths["parts"], store)
+    return [R.part_file(paths["parts"], p, done[p], ext) for p in range(n_parts) if p in done]
 
 
 def _decide_statuses(
     pool: _Pool, cfg: BuildConfig, store: Storage, paths: dict[str, str], n_parts: int
 ) -> pa.Table:
     """Every part's rows (this run's and earlier runs'), image dedupe, the status table of every input row."""
-    part_files = [part_stem(paths["parts"], p) + ".parquet" for p in range(n_parts)]
-    part_files = [p for p in part_files if store.exists(p)]
+    part_files = _part_files(paths, n_parts, store, "parquet")
     parts = store.read_parquet(part_files) if part_files else pa.table({S.UID: pa.array([], pa.string())})
     status = decide_image_duplicates(parts, cfg)
     status_table = _status_table(pool.narrow, pool.status_pre, parts, status)
@@ -353,11 +321,16 @@ def _decide_statuses(
 def _write_shards(
     status_table: pa.Table, cfg: BuildConfig, store: Storage, paths: dict[str, str], n_parts: int
 ) -> ReshardResult:
-    """The final shards: the successful uids resharded out of the download parts."""
+    """The final shards: the successful uids resharded out of the download parts (none: an empty dir)."""
     success = pc.filter(status_table.column(S.UID), pc.equal(status_table.column(S.STATUS), S.STATUS_SUCCESS))
     success_pairs = np.sort(S.uids_to_u8pairs(success.to_pylist()))
-    part_tars = [part_stem(paths["parts"], p) + ".tar" for p in range(n_parts)]
-    part_tars = [p for p in part_tars if store.exists(p)]
+    part_tars = _part_files(paths, n_parts, store, "tar")
+    if not part_tars or not len(success_pairs):
+        store.remove_files(store.list_files(paths["shards"]))  # an earlier run's shards are not this one's
+        store.makedirs(paths["shards"])
+        empty = np.zeros(0, S.UID_DTYPE)
+        z = np.zeros(0, np.int64)
+        return ReshardResult(0, 0, 0, [], empty, z, z, z, cfg.samples_per_shard)
     return reshard(
         part_tars,
         success_pairs,
@@ -398,7 +371,7 @@ def _status_table(narrow: pa.Table, pre: np.ndarray, parts: pa.Table, part_statu
         }
     )
     if parts.num_rows == 0:
-        return pre_tab
+        return pre_tab.sort_by(S.UID)
     errors = parts.column("error") if "error" in parts.column_names else pa.array([""] * parts.num_rows)
     part_tab = pa.table(
         {
@@ -426,70 +399,95 @@ class _LangTag:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         labels, _scores = self.lid(batch.column(S.TEXT).to_pylist())
-        return pa.table({S.UID: batch.column(S.UID), "lang": pa.array(list(labels), pa.string())})
+        keys = {c: batch.column(c) for c in (S.UID, ROW_KEY)}
+        return pa.table({**keys, "lang": pa.array(list(labels), pa.string())})
 
 
-def run_filters(
-    ds, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log, store: Storage = LOCAL
-) -> tuple[dict, dict]:
-    """Apply each requested filter to the whole pool; a subset keeps filter-passing *successful* uids."""
-    import ray.data
-
-    meta = _collect(ds, _FILTER_COLUMNS)
-    lang = None
-    if needs_language(parse_filter_specs(list(cfg.filters.names), "filters.names")):
-        lang_ds = ds.select_columns([S.UID, S.TEXT]).map_batches(
-            _LangTag,
-            fn_constructor_args=(cfg.filters.language_model,),
-            compute=ray.data.ActorPoolStrategy(size=1),
-            batch_format="pyarrow",
-        )
-        lang_tab = _collect(lang_ds, [S.UID, "lang"])
-        order = {u: i for i, u in enumerate(lang_tab.column(S.UID).to_pylist())}
-        idx = [order[u] for u in meta.column(S.UID).to_pylist()]
-        lang = np.array(lang_tab.column("lang").to_pylist(), dtype=object)[idx]
-    results = apply_filters(meta, cfg.filters, lang=lang, store=store)
-
-    status_of = dict(
-        zip(status_table.column(S.UID).to_pylist(), status_table.column(S.STATUS).to_pylist(), strict=True)
-    )
-    uids = meta.column(S.UID).to_pylist()
-    success = np.array([status_of.get(u) == S.STATUS_SUCCESS for u in uids], dtype=bool)
-    columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
-    counts, subsets = {}, {}
-    store.makedirs(paths["subsets"])
-    for name, res in results.items():
-        keep = np.asarray(res.keep, dtype=bool)
-        columns[f"keep_{name}"] = pa.array(keep)
-        columns[f"reason_{name}"] = pa.array([str(r) for r in res.reason], pa.string())
-        chosen = [u for u, k in zip(uids, keep & success, strict=True) if k]
-        path = storage.join(paths["subsets"], f"{name}.npy")
-        with store.open_output(path) as fh:
-            write_subset(chosen, fh)
-        counts[name] = len(chosen)
-        subsets[name] = path
-        log(f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass, {len(chosen)} in the subset")
-    store.write_parquet(pa.table(columns), paths["filters"])
-    return counts, subsets
+def _row_ids(table: pa.Table) -> list[tuple[str, str]]:
+    return list(zip(table.column(S.UID).to_pylist(), table.column(ROW_KEY).to_pylist(), strict=True))
 
 
-def train_build_tokenizer(ds, status_table: pa.Table, cfg: BuildConfig, log, store: Storage = LOCAL) -> str:
-    """Offline BPE tokenizer on the captions of successful rows, saved beside the shards for training."""
-    import tempfile
-
-    from pipeline.tokenizer import train_tokenizer
-
-    meta = _collect(ds, [S.UID, S.TEXT])
+def _eligible(pool: _Pool, status_table: pa.Table, rows: list[tuple[str, str]]) -> np.ndarray:
+    """Rows that may enter a subset or the tokenizer: the canonical row of a uid whose status is success."""
     ok = set(
         pc.filter(
             status_table.column(S.UID), pc.equal(status_table.column(S.STATUS), S.STATUS_SUCCESS)
         ).to_pylist()
     )
-    captions = [
-        t
-        for u, t in zip(meta.column(S.UID).to_pylist(), meta.column(S.TEXT).to_pylist(), strict=True)
-        if u in ok and t
-    ]
+    live = {r for r, keep in zip(_row_ids(pool.narrow), pool.live(), strict=True) if keep and r[0] in ok}
+    return np.array([r in live for r in rows], dtype=bool)
+
+
+def run_filters(
+    pool: _Pool, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log, store: Storage = LOCAL
+) -> tuple[dict, dict]:
+    """Apply each requested filter to the whole pool; a subset keeps the filter-passing *successful* uids,
+    each once (a repeated uid counts with its canonical row only)."""
+    import ray.data
+
+    specs = parse_filter_specs(list(cfg.filters.names), "filters.names")
+    meta = _collect(pool.ds, _FILTER_COLUMNS) if pool.narrow.num_rows else _empty(pool.ds, _FILTER_COLUMNS)
+    rows = _row_ids(meta)
+    lang = None
+    if needs_language(specs) and rows:
+        lang_ds = pool.ds.select_columns([S.UID, S.TEXT, ROW_KEY]).map_batches(
+            _LangTag,
+            fn_constructor_args=(cfg.filters.language_model,),
+            compute=ray.data.ActorPoolStrategy(size=1),
+            batch_format="pyarrow",
+        )
+        lang_tab = _collect(lang_ds, [S.UID, ROW_KEY, "lang"])
+        label = dict(zip(_row_ids(lang_tab), lang_tab.column("lang").to_pylist(), strict=True))
+        lang = np.array([label[r] for r in rows], dtype=object)
+    results = apply_filters(meta, cfg.filters, lang=lang, store=store) if rows else {}
+    eligible = _eligible(pool, status_table, rows)
+    columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
+    counts, subsets = {}, {}
+    store.makedirs(paths["subsets"])
+    for spec in specs:
+        name = spec.label
+        res = results.get(name)
+        keep = np.asarray(res.keep, dtype=bool) if res is not None else np.zeros(0, dtype=bool)
+        columns[f"keep_{name}"] = pa.array(keep, pa.bool_())
+        columns[f"reason_{name}"] = pa.array(
+            [str(r) for r in (res.reason if res is not None else [])], pa.string()
+        )
+        chosen = np.unique(
+            np.array([r[0] for r, k in zip(rows, keep & eligible, strict=True) if k], dtype=object)
+        )
+        path = storage.join(paths["subsets"], f"{name}.npy")
+        with store.open_output(path) as fh:
+            write_subset(chosen.tolist(), fh)
+        counts[name] = len(chosen)
+        subsets[name] = path
+        log(f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass, {len(chosen)} in the subset")
+    stale = [p for p in store.list_files(paths["subsets"], suffix=".npy") if p not in subsets.values()]
+    store.remove_files(stale)  # subsets of filters an earlier run had: not derived from this run's statuses
+    store.write_parquet(pa.table(columns), paths["filters"])
+    return counts, subsets
+
+
+def _empty(ds, columns: list[str]) -> pa.Table:
+    """A zero-row table of ``columns`` with the dataset's types where it has them (an empty pool)."""
+    try:
+        sch = _arrow_schema(ds)
+    except Exception:  # noqa: BLE001 - Ray may not know the schema of an empty dataset
+        sch = pa.schema([])
+    fields = [sch.field(c) if c in sch.names else pa.field(c, pa.string()) for c in columns]
+    return pa.schema(fields).empty_table()
+
+
+def train_build_tokenizer(
+    pool: _Pool, status_table: pa.Table, cfg: BuildConfig, log, store: Storage = LOCAL
+) -> str:
+    """Offline BPE tokenizer on the captions of successful rows, saved beside the shards for training."""
+    import tempfile
+
+    from pipeline.tokenizer import train_tokenizer
+
+    meta = _collect(pool.ds, [S.UID, S.TEXT, ROW_KEY])
+    eligible = _eligible(pool, status_table, _row_ids(meta))
+    captions = [t for t, ok in zip(meta.column(S.TEXT).to_pylist(), eligible, strict=True) if ok and t]
     tok = train_tokenizer(captions, vocab_size=cfg.tokenizer_vocab)
     out = storage.join(cfg.output, "tokenizer")
     with tempfile.TemporaryDirectory() as tmp:

@@ -313,6 +313,10 @@ class FilterConfig:
             "must be < 1 (no_filter keeps every row)",
             self.clip_fraction,
         )
+        for name in ("clip_threshold", "laion_threshold"):
+            v = getattr(self, name)
+            require(math.isfinite(v), name, "must be a finite number", v)
+        require(all(n.strip() for n in self.names), "names", "must not hold an empty filter name", self.names)
         require(len(set(self.names)) == len(self.names), "names", "must not repeat a filter", self.names)
 
 
@@ -327,6 +331,13 @@ class BuildConfig:
     num_cpus: int = 0  # local Ray: 0 = all cores
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server
     keep_parts: bool = False
+    # Captions longer than this (UTF-8 bytes) are ``invalid_caption:too_long`` before download: a bound on
+    # what one row can put into a shard and into the driver; 16 KiB is ~50× a 77-token CLIP caption.
+    max_caption_bytes: int = 16_384
+    # Actions, not settings (outside the run fingerprint): discard an earlier run's outputs in ``output``
+    # first; download again the rows whose status is transient (schema.is_transient).
+    overwrite: bool = False
+    retry_failed: bool = False
     tokenizer_vocab: int = 0  # >0: train a BPE tokenizer on the successful captions into <output>/tokenizer
     # Node labels every Ray Data task/actor of the build must match, e.g. {prolip-role: data} on the
     # clusters in cluster/ (pipeline/placement.py); empty = no constraint.
@@ -339,7 +350,9 @@ class BuildConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
-        positive(self, "samples_per_shard", "part_size", "download_actors", "download_cpus")
+        positive(
+            self, "samples_per_shard", "part_size", "download_actors", "download_cpus", "max_caption_bytes"
+        )
         non_negative(self, "num_cpus", "tokenizer_vocab", "demo_n")
         require(bool(self.output), "output", "must name a run directory", self.output)
 

@@ -347,6 +347,26 @@ def required_columns(specs: Sequence[FilterSpec], defaults: Mapping[str, Any] | 
     }
 
 
+def check_build_filters(cfg: FilterConfig, columns: Iterable[str], source: str = "metadata") -> None:
+    """Before any download: every filter of the build exists, reads the pool's metadata (not model
+    scores), and finds the columns it needs in ``columns`` (the metadata schema of ``source``)."""
+    specs = parse_filter_specs(list(cfg.names), "filters.names")
+    have = set(columns)
+    defaults = config_params(cfg)
+    for spec in specs:
+        for name, given in spec.parts:
+            if FILTERS[name].table != METADATA:
+                raise ConfigError(
+                    f"filters.names: {name!r} filters model scores, not the pool's metadata (use jobs.filter)"
+                )
+            missing = [c for c in FILTERS[name].needs(resolve_params(name, given, defaults)) if c not in have]
+            if missing:
+                raise S.SchemaError(
+                    f"{source}: filter {spec.label!r} ({name}) needs metadata column {missing[0]!r}, "
+                    "which the metadata does not have"
+                )
+
+
 def needs_language(specs: Sequence[FilterSpec]) -> bool:
     return any(f.language for s in specs for f in s.filters)
 

@@ -7,6 +7,7 @@ Every input uid ends in exactly one status; ``STATUS_*`` constants and the ``fai
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,7 @@ METADATA_SCHEMA = pa.schema(
     [
         pa.field(UID, pa.string()),
         pa.field(URL, pa.string()),
-        pa.field(TEXT, pa.string()),
+        pa.field(TEXT, pa.string()),  # or binary: see check_metadata_schema
         pa.field(ORIGINAL_WIDTH, pa.int64()),
         pa.field(ORIGINAL_HEIGHT, pa.int64()),
         pa.field(SHA256, pa.string()),
@@ -62,6 +63,21 @@ STATUS_INVALID_URL = "invalid_url"
 STATUS_OPTED_OUT = "opted_out"
 DOWNLOAD_FAILED = "failed_to_download"
 RESIZE_FAILED = "failed_to_resize"
+# Decided before download from the caption alone (pipeline/rows.py): ``invalid_caption:<reason>``.
+INVALID_CAPTION = "invalid_caption"
+CAPTION_NULL, CAPTION_UTF8, CAPTION_TOO_LONG = "null", "invalid_utf8", "too_long"
+
+# The failures worth another attempt later (an outage, a rate limit, an overloaded host): the statuses a
+# ``retry_failed`` build downloads again. Everything else (4xx, opt-out, blocked, bad bytes) is final.
+TRANSIENT_REASONS = frozenset({"timeout", "connection_error", "truncated", "http_429"})
+
+
+def is_transient(status: str | None) -> bool:
+    """``failed_to_download:{timeout, connection_error, truncated, http_429, http_5xx}``."""
+    if not status or not status.startswith(DOWNLOAD_FAILED + ":"):
+        return False
+    reason = status[len(DOWNLOAD_FAILED) + 1 :]
+    return reason in TRANSIENT_REASONS or bool(re.fullmatch(r"http_5\d\d", reason))
 
 
 def failed_download(reason: str) -> str:
@@ -70,6 +86,10 @@ def failed_download(reason: str) -> str:
 
 def failed_resize(reason: str) -> str:
     return f"{RESIZE_FAILED}:{reason}"
+
+
+def invalid_caption(reason: str) -> str:
+    return f"{INVALID_CAPTION}:{reason}"
 
 
 class SchemaError(ValueError):
@@ -100,7 +120,10 @@ def check_metadata_schema(schema: pa.Schema) -> list[SchemaProblem]:
         if field.name not in names:
             continue
         actual = schema.field(field.name).type
-        if not _compatible(actual, field.type):
+        # Captions may come as bytes (some writers store alt text undecoded): each row is then checked
+        # for UTF-8 before download (pipeline/rows.py) instead of failing the whole file.
+        binary_text = field.name == TEXT and (pa.types.is_binary(actual) or pa.types.is_large_binary(actual))
+        if not (binary_text or _compatible(actual, field.type)):
             problems.append(SchemaProblem(field.name, f"has type {actual}, expected {field.type}"))
     return problems
 
@@ -111,11 +134,15 @@ def validate_metadata_schema(schema: pa.Schema) -> None:
         raise SchemaError("metadata schema invalid: " + "; ".join(str(p) for p in problems))
 
 
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
 def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
     if pa.types.is_null(actual):
         return True  # an all-null column (e.g. clip scores in a pool that has none)
     if pa.types.is_string(expected):
-        return pa.types.is_string(actual) or pa.types.is_large_string(actual)
+        return _is_text(actual)
     if pa.types.is_integer(expected):
         return pa.types.is_integer(actual)
     if pa.types.is_floating(expected):
@@ -130,28 +157,32 @@ def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
 # --- uids ---------------------------------------------------------------------------------------------
 
 UID_DTYPE = np.dtype("u8,u8")
+# DataComp's uids are 128-bit values written as exactly 32 lowercase hex digits. One spelling per value:
+# ``int(x, 16)`` would also take a sign, ``0x``, spaces, ``_``, non-ASCII digits and upper case, so two
+# spellings of one value would collide in the ``u8,u8`` pairs (and a ``-`` would overflow them).
+_UID_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def is_valid_uid(uid: object) -> bool:
+    """Exactly 32 characters from ``0-9a-f`` (ASCII; nothing else, upper case included)."""
+    return isinstance(uid, str) and _UID_RE.fullmatch(uid) is not None
 
 
 def uids_to_u8pairs(uids: list[str] | np.ndarray) -> np.ndarray:
-    """32-hex-char uids → DataComp's structured ``u8,u8`` array (high 64 bits, low 64 bits), unsorted."""
-    arr = np.asarray(uids, dtype="U32")
-    out = np.empty(len(arr), dtype=UID_DTYPE)
-    if len(arr) == 0:
+    """32-hex-char uids → DataComp's structured ``u8,u8`` array (high 64 bits, low 64 bits), unsorted.
+
+    Raises ``ValueError`` naming the first uid that is not exactly 32 lowercase hex digits."""
+    items = uids.tolist() if isinstance(uids, np.ndarray) else list(uids)
+    out = np.empty(len(items), dtype=UID_DTYPE)
+    if not items:
         return out
-    out["f0"] = np.array([int(u[:16], 16) for u in arr], dtype=np.uint64)
-    out["f1"] = np.array([int(u[16:], 16) for u in arr], dtype=np.uint64)
+    bad = [u for u in items if not is_valid_uid(u)]
+    if bad:
+        raise ValueError(f"not a uid (32 lowercase hex digits): {bad[0]!r}")
+    raw = np.frombuffer(bytes.fromhex("".join(items)), dtype=">u8").reshape(-1, 2)
+    out["f0"], out["f1"] = raw[:, 0], raw[:, 1]
     return out
 
 
 def u8pairs_to_uids(pairs: np.ndarray) -> list[str]:
     return [f"{int(hi):016x}{int(lo):016x}" for hi, lo in zip(pairs["f0"], pairs["f1"], strict=True)]
-
-
-def is_valid_uid(uid: object) -> bool:
-    if not isinstance(uid, str) or len(uid) != 32:
-        return False
-    try:
-        int(uid, 16)
-    except ValueError:
-        return False
-    return True

@@ -3,7 +3,8 @@
 Format (DataComp's submission format, read by its ``resharder.py``): a NumPy ``.npy`` holding a 1-D
 structured array of dtype ``u8,u8`` — high and low 64 bits of each 128-bit uid — sorted, because the
 resharder binary-searches it (``np.searchsorted`` left/right: the count of equal entries is how many
-copies of a sample it writes, so repeated uids mean up-sampling and are kept). ``np.sort`` on this dtype
+copies of a sample it writes, so repeated uids mean up-sampling). Subsets written from a filter decision
+(the build, ``write_subsets``) hold each uid once; ``write_subset`` keeps repeats a caller passes on purpose. ``np.sort`` on this dtype
 orders by ``f0`` then ``f1``, i.e. by the 128-bit uid. Like the resharder, ``read_subset`` also accepts a
 raw headerless ``u8,u8`` memmap.
 
@@ -33,13 +34,14 @@ class SubsetError(ValueError):
 
 
 def to_subset_array(uids: Sequence[str] | np.ndarray | pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """32-hex uids (or an existing ``u8,u8`` array) → the sorted ``u8,u8`` array; duplicates kept."""
+    """32-hex uids (or an existing ``u8,u8`` array) → the sorted ``u8,u8`` array; repeats kept (DataComp's
+    up-sampling: only a caller that means it passes repeats; filter decisions go through ``kept_uids``)."""
     if isinstance(uids, np.ndarray) and uids.dtype == UID_DTYPE:
         pairs = uids.copy()
     else:
         if isinstance(uids, (pa.Array, pa.ChunkedArray)):
             uids = uids.to_pylist()
-        pairs = uids_to_u8pairs([str(u).lower() for u in uids])
+        pairs = uids_to_u8pairs(list(uids))  # strict: a uid spelled any other way raises, naming it
     return np.sort(pairs.reshape(-1))
 
 
@@ -110,11 +112,12 @@ def subset_uids(src: str | os.PathLike | BinaryIO) -> list[str]:
 def kept_uids(
     table: pa.Table | Mapping[str, Any], result: FilterResult, eligible: np.ndarray | None = None
 ) -> np.ndarray:
-    """The sorted uid strings ``result`` keeps (and ``eligible`` allows, e.g. rows that downloaded)."""
+    """The sorted distinct uid strings ``result`` keeps (and ``eligible`` allows, e.g. rows that
+    downloaded): a uid on two kept rows is listed once, never read as up-sampling."""
     col = table.column(UID) if isinstance(table, pa.Table) else table[UID]
     uids = np.asarray(col.to_pylist() if isinstance(col, (pa.Array, pa.ChunkedArray)) else col, dtype=str)
     keep = np.asarray(result.keep, bool) & (True if eligible is None else np.asarray(eligible, bool))
-    return np.sort(uids[keep])
+    return np.unique(uids[keep])
 
 
 def write_subsets(

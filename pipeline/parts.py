@@ -1,0 +1,128 @@
+"""One download part: fetch its rows, write its tar and per-row parquet under the run's token.
+
+A part's rows are the canonical rows (pipeline/rows.py) of the uids that fall in it; the files are
+``part-{i:06d}.{token}.tar`` (successes only, keys = uids, sorted by uid) and ``.parquet`` (one row per uid,
+sorted by uid). The driver commits the part once it receives the rows this call returns
+(pipeline/runstate.py). In a ``retry_failed`` run the rows shipped for an already committed part are its
+transient failures only; they are downloaded again and merged with the rest of the committed part, so
+the new part holds exactly what a clean download would: the same uids, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import schema as S
+from pipeline.config import DownloadConfig
+from pipeline.download import DownloadWorker
+from pipeline.rows import ROW_KEY
+from pipeline.runstate import part_file
+from pipeline.shards import ShardWriter, iter_shard, sample_members
+from pipeline.storage import LOCAL, Storage
+
+PART_COLUMNS = [
+    S.UID,
+    S.STATUS,
+    "error",
+    S.WIDTH,
+    S.HEIGHT,
+    S.ORIGINAL_WIDTH,
+    S.ORIGINAL_HEIGHT,
+    S.IMAGE_SHA256,
+    S.PHASH,
+]
+
+
+class DownloadPart:
+    """Ray Data UDF: one group = one part. Downloads it, writes tar + parquet, returns the rows + ``part``.
+
+    ``retry``: part → token of its committed files, for the parts whose transient rows are re-fetched.
+    """
+
+    def __init__(
+        self,
+        download: DownloadConfig,
+        parts_dir: str,
+        token: str,
+        retry: Mapping[int, str] | None = None,
+        store: Storage = LOCAL,
+    ):
+        self.worker = DownloadWorker(download)
+        self.parts_dir, self.token, self.store = parts_dir, token, store
+        self.retry = dict(retry or {})
+
+    def __call__(self, rows: pa.Table) -> pa.Table:
+        part = int(rows.column("part")[0].as_py())
+        rows = one_row_per_uid(rows)
+        out = self.worker(rows)
+        out = out if isinstance(out, pa.Table) else pa.table(out)
+        summary = out.select([c for c in PART_COLUMNS if c in out.column_names])
+        samples: Iterator[tuple[str, list[tuple[str, bytes]]]] = iter(_samples(rows, out))
+        if part in self.retry:
+            summary, samples = self._merge(part, summary, samples)
+        with ShardWriter(part_file(self.parts_dir, part, self.token, "tar"), self.store) as w:
+            for key, members in samples:
+                w.write_members(key, members)
+        self.store.write_parquet(summary, part_file(self.parts_dir, part, self.token, "parquet"))
+        return summary.append_column("part", pa.array([part] * summary.num_rows, pa.int64()))
+
+    def _merge(self, part: int, new: pa.Table, samples: Iterator) -> tuple[pa.Table, Iterator]:
+        """The committed part with the re-fetched rows replaced, both sorted by uid."""
+        old_token = self.retry[part]
+        old = self.store.read_parquet(part_file(self.parts_dir, part, old_token, "parquet"))
+        again = set(new.column(S.UID).to_pylist())
+        kept = old.filter(pa.array([u not in again for u in old.column(S.UID).to_pylist()], pa.bool_()))
+        merged = pa.concat_tables([kept, new.cast(kept.schema)]).sort_by(S.UID)
+        old_samples = (
+            (s["__key__"], [(k, v) for k, v in s.items() if not k.startswith("__")])
+            for s in iter_shard(part_file(self.parts_dir, part, old_token, "tar"), self.store, decode=False)
+            if s["__key__"] not in again
+        )
+        return merged, _merge_sorted(old_samples, samples)
+
+
+def one_row_per_uid(rows: pa.Table) -> pa.Table:
+    """Rows sorted by uid; of rows sharing a uid (identical URL and caption: rows.canonical_rows) the first."""
+    keys = [(S.UID, "ascending")] + ([(ROW_KEY, "ascending")] if ROW_KEY in rows.column_names else [])
+    rows = rows.sort_by(keys)
+    uids = np.array(rows.column(S.UID).to_pylist(), dtype=object)
+    first = np.ones(len(uids), dtype=bool)
+    first[1:] = uids[1:] != uids[:-1]
+    return rows.filter(pa.array(first))
+
+
+def _merge_sorted(a: Iterator, b: Iterator) -> Iterator:
+    """Two key-sorted streams of (key, members) as one key-sorted stream."""
+    import heapq
+
+    return heapq.merge(a, b, key=lambda s: s[0])
+
+
+def _samples(rows: pa.Table, out: pa.Table) -> list[tuple[str, list[tuple[str, bytes]]]]:
+    """(uid, tar members) of each success, in row order (rows are sorted by uid)."""
+    ok = pc.equal(out.column(S.STATUS), S.STATUS_SUCCESS).to_pylist()
+    meta = rows.to_pylist()
+    res = out.to_pylist()
+    samples = []
+    for i in (i for i, k in enumerate(ok) if k):
+        m, r = meta[i], res[i]
+        info: dict[str, Any] = {
+            "uid": m[S.UID],
+            "url": m[S.URL],
+            "caption": m.get(S.TEXT),
+            "width": r[S.WIDTH],
+            "height": r[S.HEIGHT],
+            "original_width": r[S.ORIGINAL_WIDTH],
+            "original_height": r[S.ORIGINAL_HEIGHT],
+            "sha256": r[S.IMAGE_SHA256],
+            "key": m[S.UID],
+        }
+        samples.append(
+            sample_members({"__key__": m[S.UID], "jpg": r[S.IMAGE], "txt": m.get(S.TEXT) or "", "json": info})
+        )
+    return samples

@@ -1,0 +1,182 @@
+"""What a run directory remembers between runs of the build: its fingerprint and its committed parts.
+
+**Fingerprint** (``work/fingerprint.json``), written before any download: the row count and a digest of
+the sorted uid list (the pool's identity; URLs are not in it, so the demo pool served on a new port is the
+same pool), the settings that shape the download parts (``part_size``, ``max_caption_bytes``, every
+``download.*`` field but ``threads_per_actor``) and the settings of what is derived from the parts each
+run (``samples_per_shard``, ``tokenizer_vocab``, ``dedupe.*``, ``filters.*``). Thread/actor/CPU counts,
+paths, endpoints and the ``overwrite``/``retry_failed`` actions are not in it: they do not change a byte
+of the output. A re-run whose pool or part settings differ is refused with one line naming what differs
+(``FingerprintMismatch``); ``overwrite=true`` first discards the old run's parts and outputs (not the
+demo pool or the manifest); a new output directory always works. A change of derived settings only is
+logged and recorded: status table, shards and subsets are rewritten from the parts every run anyway.
+
+**Parts and run tokens.** Every run draws a token. A download actor writes its part as
+``part-{i:06d}.{token}.tar`` and ``.parquet`` and returns its rows; the *driver*, on receiving them,
+writes ``part-{i:06d}.done`` holding that token. A part therefore counts as done only if the driver of
+the run that downloaded it was alive when the part finished: actors that outlive a killed driver (on a
+shared cluster, Ray stops a dead driver's actors only after a while) write files under a token no marker
+names, which no reader opens and the next run deletes. Two runs can never mix files of one part, because
+each reads only the token its marker names. A ``retry_failed`` run rewrites a part under its own token and
+moves the marker last, so a crash mid-retry leaves the previous, consistent part in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pipeline import storage
+from pipeline.config import BuildConfig, to_dict
+from pipeline.storage import Storage
+
+FINGERPRINT_VERSION = 1
+_PART_FILE = re.compile(r"^part-(\d{6})\.([0-9a-f]+)\.(tar|parquet)$")
+_MARKER = re.compile(r"^part-(\d{6})\.done$")
+
+
+class FingerprintMismatch(ValueError):
+    """The run directory holds another build; the message names what differs and how to proceed."""
+
+
+def uid_digest(uids: Sequence[str | None]) -> str:
+    h = hashlib.sha256()
+    for u in sorted("" if u is None else u for u in uids):
+        b = u.encode("utf-8", "surrogatepass")
+        h.update(len(b).to_bytes(4, "little") + b)
+    return h.hexdigest()
+
+
+def fingerprint(cfg: BuildConfig, uids: Sequence[str | None]) -> dict[str, Any]:
+    download = to_dict(cfg.download)
+    download.pop("threads_per_actor")
+    return {
+        "version": FINGERPRINT_VERSION,
+        "pool": {"rows": len(uids), "uids_sha256": uid_digest(uids)},
+        "parts": {
+            "part_size": cfg.part_size,
+            "max_caption_bytes": cfg.max_caption_bytes,
+            "download": download,
+        },
+        "derived": {
+            "samples_per_shard": cfg.samples_per_shard,
+            "tokenizer_vocab": cfg.tokenizer_vocab,
+            "dedupe": to_dict(cfg.dedupe),
+            "filters": to_dict(cfg.filters),
+        },
+    }
+
+
+def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """``key: old → new`` for every leaf that differs (nested dicts flattened with dots)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new)):
+            out += differences(old.get(k), new.get(k), f"{prefix}.{k}" if prefix else k)
+        return out
+    return [] if old == new else [f"{prefix}: {_short(old)} → {_short(new)}"]
+
+
+def _short(v: Any) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 24 else text[:12] + "…"
+
+
+def run_dirs(output: str) -> dict[str, str]:
+    return {
+        "work": storage.join(output, "work"),
+        "parts": storage.join(output, "work", "parts"),
+        "shards": storage.join(output, "shards"),
+        "subsets": storage.join(output, "subsets"),
+        "tokenizer": storage.join(output, "tokenizer"),
+        "status": storage.join(output, "metadata", "status.parquet"),
+        "filters": storage.join(output, "metadata", "filters.parquet"),
+        "fingerprint": storage.join(output, "work", "fingerprint.json"),
+    }
+
+
+def claim(cfg: BuildConfig, fp: dict[str, Any], store: Storage, log: Callable[[str], None]) -> None:
+    """Check ``fp`` against the run directory and record it (see the module docstring)."""
+    d = run_dirs(cfg.output)
+    if cfg.overwrite:
+        n = discard_outputs(cfg.output, store)
+        if n:
+            log(f"overwrite: discarded {n} files of the earlier run in {cfg.output}")
+    elif store.exists(d["fingerprint"]):
+        old = store.read_json(d["fingerprint"])
+        diff = differences(
+            {k: old.get(k) for k in ("version", "pool", "parts")},
+            {k: fp[k] for k in ("version", "pool", "parts")},
+        )
+        if diff:
+            raise FingerprintMismatch(
+                f"{cfg.output} holds another build ({'; '.join(diff[:4])}{'; …' if len(diff) > 4 else ''}); "
+                "use a new output or --set overwrite=true to discard it"
+            )
+        for line in differences(old.get("derived"), fp["derived"]):
+            log(f"resume: {line} (status, shards and subsets are re-derived)")
+    elif store.list_files(d["parts"]):
+        raise FingerprintMismatch(
+            f"{cfg.output} holds download parts without a fingerprint (an older build); "
+            "use a new output or --set overwrite=true to discard them"
+        )
+    store.makedirs(d["work"])
+    store.write_json(fp, d["fingerprint"])
+
+
+def discard_outputs(output: str, store: Storage) -> int:
+    """Delete what a build wrote in ``output`` (parts, fingerprint, status, filters, shards, subsets,
+    tokenizer); the demo pool and the manifest stay. Returns the number of files removed."""
+    d = run_dirs(output)
+    files = [p for key in ("parts", "shards", "subsets", "tokenizer") for p in store.list_files(d[key])]
+    files += [d[k] for k in ("fingerprint", "status", "filters") if store.exists(d[k])]
+    store.remove_files(files)
+    return len(files)
+
+
+# --- parts ----------------------------------------------------------------------------------------------
+
+
+def part_file(parts_dir: str, part: int, token: str, ext: str) -> str:
+    return storage.join(parts_dir, f"part-{part:06d}.{token}.{ext}")
+
+
+def marker(parts_dir: str, part: int) -> str:
+    return storage.join(parts_dir, f"part-{part:06d}.done")
+
+
+def commit(parts_dir: str, part: int, token: str, store: Storage) -> None:
+    """The driver's word that ``part`` is done, naming the token of the files it stands for."""
+    store.write_json({"token": token}, marker(parts_dir, part))
+
+
+def committed(parts_dir: str, store: Storage) -> dict[int, str]:
+    """part → token of every committed part (a marker whose files are missing does not count)."""
+    files = {p.rsplit("/", 1)[-1] for p in store.list_files(parts_dir)}
+    out = {}
+    for name in sorted(files):
+        m = _MARKER.match(name)
+        if not m:
+            continue
+        try:
+            token = store.read_json(storage.join(parts_dir, name))["token"]
+        except (ValueError, KeyError, TypeError):
+            continue  # an empty marker of an older format, or a damaged one: download the part again
+        part = int(m.group(1))
+        if {f"part-{part:06d}.{token}.tar", f"part-{part:06d}.{token}.parquet"} <= files:
+            out[part] = token
+    return out
+
+
+def remove_uncommitted(parts_dir: str, done: dict[int, str], store: Storage) -> int:
+    """Delete part files no marker names (killed runs, superseded retries); returns how many."""
+    stale = []
+    for path in store.list_files(parts_dir):
+        m = _PART_FILE.match(path.rsplit("/", 1)[-1])
+        if m and done.get(int(m.group(1))) != m.group(2):
+            stale.append(path)
+    store.remove_files(stale)
+    return len(stale)
