@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 
 from jobs.common import config_parser, init_ray, print_table, resolve_config
-from pipeline.build import MetadataError, build, demo_source
+from pipeline.build import MetadataError, build
 from pipeline.config import BUILD_PRESETS, ConfigError, to_dict
+from pipeline.demo.source import demo_source
 from pipeline.filtering import check_build_filters
 from pipeline.manifest import write_manifest
 from pipeline.runstate import FingerprintMismatch

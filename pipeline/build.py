@@ -35,12 +35,12 @@ from pipeline import runstate as R
 from pipeline import schema as S
 from pipeline import storage
 from pipeline.config import BuildConfig
-from pipeline.dedupe import exact_duplicates, near_duplicates
 from pipeline.filtering import apply_filters, check_build_filters, needs_language, parse_filter_specs
 from pipeline.parts import DownloadPart
 from pipeline.placement import scope_dataset
 from pipeline.reshard import ReshardResult, reshard
 from pipeline.rows import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch
+from pipeline.status_table import decide_image_duplicates, status_table_of
 from pipeline.storage import LOCAL, Storage
 from pipeline.subset import write_subset
 
@@ -309,8 +309,8 @@ def _decide_statuses(
     """Every part's rows (this run's and earlier runs'), image dedupe, the status table of every input row."""
     part_files = _part_files(paths, n_parts, store, "parquet")
     parts = store.read_parquet(part_files) if part_files else pa.table({S.UID: pa.array([], pa.string())})
-    status = decide_image_duplicates(parts, cfg)
-    status_table = _status_table(pool.narrow, pool.status_pre, parts, status)
+    status = decide_image_duplicates(parts, cfg.dedupe)
+    status_table = status_table_of(pool.narrow, pool.status_pre, parts, status)
     store.write_parquet(status_table, paths["status"])
     n_input = pool.narrow.num_rows
     if status_table.num_rows != n_input:
@@ -339,51 +339,6 @@ def _write_shards(
         store=store,
         overwrite=True,
     )
-
-
-def decide_image_duplicates(parts: pa.Table, cfg: BuildConfig) -> np.ndarray:
-    """Per part row: its download status, with exact and near duplicates among successes re-labelled."""
-    if parts.num_rows == 0:
-        return np.zeros(0, dtype=object)
-    status = np.array(parts.column(S.STATUS).to_pylist(), dtype=object)
-    ok = np.flatnonzero(status == S.STATUS_SUCCESS)
-    uids = np.array(parts.column(S.UID).to_pylist(), dtype=object)[ok]
-    sha = np.array(parts.column(S.IMAGE_SHA256).to_pylist(), dtype=object)[ok]
-    exact = np.asarray(exact_duplicates(uids, sha), dtype=bool)
-    status[ok[exact]] = S.STATUS_DUPLICATE_IMAGE
-    if cfg.dedupe.near_duplicates:
-        rest = ok[~exact]
-        # take() keeps int64: to_numpy() on a column with nulls would turn the hashes into lossy floats.
-        ph = parts.column(S.PHASH).take(pa.array(rest, pa.int64()))
-        rest_uids = np.array(parts.column(S.UID).to_pylist(), dtype=object)[rest]
-        near = np.asarray(near_duplicates(rest_uids, ph, cfg.dedupe.phash_threshold), dtype=bool)
-        status[rest[near]] = S.STATUS_NEAR_DUPLICATE
-    return status
-
-
-def _status_table(narrow: pa.Table, pre: np.ndarray, parts: pa.Table, part_status: np.ndarray) -> pa.Table:
-    decided = np.flatnonzero(pre != "")
-    pre_tab = pa.table(
-        {
-            S.UID: pc.take(narrow.column(S.UID), pa.array(decided, pa.int64())),
-            S.STATUS: pa.array(pre[decided].tolist(), pa.string()),
-            "error": pa.array([""] * len(decided), pa.string()),
-        }
-    )
-    if parts.num_rows == 0:
-        return pre_tab.sort_by(S.UID)
-    errors = parts.column("error") if "error" in parts.column_names else pa.array([""] * parts.num_rows)
-    part_tab = pa.table(
-        {
-            S.UID: parts.column(S.UID),
-            S.STATUS: pa.array(part_status.tolist(), pa.string()),
-            "error": pc.fill_null(errors.cast(pa.string()), ""),
-        }
-    )
-    extra = [c for c in (S.WIDTH, S.HEIGHT, S.IMAGE_SHA256) if c in parts.column_names]
-    for c in extra:
-        part_tab = part_tab.append_column(c, parts.column(c))
-    return pa.concat_tables([pre_tab, part_tab], promote_options="permissive").sort_by(S.UID)
 
 
 # --- filters and subsets ------------------------------------------------------------------------------
@@ -497,36 +452,3 @@ def train_build_tokenizer(
                 store.write_bytes(fh.read(), storage.join(out, name))
     log(f"tokenizer: BPE vocab {tok.vocab_size} trained on {len(captions)} captions → {out}")
     return out
-
-
-# --- the demo source ----------------------------------------------------------------------------------
-
-
-class demo_source:
-    """Context manager: with ``cfg.metadata`` empty, generate the demo pool, serve it on 127.0.0.1 and
-    yield a config pointing at its metadata; the server is stopped on exit."""
-
-    def __init__(self, cfg: BuildConfig, log: Callable[[str], None] = print):
-        self.cfg, self.log, self.server = cfg, log, None
-
-    def __enter__(self) -> BuildConfig:
-        import dataclasses
-
-        if self.cfg.metadata:
-            return self.cfg
-        from pipeline.demo.pool import generate_pool, write_metadata
-        from pipeline.demo.server import serve_pool
-
-        pool_dir = storage.join(self.cfg.output, "pool")
-        t = time.perf_counter()
-        generate_pool(pool_dir, n=self.cfg.demo_n, seed=self.cfg.demo_seed)
-        self.server = serve_pool(pool_dir)
-        meta = write_metadata(pool_dir, self.server.base_url)
-        self.log(
-            f"demo pool: {self.cfg.demo_n} rows served at {self.server.base_url} ({time.perf_counter() - t:.1f}s)"
-        )
-        return dataclasses.replace(self.cfg, metadata=str(meta))
-
-    def __exit__(self, *exc) -> None:
-        if self.server is not None:
-            self.server.stop()

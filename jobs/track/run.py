@@ -75,7 +75,8 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
     """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
     from jobs.track.report import write_report
     from jobs.track.steps import evaluate_models, make_subsets, reshard_subsets, score_pool, train_models
-    from pipeline.build import build, demo_source
+    from pipeline.build import build
+    from pipeline.demo.source import demo_source
 
     machine = cpu_reference()
     log(f"[track] machine: {machine['cores']} cores, fp32 matmul {machine['matmul_gflops']} GFLOP/s")
