@@ -252,16 +252,16 @@ def _download_dataset(pool, cfg, store, paths, live_uids, n_parts, todo, retry, 
 
     todo_set = set(todo)
     retry_uids = set().union(*retry.values()) if retry else set()
-    # Ship the canonical row key of each live uid: tag keeps exactly the rows the driver let through.
-    keys = pool.narrow.column(ROW_KEY).to_pylist()
-    uid_col = pool.narrow.column(S.UID).to_pylist()
-    live_key = {uid_col[i]: keys[i] for i in np.flatnonzero(pool.live())}
+    excluded, canonical = _row_filter(pool)
 
     def tag(batch: pa.Table) -> pa.Table:
         uids = batch.column(S.UID).to_pylist()
-        bkeys = batch.column(ROW_KEY).to_pylist()
-        keep = np.array([live_key.get(u) == k for u, k in zip(uids, bkeys, strict=True)], dtype=bool)
-        batch = batch.filter(pa.array(keep))
+        keys = batch.column(ROW_KEY).to_pylist()
+        keep = [
+            S.is_valid_uid(u) and u not in excluded and canonical.get(u, k) == k
+            for u, k in zip(uids, keys, strict=True)
+        ]
+        batch = batch.filter(pa.array(keep, pa.bool_()))
         kept = batch.column(S.UID).to_pylist()
         parts = part_of(kept, n_parts) if kept else np.zeros(0, np.int64)
         batch = batch.append_column("part", pa.array(parts, pa.int64()))
@@ -292,6 +292,20 @@ def _download_dataset(pool, cfg, store, paths, live_uids, n_parts, todo, retry, 
         num_cpus=cfg.download_cpus,
         batch_format="pyarrow",
     )
+
+
+def _row_filter(pool: _Pool) -> tuple[set[str], dict[str, str]]:
+    """What the download tasks need to keep exactly the rows the driver let through, small at any scale:
+    the valid uids whose kept row was rejected before download (so no row of theirs goes on), and the
+    kept row's key for the uids on several rows. Every other row with a valid uid is its uid's only row."""
+    uids = pool.narrow.column(S.UID).to_pylist()
+    keys = pool.narrow.column(ROW_KEY).to_pylist()
+    pre = pool.status_pre
+    not_kept = (S.STATUS_INVALID_UID, S.STATUS_DUPLICATE_UID)
+    excluded = {uids[i] for i in np.flatnonzero(pre != "") if pre[i] not in not_kept}
+    repeated = {uids[i] for i in np.flatnonzero(pre == S.STATUS_DUPLICATE_UID)}
+    canonical = {uids[i]: keys[i] for i in np.flatnonzero(pre == "") if uids[i] in repeated}
+    return excluded, canonical
 
 
 def _done_token(paths: dict[str, str], part: int, store: Storage) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.build import build
-from pipeline.config import BUILD_PRESETS, merge
+from pipeline.config import BUILD_PRESETS, merge, parse_set
 from pipeline.demo.eval_sets import EvalSizes
 from pipeline.demo.pool import generate_pool, write_metadata
 from pipeline.demo.server import serve_pool
@@ -115,8 +115,8 @@ def test_sigkill_mid_download_then_rerun_equals_clean_build(ray_local, tmp_path)
         assert rerun.returncode == 0, rerun.stderr[-3000:]
         skipped = re.search(r"download: (\d+) parts .*?, (\d+) already done", rerun.stdout)
         assert skipped and done_at_kill <= int(skipped.group(2)) < int(skipped.group(1)), rerun.stdout[-2000:]
-        clean_cfg = merge(BUILD_PRESETS["demo"], {**SETS, "filters": {"names": ["no_filter", "random"]}})
-        clean_cfg = merge(clean_cfg, {"metadata": meta, "output": str(tmp_path / "clean"), "num_cpus": 0})
+        clean = {**SETS, "metadata": meta, "output": str(tmp_path / "clean")}
+        clean_cfg = merge(BUILD_PRESETS["demo"], parse_set([f"{k}={v}" for k, v in clean.items()]))
         build(clean_cfg, log=lambda m: None)
     resumed, clean = snapshot(out), snapshot(tmp_path / "clean")
     check_invariants(resumed, 150)
