@@ -430,8 +430,12 @@ def run_filters(
         counts[name] = len(chosen)
         subsets[name] = path
         log(f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass, {len(chosen)} in the subset")
-    stale = [p for p in store.list_files(paths["subsets"], suffix=".npy") if p not in subsets.values()]
-    store.remove_files(stale)  # subsets of filters an earlier run had: not derived from this run's statuses
+    # A subset an earlier build run wrote for a filter no longer asked for is not derived from this run's
+    # statuses: remove it. Only the build's own (listed in work/): other jobs write subsets here too.
+    listed = storage.join(paths["work"], "subsets.json")
+    before = store.read_json(listed) if store.exists(listed) else []
+    store.remove_files([p for p in before if p not in subsets.values()])
+    store.write_json(sorted(subsets.values()), listed)
     store.write_parquet(pa.table(columns), paths["filters"])
     return counts, subsets
 

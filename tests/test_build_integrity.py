@@ -185,6 +185,15 @@ def test_empty_metadata_finishes_with_empty_outputs(ray_local, tmp_path):
     snap = snapshot(tmp_path / "out")
     assert snap["status"] == [] and snap["tars"] == []
     assert snap["subsets"] == {"no_filter": [], "random": []}
+    # A re-run with fewer filters drops the build's own stale subset, never another job's.
+    (tmp_path / "out" / "subsets" / "csd_best.npy").write_bytes(
+        (tmp_path / "out" / "subsets" / "random.npy").read_bytes()
+    )
+    build(config(meta, tmp_path / "out", filters={"names": ["no_filter"]}), log=lambda m: None)
+    assert sorted(p.name for p in (tmp_path / "out" / "subsets").iterdir()) == [
+        "csd_best.npy",
+        "no_filter.npy",
+    ]
 
 
 def test_all_rejected_pool_through_the_job_exits_0(ray_local, tmp_path, capsys):

@@ -72,7 +72,10 @@ def _alive(pids: set[int]) -> set[int]:
     return {p for p in pids if p in procs and procs[p][2] != "Z"}
 
 
-def test_sigkill_mid_download_then_rerun_equals_clean_build(ray_local, tmp_path):
+@pytest.mark.parametrize("ray_mode", ["own", "shared"])
+def test_sigkill_mid_download_then_rerun_equals_clean_build(ray_local, tmp_path, ray_mode):
+    """``own``: the job starts its local Ray, which dies with its process group. ``shared``: the job is a
+    driver on the session's Ray, whose actors may outlive it and finish parts against the dead server."""
     pool = tmp_path / "pool"
     generate_pool(pool, n=150, seed=5, eval_sizes=EvalSizes(per_class=1, retrieval=2, hierarchy=2))
     server = serve_pool(pool, slow_s=8.0)
@@ -84,6 +87,8 @@ def test_sigkill_mid_download_then_rerun_equals_clean_build(ray_local, tmp_path)
     args += [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    if ray_mode == "shared":
+        env["RAY_ADDRESS"] = ray_local.address_info["address"]
     proc = subprocess.Popen(
         args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
@@ -101,7 +106,8 @@ def test_sigkill_mid_download_then_rerun_equals_clean_build(ray_local, tmp_path)
         proc.wait()
     done_at_kill = len(list(parts.glob("*.done")))
     assert done_at_kill >= 1 and not (out / "metadata" / "status.parquet").exists(), "killed too late"
-    assert len(family) > 3, family  # the driver and its local Ray's processes
+    if ray_mode == "own":
+        assert len(family) > 3, family  # the driver and its local Ray's processes
     deadline = time.monotonic() + 30
     while _alive(family) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -123,5 +129,6 @@ def test_sigkill_mid_download_then_rerun_equals_clean_build(ray_local, tmp_path)
     assert resumed["status"] == clean["status"]
     assert resumed["members"] == clean["members"]  # member names and bytes per uid
     assert resumed["tars"] == clean["tars"] and resumed["subsets"] == clean["subsets"]
-    leftovers = [p.name for p in parts.iterdir() if p.suffix in (".tar", ".parquet")]
-    assert len(leftovers) == 2 * len(list(parts.glob("*.done")))  # no uncommitted part files remain
+    if ray_mode == "own":  # on the shared Ray an orphaned actor may still write a file no marker names
+        leftovers = [p.name for p in parts.iterdir() if p.suffix in (".tar", ".parquet")]
+        assert len(leftovers) == 2 * len(list(parts.glob("*.done")))  # no uncommitted part files remain
