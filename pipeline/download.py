@@ -215,7 +215,7 @@ def _attempt(url: str, deadline: float, max_bytes: int, guard: UrlGuard, headers
                 url = urljoin(url, resp.getheader("Location", "").strip())
                 continue
             if not 200 <= code < 300:
-                cls = _Transient if code >= 500 or code == 429 else FetchResult
+                cls = _Transient if S.is_transient(S.failed_download(f"http_{code}")) else FetchResult
                 wait = parse_retry_after(resp.getheader("Retry-After")) if code in RETRY_AFTER_CODES else None
                 return cls(S.failed_download(f"http_{code}"), None, resp.reason or "", code, wait)
             # Decided on the headers alone: the body of an opted-out image is never read (the close drops it).

@@ -3,9 +3,9 @@
 **Fingerprint** (``work/fingerprint.json``), written before any download: the row count and a digest of
 the sorted uid list (the pool's identity; URLs are not in it, so the demo pool served on a new port is the
 same pool), the settings that shape the download parts (``part_size``, ``max_caption_bytes``, every
-``download.*`` field but ``threads_per_actor``) and the settings of what is derived from the parts each
-run (``samples_per_shard``, ``tokenizer_vocab``, ``dedupe.*``, ``filters.*``). Thread/actor/CPU counts,
-paths, endpoints and the ``overwrite``/``retry_failed`` actions are not in it: they do not change a byte
+``download.*`` field but the ``RETRY_KNOBS``, which only decide whether and when a row is fetched) and the settings of what is derived from the parts each
+run (``samples_per_shard``, ``tokenizer_vocab``, ``dedupe.*``, ``filters.*``). Thread/actor/CPU counts, timeouts,
+retries, deadlines and backoff, paths, endpoints and the ``overwrite``/``retry_failed`` actions are not in it: they do not change a byte
 of the output. A re-run whose pool or part settings differ is refused with one line naming what differs
 (``FingerprintMismatch``); ``overwrite=true`` first discards the old run's parts and outputs (not the
 demo pool or the manifest); a new output directory always works. A change of derived settings only is
@@ -50,9 +50,22 @@ def uid_digest(uids: Sequence[str | None]) -> str:
     return h.hexdigest()
 
 
+# Download settings that decide only *whether and when* a row is fetched, never what a fetched row becomes:
+# free to change between runs (e.g. a longer timeout for a ``retry_failed`` pass).
+RETRY_KNOBS = (
+    "threads_per_actor",
+    "timeout_s",
+    "retries",
+    "part_deadline_s",
+    "per_host_connections",
+    "retry_backoff_s",
+    "retry_after_max_s",
+    "decode_pixel_budget",
+)
+
+
 def fingerprint(cfg: BuildConfig, uids: Sequence[str | None]) -> dict[str, Any]:
-    download = to_dict(cfg.download)
-    download.pop("threads_per_actor")
+    download = {k: v for k, v in to_dict(cfg.download).items() if k not in RETRY_KNOBS}
     return {
         "version": FINGERPRINT_VERSION,
         "pool": {"rows": len(uids), "uids_sha256": uid_digest(uids)},

@@ -69,11 +69,11 @@ CAPTION_NULL, CAPTION_UTF8, CAPTION_TOO_LONG = "null", "invalid_utf8", "too_long
 
 # The failures worth another attempt later (an outage, a rate limit, an overloaded host): the statuses a
 # ``retry_failed`` build downloads again. Everything else (4xx, opt-out, blocked, bad bytes) is final.
-TRANSIENT_REASONS = frozenset({"timeout", "connection_error", "truncated", "http_429"})
+TRANSIENT_REASONS = frozenset({"timeout", "connection_error", "truncated", "deadline", "http_429"})
 
 
 def is_transient(status: str | None) -> bool:
-    """``failed_to_download:{timeout, connection_error, truncated, http_429, http_5xx}``."""
+    """``failed_to_download:{timeout, connection_error, truncated, deadline, http_429, http_5xx}``."""
     if not status or not status.startswith(DOWNLOAD_FAILED + ":"):
         return False
     reason = status[len(DOWNLOAD_FAILED) + 1 :]

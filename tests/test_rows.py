@@ -69,7 +69,16 @@ def test_filter_subsets_list_each_uid_once():
 
 
 def test_transient_statuses_are_one_set():
-    yes = ["timeout", "connection_error", "truncated", "http_429", "http_500", "http_503", "http_599"]
+    yes = [
+        "timeout",
+        "connection_error",
+        "truncated",
+        "deadline",
+        "http_429",
+        "http_500",
+        "http_503",
+        "http_599",
+    ]
     no = ["http_404", "http_403", "too_large", "http_5000", "http_50"]
     assert all(S.is_transient(S.failed_download(r)) for r in yes)
     assert not any(S.is_transient(S.failed_download(r)) for r in no)
@@ -237,7 +246,8 @@ def test_fingerprint_refuses_another_pool_and_names_what_differs(tmp_path):
     ):
         R.claim(other, R.fingerprint(other, ["a" * 32, "b" * 32]), LOCAL, logs.append)
     # Cosmetic fields and derived settings never refuse; the latter are logged.
-    cosmetic = merge(cfg, {"download": {"threads_per_actor": 3}, "download_actors": 9, "num_cpus": 1})
+    knobs = {"threads_per_actor": 3, "timeout_s": 60.0, "retries": 5, "part_deadline_s": 900.0}
+    cosmetic = merge(cfg, {"download": knobs, "download_actors": 9, "num_cpus": 1})
     R.claim(cosmetic, R.fingerprint(cosmetic, ["a" * 32, "b" * 32]), LOCAL, logs.append)
     derived = merge(cfg, {"filters": {"names": ["no_filter"]}, "samples_per_shard": 3})
     R.claim(derived, R.fingerprint(derived, ["a" * 32, "b" * 32]), LOCAL, logs.append)
