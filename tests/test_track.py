@@ -44,7 +44,20 @@ def _evals(averages: dict[str, list[float]]) -> dict:
     for subset, values in averages.items():
         for seed, v in enumerate(values):
             out[f"{subset}-seed{seed}"] = {
-                "results": [{"task": "shapes", "value": v + 0.1}, {"task": "colours", "value": v - 0.1}],
+                "results": [  # result lines in DataComp's schema, as training/eval/results.py writes them
+                    {
+                        "key": "shapes",
+                        "dataset": "shapes",
+                        "task": "shapes",
+                        "metrics": {"main_metric": v + 0.1},
+                    },
+                    {
+                        "key": "colours",
+                        "dataset": "colours",
+                        "task": "colours",
+                        "metrics": {"main_metric": v - 0.1},
+                    },
+                ],
                 "aggregates": {"average": v},
             }
     return out

@@ -28,7 +28,11 @@ def _fmt(x: Any, digits: int = 3) -> str:
 
 
 def _main_metrics(ev: dict[str, Any]) -> dict[str, float]:
-    return {r["task"]: float(r["value"]) for r in ev.get("results", []) if r.get("value") is not None}
+    """Task → main-metric value of an evaluation's result lines (DataComp's schema)."""
+    from training.eval.results import main_value
+
+    values = {r.get("task", r["key"]): main_value(r) for r in ev.get("results", [])}
+    return {t: v for t, v in values.items() if v is not None}
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:

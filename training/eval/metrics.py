@@ -15,26 +15,17 @@ Pure numpy/torch; the Ray side (``training/eval/run.py``) gathers the embeddings
 - Retrieval: image→text R@k counts an image as hit when any of its captions ranks in its top k; text→image
   when its image does. Names as clip_benchmark: ``text_retrieval_recall@k`` (image→text),
   ``image_retrieval_recall@k`` (text→image), and DataComp's main metric ``mean_recall@1``.
-- Aggregates (DataComp ``aggregate_scores.py``): ImageNet = imagenet1k main metric; ImageNet dist. shifts,
-  VTAB and Retrieval = means over their groups; Average = mean over every task of the list.
+- Aggregates over a results file: ``training/eval/results.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from training.losses import csd_matrix
-
-AGGREGATE_GROUPS = {  # aggregate name -> Task.group (DataComp aggregate_scores.py DATASET_GROUPS)
-    "imagenet": "imagenet",
-    "imagenet_dist_shift": "imagenet_dist_shift",
-    "vtab": "vtab",
-    "retrieval": "retrieval",
-}
-
 
 # ---------------------------------------------------------------- scores
 
@@ -143,34 +134,3 @@ def retrieval_metrics(
         )
     out["n_images"], out["n_texts"] = int(n_img), int(n_txt)
     return out
-
-
-# ---------------------------------------------------------------- aggregates
-
-
-def aggregates(
-    results: Sequence[Mapping], tasks: Sequence[object], average_name: str = "average"
-) -> tuple[dict[str, float], dict[str, list[str]]]:
-    """DataComp's aggregates from per-task results (``{"task", "value"}``) over the task list ``tasks``
-    (objects with ``name`` and ``group``). An aggregate is computed only when every task of its group
-    has a finite value; otherwise it is omitted and listed in the second return value with the tasks
-    that are missing. Groups without any task in the list are neither computed nor reported."""
-    value = {r["task"]: r.get("value") for r in results}
-
-    def ok(name: str) -> bool:
-        v = value.get(name)
-        return v is not None and np.isfinite(v)
-
-    out: dict[str, float] = {}
-    missing: dict[str, list[str]] = {}
-    members = {agg: [t.name for t in tasks if t.group == g] for agg, g in AGGREGATE_GROUPS.items()}
-    members[average_name] = [t.name for t in tasks]
-    for agg, names in members.items():
-        if not names:
-            continue
-        lacking = [n for n in names if not ok(n)]
-        if lacking:
-            missing[agg] = lacking
-        else:
-            out[agg] = float(np.mean([value[n] for n in names]))
-    return out, missing

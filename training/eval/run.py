@@ -8,8 +8,10 @@ and text rows (captions, prompts), which the encoder's image or text tower encod
 ``has_text``). Eval sets are small, so embeddings are gathered into the driver.
 Deterministic and ProLIP checkpoints share the code: without log-variances scores are cosines.
 
-Writes ``eval_results.jsonl`` (one line per task run), ``aggregates.json`` (DataComp aggregates, plus
-the ones omitted with their missing tasks), ``analyses.json`` and ``plots/*.png`` under ``out_dir``.
+Writes ``eval_results.jsonl`` (one line per task, DataComp's schema: ``training/eval/results.py``),
+``aggregates.json`` (DataComp aggregates, plus the ones omitted with their missing tasks),
+``analyses.json`` and ``plots/*.png`` under ``out_dir``. A results file already in ``out_dir`` (ours or
+DataComp's) is resumed: its tasks are not evaluated again.
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ from pipeline.storage import LOCAL, Storage
 from training.encode import Encoder
 from training.eval import sets as eval_sets
 from training.eval.metrics import (
-    aggregates,
     classification_metrics,
     gaussian_mean,
     retrieval_metrics,
     score_matrix,
 )
+from training.eval.results import aggregates, datacomp_names, read_results, result_line
 from training.eval.sets import EvalSetError, Task
 
 
@@ -217,7 +219,12 @@ def _write_outputs(report: EvalReport, store: Storage, plot_files: list[str]) ->
         json.dumps(r, sort_keys=True, default=storage.json_default) + "\n" for r in report.results
     )
     store.write_bytes(lines.encode(), storage.join(report.out_dir, "eval_results.jsonl"))
-    aggs = {"aggregates": report.aggregates, "missing": report.missing_aggregates, "skipped": report.skipped}
+    aggs = {
+        "aggregates": report.aggregates,
+        "datacomp": datacomp_names(report.aggregates),
+        "missing": report.missing_aggregates,
+        "skipped": report.skipped,
+    }
     store.write_json(aggs, storage.join(report.out_dir, "aggregates.json"))
     store.write_json(report.analyses, storage.join(report.out_dir, "analyses.json"))
     if storage.is_s3(report.out_dir):
@@ -227,6 +234,55 @@ def _write_outputs(report: EvalReport, store: Storage, plot_files: list[str]) ->
             with open(f, "rb") as fh:
                 store.write_bytes(fh.read(), dest)
             report.plots.append(dest)
+
+
+def previous_results(
+    out_dir: str, tasks: list[Task], checkpoint: str, store: Storage
+) -> tuple[dict[str, dict], list[dict]]:
+    """``out_dir``'s existing results file (ours or DataComp's): task name → its line for the tasks of the
+    list that have one, and the lines of other tasks (kept as they are). A line written by us for another
+    checkpoint stops the run, as DataComp's evaluate stops on a training config that does not match its
+    output directory."""
+    from training.eval.results import line_for, matches
+
+    path = storage.join(out_dir, "eval_results.jsonl")
+    if not store.exists(path):
+        return {}, []
+    lines = read_results(store.read_bytes(path).decode("utf-8"), path)
+    other = {ln["checkpoint"] for ln in lines if ln.get("checkpoint") not in (None, checkpoint)}
+    if other:
+        raise EvalSetError(
+            f"{path} holds results of checkpoint {sorted(other)[0]}, not {checkpoint}: use another --out "
+            "or --set resume=false"
+        )
+    found = {t.name: line_for(t, lines) for t in tasks}
+    mine = {name: dict(line) for name, line in found.items() if line is not None}
+    return mine, [dict(ln) for ln in lines if not any(matches(t, ln) for t in tasks)]
+
+
+def _evaluate_tasks(
+    kept: list[Task],
+    shards: list[list[str]],
+    max_samples: int | None,
+    checkpoint: str,
+    store: Storage,
+    pool: dict[str, Any],
+) -> tuple[list[TaskData], dict[str, dict]]:
+    """Encode the tasks in one pipeline and score each; returns their data and result lines by name."""
+    prompts = [
+        [tp.replace("{c}", c) for c in eval_sets.classnames(t, store) for tp in eval_sets.templates(t, store)]
+        if t.kind == "zeroshot_classification"
+        else []
+        for t in kept
+    ]
+    cols = encode_all(kept, shards, prompts, max_samples, checkpoint, store, **pool)
+    data = [task_data(t, i, cols, max_samples, store) for i, t in enumerate(kept)]
+    lines = {}
+    for d in data:
+        metrics = task_metrics(d)
+        metrics["n_undecodable"] = d.n_undecodable
+        lines[d.task.name] = result_line(d.task, metrics, checkpoint)
+    return data, lines
 
 
 def evaluate(
@@ -241,6 +297,7 @@ def evaluate(
     analyses: bool = True,
     max_samples: int | None = None,
     seed: int = 0,
+    resume: bool = True,
     init: Callable[[], None] | None = None,
 ) -> EvalReport:
     """Evaluate ``checkpoint`` on ``tasks`` (a list or a task-list name/file); see the module docstring.
@@ -253,45 +310,28 @@ def evaluate(
 
     encoder = Encoder(checkpoint, store)  # validates the checkpoint; also serves the analyses
     task_list = eval_sets.load_tasks(tasks) if isinstance(tasks, str) else list(tasks)
-    kept, shards, skipped = _validate(task_list, store)
-    if not kept:
+    done, others = previous_results(out_dir, task_list, checkpoint, store) if resume else ({}, [])
+    kept, shards, skipped = _validate([t for t in task_list if t.name not in done], store)
+    if not kept and not done:
         raise EvalSetError("no eval set found: " + ", ".join(t.path for t in task_list))
-    if init is not None:
-        init()
-    pool = dict(num_actors=num_actors, num_gpus=num_gpus, batch_size=batch_size)
-    prompts = [
-        [tp.replace("{c}", c) for c in eval_sets.classnames(t, store) for tp in eval_sets.templates(t, store)]
-        if t.kind == "zeroshot_classification"
-        else []
-        for t in kept
-    ]
-    cols = encode_all(kept, shards, prompts, max_samples, checkpoint, store, **pool)
-    data = [task_data(t, i, cols, max_samples, store) for i, t in enumerate(kept)]
-    results = []
-    for d in data:
-        metrics = task_metrics(d)
-        metrics["n_undecodable"] = d.n_undecodable
-        value = metrics.get(d.task.main_metric)
-        results.append(
-            {
-                "task": d.task.name,
-                "dataset": d.task.display or d.task.name,
-                "kind": d.task.kind,
-                "main_metric": d.task.main_metric,
-                "value": None if value is None or not np.isfinite(value) else float(value),
-                "metrics": metrics,
-                "group": d.task.group,
-                "path": d.task.path,
-            }
-        )
-    aggs, missing = aggregates(results, task_list)
+    found, plot_files, new = {}, [], {}
     plot_dir = storage.join(out_dir, "plots") if not storage.is_s3(out_dir) else tempfile.mkdtemp()
-    found, plot_files = {}, []
-    if analyses:
-        found, plot_files = run_analyses(data, encoder, plot_dir, seed=seed, store=store)
-        for r, d in zip(results, data, strict=True):  # hierarchy ordering belongs to its task's line too
-            if d.task.kind == "hierarchy" and isinstance(found.get("hierarchy_order"), dict):
-                r["metrics"]["ordered_fraction"] = found["hierarchy_order"]["ordered_fraction"]
+    if kept:
+        if init is not None:
+            init()
+        pool = dict(num_actors=num_actors, num_gpus=num_gpus, batch_size=batch_size)
+        data, new = _evaluate_tasks(kept, shards, max_samples, checkpoint, store, pool)
+        if analyses:
+            found, plot_files = run_analyses(data, encoder, plot_dir, seed=seed, store=store)
+            for d in data:  # hierarchy ordering belongs to its task's line too
+                if d.task.kind == "hierarchy" and isinstance(found.get("hierarchy_order"), dict):
+                    order = found["hierarchy_order"]["ordered_fraction"]
+                    new[d.task.name]["metrics"]["ordered_fraction"] = order
+    elif analyses and store.exists(storage.join(out_dir, "analyses.json")):
+        found = store.read_json(storage.join(out_dir, "analyses.json"))
+    both = {**done, **new}
+    results = [both[t.name] for t in task_list if t.name in both] + others
+    aggs, missing = aggregates(results, task_list)
     if not storage.is_s3(out_dir):
         store.makedirs(out_dir)
     report = EvalReport(results, aggs, found, plot_files, out_dir, missing, skipped)

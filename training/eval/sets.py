@@ -56,6 +56,7 @@ class Task:
     group_column: int | None = None  # column of the per-sample .npy metadata for worst-group metrics
     group_metric: str = "acc1"
     group_exclude: tuple[int, ...] = field(default_factory=tuple)
+    key: str = ""  # DataComp's task key (tasklist.yml), e.g. "vtab/caltech101"; "" = name
 
 
 def _resolve_path(path: str, root: str | None) -> str:
