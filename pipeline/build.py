@@ -58,11 +58,13 @@ class BuildResult:
     output: str
     n_input: int
     status_counts: dict[str, int]
-    filter_counts: dict[str, int]
+    filter_counts: dict[str, int]  # uids in each subset .npy (its filters.subset_scope)
     subsets: dict[str, str]
     shards: list[str]
     parts_done_before: int
     timings: dict[str, float] = field(default_factory=dict)
+    # per subset: "metadata" = pool uids that pass (DataComp's count), "downloaded" = those in the shards
+    subset_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 # --- paths --------------------------------------------------------------------------------------------
@@ -254,7 +256,8 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
     log(f"shards: {res.n_written} samples in {len(res.shards)} shards")
 
     t4 = time.perf_counter()
-    filter_counts, subsets = run_filters(pool.ds, cfg, status_table, paths, log, store)
+    subset_sizes, subsets = run_filters(pool.ds, cfg, status_table, paths, log, store)
+    scope = cfg.filters.subset_scope
     timings["filters"] = time.perf_counter() - t4
     if cfg.tokenizer_vocab > 0:
         train_build_tokenizer(pool.ds, status_table, cfg, log, store)
@@ -263,11 +266,12 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
         output=cfg.output,
         n_input=pool.narrow.num_rows,
         status_counts=dict(sorted(counts.items())),
-        filter_counts=filter_counts,
+        filter_counts={name: sizes[scope] for name, sizes in subset_sizes.items()},
         subsets=subsets,
         shards=list(res.shards),
         parts_done_before=len(done),
         timings=timings,
+        subset_sizes=subset_sizes,
     )
 
 
@@ -432,7 +436,9 @@ class _LangTag:
 def run_filters(
     ds, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log, store: Storage = LOCAL
 ) -> tuple[dict, dict]:
-    """Apply each requested filter to the whole pool; a subset keeps filter-passing *successful* uids."""
+    """Apply each requested filter to the whole pool. A subset lists the passing uids of its
+    ``filters.subset_scope``: all of them ("metadata", DataComp's filter outputs) or the downloaded ones.
+    Returns each subset's sizes in both scopes, and its path."""
     import ray.data
 
     meta = _collect(ds, _FILTER_COLUMNS)
@@ -450,27 +456,44 @@ def run_filters(
         lang = np.array(lang_tab.column("lang").to_pylist(), dtype=object)[idx]
     results = apply_filters(meta, cfg.filters, lang=lang, store=store)
 
-    status_of = dict(
-        zip(status_table.column(S.UID).to_pylist(), status_table.column(S.STATUS).to_pylist(), strict=True)
-    )
     uids = meta.column(S.UID).to_pylist()
-    success = np.array([status_of.get(u) == S.STATUS_SUCCESS for u in uids], dtype=bool)
+    success, listable = _subset_eligibility(uids, status_table)
+    eligible = listable if cfg.filters.subset_scope == "metadata" else success
     columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
-    counts, subsets = {}, {}
+    sizes, subsets = {}, {}
     store.makedirs(paths["subsets"])
     for name, res in results.items():
         keep = np.asarray(res.keep, dtype=bool)
         columns[f"keep_{name}"] = pa.array(keep)
         columns[f"reason_{name}"] = pa.array([str(r) for r in res.reason], pa.string())
-        chosen = [u for u, k in zip(uids, keep & success, strict=True) if k]
+        chosen = [u for u, k in zip(uids, keep & eligible, strict=True) if k]
         path = storage.join(paths["subsets"], f"{name}.npy")
         with store.open_output(path) as fh:
             write_subset(chosen, fh)
-        counts[name] = len(chosen)
+        sizes[name] = {"metadata": int((keep & listable).sum()), "downloaded": int((keep & success).sum())}
         subsets[name] = path
-        log(f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass, {len(chosen)} in the subset")
+        log(
+            f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass; {cfg.filters.subset_scope} "
+            f"subset {len(chosen)} uids, {sizes[name]['downloaded']} of them downloaded"
+        )
     store.write_parquet(pa.table(columns), paths["filters"])
-    return counts, subsets
+    return sizes, subsets
+
+
+def _subset_eligibility(uids: list[str], status_table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Per filter row: did its uid download (it is in the shards), and may a metadata-scope subset list it
+    (a valid uid, on its first row: DataComp lists each uid once; an invalid one has no u8,u8 form)."""
+    status_of = dict(
+        zip(status_table.column(S.UID).to_pylist(), status_table.column(S.STATUS).to_pylist(), strict=True)
+    )
+    success = np.array([status_of.get(u) == S.STATUS_SUCCESS for u in uids], dtype=bool)
+    seen: set[str] = set()
+    listable = np.zeros(len(uids), dtype=bool)
+    for i, u in enumerate(uids):
+        if S.is_valid_uid(u) and u not in seen:
+            listable[i] = True
+            seen.add(u)
+    return success & listable, listable
 
 
 def train_build_tokenizer(ds, status_table: pa.Table, cfg: BuildConfig, log, store: Storage = LOCAL) -> str:

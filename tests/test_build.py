@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -81,6 +83,9 @@ def test_shards_hold_exactly_the_successes(built):
     for path in result.shards:
         stats = Path(path.replace(".tar", "_stats.json"))
         assert stats.exists()
+    # open_clip's sizes.json beside them: shard name → its sample count
+    sizes = json.loads((Path(result.shards[0]).parent / "sizes.json").read_text())
+    assert sizes == {Path(p).name: sum(1 for _ in iter_shard(p)) for p in result.shards}
 
 
 def test_subsets_are_datacomp_format_and_subsets_of_successes(built):
@@ -91,15 +96,52 @@ def test_subsets_are_datacomp_format_and_subsets_of_successes(built):
         arr = np.load(path)
         assert arr.dtype == np.dtype("u8,u8"), name
         assert np.array_equal(arr, np.sort(arr)), name
-    assert len(read_subset(result.subsets["no_filter"])) == success
-    assert len(read_subset(result.subsets["basic"])) < success
+    sizes = result.subset_sizes
+    assert sizes["no_filter"]["downloaded"] == success
+    assert sizes["basic"]["downloaded"] < success
+
+
+def test_subset_scope_metadata_is_datacomps_and_downloaded_is_the_shards(built, demo_pool, tmp_path):
+    cfg, result = built
+    assert cfg.filters.subset_scope == "metadata"  # the default: DataComp's filter outputs
+    in_shards = set(_shard_uids(result.shards))
+    pool_uids = pq.read_table(demo_pool.metadata_path, columns=["uid"]).column("uid").to_pylist()
+    listable = {u for u in pool_uids if isinstance(u, str) and re.fullmatch(r"[0-9a-f]{32}", u)}
+
+    def listed(path: str) -> set[str]:
+        uids = S.u8pairs_to_uids(read_subset(path))
+        assert len(uids) == len(set(uids)), path  # each uid once
+        return set(uids)
+
+    # DataComp's no_filter is the whole pool, downloaded or not.
+    assert listed(result.subsets["no_filter"]) == listable
+    for name, path in result.subsets.items():
+        uids, sizes = listed(path), result.subset_sizes[name]
+        assert len(uids) == sizes["metadata"] == result.filter_counts[name], name
+        assert len(uids & in_shards) == sizes["downloaded"], name
+    assert result.subset_sizes["basic"]["metadata"] > result.subset_sizes["basic"]["downloaded"]
+
+    # "downloaded" on a copy of the run (its parts are done, so nothing downloads again): the same
+    # filters, only the uids that are in the shards.
+    shutil.copytree(cfg.output, tmp_path / "run")
+    scoped = merge(cfg, {"output": str(tmp_path / "run"), "tokenizer_vocab": 0})
+    scoped = merge(scoped, {"filters": {"subset_scope": "downloaded"}})
+    again = build(scoped, log=lambda m: None)
+    for name, path in again.subsets.items():
+        assert listed(path) == listed(result.subsets[name]) & in_shards, name
+        assert again.filter_counts[name] == result.subset_sizes[name]["downloaded"], name
+    assert again.subset_sizes == result.subset_sizes
 
 
 def test_reshard_materialises_the_basic_subset(built, tmp_path):
     cfg, result = built
     res = reshard(result.shards, result.subsets["basic"], str(tmp_path / "basic"), samples_per_shard=100)
-    want = sorted(S.u8pairs_to_uids(read_subset(result.subsets["basic"])))
-    assert sorted(_shard_uids(res.shards)) == want
+    listed = S.u8pairs_to_uids(read_subset(result.subsets["basic"]))
+    in_shards = set(_shard_uids(result.shards))
+    assert sorted(_shard_uids(res.shards)) == sorted(u for u in listed if u in in_shards)
+    # uids of the metadata-scope subset that never downloaded are the resharder's "missing"
+    sizes = result.subset_sizes["basic"]
+    assert res.n_missing == sizes["metadata"] - sizes["downloaded"] > 0
 
 
 def test_resume_after_driver_killed(ray_local, demo_pool, built, tmp_path):

@@ -71,14 +71,16 @@ def test_verdict_and_table_are_computed_per_seed():
     assert v["csd_vs_no_filter"]["mean_diff"] == pytest.approx(0.015)
     assert v["csd_vs_no_filter"]["beats"] is False and v["csd_vs_no_filter"]["wins"] == 1
     assert v["csd_vs_random"]["beats"] is True and v["csd_vs_random"]["mean_diff"] == pytest.approx(0.14)
-    subsets = {s: {"size": n} for s, n in (("no_filter", 100), ("csd", 50), ("random", 50))}
+    subsets = {
+        s: {"size": n, "downloaded": n - 10} for s, n in (("no_filter", 100), ("csd", 50), ("random", 50))
+    }
     models = {k: {"samples_seen": 1000} for k in evals}
     rows = comparison_table(cfg, subsets, models, evals)
     csd = next(r for r in rows if r["subset"] == "csd")
     assert csd["average"] == pytest.approx(0.365) and csd["tasks"]["shapes"] == pytest.approx(0.465)
     assert csd["average_sd"] == pytest.approx(0.0212132, abs=1e-6)
     text = markdown_table(rows)
-    assert "| csd | 50 | 1000 | 0.265 | 0.465 | 0.365 ± 0.021 |" in text
+    assert "| csd | 50 | 40 | 1000 | 0.265 | 0.465 | 0.365 ± 0.021 |" in text
 
 
 @pytest.mark.ray
@@ -96,6 +98,10 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert subsets == ["no_filter", "csd", "random"]
     sizes = {r["subset"]: r["size"] for r in results["table"]}
     assert sizes["csd"] == sizes["random"] < sizes["no_filter"]
+    # no_filter lists the whole pool (DataComp's scope); only the downloaded part of it trains.
+    trained = {r["subset"]: r["downloaded"] for r in results["table"]}
+    assert trained["no_filter"] < sizes["no_filter"] and trained["csd"] == sizes["csd"]
+    assert "| no_filter | " + str(sizes["no_filter"]) + " | " + str(trained["no_filter"]) + " |" in report
     for row in results["table"]:
         assert 0.0 <= row["average"] <= 1.0 and row["tasks"]
     assert set(results["verdict"]) == {"csd_vs_no_filter", "csd_vs_random"}
