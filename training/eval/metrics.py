@@ -15,6 +15,8 @@ Pure numpy/torch; the Ray side (``training/eval/run.py``) gathers the embeddings
 - Retrieval: image→text R@k counts an image as hit when any of its captions ranks in its top k; text→image
   when its image does. Names as clip_benchmark: ``text_retrieval_recall@k`` (image→text),
   ``image_retrieval_recall@k`` (text→image), and DataComp's main metric ``mean_recall@1``.
+- Association (WinoGAViL, as DataComp scores it): per game the k best candidate images against the cue,
+  k = its number of associations, scored by Jaccard index against them.
 - Aggregates over a results file: ``training/eval/results.py``.
 """
 
@@ -133,4 +135,35 @@ def retrieval_metrics(
             out[f"text_retrieval_recall@{k}"] + out[f"image_retrieval_recall@{k}"]
         )
     out["n_images"], out["n_texts"] = int(n_img), int(n_txt)
+    return out
+
+
+# ---------------------------------------------------------------- association (WinoGAViL)
+
+
+def association_metrics(scores: Sequence[np.ndarray], truth: Sequence[np.ndarray]) -> dict[str, float]:
+    """WinoGAViL's Jaccard scores, DataComp's names. For each game, ``scores`` (n_candidates,) of its
+    candidate images against the cue and ``truth`` (n_candidates,) bool, its associations. The k best
+    candidates (k = number of associations) are the prediction; the game's score is the Jaccard index
+    |predicted ∩ true| / |predicted ∪ true|. Means over all games, over games of 5, 6, 10 and 12
+    candidates, of 5–6 and of 10–12 (the main metric, ``jaccard_score_10-12``); NaN where no game fits."""
+    jac, size = [], []
+    for s, t in zip(scores, truth, strict=True):
+        t = np.asarray(t, bool)
+        pred = np.zeros(len(t), bool)
+        pred[np.argsort(-np.asarray(s, np.float64), kind="stable")[: int(t.sum())]] = True
+        union = int((pred | t).sum())
+        jac.append((pred & t).sum() / union if union else 0.0)
+        size.append(len(t))
+    jac_a, size_a = np.asarray(jac, np.float64), np.asarray(size)
+
+    def mean(mask: np.ndarray) -> float:
+        return float(jac_a[mask].mean()) if mask.any() else float("nan")
+
+    out = {"avg_jaccard_score": mean(np.ones(len(jac_a), bool))}
+    for n in (5, 6, 10, 12):
+        out[f"jaccard_score_{n}"] = mean(size_a == n)
+    out["jaccard_score_5-6"] = mean(size_a <= 6)
+    out["jaccard_score_10-12"] = mean(size_a >= 10)
+    out["n"] = len(jac_a)
     return out

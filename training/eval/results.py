@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline import storage
+from pipeline.storage import Storage
 from training.eval.sets import EvalSetError, Task
 
 AGGREGATES = {  # our key -> (DataComp's printed name, Task.group; None = every task of the list)
@@ -142,3 +144,25 @@ def aggregates(
 def datacomp_names(aggs: Mapping[str, float]) -> dict[str, float]:
     """Our aggregate keys → the names DataComp's ``aggregate_scores.py`` prints."""
     return {AGGREGATES[k][0]: v for k, v in aggs.items() if k in AGGREGATES}
+
+
+def previous_results(
+    out_dir: str, tasks: list[Task], checkpoint: str, store: Storage
+) -> tuple[dict[str, dict], list[dict]]:
+    """``out_dir``'s existing results file (ours or DataComp's): task name → its line for the tasks of the
+    list that have one, and the lines of other tasks (kept as they are). A line written by us for another
+    checkpoint stops the run, as DataComp's evaluate stops on a training config that does not match its
+    output directory."""
+    path = storage.join(out_dir, "eval_results.jsonl")
+    if not store.exists(path):
+        return {}, []
+    lines = read_results(store.read_bytes(path).decode("utf-8"), path)
+    other = {ln["checkpoint"] for ln in lines if ln.get("checkpoint") not in (None, checkpoint)}
+    if other:
+        raise EvalSetError(
+            f"{path} holds results of checkpoint {sorted(other)[0]}, not {checkpoint}: use another --out "
+            "or --set resume=false"
+        )
+    found = {t.name: line_for(t, lines) for t in tasks}
+    mine = {name: dict(line) for name, line in found.items() if line is not None}
+    return mine, [dict(ln) for ln in lines if not any(matches(t, ln) for t in tasks)]

@@ -29,14 +29,16 @@ import numpy as np
 from pipeline import storage
 from pipeline.storage import LOCAL, Storage
 from training.encode import Encoder
+from training.eval import hf_sets
 from training.eval import sets as eval_sets
 from training.eval.metrics import (
+    association_metrics,
     classification_metrics,
     gaussian_mean,
     retrieval_metrics,
     score_matrix,
 )
-from training.eval.results import aggregates, datacomp_names, read_results, result_line
+from training.eval.results import aggregates, datacomp_names, previous_results, result_line
 from training.eval.sets import EvalSetError, Task
 
 
@@ -81,16 +83,42 @@ def merge_towers(e: dict[str, Any]) -> dict[str, Any]:
 
 def read_item(item: dict[str, Any], kinds: dict, limit: int | None, store: Storage) -> list[dict]:
     """A shard → one image row per sample plus one text row per caption (``sub`` = caption index);
-    a prompt item → one text row per prompt (``shard`` = −1). Rows in ``Encoder``'s columns."""
+    a prompt item → one text row per prompt (``shard`` = −1); an association game → one image row per
+    candidate (``sub`` = −1 − j, ``label`` = 1 for an association, ``group`` = its number of candidates)
+    and one text row, its cue. Rows in ``Encoder``'s columns."""
     base = {"task": item["task"], "shard": item["shard"], "jpg": b"", "txt": "", "label": -1, "group": -1}
     text = {**base, "has_image": False, "has_text": True}
     if not item["path"]:
         return [{**text, "pos": j, "sub": 0, "txt": p} for j, p in enumerate(item["prompts"].split("\n"))]
-    kind, group_column = kinds[int(item["task"])]
+    kind, group_column, hf = kinds[int(item["task"])]
     rows = []
+    if kind == "association":
+        for r in hf_sets.iter_rows(item["path"], kind, store, limit=limit):
+            for j, (jpg, hit) in enumerate(zip(r["images"], r["truth"], strict=True)):
+                image = {
+                    "pos": r["pos"],
+                    "sub": -1 - j,
+                    "jpg": jpg,
+                    "label": int(hit),
+                    "group": len(r["images"]),
+                }
+                rows.append({**base, "has_image": True, "has_text": False, **image})
+            rows.append({**text, "pos": r["pos"], "sub": 0, "txt": r["cue"]})
+        return rows
     # The Storage itself, not its endpoint: this runs in Ray tasks, which need its credentials.
-    for r in eval_sets.iter_rows(item["path"], kind, store, limit=limit, group_column=group_column):
-        image = {"pos": r["pos"], "sub": -1, "jpg": r["image"], "label": r["label"], "group": r["group"]}
+    source = (
+        hf_sets.iter_rows(item["path"], kind, store, limit=limit)
+        if hf
+        else eval_sets.iter_rows(item["path"], kind, store, limit=limit, group_column=group_column)
+    )
+    for r in source:
+        image = {
+            "pos": r["pos"],
+            "sub": -1,
+            "jpg": r["image"],
+            "label": r.get("label", -1),
+            "group": r.get("group", -1),
+        }
         rows.append({**base, "has_image": True, "has_text": False, **image})
         for j, cap in enumerate(eval_sets.split_captions(r["captions"])):
             rows.append({**text, "pos": r["pos"], "sub": j, "txt": cap})
@@ -118,7 +146,7 @@ def encode_all(
     items += [
         {"task": t, "shard": -1, "path": "", "prompts": "\n".join(p)} for t, p in enumerate(prompts) if p
     ]
-    kinds = {i: (t.kind, t.group_column) for i, t in enumerate(tasks)}
+    kinds = {i: (t.kind, t.group_column, bool(t.hf_dataset)) for i, t in enumerate(tasks)}
     reader = functools.partial(read_item, kinds=kinds, limit=max_samples, store=store)
     # fp32 towers (no bf16 autocast): eval numbers stay comparable across devices.
     batches = encode_items(items, reader, checkpoint, store, output=merge_towers, amp=False, **pool)
@@ -131,6 +159,8 @@ def task_data(
     task: Task, i: int, cols: dict[str, np.ndarray], max_samples: int | None, store: Storage = LOCAL
 ) -> TaskData:
     """One task's rows out of the gathered columns: images in set order, their captions, its prompts."""
+    if task.kind == "association":
+        return association_data(task, i, cols)
     logvar = cols.get("logvar")
     mine = cols["task"] == i
     img = np.flatnonzero(mine & (cols["sub"] < 0))[:max_samples]
@@ -172,6 +202,35 @@ def task_data(
     return d
 
 
+def association_data(task: Task, i: int, cols: dict[str, np.ndarray]) -> TaskData:
+    """An association task's games: candidate images (``labels`` 1 = association, ``groups`` = game) and
+    one cue per game (``text_mu``, game order). A game with an undecodable candidate is left out whole."""
+    logvar = cols.get("logvar")
+    mine = cols["task"] == i
+    img, txt = np.flatnonzero(mine & (cols["sub"] < 0)), np.flatnonzero(mine & (cols["sub"] >= 0))
+    game_of = {(int(cols["shard"][k]), int(cols["pos"][k])): g for g, k in enumerate(txt)}
+    game = np.array([game_of[(int(cols["shard"][k]), int(cols["pos"][k]))] for k in img], dtype=np.int64)
+    ok = cols["ok"][img].astype(bool)
+    bad_games = np.unique(game[~ok])
+    keep_img = ~np.isin(game, bad_games)
+    keep_game = ~np.isin(np.arange(len(txt)), bad_games)
+    if not keep_game.any():
+        raise EvalSetError(f"eval set {task.name}: no game with decodable images in {task.path}")
+    renumber = np.cumsum(keep_game) - 1
+    keep, cues = img[keep_img], txt[keep_game]
+    return TaskData(
+        task=task,
+        image_mu=cols["mu"][keep],
+        image_logvar=None if logvar is None else logvar[keep],
+        labels=cols["label"][keep].astype(np.int64),
+        groups=renumber[game[keep_img]],
+        captions=[],
+        n_undecodable=int((~ok).sum()),
+        text_mu=cols["mu"][cues],
+        text_logvar=None if logvar is None else logvar[cues],
+    )
+
+
 def task_metrics(d: TaskData) -> dict[str, float]:
     """Metrics of one task from its gathered embeddings."""
     if d.task.kind == "zeroshot_classification":
@@ -189,6 +248,15 @@ def task_metrics(d: TaskData) -> dict[str, float]:
                 group_exclude=d.task.group_exclude,
             )
         return classification_metrics(scores, d.labels, **extra)
+    if d.task.kind == "association":
+        scores, truth = [], []
+        for g in range(len(d.text_mu)):
+            on = d.groups == g
+            ilv = None if d.image_logvar is None else d.image_logvar[on]
+            tlv = None if d.text_logvar is None else d.text_logvar[g : g + 1]
+            scores.append(score_matrix(d.text_mu[g : g + 1], tlv, d.image_mu[on], ilv)[0])
+            truth.append(d.labels[on] == 1)
+        return association_metrics(scores, truth)
     caption_image = np.repeat(np.arange(len(d.captions)), [len(c) for c in d.captions])
     if d.task.kind == "retrieval":
         return retrieval_metrics(
@@ -206,10 +274,13 @@ def task_metrics(d: TaskData) -> dict[str, float]:
 def _validate(tasks: list[Task], store: Storage) -> tuple[list[Task], list[list[str]], list[str]]:
     kept, shards, skipped = [], [], []
     for t in tasks:
-        if t.optional and not store.exists(storage.join(t.path, "test")):
+        present = (
+            hf_sets.arrow_files(t, store) if t.hf_dataset else store.exists(storage.join(t.path, "test"))
+        )
+        if t.optional and not present:
             skipped.append(t.name)
             continue
-        shards.append(eval_sets.validate_task(t, store))
+        shards.append(hf_sets.validate_task(t, store) if t.hf_dataset else eval_sets.validate_task(t, store))
         kept.append(t)
     return kept, shards, skipped
 
@@ -234,30 +305,6 @@ def _write_outputs(report: EvalReport, store: Storage, plot_files: list[str]) ->
             with open(f, "rb") as fh:
                 store.write_bytes(fh.read(), dest)
             report.plots.append(dest)
-
-
-def previous_results(
-    out_dir: str, tasks: list[Task], checkpoint: str, store: Storage
-) -> tuple[dict[str, dict], list[dict]]:
-    """``out_dir``'s existing results file (ours or DataComp's): task name → its line for the tasks of the
-    list that have one, and the lines of other tasks (kept as they are). A line written by us for another
-    checkpoint stops the run, as DataComp's evaluate stops on a training config that does not match its
-    output directory."""
-    from training.eval.results import line_for, matches
-
-    path = storage.join(out_dir, "eval_results.jsonl")
-    if not store.exists(path):
-        return {}, []
-    lines = read_results(store.read_bytes(path).decode("utf-8"), path)
-    other = {ln["checkpoint"] for ln in lines if ln.get("checkpoint") not in (None, checkpoint)}
-    if other:
-        raise EvalSetError(
-            f"{path} holds results of checkpoint {sorted(other)[0]}, not {checkpoint}: use another --out "
-            "or --set resume=false"
-        )
-    found = {t.name: line_for(t, lines) for t in tasks}
-    mine = {name: dict(line) for name, line in found.items() if line is not None}
-    return mine, [dict(ln) for ln in lines if not any(matches(t, ln) for t in tasks)]
 
 
 def _evaluate_tasks(
