@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -76,10 +77,16 @@ def test_build_trains_a_tokenizer_on_the_captions(built):
     assert tok.vocab_size <= 300
 
 
-def test_shards_hold_exactly_the_successes(built):
+def test_shards_hold_exactly_the_successes(built, demo_pool):
     cfg, result = built
     uids = _shard_uids(result.shards)
     assert len(uids) == len(set(uids)) == result.status_counts["success"]
+    # The json's sha256 is of the bytes as downloaded (img2dataset's), not of the resized JPEG stored.
+    truth = pq.read_table(Path(demo_pool.pool_dir) / "truth.parquet", columns=["uid", "served_sha256"])
+    served = dict(zip(*(truth.column(c).to_pylist() for c in ("uid", "served_sha256")), strict=True))
+    samples = [s for p in result.shards for s in iter_shard(p)]
+    assert all(s["json"]["sha256"] == served[s["json"]["uid"]] for s in samples)
+    assert any(s["json"]["sha256"] != hashlib.sha256(s["jpg"]).hexdigest() for s in samples)
     for path in result.shards:
         stats = Path(path.replace(".tar", "_stats.json"))
         assert stats.exists()
@@ -195,8 +202,12 @@ def test_build_reads_and_writes_s3(ray_local, demo_pool, s3_server):
     assert all(p.startswith("s3://") for p in result.shards)
     uids = _shard_uids_s3(result.shards, store)
     assert len(uids) == len(set(uids)) == result.status_counts["success"]
-    with store.open_input(result.subsets["no_filter"]) as fh:
-        assert len(read_subset(fh)) == result.status_counts["success"]
+    with store.open_input(result.subsets["no_filter"]) as fh:  # DataComp's scope: the whole pool
+        assert len(read_subset(fh)) == result.subset_sizes["no_filter"]["metadata"] > len(uids)
+    assert result.subset_sizes["no_filter"]["downloaded"] == result.status_counts["success"]
+    assert store.read_json(storage.join(out, "shards", "sizes.json")) == dict(Counter(
+        p.rsplit("/", 1)[-1] for p in result.shards for _ in iter_shard(p, store)
+    ))  # fmt: skip
     status = store.read_parquet(storage.join(out, "metadata", "status.parquet"))
     assert status.num_rows == truth.num_rows
 
