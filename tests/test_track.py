@@ -105,7 +105,7 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     for row in results["table"]:
         assert 0.0 <= row["average"] <= 1.0 and row["tasks"]
     assert set(results["verdict"]) == {"csd_vs_no_filter", "csd_vs_random"}
-    assert "| subset | size | samples seen |" in report and "CSD filter vs controls" in report
+    assert "| subset | size | downloaded | samples seen |" in report and "CSD filter vs controls" in report
     assert results["machine"]["cores"] >= 1 and results["machine"]["matmul_gflops"] > 0
     assert "Machine: " in report
     assert printed.rstrip().splitlines()[-1].startswith("| random |")  # the table ends the output

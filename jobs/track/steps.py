@@ -110,6 +110,7 @@ def make_subsets(
     # Named by rule so they never overwrite the build's own subsets (its ``random`` is another draw).
     files = {s.label: storage.join(p["subsets"], f"{s.name}.npy") for s in specs}
     written = write_subsets(store, scores, results, files)
+    sizes.update(written)  # a control may be sized like a score subset (of=csd)
     out: dict[str, Any] = {}
     for name in from_build:
         out[name] = {"path": build_subsets[name], "size": listed[name], "downloaded": sizes[name]}
@@ -178,6 +179,7 @@ def evaluate_models(cfg: TrackConfig, models: dict[str, Any], log: Log) -> dict[
             analyses=name == "scorer",
             max_samples=cfg.eval_max_samples or None,
             seed=info.get("seed", 0),
+            resume=False,  # the track resumes by its own state; a retrained model reuses its path
         )
         out[name] = {
             "results": rep.results,

@@ -83,7 +83,9 @@ def _retrieval_analyses(ret: Any, encoder: Encoder, seed: int, store: Storage) -
     arrays["H_image ⊂ caption"] = uncertainty.hypothesis(*pairs)
     n = min(MASKED_SAMPLES, len(ret.captions))
     if ret.task.hf_dataset:  # a set in the datasets cache (DataComp's Flickr / MSCOCO)
-        rows = list(hf_sets.iter_rows(hf_sets.validate_task(ret.task, store)[0], ret.task.kind, store, limit=n))
+        rows = list(
+            hf_sets.iter_rows(hf_sets.validate_task(ret.task, store)[0], ret.task.kind, store, limit=n)
+        )
     else:
         first_shard = eval_sets.shard_paths(ret.task, store)[0]
         rows = list(eval_sets.iter_rows(first_shard, ret.task.kind, store, limit=n))
