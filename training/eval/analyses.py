@@ -19,9 +19,8 @@ import torch
 from pipeline.masking import choose_kept_patches, mask_text_tokens
 from pipeline.storage import LOCAL, Storage
 from training.encode import Encoder
-from training.eval import hf_sets
+from training.eval import hf_sets, uncertainty
 from training.eval import sets as eval_sets
-from training.eval import uncertainty
 
 MASKED_SAMPLES = 128
 ANALYSES = ("sigma2_modality", "sigma2_length", "hierarchy_order", "inclusion", "bprw", "traversal")
