@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             "input_rows": result.n_input,
             "status": result.status_counts,
             "subsets": result.filter_counts,
+            "subset_sizes": result.subset_sizes,
         },
         timings=result.timings,
         store=store,
@@ -56,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(k, v, f"{100 * v / max(total, 1):.1f}%") for k, v in result.status_counts.items()]
     rows.append(("total", total, "100.0%"))
     print_table(f"status of {total} input rows → {run_cfg.output}", rows, ("status", "rows", "share"))
-    print_table("subsets", sorted(result.filter_counts.items()), ("filter", "uids"))
+    scope = run_cfg.filters.subset_scope
+    subset_rows = [(k, v["metadata"], v["downloaded"]) for k, v in sorted(result.subset_sizes.items())]
+    print_table(
+        f"subsets (the .npy lists the {scope} scope; training sees the downloaded ones)",
+        subset_rows,
+        ("filter", "passing uids (DataComp)", "downloaded"),
+    )
     return 0
 
 

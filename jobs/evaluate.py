@@ -5,8 +5,10 @@ Options: ``--num-actors N --num-gpus G --batch-size B --max-samples K --no-analy
 
 Zero-shot classification, retrieval and the uncertainty analyses of a ProLIP (or deterministic CLIP)
 checkpoint on a task list in clip_benchmark layout (``training/eval/run.py``). Prints one row per task and
-the DataComp aggregates; writes ``eval_results.jsonl``, ``aggregates.json``, ``analyses.json``,
-``plots/`` and ``manifest.json`` into ``--out``. A bad checkpoint or eval set exits 2 naming the file.
+the DataComp aggregates; writes ``eval_results.jsonl`` (DataComp's schema: its ``aggregate_scores.py``
+reads it), ``aggregates.json``, ``analyses.json``, ``plots/`` and ``manifest.json`` into ``--out``. Tasks
+already in ``--out``'s ``eval_results.jsonl`` (ours or DataComp's) are kept, not run again
+(``--set resume=false`` runs all). A bad checkpoint or eval set exits 2 naming the file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pipeline.config import ConfigError, merge, to_dict
 from pipeline.manifest import write_manifest
 from pipeline.storage import Storage
 from training.config import EVAL_PRESETS
+from training.eval.results import AGGREGATES, datacomp_names, main_value
 from training.eval.run import evaluate
 from training.eval.sets import EvalSetError, load_tasks
 from training.model import CheckpointError
@@ -75,19 +78,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg.out,
         job="evaluate",
         config=to_dict(cfg),
-        counts={r["task"]: r["metrics"].get("n", r["metrics"].get("n_images")) for r in report.results},
+        counts={r["key"]: r["metrics"].get("n", r["metrics"].get("n_images")) for r in report.results},
         timings={"evaluate": wall},
         store=store,
         extra={
             "aggregates": report.aggregates,
+            "datacomp_aggregates": datacomp_names(report.aggregates),
             "missing_aggregates": report.missing_aggregates,
             "skipped": report.skipped,
         },
     )
-    rows = [(r["task"], r["main_metric"], _fmt(r["value"])) for r in report.results]
+    rows = [
+        (r.get("task", r["key"]), r.get("main_metric_name", "-"), _fmt(main_value(r))) for r in report.results
+    ]
     print_table(f"evaluation of {cfg.checkpoint}", rows, ("task", "main metric", "value"))
-    agg_rows = [(k, _fmt(v)) for k, v in report.aggregates.items()]
-    agg_rows += [(k, "missing: " + ", ".join(v)) for k, v in report.missing_aggregates.items()]
+    agg_rows = [(k, _fmt(v)) for k, v in datacomp_names(report.aggregates).items()]
+    agg_rows += [(AGGREGATES[k][0], "missing: " + ", ".join(v)) for k, v in report.missing_aggregates.items()]
     print_table("aggregates", agg_rows, ("aggregate", "value"))
     if report.skipped:
         print(f"skipped (no eval set under the root): {', '.join(report.skipped)}")

@@ -56,12 +56,14 @@ class BuildResult:
     output: str
     n_input: int
     status_counts: dict[str, int]
-    filter_counts: dict[str, int]
+    filter_counts: dict[str, int]  # uids in each subset .npy (its filters.subset_scope)
     subsets: dict[str, str]
     shards: list[str]
     parts_done_before: int
     timings: dict[str, float] = field(default_factory=dict)
     n_retried: int = 0
+    # per subset: "metadata" = pool uids that pass (DataComp's count), "downloaded" = those in the shards
+    subset_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def run_paths(output: str) -> dict[str, str]:
@@ -163,7 +165,8 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
     log(f"shards: {res.n_written} samples in {len(res.shards)} shards")
 
     t4 = time.perf_counter()
-    filter_counts, subsets = run_filters(pool, cfg, status_table, paths, log, store)
+    subset_sizes, subsets = run_filters(pool, cfg, status_table, paths, log, store)
+    scope = cfg.filters.subset_scope
     timings["filters"] = time.perf_counter() - t4
     if cfg.tokenizer_vocab > 0:
         train_build_tokenizer(pool, status_table, cfg, log, store)
@@ -172,12 +175,13 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
         output=cfg.output,
         n_input=pool.narrow.num_rows,
         status_counts=dict(sorted(counts.items())),
-        filter_counts=filter_counts,
+        filter_counts={name: sizes[scope] for name, sizes in subset_sizes.items()},
         subsets=subsets,
         shards=list(res.shards),
         parts_done_before=done,
         timings=timings,
         n_retried=n_retried,
+        subset_sizes=subset_sizes,
     )
 
 
@@ -390,8 +394,9 @@ def _eligible(pool: _Pool, status_table: pa.Table, rows: list[tuple[str, str]]) 
 def run_filters(
     pool: _Pool, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log, store: Storage = LOCAL
 ) -> tuple[dict, dict]:
-    """Apply each requested filter to the whole pool; a subset keeps the filter-passing *successful* uids,
-    each once (a repeated uid counts with its canonical row only)."""
+    """Apply each requested filter to the whole pool. A subset lists the passing uids of its
+    ``filters.subset_scope``, each once: all of them ("metadata", DataComp's filter outputs) or the downloaded
+    ones; a repeated uid counts with one row only. Returns each subset's sizes in both scopes, and its path."""
     import ray.data
 
     specs = parse_filter_specs(list(cfg.filters.names), "filters.names")
@@ -409,9 +414,11 @@ def run_filters(
         label = dict(zip(_row_ids(lang_tab), lang_tab.column("lang").to_pylist(), strict=True))
         lang = np.array([label[r] for r in rows], dtype=object)
     results = apply_filters(meta, cfg.filters, lang=lang, store=store) if rows else {}
-    eligible = _eligible(pool, status_table, rows)
+    success = _eligible(pool, status_table, rows)
+    listable = _listable(pool, rows)
+    eligible = listable if cfg.filters.subset_scope == "metadata" else success
     columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
-    counts, subsets = {}, {}
+    sizes, subsets = {}, {}
     store.makedirs(paths["subsets"])
     for spec in specs:
         name = spec.label
@@ -421,15 +428,19 @@ def run_filters(
         columns[f"reason_{name}"] = pa.array(
             [str(r) for r in (res.reason if res is not None else [])], pa.string()
         )
-        chosen = np.unique(
-            np.array([r[0] for r, k in zip(rows, keep & eligible, strict=True) if k], dtype=object)
-        )
+        chosen = _uids_where(rows, keep & eligible)
         path = storage.join(paths["subsets"], f"{name}.npy")
         with store.open_output(path) as fh:
             write_subset(chosen.tolist(), fh)
-        counts[name] = len(chosen)
+        sizes[name] = {
+            "metadata": len(_uids_where(rows, keep & listable)),
+            "downloaded": len(_uids_where(rows, keep & success)),
+        }
         subsets[name] = path
-        log(f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass, {len(chosen)} in the subset")
+        log(
+            f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass; {cfg.filters.subset_scope} "
+            f"subset {len(chosen)} uids, {sizes[name]['downloaded']} of them downloaded"
+        )
     # A subset an earlier build run wrote for a filter no longer asked for is not derived from this run's
     # statuses: remove it. Only the build's own (listed in work/): other jobs write subsets here too.
     listed = storage.join(paths["work"], "subsets.json")
@@ -437,7 +448,23 @@ def run_filters(
     store.remove_files([p for p in before if p not in subsets.values()])
     store.write_json(sorted(subsets.values()), listed)
     store.write_parquet(pa.table(columns), paths["filters"])
-    return counts, subsets
+    return sizes, subsets
+
+
+def _uids_where(rows: list[tuple[str, str]], mask: np.ndarray) -> np.ndarray:
+    return np.unique(np.array([r[0] for r, k in zip(rows, mask, strict=True) if k], dtype=object))
+
+
+def _listable(pool: _Pool, rows: list[tuple[str, str]]) -> np.ndarray:
+    """Rows a metadata-scope subset may list: one row per valid uid (DataComp lists each uid once; an invalid
+    uid has no u8,u8 form) — the row that went on to download when there is one, else the uid's first row."""
+    live = {r for r, keep in zip(_row_ids(pool.narrow), pool.live(), strict=True) if keep}
+    pick: dict[str, tuple[str, str]] = {}
+    for r in rows:
+        if S.is_valid_uid(r[0]) and (r[0] not in pick or (r in live and pick[r[0]] not in live)):
+            pick[r[0]] = r
+    chosen = set(pick.values())
+    return np.array([r in chosen for r in rows], dtype=bool)
 
 
 def _empty(ds, columns: list[str]) -> pa.Table:

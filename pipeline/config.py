@@ -282,6 +282,9 @@ class DedupeConfig:
         require(0 <= self.phash_threshold <= 64, "phash_threshold", "must be in 0..64", self.phash_threshold)
 
 
+SUBSET_SCOPES = ("metadata", "downloaded")
+
+
 @dataclass(frozen=True)
 class FilterConfig:
     """Which DataComp baseline filters write a subset, and their parameters."""
@@ -301,9 +304,14 @@ class FilterConfig:
     image_embeddings_file: str = ""
     image_centroids_file: str = ""
     image_centroid_ids_file: str = ""
+    # Which uids a build subset lists: "metadata" = every pool uid that passes the filter, downloaded or
+    # not (DataComp's filter outputs); "downloaded" = only those that downloaded. Training reads the
+    # shards, so it sees the downloaded ones either way.
+    subset_scope: str = "metadata"
 
     def __post_init__(self) -> None:
         check_types(self)
+        one_of(self, "subset_scope", SUBSET_SCOPES)
         fraction(self, "random_fraction", open_low=True)
         fraction(self, "clip_fraction")  # 0 = select by clip_threshold instead
         # DataComp's get_threshold indexes past the end at 1: it has no top-100% threshold.

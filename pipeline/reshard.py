@@ -15,6 +15,8 @@ and image/caption bytes are copied as they are (no re-encode). Here:
   the shards' total equals that sum. Subset uids absent from the inputs are *missing* — reported (count,
   per-uid arrays, the first ones in ``reshard.json``), not an error. A uid met again in a later input is
   written once only (``n_input_duplicates``).
+- **Outputs** beside the shards: one img2dataset ``_stats.json`` per shard, open_clip's ``sizes.json``
+  (``pipeline/shards.py``) and the run summary ``reshard.json``.
 - **Memory** is bounded by the subset, not the pool: 16 B per subset row while loading, then ~56 B per
   distinct uid (the sorted uids, multiplicity, copies written, first output index), plus one sample in
   flight — or, with ``workers > 1``, the *selected* samples of up to ``workers`` input tars being fetched
@@ -38,19 +40,21 @@ import numpy as np
 from pipeline import schema as S
 from pipeline import storage
 from pipeline.shards import (
+    SIZES_NAME,
     ShardError,
     ShardWriter,
     iter_shard,
     shard_name,
     shard_stats,
     stats_name,
+    write_sizes,
     write_stats,
 )
 from pipeline.storage import LOCAL, Storage
 from pipeline.subset import read_subset
 
 SUMMARY_NAME = "reshard.json"
-_OUTPUT_FILE = re.compile(r"^(\d{8}\.tar|\d{8}_stats\.json|reshard\.json)$")
+_OUTPUT_FILE = re.compile(rf"^(\d{{8}}\.tar|\d{{8}}_stats\.json|reshard\.json|{re.escape(SIZES_NAME)})$")
 _MISSING_IN_SUMMARY = 100
 
 
@@ -223,6 +227,7 @@ class _RollingWriter:
         self.out, self.per_shard, self.store = out, samples_per_shard, store
         self.total = 0
         self.shards: list[str] = []
+        self.counts: list[int] = []
         self._writer: ShardWriter | None = None
         self._started = 0.0
 
@@ -243,13 +248,16 @@ class _RollingWriter:
         self._writer.close()
         i = len(self.shards)
         self.shards.append(self._writer.path)
+        self.counts.append(self._writer.count)
         stats = shard_stats({S.STATUS_SUCCESS: self._writer.count}, self._started)
         write_stats(storage.join(self.out, stats_name(i)), stats, self.store)
         self._writer = None
 
     def close(self) -> None:
+        """Finish the open shard and write ``sizes.json`` for the whole set."""
         if self._writer is not None:
             self._finish()
+        write_sizes(self.out, dict(zip(self.shards, self.counts, strict=True)), self.store)
 
     def abort(self) -> None:
         if self._writer is not None:

@@ -4,7 +4,10 @@ Layout (img2dataset's, which DataComp's resharder and open_clip read): ``{shard:
 ``{key}.jpg``, ``{key}.txt``, ``{key}.json`` per sample — the members of one sample contiguous, always in
 that order (other extensions after them, sorted) — and ``{shard:08d}_stats.json`` beside it with
 img2dataset's fields (``count``, ``successes``, ``failed_to_download``, ``failed_to_resize``, times,
-``status_dict``). Download *parts* use the same tar layout with key = uid (``part-{i:06d}.tar``).
+``status_dict``). A finished shard set also gets ``sizes.json`` (open_clip's convention: shard file name →
+sample count, ``{"00000000.tar": 10000, ...}``), from which open_clip_train's ``get_dataset_size`` reads
+the number of samples, so it needs no ``--train-num-samples``. Download *parts* use the same tar layout
+with key = uid (``part-{i:06d}.tar``).
 
 The tar bytes are produced here rather than by ``tarfile``'s stream writer so every header is fixed
 (mtime 0, uid/gid 0, mode 0644, no user names): the same samples always give byte-identical shards.
@@ -358,3 +361,13 @@ def shard_stats(status_counts: Mapping[str, int], start_time: float, end_time: f
 
 def write_stats(path: str, stats: Mapping[str, Any], store: Storage = LOCAL) -> None:
     store.write_json(dict(stats), path)
+
+
+SIZES_NAME = "sizes.json"
+
+
+def write_sizes(directory: str, counts: Mapping[str, int], store: Storage = LOCAL) -> str:
+    """``directory/sizes.json``: each shard's base name → its sample count (open_clip's convention)."""
+    path = storage.join(directory, SIZES_NAME)
+    store.write_json({str(k).rsplit("/", 1)[-1]: int(v) for k, v in counts.items()}, path)
+    return path

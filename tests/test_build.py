@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,13 +77,22 @@ def test_build_trains_a_tokenizer_on_the_captions(built):
     assert tok.vocab_size <= 300
 
 
-def test_shards_hold_exactly_the_successes(built):
+def test_shards_hold_exactly_the_successes(built, demo_pool):
     cfg, result = built
     uids = _shard_uids(result.shards)
     assert len(uids) == len(set(uids)) == result.status_counts["success"]
+    # The json's sha256 is of the bytes as downloaded (img2dataset's), not of the resized JPEG stored.
+    truth = pq.read_table(Path(demo_pool.pool_dir) / "truth.parquet", columns=["uid", "served_sha256"])
+    served = dict(zip(*(truth.column(c).to_pylist() for c in ("uid", "served_sha256")), strict=True))
+    samples = [s for p in result.shards for s in iter_shard(p)]
+    assert all(s["json"]["sha256"] == served[s["json"]["uid"]] for s in samples)
+    assert any(s["json"]["sha256"] != hashlib.sha256(s["jpg"]).hexdigest() for s in samples)
     for path in result.shards:
         stats = Path(path.replace(".tar", "_stats.json"))
         assert stats.exists()
+    # open_clip's sizes.json beside them: shard name → its sample count
+    sizes = json.loads((Path(result.shards[0]).parent / "sizes.json").read_text())
+    assert sizes == {Path(p).name: sum(1 for _ in iter_shard(p)) for p in result.shards}
 
 
 def test_subsets_are_datacomp_format_and_subsets_of_successes(built):
@@ -91,15 +103,52 @@ def test_subsets_are_datacomp_format_and_subsets_of_successes(built):
         arr = np.load(path)
         assert arr.dtype == np.dtype("u8,u8"), name
         assert np.array_equal(arr, np.sort(arr)), name
-    assert len(read_subset(result.subsets["no_filter"])) == success
-    assert len(read_subset(result.subsets["basic"])) < success
+    sizes = result.subset_sizes
+    assert sizes["no_filter"]["downloaded"] == success
+    assert sizes["basic"]["downloaded"] < success
+
+
+def test_subset_scope_metadata_is_datacomps_and_downloaded_is_the_shards(built, demo_pool, tmp_path):
+    cfg, result = built
+    assert cfg.filters.subset_scope == "metadata"  # the default: DataComp's filter outputs
+    in_shards = set(_shard_uids(result.shards))
+    pool_uids = pq.read_table(demo_pool.metadata_path, columns=["uid"]).column("uid").to_pylist()
+    listable = {u for u in pool_uids if isinstance(u, str) and re.fullmatch(r"[0-9a-f]{32}", u)}
+
+    def listed(path: str) -> set[str]:
+        uids = S.u8pairs_to_uids(read_subset(path))
+        assert len(uids) == len(set(uids)), path  # each uid once
+        return set(uids)
+
+    # DataComp's no_filter is the whole pool, downloaded or not.
+    assert listed(result.subsets["no_filter"]) == listable
+    for name, path in result.subsets.items():
+        uids, sizes = listed(path), result.subset_sizes[name]
+        assert len(uids) == sizes["metadata"] == result.filter_counts[name], name
+        assert len(uids & in_shards) == sizes["downloaded"], name
+    assert result.subset_sizes["basic"]["metadata"] > result.subset_sizes["basic"]["downloaded"]
+
+    # "downloaded" on a copy of the run (its parts are done, so nothing downloads again): the same
+    # filters, only the uids that are in the shards.
+    shutil.copytree(cfg.output, tmp_path / "run")
+    scoped = merge(cfg, {"output": str(tmp_path / "run"), "tokenizer_vocab": 0})
+    scoped = merge(scoped, {"filters": {"subset_scope": "downloaded"}})
+    again = build(scoped, log=lambda m: None)
+    for name, path in again.subsets.items():
+        assert listed(path) == listed(result.subsets[name]) & in_shards, name
+        assert again.filter_counts[name] == result.subset_sizes[name]["downloaded"], name
+    assert again.subset_sizes == result.subset_sizes
 
 
 def test_reshard_materialises_the_basic_subset(built, tmp_path):
     cfg, result = built
     res = reshard(result.shards, result.subsets["basic"], str(tmp_path / "basic"), samples_per_shard=100)
-    want = sorted(S.u8pairs_to_uids(read_subset(result.subsets["basic"])))
-    assert sorted(_shard_uids(res.shards)) == want
+    listed = S.u8pairs_to_uids(read_subset(result.subsets["basic"]))
+    in_shards = set(_shard_uids(result.shards))
+    assert sorted(_shard_uids(res.shards)) == sorted(u for u in listed if u in in_shards)
+    # uids of the metadata-scope subset that never downloaded are the resharder's "missing"
+    sizes = result.subset_sizes["basic"]
+    assert res.n_missing == sizes["metadata"] - sizes["downloaded"] > 0
 
 
 def test_resume_after_driver_killed(ray_local, demo_pool, built, tmp_path):
@@ -153,8 +202,12 @@ def test_build_reads_and_writes_s3(ray_local, demo_pool, s3_server):
     assert all(p.startswith("s3://") for p in result.shards)
     uids = _shard_uids_s3(result.shards, store)
     assert len(uids) == len(set(uids)) == result.status_counts["success"]
-    with store.open_input(result.subsets["no_filter"]) as fh:
-        assert len(read_subset(fh)) == result.status_counts["success"]
+    with store.open_input(result.subsets["no_filter"]) as fh:  # DataComp's scope: the whole pool
+        assert len(read_subset(fh)) == result.subset_sizes["no_filter"]["metadata"] > len(uids)
+    assert result.subset_sizes["no_filter"]["downloaded"] == result.status_counts["success"]
+    assert store.read_json(storage.join(out, "shards", "sizes.json")) == dict(Counter(
+        p.rsplit("/", 1)[-1] for p in result.shards for _ in iter_shard(p, store)
+    ))  # fmt: skip
     status = store.read_parquet(storage.join(out, "metadata", "status.parquet"))
     assert status.num_rows == truth.num_rows
 

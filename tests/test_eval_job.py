@@ -61,10 +61,12 @@ def test_demo_eval_end_to_end(ray_local, demo_pool, tiny_checkpoint, clip_checkp
     )
     lines = [json.loads(x) for x in (out / "eval_results.jsonl").read_text().splitlines()]
     assert [r["task"] for r in lines] == ["colours", "shapes", "retrieval", "hierarchy"]
-    assert all(0.0 <= r["value"] <= 1.0 for r in lines)
+    assert [r["key"] for r in lines] == [r["dataset"] for r in lines] == [r["task"] for r in lines]
+    assert all(0.0 <= r["metrics"]["main_metric"] <= 1.0 for r in lines)  # DataComp's schema
+    assert lines[2]["metrics"]["main_metric"] == lines[2]["metrics"]["mean_recall@1"]
     assert lines[0]["metrics"]["n"] == 32  # 8 colours × 4 per class in the fixture's eval sizes
     aggs = json.loads((out / "aggregates.json").read_text())["aggregates"]
-    assert aggs["average"] == pytest.approx(sum(r["value"] for r in lines) / 4)
+    assert aggs["average"] == pytest.approx(sum(r["metrics"]["main_metric"] for r in lines) / 4)
     analyses = json.loads((out / "analyses.json").read_text())
     assert 0.0 <= analyses["hierarchy_order"]["ordered_fraction"] <= 1.0
     assert {"image_in_caption", "original_in_masked_text", "original_in_masked_image"} <= set(
@@ -82,7 +84,17 @@ def test_demo_eval_end_to_end(ray_local, demo_pool, tiny_checkpoint, clip_checkp
         ]
     )
     assert json.loads((out / "manifest.json").read_text())["jobs"]["evaluate"]["config"]["tasks"] == "demo"
-    assert "average" in capsys.readouterr().out
+    assert "Average" in capsys.readouterr().out
+
+    # Resume: a second run into the same --out keeps every line and evaluates nothing (its eval root is
+    # empty, so any task left to encode would fail).
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    argv = ["--checkpoint", tiny_checkpoint, "--tasks", "demo", "--eval-root", str(empty), "--out", str(out)]
+    assert main(argv) == 0
+    assert [json.loads(x) for x in (out / "eval_results.jsonl").read_text().splitlines()] == lines
+    assert json.loads((out / "aggregates.json").read_text())["aggregates"] == aggs
+    assert json.loads((out / "analyses.json").read_text()) == analyses
 
     # Deterministic checkpoint on one retrieval task: cosine scores, σ² analyses not applicable.
     tasks = tmp_path / "one.yaml"

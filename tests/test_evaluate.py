@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from training.eval.metrics import (
-    aggregates,
     classification_metrics,
     gaussian_mean,
     retrieval_metrics,
     score_matrix,
 )
+from training.eval.results import aggregates
 from training.eval.run import TaskData, task_metrics
 from training.eval.sets import EvalSetError, Task, load_tasks, validate_task
 
@@ -127,15 +127,15 @@ def test_aggregates_and_missing_tasks():
         Task("objectnet", "p", "zeroshot_classification", "acc1", "imagenet_dist_shift"),
         Task("cifar10", "p", "zeroshot_classification", "acc1", ""),
     ]
-    results = [
-        {"task": "imagenet1k", "value": 0.4},
-        {"task": "imagenetv2", "value": 0.3},
-        {"task": "cifar10", "value": 0.8},
-    ]
+
+    def line(key: str, v: float) -> dict:
+        return {"key": key, "dataset": key, "metrics": {"acc1": v, "main_metric": v}}
+
+    results = [line("imagenet1k", 0.4), line("imagenetv2", 0.3), line("cifar10", 0.8)]
     aggs, missing = aggregates(results, tasks)
     assert aggs == {"imagenet": 0.4}
     assert missing == {"imagenet_dist_shift": ["objectnet"], "average": ["objectnet"]}
-    results.append({"task": "objectnet", "value": 0.1})
+    results.append(line("objectnet", 0.1))
     aggs, missing = aggregates(results, tasks)
     assert aggs == pytest.approx({"imagenet": 0.4, "imagenet_dist_shift": 0.2, "average": 0.4})
     assert missing == {}

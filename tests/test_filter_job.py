@@ -56,6 +56,11 @@ def test_filter_job_scores_filters_and_reshards(ray_local, pool, tiny_checkpoint
             for s in iter_shard(p)
         ]  # fmt: skip
         assert sorted(resharded) == kept
+        shard_dir = os.path.join(out, "subsets", label, "shards")
+        sizes = json.load(open(os.path.join(shard_dir, "sizes.json")))
+        assert sizes == {
+            os.path.basename(p): sum(1 for _ in iter_shard(p)) for p in LOCAL.list_files(shard_dir, ".tar")
+        }
     csd = dict(zip(scores.column("uid").to_pylist(), scores.column("csd").to_pylist(), strict=True))
     best = subset_uids(os.path.join(out, "subsets", "csd_best.npy"))
     assert max(csd[u] for u in best) <= min(csd[u] for u in set(uids) - set(best))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import tarfile
 
 import numpy as np
 import pytest
@@ -47,6 +48,16 @@ def make_pool(
 
 def read_out(paths: list[str], store: Storage = LOCAL) -> list[dict]:
     return [s for p in paths for s in iter_shard(p, store)]
+
+
+def tar_sample_counts(directory: str) -> dict[str, int]:
+    """Samples per ``.tar`` counted with the standard library's tarfile (distinct member stems)."""
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".tar"):
+            with tarfile.open(os.path.join(directory, name)) as tar:
+                out[name] = len({m.name.split(".", 1)[0] for m in tar.getmembers()})
+    return out
 
 
 def test_semi_join_exact_subset_bytes_and_upsampling(tmp_path):
@@ -92,6 +103,9 @@ def test_shards_split_stats_and_summary(tmp_path):
         and summary["key_format"] == "{shard:08d}{index:01d}"
     )
     assert summary["shards"] == ["00000000.tar", "00000001.tar", "00000002.tar"]
+    # open_clip's sizes.json: what open_clip_train's get_dataset_size sums instead of --train-num-samples
+    sizes = LOCAL.read_json(storage.join(out, "sizes.json"))
+    assert sizes == tar_sample_counts(out) == {"00000000.tar": 5, "00000001.tar": 5, "00000002.tar": 2}
 
 
 def test_subset_file_uid_from_key_and_input_duplicates(tmp_path):
@@ -137,7 +151,9 @@ def test_refuses_to_overwrite_or_write_into_inputs(tmp_path):
         "00000000.tar",
         "00000000_stats.json",
         "reshard.json",
+        "sizes.json",
     ]  # stale shard 1 gone
+    assert LOCAL.read_json(os.path.join(out, "sizes.json")) == tar_sample_counts(out) == {"00000000.tar": 3}
     assert res.n_written == 3
     with pytest.raises(ValueError, match="holds input"):
         reshard(paths, subset, str(tmp_path / "in"), overwrite=True)
@@ -174,6 +190,7 @@ def test_reshard_s3_to_s3_and_local_to_s3(s3_server, tmp_path):
     assert all(s["jpg"] == truth[s["json"]["uid"]]["jpg"] for s in got)
     assert store.read_json(f"{out}/reshard.json")["n_written"] == 3
     assert store.exists(f"{out}/00000001_stats.json")
+    assert store.read_json(f"{out}/sizes.json") == {"00000000.tar": 2, "00000001.tar": 1}
     # and back to local disk
     back = reshard(res.shards, sub_path, str(tmp_path / "local"), samples_per_shard=10, store=store)
     assert [s["jpg"] for s in read_out(back.shards)] == [s["jpg"] for s in got]

@@ -44,7 +44,20 @@ def _evals(averages: dict[str, list[float]]) -> dict:
     for subset, values in averages.items():
         for seed, v in enumerate(values):
             out[f"{subset}-seed{seed}"] = {
-                "results": [{"task": "shapes", "value": v + 0.1}, {"task": "colours", "value": v - 0.1}],
+                "results": [  # result lines in DataComp's schema, as training/eval/results.py writes them
+                    {
+                        "key": "shapes",
+                        "dataset": "shapes",
+                        "task": "shapes",
+                        "metrics": {"main_metric": v + 0.1},
+                    },
+                    {
+                        "key": "colours",
+                        "dataset": "colours",
+                        "task": "colours",
+                        "metrics": {"main_metric": v - 0.1},
+                    },
+                ],
                 "aggregates": {"average": v},
             }
     return out
@@ -58,14 +71,16 @@ def test_verdict_and_table_are_computed_per_seed():
     assert v["csd_vs_no_filter"]["mean_diff"] == pytest.approx(0.015)
     assert v["csd_vs_no_filter"]["beats"] is False and v["csd_vs_no_filter"]["wins"] == 1
     assert v["csd_vs_random"]["beats"] is True and v["csd_vs_random"]["mean_diff"] == pytest.approx(0.14)
-    subsets = {s: {"size": n} for s, n in (("no_filter", 100), ("csd", 50), ("random", 50))}
+    subsets = {
+        s: {"size": n, "downloaded": n - 10} for s, n in (("no_filter", 100), ("csd", 50), ("random", 50))
+    }
     models = {k: {"samples_seen": 1000} for k in evals}
     rows = comparison_table(cfg, subsets, models, evals)
     csd = next(r for r in rows if r["subset"] == "csd")
     assert csd["average"] == pytest.approx(0.365) and csd["tasks"]["shapes"] == pytest.approx(0.465)
     assert csd["average_sd"] == pytest.approx(0.0212132, abs=1e-6)
     text = markdown_table(rows)
-    assert "| csd | 50 | 1000 | 0.265 | 0.465 | 0.365 ± 0.021 |" in text
+    assert "| csd | 50 | 40 | 1000 | 0.265 | 0.465 | 0.365 ± 0.021 |" in text
 
 
 @pytest.mark.ray
@@ -83,10 +98,14 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert subsets == ["no_filter", "csd", "random"]
     sizes = {r["subset"]: r["size"] for r in results["table"]}
     assert sizes["csd"] == sizes["random"] < sizes["no_filter"]
+    # no_filter lists the whole pool (DataComp's scope); only the downloaded part of it trains.
+    trained = {r["subset"]: r["downloaded"] for r in results["table"]}
+    assert trained["no_filter"] < sizes["no_filter"] and trained["csd"] == sizes["csd"]
+    assert "| no_filter | " + str(sizes["no_filter"]) + " | " + str(trained["no_filter"]) + " |" in report
     for row in results["table"]:
         assert 0.0 <= row["average"] <= 1.0 and row["tasks"]
     assert set(results["verdict"]) == {"csd_vs_no_filter", "csd_vs_random"}
-    assert "| subset | size | samples seen |" in report and "CSD filter vs controls" in report
+    assert "| subset | size | downloaded | samples seen |" in report and "CSD filter vs controls" in report
     assert results["machine"]["cores"] >= 1 and results["machine"]["matmul_gflops"] > 0
     assert "Machine: " in report
     assert printed.rstrip().splitlines()[-1].startswith("| random |")  # the table ends the output

@@ -422,6 +422,7 @@ class EvalConfig:
     analyses: bool = True
     max_samples: int | None = None  # per task, for quick checks
     seed: int = 0
+    resume: bool = True  # keep the tasks already in --out's eval_results.jsonl (ours or DataComp's)
 
     def __post_init__(self) -> None:
         check_types(self)

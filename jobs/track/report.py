@@ -28,7 +28,11 @@ def _fmt(x: Any, digits: int = 3) -> str:
 
 
 def _main_metrics(ev: dict[str, Any]) -> dict[str, float]:
-    return {r["task"]: float(r["value"]) for r in ev.get("results", []) if r.get("value") is not None}
+    """Task → main-metric value of an evaluation's result lines (DataComp's schema)."""
+    from training.eval.results import main_value
+
+    values = {r.get("task", r["key"]): main_value(r) for r in ev.get("results", [])}
+    return {t: v for t, v in values.items() if v is not None}
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -40,7 +44,9 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
 def comparison_table(
     cfg: Any, subsets: dict[str, Any], models: dict[str, Any], evals: dict[str, Any]
 ) -> list[Row]:
-    """One row per subset: size, samples seen, each task's main metric and the average, mean over seeds."""
+    """One row per subset: its size as listed (DataComp's count for a build subset in metadata scope), how
+    many of those downloaded (what the model trains on), samples seen, each task's main metric and the
+    average, mean over seeds."""
     rows: list[Row] = []
     for name in cfg.subsets:
         runs = [f"{name}-seed{s}" for s in cfg.seeds]
@@ -57,6 +63,7 @@ def comparison_table(
             {
                 "subset": name,
                 "size": subsets[name]["size"],
+                "downloaded": subsets[name].get("downloaded", subsets[name]["size"]),
                 "samples_seen": models[runs[0]]["samples_seen"] if runs[0] in models else None,
                 "tasks": {t: _mean_sd(v)[0] for t, v in per_task.items()},
                 "average": avg,
@@ -162,7 +169,7 @@ def _flat(prefix: str, obj: Any, out: list[tuple[str, Any]]) -> None:
 
 def markdown_table(rows: list[Row]) -> str:
     tasks = sorted({t for r in rows for t in r["tasks"]})
-    head = ["subset", "size", "samples seen", *tasks, "average"]
+    head = ["subset", "size", "downloaded", "samples seen", *tasks, "average"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         avg = _fmt(r["average"])
@@ -171,6 +178,7 @@ def markdown_table(rows: list[Row]) -> str:
         cells = [
             r["subset"],
             str(r["size"]),
+            str(r["downloaded"]),
             _fmt(r["samples_seen"]),
             *[_fmt(r["tasks"].get(t)) for t in tasks],
         ]
@@ -189,6 +197,9 @@ def _header_lines(cfg: Any, built: dict[str, Any], scorer: dict[str, Any], rows:
         f"model: {cfg.train.loss.name}, {cfg.train.model}, {cfg.train.samples_seen} samples seen, seeds {seeds}.",
         "",
         "## Results (main metric per task; average = mean of the task main metrics)",
+        "",
+        'size: uids the subset lists (for a build subset in the build\'s filters.subset_scope; "metadata" '
+        "= DataComp's count, downloaded or not); downloaded: those in the shards, which the model trains on.",
         "",
         markdown_table(rows),
     ]

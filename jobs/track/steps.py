@@ -89,38 +89,47 @@ def make_subsets(
     """One DataComp ``.npy`` per requested subset: the build's baselines as they are, the score filters
     (and the random control) run on ``scores.parquet`` the way ``jobs.filter`` runs them."""
     from pipeline.filtering import parse_filter_specs, resolve_params, run_filters
+    from pipeline.schema import u8pairs_to_uids
     from pipeline.subset import read_subset, write_subsets
 
     p = paths(cfg)
     store = Storage.from_env(cfg.s3_endpoint)
     from_build = [name for name in cfg.subsets if name not in _SCORE_SUBSETS]
-    sizes = {}
+    scores = store.read_parquet(scores_path)
+    scored = set(scores.column("uid").to_pylist())  # every downloaded sample was scored
+    listed, sizes = {}, {}
     for name in from_build:
         with store.open_input(build_subsets[name]) as fh:
-            sizes[name] = len(read_subset(fh, build_subsets[name]))
+            uids = u8pairs_to_uids(read_subset(fh, build_subsets[name]))
+        listed[name] = len(uids)
+        # A metadata-scope subset (DataComp's) lists uids that never downloaded; controls sized "like"
+        # it take the size it trains on.
+        sizes[name] = sum(u in scored for u in uids)
     specs = parse_filter_specs(subset_specs(cfg), "subsets", known=from_build)
-    scores = store.read_parquet(scores_path)
     results = run_filters(scores, specs, store=store, sizes=sizes)
     # Named by rule so they never overwrite the build's own subsets (its ``random`` is another draw).
     files = {s.label: storage.join(p["subsets"], f"{s.name}.npy") for s in specs}
-    sizes.update(write_subsets(store, scores, results, files))
+    written = write_subsets(store, scores, results, files)
+    sizes.update(written)  # a control may be sized like a score subset (of=csd)
     out: dict[str, Any] = {}
     for name in from_build:
-        out[name] = {"path": build_subsets[name], "size": sizes[name], "rule": f"build:{name}", "params": {}}
-        out[name]["dropped"] = {}
+        out[name] = {"path": build_subsets[name], "size": listed[name], "downloaded": sizes[name]}
+        out[name].update({"rule": f"build:{name}", "params": {}, "dropped": {}})
     for spec in specs:
         params = {k: v for name, given in spec.parts for k, v in resolve_params(name, given).items()}
         if spec.of:
             params["n_keep"] = sizes[spec.of]
         out[spec.label] = {
             "path": files[spec.label],
-            "size": sizes[spec.label],
+            "size": written[spec.label],
+            "downloaded": written[spec.label],  # score filters choose among scored (downloaded) samples
             "rule": spec.name,
             "params": params,
             "dropped": results[spec.label].counts(),
         }
     for name in cfg.subsets:
-        log(f"[track]   subset {name}: {out[name]['size']} uids ({out[name]['rule']})")
+        info = out[name]
+        log(f"[track]   subset {name}: {info['size']} uids, {info['downloaded']} downloaded ({info['rule']})")
     return {name: out[name] for name in cfg.subsets}
 
 
@@ -140,8 +149,12 @@ def reshard_subsets(cfg: TrackConfig, subsets: dict[str, Any], log: Log) -> dict
     )
     out: dict[str, Any] = {}
     for name, res in done.items():
-        if res.n_missing:
-            raise RuntimeError(f"subset {name}: {res.n_missing} uids not found in {p['shards']}")
+        # A metadata-scope subset lists uids that never downloaded: only those may be missing.
+        want = subsets[name].get("downloaded", subsets[name]["size"])
+        if res.n_written != want:
+            raise RuntimeError(
+                f"subset {name}: {res.n_written} samples found in {p['shards']}, {want} expected"
+            )
         out[name] = {"dir": targets[name], "n": res.n_written, "shards": len(res.shards)}
         log(f"[track]   resharded {name}: {res.n_written} samples in {len(res.shards)} shard(s)")
     return out
@@ -166,6 +179,7 @@ def evaluate_models(cfg: TrackConfig, models: dict[str, Any], log: Log) -> dict[
             analyses=name == "scorer",
             max_samples=cfg.eval_max_samples or None,
             seed=info.get("seed", 0),
+            resume=False,  # the track resumes by its own state; a retrained model reuses its path
         )
         out[name] = {
             "results": rep.results,

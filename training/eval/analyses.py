@@ -19,8 +19,8 @@ import torch
 from pipeline.masking import choose_kept_patches, mask_text_tokens
 from pipeline.storage import LOCAL, Storage
 from training.encode import Encoder
+from training.eval import hf_sets, uncertainty
 from training.eval import sets as eval_sets
-from training.eval import uncertainty
 
 MASKED_SAMPLES = 128
 ANALYSES = ("sigma2_modality", "sigma2_length", "hierarchy_order", "inclusion", "bprw", "traversal")
@@ -81,8 +81,13 @@ def _retrieval_analyses(ret: Any, encoder: Encoder, seed: int, store: Storage) -
     inc = {"image_in_caption": uncertainty.inclusion_rate(*pairs)}
     arrays["H_image ⊂ caption"] = uncertainty.hypothesis(*pairs)
     n = min(MASKED_SAMPLES, len(ret.captions))
-    first_shard = eval_sets.shard_paths(ret.task, store)[0]
-    rows = list(eval_sets.iter_rows(first_shard, ret.task.kind, store, limit=n))
+    if ret.task.hf_dataset:  # a set in the datasets cache (DataComp's Flickr / MSCOCO)
+        rows = list(
+            hf_sets.iter_rows(hf_sets.validate_task(ret.task, store)[0], ret.task.kind, store, limit=n)
+        )
+    else:
+        first_shard = eval_sets.shard_paths(ret.task, store)[0]
+        rows = list(eval_sets.iter_rows(first_shard, ret.task.kind, store, limit=n))
     masked, h = masked_inclusion(
         encoder,
         [r["image"] for r in rows],

@@ -15,26 +15,19 @@ Pure numpy/torch; the Ray side (``training/eval/run.py``) gathers the embeddings
 - Retrieval: image→text R@k counts an image as hit when any of its captions ranks in its top k; text→image
   when its image does. Names as clip_benchmark: ``text_retrieval_recall@k`` (image→text),
   ``image_retrieval_recall@k`` (text→image), and DataComp's main metric ``mean_recall@1``.
-- Aggregates (DataComp ``aggregate_scores.py``): ImageNet = imagenet1k main metric; ImageNet dist. shifts,
-  VTAB and Retrieval = means over their groups; Average = mean over every task of the list.
+- Association (WinoGAViL, as DataComp scores it): per game the k best candidate images against the cue,
+  k = its number of associations, scored by Jaccard index against them.
+- Aggregates over a results file: ``training/eval/results.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from training.losses import csd_matrix
-
-AGGREGATE_GROUPS = {  # aggregate name -> Task.group (DataComp aggregate_scores.py DATASET_GROUPS)
-    "imagenet": "imagenet",
-    "imagenet_dist_shift": "imagenet_dist_shift",
-    "vtab": "vtab",
-    "retrieval": "retrieval",
-}
-
 
 # ---------------------------------------------------------------- scores
 
@@ -145,32 +138,32 @@ def retrieval_metrics(
     return out
 
 
-# ---------------------------------------------------------------- aggregates
+# ---------------------------------------------------------------- association (WinoGAViL)
 
 
-def aggregates(
-    results: Sequence[Mapping], tasks: Sequence[object], average_name: str = "average"
-) -> tuple[dict[str, float], dict[str, list[str]]]:
-    """DataComp's aggregates from per-task results (``{"task", "value"}``) over the task list ``tasks``
-    (objects with ``name`` and ``group``). An aggregate is computed only when every task of its group
-    has a finite value; otherwise it is omitted and listed in the second return value with the tasks
-    that are missing. Groups without any task in the list are neither computed nor reported."""
-    value = {r["task"]: r.get("value") for r in results}
+def association_metrics(scores: Sequence[np.ndarray], truth: Sequence[np.ndarray]) -> dict[str, float]:
+    """WinoGAViL's Jaccard scores, DataComp's names. For each game, ``scores`` (n_candidates,) of its
+    candidate images against the cue and ``truth`` (n_candidates,) bool, its associations. The k best
+    candidates (k = number of associations) are the prediction; the game's score is the Jaccard index
+    |predicted ∩ true| / |predicted ∪ true|. Means over all games, over games of 5, 6, 10 and 12
+    candidates, of 5–6 and of 10–12 (the main metric, ``jaccard_score_10-12``); NaN where no game fits."""
+    jac, size = [], []
+    for s, t in zip(scores, truth, strict=True):
+        t = np.asarray(t, bool)
+        pred = np.zeros(len(t), bool)
+        pred[np.argsort(-np.asarray(s, np.float64), kind="stable")[: int(t.sum())]] = True
+        union = int((pred | t).sum())
+        jac.append((pred & t).sum() / union if union else 0.0)
+        size.append(len(t))
+    jac_a, size_a = np.asarray(jac, np.float64), np.asarray(size)
 
-    def ok(name: str) -> bool:
-        v = value.get(name)
-        return v is not None and np.isfinite(v)
+    def mean(mask: np.ndarray) -> float:
+        return float(jac_a[mask].mean()) if mask.any() else float("nan")
 
-    out: dict[str, float] = {}
-    missing: dict[str, list[str]] = {}
-    members = {agg: [t.name for t in tasks if t.group == g] for agg, g in AGGREGATE_GROUPS.items()}
-    members[average_name] = [t.name for t in tasks]
-    for agg, names in members.items():
-        if not names:
-            continue
-        lacking = [n for n in names if not ok(n)]
-        if lacking:
-            missing[agg] = lacking
-        else:
-            out[agg] = float(np.mean([value[n] for n in names]))
-    return out, missing
+    out = {"avg_jaccard_score": mean(np.ones(len(jac_a), bool))}
+    for n in (5, 6, 10, 12):
+        out[f"jaccard_score_{n}"] = mean(size_a == n)
+    out["jaccard_score_5-6"] = mean(size_a <= 6)
+    out["jaccard_score_10-12"] = mean(size_a >= 10)
+    out["n"] = len(jac_a)
+    return out

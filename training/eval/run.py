@@ -8,8 +8,10 @@ and text rows (captions, prompts), which the encoder's image or text tower encod
 ``has_text``). Eval sets are small, so embeddings are gathered into the driver.
 Deterministic and ProLIP checkpoints share the code: without log-variances scores are cosines.
 
-Writes ``eval_results.jsonl`` (one line per task run), ``aggregates.json`` (DataComp aggregates, plus
-the ones omitted with their missing tasks), ``analyses.json`` and ``plots/*.png`` under ``out_dir``.
+Writes ``eval_results.jsonl`` (one line per task, DataComp's schema: ``training/eval/results.py``),
+``aggregates.json`` (DataComp aggregates, plus the ones omitted with their missing tasks),
+``analyses.json`` and ``plots/*.png`` under ``out_dir``. A results file already in ``out_dir`` (ours or
+DataComp's) is resumed: its tasks are not evaluated again.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ import numpy as np
 from pipeline import storage
 from pipeline.storage import LOCAL, Storage
 from training.encode import Encoder
+from training.eval import hf_sets
 from training.eval import sets as eval_sets
 from training.eval.metrics import (
-    aggregates,
+    association_metrics,
     classification_metrics,
     gaussian_mean,
     retrieval_metrics,
     score_matrix,
 )
+from training.eval.results import aggregates, datacomp_names, previous_results, result_line
 from training.eval.sets import EvalSetError, Task
 
 
@@ -79,16 +83,42 @@ def merge_towers(e: dict[str, Any]) -> dict[str, Any]:
 
 def read_item(item: dict[str, Any], kinds: dict, limit: int | None, store: Storage) -> list[dict]:
     """A shard → one image row per sample plus one text row per caption (``sub`` = caption index);
-    a prompt item → one text row per prompt (``shard`` = −1). Rows in ``Encoder``'s columns."""
+    a prompt item → one text row per prompt (``shard`` = −1); an association game → one image row per
+    candidate (``sub`` = −1 − j, ``label`` = 1 for an association, ``group`` = its number of candidates)
+    and one text row, its cue. Rows in ``Encoder``'s columns."""
     base = {"task": item["task"], "shard": item["shard"], "jpg": b"", "txt": "", "label": -1, "group": -1}
     text = {**base, "has_image": False, "has_text": True}
     if not item["path"]:
         return [{**text, "pos": j, "sub": 0, "txt": p} for j, p in enumerate(item["prompts"].split("\n"))]
-    kind, group_column = kinds[int(item["task"])]
+    kind, group_column, hf = kinds[int(item["task"])]
     rows = []
+    if kind == "association":
+        for r in hf_sets.iter_rows(item["path"], kind, store, limit=limit):
+            for j, (jpg, hit) in enumerate(zip(r["images"], r["truth"], strict=True)):
+                image = {
+                    "pos": r["pos"],
+                    "sub": -1 - j,
+                    "jpg": jpg,
+                    "label": int(hit),
+                    "group": len(r["images"]),
+                }
+                rows.append({**base, "has_image": True, "has_text": False, **image})
+            rows.append({**text, "pos": r["pos"], "sub": 0, "txt": r["cue"]})
+        return rows
     # The Storage itself, not its endpoint: this runs in Ray tasks, which need its credentials.
-    for r in eval_sets.iter_rows(item["path"], kind, store, limit=limit, group_column=group_column):
-        image = {"pos": r["pos"], "sub": -1, "jpg": r["image"], "label": r["label"], "group": r["group"]}
+    source = (
+        hf_sets.iter_rows(item["path"], kind, store, limit=limit)
+        if hf
+        else eval_sets.iter_rows(item["path"], kind, store, limit=limit, group_column=group_column)
+    )
+    for r in source:
+        image = {
+            "pos": r["pos"],
+            "sub": -1,
+            "jpg": r["image"],
+            "label": r.get("label", -1),
+            "group": r.get("group", -1),
+        }
         rows.append({**base, "has_image": True, "has_text": False, **image})
         for j, cap in enumerate(eval_sets.split_captions(r["captions"])):
             rows.append({**text, "pos": r["pos"], "sub": j, "txt": cap})
@@ -116,7 +146,7 @@ def encode_all(
     items += [
         {"task": t, "shard": -1, "path": "", "prompts": "\n".join(p)} for t, p in enumerate(prompts) if p
     ]
-    kinds = {i: (t.kind, t.group_column) for i, t in enumerate(tasks)}
+    kinds = {i: (t.kind, t.group_column, bool(t.hf_dataset)) for i, t in enumerate(tasks)}
     reader = functools.partial(read_item, kinds=kinds, limit=max_samples, store=store)
     # fp32 towers (no bf16 autocast): eval numbers stay comparable across devices.
     batches = encode_items(items, reader, checkpoint, store, output=merge_towers, amp=False, **pool)
@@ -129,6 +159,8 @@ def task_data(
     task: Task, i: int, cols: dict[str, np.ndarray], max_samples: int | None, store: Storage = LOCAL
 ) -> TaskData:
     """One task's rows out of the gathered columns: images in set order, their captions, its prompts."""
+    if task.kind == "association":
+        return association_data(task, i, cols)
     logvar = cols.get("logvar")
     mine = cols["task"] == i
     img = np.flatnonzero(mine & (cols["sub"] < 0))[:max_samples]
@@ -170,6 +202,35 @@ def task_data(
     return d
 
 
+def association_data(task: Task, i: int, cols: dict[str, np.ndarray]) -> TaskData:
+    """An association task's games: candidate images (``labels`` 1 = association, ``groups`` = game) and
+    one cue per game (``text_mu``, game order). A game with an undecodable candidate is left out whole."""
+    logvar = cols.get("logvar")
+    mine = cols["task"] == i
+    img, txt = np.flatnonzero(mine & (cols["sub"] < 0)), np.flatnonzero(mine & (cols["sub"] >= 0))
+    game_of = {(int(cols["shard"][k]), int(cols["pos"][k])): g for g, k in enumerate(txt)}
+    game = np.array([game_of[(int(cols["shard"][k]), int(cols["pos"][k]))] for k in img], dtype=np.int64)
+    ok = cols["ok"][img].astype(bool)
+    bad_games = np.unique(game[~ok])
+    keep_img = ~np.isin(game, bad_games)
+    keep_game = ~np.isin(np.arange(len(txt)), bad_games)
+    if not keep_game.any():
+        raise EvalSetError(f"eval set {task.name}: no game with decodable images in {task.path}")
+    renumber = np.cumsum(keep_game) - 1
+    keep, cues = img[keep_img], txt[keep_game]
+    return TaskData(
+        task=task,
+        image_mu=cols["mu"][keep],
+        image_logvar=None if logvar is None else logvar[keep],
+        labels=cols["label"][keep].astype(np.int64),
+        groups=renumber[game[keep_img]],
+        captions=[],
+        n_undecodable=int((~ok).sum()),
+        text_mu=cols["mu"][cues],
+        text_logvar=None if logvar is None else logvar[cues],
+    )
+
+
 def task_metrics(d: TaskData) -> dict[str, float]:
     """Metrics of one task from its gathered embeddings."""
     if d.task.kind == "zeroshot_classification":
@@ -187,6 +248,15 @@ def task_metrics(d: TaskData) -> dict[str, float]:
                 group_exclude=d.task.group_exclude,
             )
         return classification_metrics(scores, d.labels, **extra)
+    if d.task.kind == "association":
+        scores, truth = [], []
+        for g in range(len(d.text_mu)):
+            on = d.groups == g
+            ilv = None if d.image_logvar is None else d.image_logvar[on]
+            tlv = None if d.text_logvar is None else d.text_logvar[g : g + 1]
+            scores.append(score_matrix(d.text_mu[g : g + 1], tlv, d.image_mu[on], ilv)[0])
+            truth.append(d.labels[on] == 1)
+        return association_metrics(scores, truth)
     caption_image = np.repeat(np.arange(len(d.captions)), [len(c) for c in d.captions])
     if d.task.kind == "retrieval":
         return retrieval_metrics(
@@ -204,10 +274,13 @@ def task_metrics(d: TaskData) -> dict[str, float]:
 def _validate(tasks: list[Task], store: Storage) -> tuple[list[Task], list[list[str]], list[str]]:
     kept, shards, skipped = [], [], []
     for t in tasks:
-        if t.optional and not store.exists(storage.join(t.path, "test")):
+        present = (
+            hf_sets.arrow_files(t, store) if t.hf_dataset else store.exists(storage.join(t.path, "test"))
+        )
+        if t.optional and not present:
             skipped.append(t.name)
             continue
-        shards.append(eval_sets.validate_task(t, store))
+        shards.append(hf_sets.validate_task(t, store) if t.hf_dataset else eval_sets.validate_task(t, store))
         kept.append(t)
     return kept, shards, skipped
 
@@ -217,7 +290,12 @@ def _write_outputs(report: EvalReport, store: Storage, plot_files: list[str]) ->
         json.dumps(r, sort_keys=True, default=storage.json_default) + "\n" for r in report.results
     )
     store.write_bytes(lines.encode(), storage.join(report.out_dir, "eval_results.jsonl"))
-    aggs = {"aggregates": report.aggregates, "missing": report.missing_aggregates, "skipped": report.skipped}
+    aggs = {
+        "aggregates": report.aggregates,
+        "datacomp": datacomp_names(report.aggregates),
+        "missing": report.missing_aggregates,
+        "skipped": report.skipped,
+    }
     store.write_json(aggs, storage.join(report.out_dir, "aggregates.json"))
     store.write_json(report.analyses, storage.join(report.out_dir, "analyses.json"))
     if storage.is_s3(report.out_dir):
@@ -227,6 +305,31 @@ def _write_outputs(report: EvalReport, store: Storage, plot_files: list[str]) ->
             with open(f, "rb") as fh:
                 store.write_bytes(fh.read(), dest)
             report.plots.append(dest)
+
+
+def _evaluate_tasks(
+    kept: list[Task],
+    shards: list[list[str]],
+    max_samples: int | None,
+    checkpoint: str,
+    store: Storage,
+    pool: dict[str, Any],
+) -> tuple[list[TaskData], dict[str, dict]]:
+    """Encode the tasks in one pipeline and score each; returns their data and result lines by name."""
+    prompts = [
+        [tp.replace("{c}", c) for c in eval_sets.classnames(t, store) for tp in eval_sets.templates(t, store)]
+        if t.kind == "zeroshot_classification"
+        else []
+        for t in kept
+    ]
+    cols = encode_all(kept, shards, prompts, max_samples, checkpoint, store, **pool)
+    data = [task_data(t, i, cols, max_samples, store) for i, t in enumerate(kept)]
+    lines = {}
+    for d in data:
+        metrics = task_metrics(d)
+        metrics["n_undecodable"] = d.n_undecodable
+        lines[d.task.name] = result_line(d.task, metrics, checkpoint)
+    return data, lines
 
 
 def evaluate(
@@ -241,6 +344,7 @@ def evaluate(
     analyses: bool = True,
     max_samples: int | None = None,
     seed: int = 0,
+    resume: bool = True,
     init: Callable[[], None] | None = None,
 ) -> EvalReport:
     """Evaluate ``checkpoint`` on ``tasks`` (a list or a task-list name/file); see the module docstring.
@@ -253,45 +357,28 @@ def evaluate(
 
     encoder = Encoder(checkpoint, store)  # validates the checkpoint; also serves the analyses
     task_list = eval_sets.load_tasks(tasks) if isinstance(tasks, str) else list(tasks)
-    kept, shards, skipped = _validate(task_list, store)
-    if not kept:
+    done, others = previous_results(out_dir, task_list, checkpoint, store) if resume else ({}, [])
+    kept, shards, skipped = _validate([t for t in task_list if t.name not in done], store)
+    if not kept and not done:
         raise EvalSetError("no eval set found: " + ", ".join(t.path for t in task_list))
-    if init is not None:
-        init()
-    pool = dict(num_actors=num_actors, num_gpus=num_gpus, batch_size=batch_size)
-    prompts = [
-        [tp.replace("{c}", c) for c in eval_sets.classnames(t, store) for tp in eval_sets.templates(t, store)]
-        if t.kind == "zeroshot_classification"
-        else []
-        for t in kept
-    ]
-    cols = encode_all(kept, shards, prompts, max_samples, checkpoint, store, **pool)
-    data = [task_data(t, i, cols, max_samples, store) for i, t in enumerate(kept)]
-    results = []
-    for d in data:
-        metrics = task_metrics(d)
-        metrics["n_undecodable"] = d.n_undecodable
-        value = metrics.get(d.task.main_metric)
-        results.append(
-            {
-                "task": d.task.name,
-                "dataset": d.task.display or d.task.name,
-                "kind": d.task.kind,
-                "main_metric": d.task.main_metric,
-                "value": None if value is None or not np.isfinite(value) else float(value),
-                "metrics": metrics,
-                "group": d.task.group,
-                "path": d.task.path,
-            }
-        )
-    aggs, missing = aggregates(results, task_list)
+    found, plot_files, new = {}, [], {}
     plot_dir = storage.join(out_dir, "plots") if not storage.is_s3(out_dir) else tempfile.mkdtemp()
-    found, plot_files = {}, []
-    if analyses:
-        found, plot_files = run_analyses(data, encoder, plot_dir, seed=seed, store=store)
-        for r, d in zip(results, data, strict=True):  # hierarchy ordering belongs to its task's line too
-            if d.task.kind == "hierarchy" and isinstance(found.get("hierarchy_order"), dict):
-                r["metrics"]["ordered_fraction"] = found["hierarchy_order"]["ordered_fraction"]
+    if kept:
+        if init is not None:
+            init()
+        pool = dict(num_actors=num_actors, num_gpus=num_gpus, batch_size=batch_size)
+        data, new = _evaluate_tasks(kept, shards, max_samples, checkpoint, store, pool)
+        if analyses:
+            found, plot_files = run_analyses(data, encoder, plot_dir, seed=seed, store=store)
+            for d in data:  # hierarchy ordering belongs to its task's line too
+                if d.task.kind == "hierarchy" and isinstance(found.get("hierarchy_order"), dict):
+                    order = found["hierarchy_order"]["ordered_fraction"]
+                    new[d.task.name]["metrics"]["ordered_fraction"] = order
+    elif analyses and store.exists(storage.join(out_dir, "analyses.json")):
+        found = store.read_json(storage.join(out_dir, "analyses.json"))
+    both = {**done, **new}
+    results = [both[t.name] for t in task_list if t.name in both] + others
+    aggs, missing = aggregates(results, task_list)
     if not storage.is_s3(out_dir):
         store.makedirs(out_dir)
     report = EvalReport(results, aggs, found, plot_files, out_dir, missing, skipped)

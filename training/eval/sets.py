@@ -13,6 +13,9 @@ Relative ``path``s resolve against the ``root`` the caller passes (``--eval-root
 one caption per line; in a hierarchy set line k is level k, general → specific). Group-wise metrics
 (WILDS, DataComp fairness) read per-sample ``.npy`` metadata: ``group_column`` selects the column.
 
+``association`` (WinoGAViL: which candidate images go with a cue) and any task with ``hf_dataset`` read
+the Hugging Face ``datasets`` cache that DataComp's downloader fills (``training/eval/hf_sets.py``).
+
 ``validate_task`` checks a set before any Ray work and raises ``EvalSetError`` naming the file.
 """
 
@@ -33,7 +36,7 @@ from pipeline.shard_source import IMAGE_EXTS
 from pipeline.shards import ShardError, iter_shard
 from pipeline.storage import LOCAL, Storage
 
-KINDS = ("zeroshot_classification", "retrieval", "hierarchy")
+KINDS = ("zeroshot_classification", "retrieval", "hierarchy", "association")
 GROUPS = ("", "imagenet", "imagenet_dist_shift", "vtab", "retrieval")
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
@@ -56,6 +59,10 @@ class Task:
     group_column: int | None = None  # column of the per-sample .npy metadata for worst-group metrics
     group_metric: str = "acc1"
     group_exclude: tuple[int, ...] = field(default_factory=tuple)
+    key: str = ""  # DataComp's task key (tasklist.yml), e.g. "vtab/caltech101"; "" = name
+    # A set in the Hugging Face datasets cache at ``path`` (training/eval/hf_sets.py), e.g.
+    # "nlphuji/flickr_1k_test_image_text_retrieval"; "" = clip_benchmark's webdataset layout.
+    hf_dataset: str = ""
 
 
 def _resolve_path(path: str, root: str | None) -> str:
@@ -94,6 +101,10 @@ def load_tasks(path_or_name: str, root: str | None = None) -> list[Task]:
                 raise EvalSetError(f"{where}: missing '{key}'")
         if entry["kind"] not in KINDS:
             raise EvalSetError(f"{where}: kind {entry['kind']!r} is not one of {', '.join(KINDS)}")
+        if entry.get("hf_dataset") and entry["kind"] not in ("retrieval", "association"):
+            raise EvalSetError(f"{where}: hf_dataset sets are retrieval or association sets")
+        if entry["kind"] == "association" and not entry.get("hf_dataset"):
+            raise EvalSetError(f"{where}: an association set is read from the datasets cache (hf_dataset)")
         if entry.get("group", "") not in GROUPS:
             raise EvalSetError(f"{where}: group {entry['group']!r} is not one of {GROUPS}")
         entry["group_exclude"] = tuple(int(x) for x in entry.get("group_exclude", ()))
