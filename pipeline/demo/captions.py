@@ -1,8 +1,8 @@
 """Captions for the demo pool at four levels of specificity, in English and four other languages.
 
 Level 0 names nothing ("a photo of an object"), 1 the colour ("a red shape"), 2 colour and shape
-("a red circle"), 3 adds size and the position
-and/or the background ("a small red circle in the top left on a striped grey background").
+("a red circle"), 3 adds size (and the
+position and/or the background) ("a small red circle in the top left on a striped grey background").
 The non-English captions (German, French, Spanish, Italian) are real sentences with gender agreement,
 so fastText's lid.176 — the model DataComp's English filter uses — labels them non-English.
 
@@ -42,7 +42,7 @@ def _a(word: str) -> str:
 
 
 # Wordings of every level span overlapping word counts (short and long general captions, short and long
-# specific ones: 4–10, 3–11, 3–9 and 7–16 words for levels 0–3), so a caption's length does not give its level
+# specific ones: 4–10, 3–11, 3–9 and 4–16 words for levels 0–3), so a caption's length does not give its level
 # away: the hierarchy eval set then tests specificity (what the caption names), not length.
 _EN = {
     0: (
@@ -74,6 +74,7 @@ _EN = {
         "a photo of {a_size} {colour} {shape} {pos} on {a_texture} {bg} background",
         "{a_size} {colour} {shape} {pos}",
         "{a_size} {colour} {shape} on {a_texture} {bg} background",
+        "the {size} {colour} {shape}",
     ),
 }
 
@@ -85,6 +86,7 @@ def _english(level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b
         colour=COLOURS[c],
         shape=SHAPES[s],
         a_size=_a(SIZES[z]),
+        size=SIZES[z],
         pos=_EN_POSITION[POSITIONS[p]],
         a_texture=_a(TEXTURES[t]),
         bg=BACKGROUNDS[b],
