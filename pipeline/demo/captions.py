@@ -271,18 +271,10 @@ def n_variants(lang: str, level: int) -> int:
     return 1 if level == 3 else 2
 
 
-def all_levels(
-    shape: int,
-    colour: int,
-    size: int,
-    position: int,
-    texture: int,
-    background: int,
-    variants: tuple[int, ...] = (0, 0, 0, 0),
-) -> list[str]:
-    """One English caption of each level 0..3 (``variants[k]`` picks level k's wording), for the hierarchy
-    eval set, which draws the wordings per image so that lengths overlap across levels."""
-    attrs = (shape, colour, size, position, texture, background)
+def all_levels(*attrs: int, variants: tuple[int, ...] = (0, 0, 0, 0)) -> list[str]:
+    """One English caption of each level 0..3 for the attributes (shape, colour, size, position, texture,
+    background); ``variants[k]`` picks level k's wording. The hierarchy eval set draws the wordings per
+    image so that lengths overlap across levels."""
     return [caption("en", lvl, variants[lvl], *attrs) for lvl in range(4)]
 
 
