@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import socket
 import tarfile
 import urllib.error
@@ -12,7 +13,6 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from http.client import IncompleteRead
-import json
 from pathlib import Path
 from urllib.parse import urlsplit
 

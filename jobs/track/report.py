@@ -107,7 +107,6 @@ def subset_purity(cfg: Any, subsets: dict[str, Any], store: Storage) -> dict[str
     if truth is None or "uid" not in truth or "caption_noise" not in truth:
         return None
     noise = dict(zip(truth["uid"], truth["caption_noise"], strict=True))
-    level = dict(zip(truth["uid"], truth["level"], strict=True))
     out: dict[str, dict[str, float]] = {}
     for name, info in subsets.items():
         uids = subset_uids(info["path"])
