@@ -13,7 +13,8 @@ minus the resident size (/proc/self/statm) just before it, inputs already alloca
 subprocess per case so no earlier case can hide a peak. It counts all the loss allocates, autograd
 buffers included, but is coarse below a few MiB (allocator arenas, page granularity).
 Time: the cases run round-robin in one subprocess per B (so load on a shared machine hits them alike);
-we report the minimum and the median over --repeats warm passes and take ratios of the minima.
+we report the minimum and the median over --repeats warm passes, ratios of the minima, and the median and
+spread of the per-pass ratios prolip/siglip and ppcl/siglip, with the 1-minute load average beside them.
 Threads: --threads (default 1). On a busy machine OpenMP's spinning barriers make small multi-threaded
 ops 10-100x slower (measured on our 2-core CI box), which would swamp the comparison.
 Writes bench/results/loss_memory.json. Usage: python bench/loss_memory.py [--sizes 256 1024 4096]
@@ -122,7 +123,14 @@ def measure_time(cases: list[str], batch: int, dim: int, columns: int, repeats: 
             start = time.perf_counter()
             steps[c]()
             times[c].append(time.perf_counter() - start)
-    return {c: {"min_s": min(t), "median_s": statistics.median(t)} for c, t in times.items()}
+    out: dict = {c: {"min_s": min(t), "median_s": statistics.median(t)} for c, t in times.items()}
+    # Ratios of neighbouring passes (the cases alternate, so load hits both alike): median and spread.
+    for num in ("prolip", "ppcl"):
+        if num in times and "siglip" in times:
+            r = [a / b for a, b in zip(times[num], times["siglip"], strict=True)]
+            out[f"{num}/siglip per pass"] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
+    out["load_avg_1m"] = os.getloadavg()[0]
+    return out
 
 
 def _child(args: list[str]) -> dict:
@@ -162,6 +170,8 @@ def _measure_shape(args: argparse.Namespace, batch: int, columns: int) -> dict:
     if "naive" not in cases:
         row["naive_skipped"] = f"(rows, columns, D) float32 tensor alone is {naive_gib:.0f} GiB"
     t = {c: timing[c]["min_s"] for c in cases}
+    row["paired_ratios"] = {k: v for k, v in timing.items() if k.endswith("per pass")}
+    row["load_avg_1m"] = timing["load_avg_1m"]
     row["ratios"] = {
         "prolip/siglip time": t["prolip"] / t["siglip"],
         "ppcl/siglip time": t["ppcl"] / t["siglip"],
@@ -191,6 +201,11 @@ def _print_rows(rows: list[dict], args: argparse.Namespace) -> None:
     print()
     for r in rows:
         print(f"{r['rows']} x {r['columns']}: " + ", ".join(f"{k} = {v:.3f}" for k, v in r["ratios"].items()))
+        for k, v in r["paired_ratios"].items():
+            print(
+                f"  {k}: median {v['median']:.3f} (min {v['min']:.3f}, max {v['max']:.3f}), "
+                f"load average {r['load_avg_1m']:.1f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

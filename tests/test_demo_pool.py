@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import socket
 import tarfile
 import urllib.error
@@ -416,3 +417,25 @@ def test_every_caption_wording_gets_its_intended_language():
             texts.update(t for a in combos for t in paraphrases(*a))
         is_en = english_mask(sorted(texts))
         assert is_en.all() if lang == "en" else not is_en.any(), lang
+
+
+def test_hierarchy_set_tests_specificity_not_length(tmp_path):
+    """Levels differ in what they name, not in length: ranking a row's captions by word count orders
+    adjacent levels well short of the 80% the uncertainty claim asks of σ², and general captions vary."""
+    from pipeline.demo.eval_sets import EvalSizes, write_eval_sets
+
+    dirs = write_eval_sets(tmp_path, seed=0, sizes=EvalSizes(per_class=1, retrieval=1, hierarchy=120))
+    rows = []
+    with tarfile.open(Path(dirs["hierarchy"]) / "test" / "0.tar") as tar:
+        for name in sorted(n for n in tar.getnames() if n.endswith(".txt")):
+            scene = json.loads(tar.extractfile(name.replace(".txt", ".json")).read())
+            rows.append((tar.extractfile(name).read().decode().splitlines(), scene))
+    words = np.array([[len(line.split()) for line in lines] for lines, _ in rows])  # (n, 4)
+    by_length = (words[:, 1:] > words[:, :-1]).mean()  # longer = more specific, strictly
+    assert by_length < 0.6, by_length
+    assert len({lines[0] for lines, _ in rows}) >= 4  # general captions vary between images
+    for lines, scene in rows:
+        assert scene["colour"] not in lines[0].split() and scene["shape"] not in lines[0].split()
+        assert all(scene["colour"] in line.split() for line in lines[1:])
+        assert scene["shape"] not in lines[1].split() and all(scene["shape"] in line for line in lines[2:])
+        assert scene["size"] in lines[3].split()

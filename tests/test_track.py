@@ -128,6 +128,35 @@ def test_auroc_matches_hand_counts():
     assert _auroc([0.9, 0.4, 0.5, 0.1, 0.4], [True, True, False, False, False]) == pytest.approx(4.5 / 6)
 
 
+def test_noise_detection_groups_uninformative_and_non_english_captions(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.track.report import noise_detection
+    from pipeline.storage import LOCAL
+
+    (tmp_path / "pool").mkdir()
+    noise = ["clean", "clean", "clean", "non_english", "mismatched", "clean"]
+    truth = {"uid": list("abcdef"), "caption_noise": noise, "level": [0, 2, 3, 1, 2, 0]}
+    pq.write_table(pa.table(truth), tmp_path / "pool" / "truth.parquet")
+    scores = {
+        "uid": list("abcdefg"),  # g: not in the pool's truth; f: failed to score
+        "ok": [True, True, True, True, True, False, True],
+        "csd": [1.0, 0.5, 0.4, 1.5, 2.0, 0.0, 0.1],
+        "cosine": [0.1, 0.5, 0.6, 0.0, -0.1, 0.0, 0.9],
+        "text_unc": [0.9, 0.2, 0.1, 0.5, 0.3, 0.0, 0.0],
+    }
+    pq.write_table(pa.table(scores), tmp_path / "scores.parquet")
+    cfg = SimpleNamespace(output=str(tmp_path), build=SimpleNamespace(metadata=""))
+    out = noise_detection(cfg, str(tmp_path / "scores.parquet"), LOCAL)
+    assert out["text_unc_auroc_uninformative"] == 1.0  # a (0.9) above b, c, d, e
+    assert out["text_unc_auroc_non_english"] == 0.75  # d (0.5) beats b, c, e; loses to a
+    assert out["text_unc_mean_uninformative"] == pytest.approx(0.9)
+    assert out["text_unc_mean_clean_specific"] == pytest.approx(0.15)
+    assert out["text_unc_mean_non_english"] == pytest.approx(0.5)
+    assert out["csd_auroc_mismatched"] == 1.0
+
+
 def test_baseline_subsets_must_be_built():
     with pytest.raises(ConfigError, match=r"build.filters.names: add \['basic'\]"):
         merge(TrackConfig(), {"build": {"filters": {"names": ["no_filter"]}}})

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.config import ConfigError, check_types, from_dict, non_negative, positive, require
+from training.losses import REDUCTIONS
 from training.objectives import LOSS_SPECS
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -211,6 +212,10 @@ class LossConfig:
     beta: float = 1e-4  # VIB weight (official runs)
     c: float = 1000.0  # inclusion-loss scale, with log ε = −20 (paper's runs)
     log_eps: float = -20.0
+    # How the inclusion and VIB terms reduce over the D dimensions (docs/fidelity.md): "joint" = the paper's
+    # formulas (one sigmoid per sample on H summed over d; KL summed over d), "official" = the official
+    # code's (one sigmoid per dimension, inclusion and KL averaged over d), under which α₁, α₂, β were tuned.
+    reduction: str = "joint"
     pcme_alpha: float = 0.1  # PCME++ pseudo-positive weight
     pcme_beta: float = 1e-4  # PCME++ VIB weight
     mix_fraction: float = 0.25  # PCME++ Mixup/CutMix share of a local batch
@@ -225,6 +230,9 @@ class OptimConfig:
     warmup_steps: int = 500
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     grad_clip: float = 0.0  # max global grad norm; 0 = off
+    # LR multiplier for the σ heads (each tower's log σ² projection and [UNC] token, ``model.unc_params``):
+    # 1 everywhere but the demo, whose ~300 steps are too few for the heads to move at the base LR.
+    unc_lr_mult: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -295,6 +303,8 @@ class TrainConfig:
             raise ConfigError(
                 f"tokenizer_clean: {self.tokenizer_clean!r} not in ('', 'lower', 'canonicalize')"
             )
+        if self.loss.reduction not in REDUCTIONS:
+            raise ConfigError(f"loss.reduction: {self.loss.reduction!r} not in {REDUCTIONS}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision: {self.precision!r} not in {PRECISIONS}")
         if self.total_steps < 1:
@@ -333,6 +343,7 @@ class TrainConfig:
             ("grad_clip", o.grad_clip >= 0),
             ("betas", all(0 <= b < 1 for b in o.betas)),
             ("min_lr_ratio", 0 <= o.min_lr_ratio <= 1),
+            ("unc_lr_mult", math.isfinite(o.unc_lr_mult) and o.unc_lr_mult > 0),
         ):
             require(ok, f"optim.{key}", "is out of range", getattr(o, key))
 

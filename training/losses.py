@@ -218,9 +218,16 @@ def inclusion_log_measure(
     return per_dim.sum(-1)
 
 
+def _hypothesis_per_dim(mu1: Tensor, logvar1: Tensor, mu2: Tensor, logvar2: Tensor, log_eps: float) -> Tensor:
+    log_s2_2s1 = torch.logaddexp(logvar2, logvar1 + _LOG2)
+    log_s1_2s2 = torch.logaddexp(logvar1, logvar2 + _LOG2)
+    mean_term = (mu1 - mu2).square() * (torch.exp(log_eps - log_s2_2s1) - torch.exp(log_eps - log_s1_2s2))
+    return 0.5 * (logvar2 - logvar1) + 0.5 * (log_s2_2s1 - log_s1_2s2) + mean_term
+
+
 @full_precision
 def inclusion_hypothesis(
-    mu1: Tensor, logvar1: Tensor, mu2: Tensor, logvar2: Tensor, log_eps: float = 0.0
+    mu1: Tensor, logvar1: Tensor, mu2: Tensor, logvar2: Tensor, log_eps: float = 0.0, *, per_dim: bool = False
 ) -> Tensor:
     """Inclusion hypothesis H(Z1 in Z2) = inc(Z1, Z2) - inc(Z2, Z1) (Eq. 4); > 0 iff Z1 is included in Z2.
 
@@ -228,33 +235,55 @@ def inclusion_hypothesis(
         1/2 (log s2 - log s1) + 1/2 [log(s2 + 2 s1) - log(s1 + 2 s2)]
         + eps (mu1 - mu2)^2 [1/(s2 + 2 s1) - 1/(s1 + 2 s2)],      s = sigma^2,
     evaluated directly, so no two large sums over D are subtracted. eps enters only the mean term; the
-    log terms are scale-free. H is antisymmetric: H(Z1 in Z2) = -H(Z2 in Z1). Shapes: (B, D) -> (B,).
+    log terms are scale-free. H is antisymmetric: H(Z1 in Z2) = -H(Z2 in Z1).
+    Shapes: (B, D) -> (B,) summed over d (Eq. 4), or (B, D) per dimension with ``per_dim``.
     """
-    log_s2_2s1 = torch.logaddexp(logvar2, logvar1 + _LOG2)
-    log_s1_2s2 = torch.logaddexp(logvar1, logvar2 + _LOG2)
-    mean_term = (mu1 - mu2).square() * (torch.exp(log_eps - log_s2_2s1) - torch.exp(log_eps - log_s1_2s2))
-    per_dim = 0.5 * (logvar2 - logvar1) + 0.5 * (log_s2_2s1 - log_s1_2s2) + mean_term
-    return per_dim.sum(-1)
+    h = _hypothesis_per_dim(mu1, logvar1, mu2, logvar2, log_eps)
+    return h if per_dim else h.sum(-1)
+
+
+REDUCTIONS = ("joint", "official")
 
 
 @full_precision
 def inclusion_loss(
-    mu1: Tensor, logvar1: Tensor, mu2: Tensor, logvar2: Tensor, *, c: float = 1000.0, log_eps: float = -20.0
+    mu1: Tensor,
+    logvar1: Tensor,
+    mu2: Tensor,
+    logvar2: Tensor,
+    *,
+    c: float = 1000.0,
+    log_eps: float = -20.0,
+    reduction: str = "joint",
 ) -> Tensor:
-    """Inclusion loss per sample (Eq. 5): L(Z1 in Z2) = -log sigmoid(c H(Z1 in Z2)) = softplus(-c H).
+    """Inclusion loss per sample (Eq. 5).
 
+    ``joint`` (the paper's formula): -log sigmoid(c H(Z1 in Z2)) = softplus(-c H), H summed over d.
+    ``official`` (the official code's reduction): mean_d softplus(-c H_d), one sigmoid per dimension, so a
+    caller's mean over samples is the mean over B x D (docs/fidelity.md).
     Shapes: (B, D) each -> (B,). Callers divide the local sum by the global count (see module doc).
     """
-    return F.softplus(-c * inclusion_hypothesis(mu1, logvar1, mu2, logvar2, log_eps))
+    if reduction == "joint":
+        return F.softplus(-c * inclusion_hypothesis(mu1, logvar1, mu2, logvar2, log_eps))
+    if reduction == "official":
+        h = inclusion_hypothesis(mu1, logvar1, mu2, logvar2, log_eps, per_dim=True)
+        return F.softplus(-c * h).mean(-1)
+    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
 @full_precision
-def vib_kl(mu: Tensor, logvar: Tensor) -> Tensor:
+def vib_kl(mu: Tensor, logvar: Tensor, reduction: str = "joint") -> Tensor:
     """VIB term per sample (Eq. A.2): KL(N(mu, sigma^2) || N(0, I)) = -1/2 sum_d (1 + log s - mu^2 - s), s = sigma^2.
 
-    Shapes: (B, D) -> (B,).
+    ``official``: the same per-dimension KL averaged over d instead of summed (a caller's mean over samples
+    is then the official B x D mean); sigma^2 stays sigma^2 (docs/fidelity.md). Shapes: (B, D) -> (B,).
     """
-    return -0.5 * (1.0 + logvar - mu.square() - logvar.exp()).sum(-1)
+    per_dim = -0.5 * (1.0 + logvar - mu.square() - logvar.exp())
+    if reduction == "joint":
+        return per_dim.sum(-1)
+    if reduction == "official":
+        return per_dim.mean(-1)
+    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
 # ---------------------------------------------------------------- ProLIP objective (Eq. 6)
@@ -282,6 +311,7 @@ def prolip_objective(
     beta: float = 1e-4,
     c: float = 1000.0,
     log_eps: float = -20.0,
+    reduction: str = "joint",
 ) -> dict[str, Tensor]:
     """ProLIP objective share (Eq. 6), returned as WEIGHTED terms whose sum is `total`:
 
@@ -296,6 +326,8 @@ def prolip_objective(
     Defaults: alpha1 = 1e-7, alpha2 = 1e-3 (paper B.1), beta = 1e-4 (official runs), and c = 1000,
     log eps = -20 as in the paper's reported runs; the log-space inclusion terms stay finite for any
     log eps, so the paper's recommended (-100, 10) is also safe. N = rows of `mu_t_all` (default B).
+    `reduction` ("joint" = the formulas above, "official" = per-dimension inclusion sigmoids and VIB
+    averaged over d) is passed to `inclusion_loss` and `vib_kl`; the sample counts N and M are the same.
     """
     given = [t is not None for t in (mu_v_masked, logvar_v_masked, mu_t_masked, logvar_t_masked)]
     if any(given) and masked_index is None:
@@ -311,7 +343,9 @@ def prolip_objective(
         if mu_masked is None or logvar_masked is None or masked_index is None:
             return mu.new_zeros((), dtype=torch.promote_types(mu.dtype, torch.float32))
         original = (mu.index_select(0, masked_index), logvar.index_select(0, masked_index))
-        per_sample = inclusion_loss(*original, mu_masked, logvar_masked, c=c, log_eps=log_eps)
+        per_sample = inclusion_loss(
+            *original, mu_masked, logvar_masked, c=c, log_eps=log_eps, reduction=reduction
+        )
         # An empty (M = 0) selection sums to an exact zero with zero gradient; max() only guards 0 / 0.
         return per_sample.sum() / max(m_global, 1)
 
@@ -319,14 +353,15 @@ def prolip_objective(
         mu_v, logvar_v, mu_t, logvar_t, log_scale, bias,
         mu_t_all=mu_t_all, logvar_t_all=logvar_t_all, offset=offset,
     )  # fmt: skip
-    inc_vt = inclusion_loss(mu_v, logvar_v, mu_t, logvar_t, c=c, log_eps=log_eps).sum() / n
+    inc_vt = inclusion_loss(mu_v, logvar_v, mu_t, logvar_t, c=c, log_eps=log_eps, reduction=reduction)
+    inc_vt = inc_vt.sum() / n
     terms = {
         "ppcl": ppcl,
         "inc_vt": alpha1 * inc_vt,
         "inc_masked_v": alpha2 * masked_share(mu_v, logvar_v, mu_v_masked, logvar_v_masked),
         "inc_masked_t": alpha2 * masked_share(mu_t, logvar_t, mu_t_masked, logvar_t_masked),
-        "vib_v": beta * vib_kl(mu_v, logvar_v).sum() / n,
-        "vib_t": beta * vib_kl(mu_t, logvar_t).sum() / n,
+        "vib_v": beta * vib_kl(mu_v, logvar_v, reduction).sum() / n,
+        "vib_t": beta * vib_kl(mu_t, logvar_t, reduction).sum() / n,
     }
     terms["total"] = sum(terms.values())  # type: ignore[assignment]
     return terms
@@ -388,11 +423,16 @@ class ProLIPLoss(nn.Module):
         beta: float = 1e-4,
         c: float = 1000.0,
         log_eps: float = -20.0,
+        reduction: str = "joint",
     ) -> None:
         super().__init__()
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         self.log_scale = nn.Parameter(torch.tensor(float(init_log_scale)))
         self.bias = nn.Parameter(torch.tensor(float(init_bias)))
-        self.weights = dict(alpha1=alpha1, alpha2=alpha2, beta=beta, c=c, log_eps=log_eps)
+        self.weights = dict(
+            alpha1=alpha1, alpha2=alpha2, beta=beta, c=c, log_eps=log_eps, reduction=reduction
+        )
 
     def forward(
         self, mu_v: Tensor, logvar_v: Tensor, mu_t: Tensor, logvar_t: Tensor, **inputs: Any
@@ -447,7 +487,9 @@ SPECS = (
         terms=("ppcl", "inc_vt", "inc_masked_v", "inc_masked_t", "vib_v", "vib_t"),
         probabilistic=True,
         uses_masked=True,
-        config_kwargs=tuple((k, k) for k in ("alpha1", "alpha2", "beta", "c", "log_eps", "init_bias")),
+        config_kwargs=tuple(
+            (k, k) for k in ("alpha1", "alpha2", "beta", "c", "log_eps", "init_bias", "reduction")
+        ),
     ),
     LossSpec(
         "siglip",

@@ -122,14 +122,33 @@ def decay_split(model: nn.Module) -> tuple[list[str], list[str]]:
     return decay, no_decay
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW parameter groups: matrices decay by ``weight_decay``; gains, biases, scalars, embeddings not."""
+UNC_PARAM_NAMES = frozenset({"logvar_proj", "unc_token"})  # the σ heads: log σ² projections and [UNC]
+
+
+def is_unc_param(name: str) -> bool:
+    """Whether parameter ``name`` belongs to a σ head (a tower's log σ² projection or its [UNC] token)."""
+    return any(part in UNC_PARAM_NAMES for part in name.split("."))
+
+
+def param_groups(
+    model: nn.Module, weight_decay: float, lr: float | None = None, unc_lr_mult: float = 1.0
+) -> list[dict[str, Any]]:
+    """AdamW parameter groups: matrices decay by ``weight_decay``; gains, biases, scalars, embeddings not.
+
+    With ``unc_lr_mult`` != 1 the σ-head parameters (``is_unc_param``) get their own groups at
+    ``lr * unc_lr_mult`` (same decay rule); the LR schedule scales every group alike.
+    """
     params = dict(model.named_parameters())
     decay, no_decay = decay_split(model)
-    return [
-        {"params": [params[n] for n in decay], "weight_decay": weight_decay},
-        {"params": [params[n] for n in no_decay], "weight_decay": 0.0},
-    ]
+    groups = []
+    for names, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        split = unc_lr_mult != 1.0 and lr is not None
+        main = [params[n] for n in names if not (split and is_unc_param(n))]
+        groups.append({"params": main, "weight_decay": wd})
+        unc = [params[n] for n in names if split and is_unc_param(n)]
+        if unc:
+            groups.append({"params": unc, "weight_decay": wd, "lr": lr * unc_lr_mult})  # type: ignore[operator]
+    return groups
 
 
 def save_checkpoint(

@@ -198,7 +198,8 @@ def setup_state(
     ddp = wrap(module)
     inner: TrainModule = ddp.module if hasattr(ddp, "module") else ddp
     o = cfg.optim
-    opt = torch.optim.AdamW(param_groups(inner, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    groups = param_groups(inner, o.weight_decay, o.lr, o.unc_lr_mult)
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.total_steps, o.warmup_steps, o.min_lr_ratio))
     if saved is not None:
         opt.load_state_dict(saved["optimizer"])

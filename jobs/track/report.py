@@ -138,11 +138,13 @@ def _auroc(score: list[float], positive: list[bool]) -> float:
 
 def noise_detection(cfg: Any, scores_path: str, store: Storage) -> dict[str, float] | None:
     """How well each score separates the demo pool's bad captions (ground truth), as ROC AUC: CSD and
-    −cosine for mismatched captions, Σσ²_t for mismatched and for non-English ones. 0.5 = chance."""
+    −cosine for mismatched captions, Σσ²_t for mismatched, non-English and uninformative (level-0, "a photo
+    of an object") ones, and the mean Σσ²_t of each group beside clean specific captions. 0.5 = chance."""
     truth = _pool_truth(cfg, store)
     if truth is None:
         return None
     noise = dict(zip(truth["uid"], truth["caption_noise"], strict=True))
+    level = dict(zip(truth["uid"], truth["level"], strict=True))
     sc = store.read_parquet(scores_path).to_pydict()
     rows = [i for i, ok in enumerate(sc["ok"]) if ok and sc["uid"][i] in noise]
     kinds = [noise[sc["uid"][i]] for i in rows]
@@ -156,6 +158,17 @@ def noise_detection(cfg: Any, scores_path: str, store: Storage) -> dict[str, flo
         unc = [sc["text_unc"][i] for i in rows]
         out["text_unc_auroc_mismatched"] = _auroc(unc, [k == "mismatched" for k in kinds])
         out["text_unc_auroc_non_english"] = _auroc(unc, [k == "non_english" for k in kinds])
+        vague = [k == "clean" and level[sc["uid"][i]] == 0 for k, i in zip(kinds, rows, strict=True)]
+        out["text_unc_auroc_uninformative"] = _auroc(unc, vague)
+        groups = {
+            "clean_specific": [k == "clean" and not v for k, v in zip(kinds, vague, strict=True)],
+            "uninformative": vague,
+            "non_english": [k == "non_english" for k in kinds],
+            "mismatched": [k == "mismatched" for k in kinds],
+        }
+        for name, member in groups.items():
+            picked = [u for u, m in zip(unc, member, strict=True) if m]
+            out[f"text_unc_mean_{name}"] = sum(picked) / len(picked) if picked else float("nan")
     return out
 
 

@@ -1,7 +1,8 @@
 """Captions for the demo pool at four levels of specificity, in English and four other languages.
 
 Level 0 names nothing ("a photo of an object"), 1 the colour ("a red shape"), 2 colour and shape
-("a red circle"), 3 everything ("a small red circle in the top left on a striped grey background").
+("a red circle"), 3 adds size (and the
+position and/or the background) ("a small red circle in the top left on a striped grey background").
 The non-English captions (German, French, Spanish, Italian) are real sentences with gender agreement,
 so fastText's lid.176 — the model DataComp's English filter uses — labels them non-English.
 
@@ -40,18 +41,40 @@ def _a(word: str) -> str:
     return ("an " if word[0] in "aeiou" else "a ") + word
 
 
+# Wordings of every level span overlapping word counts (short and long general captions, short and long
+# specific ones: 4–10, 3–11, 3–9 and 4–16 words for levels 0–3), so a caption's length does not give its level
+# away: the hierarchy eval set then tests specificity (what the caption names), not length.
 _EN = {
-    0: ("a photo of an object", "an image of something", "a picture of an object", "a photo of something"),
+    0: (
+        "a photo of an object",
+        "an image of something",
+        "a picture of an object",
+        "a photo of something",
+        "a picture of some kind of object on a background",
+        "a simple photo that shows one object",
+    ),
     1: (
         "a photo of {a_colour} shape",
         "{a_colour} shape",
         "{a_colour} object",
         "an image of {a_colour} shape",
+        "a picture of some kind of {colour} shape on a background",
+        "a simple photo that shows one {colour} object",
     ),
-    2: ("a photo of {a_colour} {shape}", "an image of {a_colour} {shape}", "a picture of {a_colour} {shape}"),
+    2: (
+        "a photo of {a_colour} {shape}",
+        "an image of {a_colour} {shape}",
+        "a picture of {a_colour} {shape}",
+        "the {colour} {shape}",
+        "a picture of {a_colour} {shape} on a background",
+        "a simple photo that shows one {colour} {shape}",
+    ),
     3: (
         "{a_size} {colour} {shape} {pos} on {a_texture} {bg} background",
         "a photo of {a_size} {colour} {shape} {pos} on {a_texture} {bg} background",
+        "{a_size} {colour} {shape} {pos}",
+        "{a_size} {colour} {shape} on {a_texture} {bg} background",
+        "the {size} {colour} {shape}",
     ),
 }
 
@@ -63,6 +86,7 @@ def _english(level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b
         colour=COLOURS[c],
         shape=SHAPES[s],
         a_size=_a(SIZES[z]),
+        size=SIZES[z],
         pos=_EN_POSITION[POSITIONS[p]],
         a_texture=_a(TEXTURES[t]),
         bg=BACKGROUNDS[b],
@@ -247,9 +271,11 @@ def n_variants(lang: str, level: int) -> int:
     return 1 if level == 3 else 2
 
 
-def all_levels(shape: int, colour: int, size: int, position: int, texture: int, background: int) -> list[str]:
-    """The canonical English caption of each level 0..3 (variant 0), for the hierarchy eval set."""
-    return [caption("en", lvl, 0, shape, colour, size, position, texture, background) for lvl in range(4)]
+def all_levels(*attrs: int, variants: tuple[int, ...] = (0, 0, 0, 0)) -> list[str]:
+    """One English caption of each level 0..3 for the attributes (shape, colour, size, position, texture,
+    background); ``variants[k]`` picks level k's wording. The hierarchy eval set draws the wordings per
+    image so that lengths overlap across levels."""
+    return [caption("en", lvl, variants[lvl], *attrs) for lvl in range(4)]
 
 
 def paraphrases(

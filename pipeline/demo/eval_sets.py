@@ -10,7 +10,9 @@ Under ``OUT/eval/``:
 - ``retrieval/``: ``{key}.jpg`` + ``{key}.txt`` with three English descriptions, one per line
   (``dataset_type.txt`` = retrieval).
 - ``hierarchy/``: ``{key}.jpg`` + ``{key}.txt`` whose lines are the caption levels 0..3, general to
-  specific (read as a retrieval set by clip_benchmark; line k is level k).
+  specific (read as a retrieval set by clip_benchmark; line k is level k). Each image draws its own
+  wording per level, and the wordings' word counts overlap across levels, so ordering the levels by
+  σ² tests specificity rather than caption length.
 
 Pictures come from their own seed stream (never the pool's), with no noise, faces or duplicates, and
 classes balanced and interleaved so any prefix of a set is balanced too.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.demo.captions import all_levels, paraphrases
+from pipeline.demo.captions import all_levels, n_variants, paraphrases
 from pipeline.demo.images import map_threads
 from pipeline.demo.render import (
     BACKGROUNDS,
@@ -139,9 +141,17 @@ def _captioned(root: Path, seed: int, set_id: int, n: int, captions) -> None:
     jpegs = _render_all(scenes, seed, set_id)
     samples = []
     for j, s in zip(jpegs, scenes, strict=True):
-        lines = captions(*(getattr(s, a) for a in _ATTRS))
+        lines = captions(*(getattr(s, a) for a in _ATTRS), rng=rng)
         samples.append({"jpg": j, "txt": "\n".join(lines).encode(), "json": _scene_json(s)})
     _write_wds(root, samples, "retrieval")
+
+
+def _paraphrases(*attrs: int, rng: np.random.Generator) -> list[str]:
+    return paraphrases(*attrs)
+
+
+def _levels(*attrs: int, rng: np.random.Generator) -> list[str]:
+    return all_levels(*attrs, variants=tuple(int(rng.integers(n_variants("en", k))) for k in range(4)))
 
 
 def write_eval_sets(
@@ -164,7 +174,7 @@ def write_eval_sets(
         shutil.rmtree(d, ignore_errors=True)
     _classification(dirs["shapes"], seed, 0, "shape", SHAPES, SHAPE_TEMPLATES, sizes.per_class)
     _classification(dirs["colours"], seed, 1, "colour", COLOURS, COLOUR_TEMPLATES, sizes.per_class)
-    _captioned(dirs["retrieval"], seed, 2, sizes.retrieval, paraphrases)
-    _captioned(dirs["hierarchy"], seed, 3, sizes.hierarchy, all_levels)
+    _captioned(dirs["retrieval"], seed, 2, sizes.retrieval, _paraphrases)
+    _captioned(dirs["hierarchy"], seed, 3, sizes.hierarchy, _levels)
     marker.write_text(json.dumps(stamp, sort_keys=True))
     return {k: str(v) for k, v in dirs.items()}
