@@ -443,10 +443,12 @@ def run_filters(
         )
     # A subset an earlier build run wrote for a filter no longer asked for is not derived from this run's
     # statuses: remove it. Only the build's own (listed in work/): other jobs write subsets here too.
+    # Names, not paths: a run directory that was copied or moved must never reach back into the original.
     listed = storage.join(paths["work"], "subsets.json")
     before = store.read_json(listed) if store.exists(listed) else []
-    store.remove_files([p for p in before if p not in subsets.values()])
-    store.write_json(sorted(subsets.values()), listed)
+    stale = {os.path.basename(str(p)) for p in before} - {f"{n}.npy" for n in subsets}
+    store.remove_files([storage.join(paths["subsets"], n) for n in sorted(stale)])
+    store.write_json(sorted(f"{n}.npy" for n in subsets), listed)
     store.write_parquet(pa.table(columns), paths["filters"])
     return sizes, subsets
 

@@ -32,12 +32,14 @@ def snapshot(out: str | Path) -> dict:
     return {"status": statuses, "members": members, "subsets": subsets, "tars": tars}
 
 
-def check_invariants(snap: dict, n_rows: int) -> None:
-    """Exactly one status per input row; shards = successes, each once; subsets ⊆ successes, each once."""
+def check_invariants(snap: dict, n_rows: int, scope: str = "metadata") -> None:
+    """Exactly one status per input row; shards = successes, each once; every subset lists each uid once,
+    within its scope: the valid uids of the pool ("metadata", the default) or the successes ("downloaded")."""
     assert len(snap["status"]) == n_rows
     success = {u for u, s in snap["status"] if s == S.STATUS_SUCCESS}
     assert set(snap["members"]) == success
+    listed = {u for u, _ in snap["status"] if S.is_valid_uid(u)} if scope == "metadata" else success
     for name, uids in snap["subsets"].items():
         assert len(uids) == len(set(uids)), f"subset {name} repeats a uid"
-        assert set(uids) <= success, name
-    assert set(snap["subsets"]["no_filter"]) == success
+        assert set(uids) <= listed, name
+    assert set(snap["subsets"]["no_filter"]) == listed
