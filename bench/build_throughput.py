@@ -11,7 +11,8 @@ Measured, same URLs, DataComp's settings (longest side 512, downscale only, JPEG
   (a) ours      ``pipeline.build.build``: metadata → URL dedupe → download parts (Ray Data actor pool) →
                 exact-image dedupe → shards → the ``no_filter`` subset; wall time of the whole ``build()``
                 call (Ray already up; ``ray.init`` reported apart) and of its download phase alone
-                (``BuildResult.timings["download"]``). Run with the BuildConfig defaults and with TUNED.
+                (``BuildResult.timings["download"]``). Run with the BuildConfig defaults, and with ``--tuned``
+                overrides as a further contender when given.
   (b) img2dataset  ``img2dataset.download`` with the multiprocessing distributor, as DataComp's
                 ``download_upstream.py`` calls it (image_size 512, keep_ratio_largest, resize_only_if_bigger,
                 encode_quality 95, webdataset), ``processes_count = --cores``, ``thread_count`` = our
@@ -20,11 +21,14 @@ Measured, same URLs, DataComp's settings (longest side 512, downscale only, JPEG
                 alone (the runner times it) and the subprocess wall time including ``import img2dataset``.
   (c) ceiling   ``pipeline.resize.process_image`` (decode, resize, encode, pHash) over the same bytes in
                 memory, one thread, OpenCV single-threaded: images/s per core.
-Ratios: a/b (goal ≥ 1.0) and a/(c × cores). Order: c, b, then Ray starts and a runs, so img2dataset never
-shares the CPUs with an idle Ray. Absolute times on a shared machine are noise; the load average is
-recorded beside each figure.
+Order: (c) once, then ``--rounds`` rounds of b, a (, a tuned): the contenders alternate (A B A B A B), each
+of our runs in its own Ray session started after img2dataset finished and stopped before the next round,
+so no contender shares the CPUs with another's idle processes. Ratios a/b are taken per round (same
+minute, same load) and reported as the median with min–max over the rounds (goals: whole build() ≥ 1.2,
+download phase ≥ 1.4). The 1-min load average is printed beside every figure and a warning when it exceeds
+the core count; a loaded run does not overwrite bench/results/build_throughput.json (``--allow-loaded``).
 
-Writes bench/results/build_throughput.json. Usage: python bench/build_throughput.py [--n 2000] [--cores N]
+Writes bench/results/build_throughput.json. Usage: python bench/build_throughput.py [--n 2000] [--rounds 3] [--cores N] [--tuned part_size=500]
 """
 
 from __future__ import annotations
@@ -52,12 +56,8 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.config import BuildConfig, merge, parse_set  # noqa: E402
 
-# BuildConfig knobs for the second run (docs/download.md, "Build throughput"). Parts of 500 rows give each
-# actor two calls, so one part's tar/parquet write overlaps fetching; on the shared 2-core machine neither
-# this nor actor count, threads or CPUs per actor moved the figure beyond the run-to-run noise (±30%):
-# the download work already runs near c × cores, and the rest of the wall time is fixed overhead.
-TUNED: dict = {"part_size": 500}
 CACHE = Path(tempfile.gettempdir()) / "prolip-bench-build-throughput"
+DEFAULT_OUT = ROOT / "bench" / "results" / "build_throughput.json"
 _BANK = 1400  # noise bank side (px) ≥ the largest image side, so every image crops its own window
 
 
@@ -175,7 +175,7 @@ def serve(folder: str) -> None:
         protocol_version = "HTTP/1.0"
 
         def do_GET(self) -> None:
-            body = bodies.get(self.path)
+            body = bodies.get(self.path.split("?")[0])  # a query names a row, not an image
             if body is None:
                 self.send_error(404)
                 return
@@ -339,39 +339,101 @@ def run_ceiling(paths: list[Path], n: int) -> dict:
 # --- main -----------------------------------------------------------------------------------------------
 
 
+def load_note(load: float, cores: int) -> str:
+    """The 1-min load average as printed beside every figure; flagged when the machine is oversubscribed."""
+    return f"load {load:.1f}" + (" (> cores!)" if load > cores else "")
+
+
+def spread(values: list[float]) -> dict:
+    v = sorted(values)
+    return {"median": float(np.median(v)), "min": v[0], "max": v[-1], "n": len(v), "values": values}
+
+
+def summarise(rounds: list[dict], names: list[str]) -> dict:
+    """Per-round ratios against img2dataset in the same round, then their median and min–max."""
+    out = {}
+    for name in names:
+        whole = [r[name]["images_per_s"] / r["img2dataset"]["images_per_s"] for r in rounds]
+        dl = [r[name]["download_images_per_s"] / r["img2dataset"]["images_per_s"] for r in rounds]
+        out[name] = {
+            "a_over_b": spread(whole),
+            "download_over_b": spread(dl),
+            "images_per_s": spread([r[name]["images_per_s"] for r in rounds]),
+            "download_images_per_s": spread([r[name]["download_images_per_s"] for r in rounds]),
+        }
+    out["img2dataset"] = {"images_per_s": spread([r["img2dataset"]["images_per_s"] for r in rounds])}
+    return out
+
+
 def print_report(results: dict, n: int, cores: int) -> None:
     from jobs.common import print_table
 
-    b = results["img2dataset"]["images_per_s"]
-    c = results["ceiling"]["images_per_s"]
-    i2d = results["img2dataset"]
-    rows = [
-        ("(c) process_image, 1 thread", c, f"x{cores} cores = {c * cores:.1f}", results["ceiling"]),
-        ("(b) img2dataset.download", b, f"{i2d['images_per_s_with_import']:.1f} with import", i2d),
+    c = results["ceiling"]
+    s = results["summary"]
+    fmt = lambda d: f"{d['median']:.2f} ({d['min']:.2f}–{d['max']:.2f})"  # noqa: E731
+    loads = [
+        x for r in results["rounds"] for x in (v["load_avg_1m"] for v in r.values() if isinstance(v, dict))
     ]
-    for name in ("ours_default", "ours_tuned"):
-        if name in results:
-            r = results[name]
-            r["a_over_b"], r["a_over_c_cores"] = r["images_per_s"] / b, r["images_per_s"] / (c * cores)
-            rows.append(
-                (
-                    f"(a) {name} build()",
-                    r["images_per_s"],
-                    f"{r['download_images_per_s']:.1f} download phase",
-                    r,
-                )
-            )
     table = [
-        (what, f"{v:.1f}", also, f"{v / b:.2f}" if i else "", f"{v / (c * cores):.2f}" if i else "", f"{r['load_avg_1m']:.1f}")
-        for i, (what, v, also, r) in enumerate(rows)
-    ]  # fmt: skip
-    headers = ("what", "images/s", "also", "÷ (b)", "÷ (c × cores)", "load 1m")
-    print_table(f"build throughput: {n} images, {cores} cores", table, headers)
-    for name in ("ours_default", "ours_tuned"):
-        if name in results:
-            phases = ", ".join(f"{k} {v:.1f}s" for k, v in results[name]["timings_s"].items())
-            print(f"{name}: {phases}; first part done at {results[name]['first_part_done_s']:.1f}s")
-    print(f"ray.init {results['ray_init_s']:.1f}s; import img2dataset {i2d['import_s']:.1f}s")
+        (
+            "(c) process_image, 1 thread",
+            f"{c['images_per_s']:.1f}",
+            "",
+            "",
+            load_note(c["load_avg_1m"], cores),
+        )
+    ]
+    b = s["img2dataset"]["images_per_s"]
+    table.append(("(b) img2dataset.download", fmt(b), "1.00", "", ""))
+    for name in results["contenders"]:
+        table.append((f"(a) {name} build()", fmt(s[name]["images_per_s"]), fmt(s[name]["a_over_b"]),
+                      fmt(s[name]["download_over_b"]), ""))  # fmt: skip
+    headers = ("what", "images/s median (min–max)", "÷ (b), whole", "÷ (b), download phase", "load")
+    rounds = len(results["rounds"])
+    print_table(f"build throughput: {n} images, {cores} cores, {rounds} alternated rounds", table, headers)
+    for i, r in enumerate(results["rounds"]):
+        line = "; ".join(
+            f"{k} {v['images_per_s']:.1f}/s {load_note(v['load_avg_1m'], cores)}"
+            for k, v in r.items()
+            if isinstance(v, dict)
+        )
+        print(f"  round {i + 1}: {line}")
+    print(f"1-min load over the runs: {min(loads):.1f}–{max(loads):.1f} on {cores} cores")
+    if max(loads) > cores:
+        print(
+            f"WARNING: load exceeded the core count ({max(loads):.1f} > {cores}): these ratios are not evidence"
+        )
+
+
+def run_round(meta: Path, work: Path, i: int, cores: int, contenders: dict[str, dict]) -> dict:
+    """One round: img2dataset, then each of our contenders, each in its own cold Ray session."""
+    import ray
+
+    from jobs.common import init_ray
+
+    defaults = bench_config(meta, work / "unused", {})
+    threads, shard = defaults.download.threads_per_actor, defaults.part_size
+    out = {"img2dataset": run_img2dataset(meta, work / f"img2dataset{i}", cores, threads, shard)}
+    print(f"  (b) img2dataset: {out['img2dataset']['images_per_s']:.1f} images/s, "
+          f"{load_note(out['img2dataset']['load_avg_1m'], cores)}")  # fmt: skip
+    for name, overrides in contenders.items():
+        # Ray is started for each of our runs and stopped after it: img2dataset never shares the CPUs with
+        # an idle Ray, and every build() is cold, as a user's one build is (ray.init is reported apart).
+        t = time.perf_counter()
+        init_ray(num_cpus=cores)
+        ray_init = time.perf_counter() - t
+        try:
+            out[name] = run_ours(bench_config(meta, work / f"{name}{i}", overrides)) | {
+                "overrides": overrides,
+                "ray_init_s": ray_init,
+            }
+        finally:
+            ray.shutdown()
+        print(f"  (a) {name}: {out[name]['images_per_s']:.1f} images/s, "
+              f"{load_note(out[name]['load_avg_1m'], cores)}")  # fmt: skip
+        shutil.rmtree(work / f"{name}{i}", ignore_errors=True)
+    shutil.rmtree(work / f"img2dataset{i}", ignore_errors=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,50 +441,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=2000, help="images in the corpus")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds (b, a[, tuned]) — at least 3")
     p.add_argument("--ceiling-n", type=int, default=400, help="images timed for the ceiling (c)")
     p.add_argument("--tuned", action="append", default=None, metavar="KEY=VALUE",
-                   help="BuildConfig override for the tuned run, repeatable (default: TUNED)")  # fmt: skip
+                   help="BuildConfig override for a second contender of ours, repeatable (default: none)")  # fmt: skip
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "build_throughput.json"))
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--allow-loaded", action="store_true",
+                   help=f"write {DEFAULT_OUT.name} even when the load exceeded the core count")  # fmt: skip
     args = p.parse_args(argv)
     if args.serve:
         serve(args.serve)
         return 0
+    if args.rounds < 3:
+        print(f"note: --rounds {args.rounds} < 3: a smoke run, not a measurement")
 
-    import ray
-
-    from jobs.common import init_ray
-
-    tuned = parse_set(args.tuned) if args.tuned is not None else TUNED
     cores = args.cores
+    contenders = {"ours_default": {}}
+    if args.tuned is not None:
+        contenders["ours_tuned"] = parse_set(args.tuned)
     paths = make_corpus(args.n, args.seed, cores)
     work = Path(tempfile.mkdtemp(prefix="bench-build-"))
     server = ImageServer(paths[0].parent)
-    results: dict = {}
+    results: dict = {"contenders": list(contenders), "rounds": []}
     try:
         meta = write_metadata(paths, server.base_url, work / "metadata", args.seed)
-        defaults = bench_config(meta, work / "unused", {})
-        print(f"corpus: {args.n} JPEGs at {server.base_url}; {cores} cores; load {os.getloadavg()[0]:.1f}")
+        print(
+            f"corpus: {args.n} JPEGs at {server.base_url}; {cores} cores; {load_note(os.getloadavg()[0], cores)}"
+        )
         results["ceiling"] = run_ceiling(paths, args.ceiling_n)
         print(f"(c) ceiling: {results['ceiling']['images_per_s']:.1f} images/s on one core")
-        threads, shard = defaults.download.threads_per_actor, defaults.part_size
-        results["img2dataset"] = run_img2dataset(meta, work / "img2dataset", cores, threads, shard)
-        print(f"(b) img2dataset: {results['img2dataset']['images_per_s']:.1f} images/s")
-        t = time.perf_counter()
-        init_ray(num_cpus=cores)
-        results["ray_init_s"] = time.perf_counter() - t
-        # Default first: it pays the Ray session's cold start (first Ray Data execution, fresh worker
-        # processes) as a user's one build would; the tuned run after it starts warm (a few s ahead).
-        for name, overrides in [("ours_default", {}), ("ours_tuned", tuned)]:
-            results[name] = run_ours(bench_config(meta, work / name, overrides)) | {"overrides": overrides}
-            print(f"(a) {name}: {results[name]['images_per_s']:.1f} images/s")
+        for i in range(args.rounds):
+            print(f"round {i + 1}/{args.rounds}")
+            results["rounds"].append(run_round(meta, work, i, cores, contenders))
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
+    results["summary"] = summarise(results["rounds"], list(contenders))
     print_report(results, args.n, cores)
+    loads = [v["load_avg_1m"] for r in results["rounds"] for v in r.values()]
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "host": platform.node(),
@@ -430,12 +488,18 @@ def main(argv: list[str] | None = None) -> int:
         "cores": cores,
         "n": args.n,
         "seed": args.seed,
-        "goal_a_over_b": 1.0,
+        "goals": {"a_over_b": 1.2, "download_over_b": 1.4},
+        "max_load_avg_1m": max(loads),
+        "loaded": max(loads) > cores,
         **results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"wrote {args.out}")
+    out = Path(args.out)
+    if report["loaded"] and out.resolve() == DEFAULT_OUT.resolve() and not args.allow_loaded:
+        out = Path(tempfile.gettempdir()) / DEFAULT_OUT.name
+        print(f"loaded machine: not overwriting {DEFAULT_OUT} (pass --allow-loaded to force)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {out}")
     return 0
 
 
