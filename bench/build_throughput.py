@@ -384,10 +384,15 @@ def print_report(results: dict, n: int, cores: int) -> None:
         )
     ]
     b = s["img2dataset"]["images_per_s"]
-    table.append(("(b) img2dataset.download", fmt(b), "1.00", "", ""))
+
+    def loads_of(name: str) -> str:
+        ls = [r[name]["load_avg_1m"] for r in results["rounds"]]
+        return f"load {min(ls):.1f}–{max(ls):.1f}" + (" (> cores!)" if max(ls) > cores else "")
+
+    table.append(("(b) img2dataset.download", fmt(b), "1.00", "1.00", loads_of("img2dataset")))
     for name in results["contenders"]:
         table.append((f"(a) {name} build()", fmt(s[name]["images_per_s"]), fmt(s[name]["a_over_b"]),
-                      fmt(s[name]["download_over_b"]), ""))  # fmt: skip
+                      fmt(s[name]["download_over_b"]), loads_of(name)))  # fmt: skip
     headers = ("what", "images/s median (min–max)", "÷ (b), whole", "÷ (b), download phase", "load")
     rounds = len(results["rounds"])
     print_table(f"build throughput: {n} images, {cores} cores, {rounds} alternated rounds", table, headers)
