@@ -141,7 +141,7 @@ class RssMonitor:
         self._thread.join()
 
 
-def meta_stages(n: int, min_free_gb: float) -> dict:
+def meta_stages(n: int, min_free_gb: float, child_out: str = "") -> dict:
     """(In a subprocess.) Time each metadata stage of the build's driver at ``n`` rows."""
     import psutil
 
@@ -165,6 +165,10 @@ def meta_stages(n: int, min_free_gb: float) -> dict:
         out["stages_s"][name] = time.perf_counter() - t
         out["rss_after_gb"][name] = rss()
         print(f"  {n} rows: {name} {out['stages_s'][name]:.1f}s, driver RSS {rss():.2f} GB", flush=True)
+        if child_out:  # what is measured survives a stop on low memory
+            Path(child_out).write_text(
+                json.dumps(out | {"worker_peak_rss_gb_so_far": mon.worker_peak / 2**30})
+            )
         return res
 
     stage("ray.init", lambda: init_ray(num_cpus=os.cpu_count() or 1))
@@ -210,7 +214,8 @@ def run_meta(sizes: list[int], min_free_gb: float) -> list[dict]:
                "--child-out", str(res_file)]  # fmt: skip
         proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         if proc.returncode != 0:
-            results.append({"rows": n, "failed": f"exit {proc.returncode}"})
+            partial = json.loads(res_file.read_text()) if res_file.stat().st_size else {}
+            results.append(partial | {"rows": n, "failed": f"exit {proc.returncode} (3: low memory)"})
             break
         results.append(json.loads(res_file.read_text()))
         res_file.unlink()
@@ -448,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.meta_child:
-        Path(args.child_out).write_text(json.dumps(meta_stages(args.meta_child, args.min_free_gb)))
+        Path(args.child_out).write_text(
+            json.dumps(meta_stages(args.meta_child, args.min_free_gb, args.child_out))
+        )
         return 0
     if args.quick:
         args.meta_sizes, args.pool_sizes, args.corpus, args.reshard_n = (
