@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from pipeline.config import BUILD_PRESETS
+from pipeline.schema import is_valid_uid, u8pairs_to_uids
 from tests.fixtures_head import BIN, ROOT, base_env, free_ports, ray_head, start_head, stop_head  # noqa: F401
 from tests.fixtures_train import write_demo_shards
 
@@ -96,13 +97,15 @@ def test_submit_demo_build_and_tiny_training(ray_head, tmp_path) -> None:
     assert manifest["jobs"]["build_dataset"]["counts"]["input_rows"] == 100
     status = pq.read_table(out / "metadata" / "status.parquet")
     assert status.num_rows == 100 and "success" in set(status.column("status").to_pylist())
-    # One subset per filter of the demo preset, each a DataComp u8,u8 array of successful uids.
+    # One subset per filter of the demo preset, each a DataComp u8,u8 array; the default scope is DataComp's
+    # (every valid metadata uid that passes), so no_filter lists the whole pool, the undownloaded rows too.
     expected = sorted(f"{name}.npy" for name in BUILD_PRESETS["demo"].filters.names)
     assert sorted(p.name for p in (out / "subsets").glob("*.npy")) == expected
-    success = {u for u, s in zip(status.column("uid").to_pylist(), status.column("status").to_pylist(), strict=True)
-               if s == "success"}  # fmt: skip
+    assert BUILD_PRESETS["demo"].filters.subset_scope == "metadata"
     no_filter = np.load(out / "subsets" / "no_filter.npy")
-    assert no_filter.dtype == np.dtype("u8,u8") and len(no_filter) == len(success)
+    pool = {u for u in status.column("uid").to_pylist() if is_valid_uid(u)}
+    assert no_filter.dtype == np.dtype("u8,u8") and set(u8pairs_to_uids(no_filter)) == pool
+    assert len(pool) > sum(s == "success" for s in status.column("status").to_pylist())
     assert list((out / "shards").glob("*.tar"))
 
     shards = tmp_path / "shards"
