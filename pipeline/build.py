@@ -380,15 +380,22 @@ def _row_ids(table: pa.Table) -> list[tuple[str, str]]:
     return list(zip(table.column(S.UID).to_pylist(), table.column(ROW_KEY).to_pylist(), strict=True))
 
 
-def _eligible(pool: _Pool, status_table: pa.Table, rows: list[tuple[str, str]]) -> np.ndarray:
+def _live_rows(pool: _Pool) -> set[tuple[str, str]]:
+    """The rows that went on to download (one per uid: a repeated uid's canonical row)."""
+    return {r for r, keep in zip(_row_ids(pool.narrow), pool.live(), strict=True) if keep}
+
+
+def _eligible(
+    pool: _Pool, status_table: pa.Table, rows: list[tuple[str, str]], live: set | None = None
+) -> np.ndarray:
     """Rows that may enter a subset or the tokenizer: the canonical row of a uid whose status is success."""
+    live = _live_rows(pool) if live is None else live
     ok = set(
         pc.filter(
             status_table.column(S.UID), pc.equal(status_table.column(S.STATUS), S.STATUS_SUCCESS)
         ).to_pylist()
     )
-    live = {r for r, keep in zip(_row_ids(pool.narrow), pool.live(), strict=True) if keep and r[0] in ok}
-    return np.array([r in live for r in rows], dtype=bool)
+    return np.array([r in live and r[0] in ok for r in rows], dtype=bool)
 
 
 def run_filters(
@@ -414,8 +421,9 @@ def run_filters(
         label = dict(zip(_row_ids(lang_tab), lang_tab.column("lang").to_pylist(), strict=True))
         lang = np.array([label[r] for r in rows], dtype=object)
     results = apply_filters(meta, cfg.filters, lang=lang, store=store) if rows else {}
-    success = _eligible(pool, status_table, rows)
-    listable = _listable(pool, rows)
+    live = _live_rows(pool)
+    success = _eligible(pool, status_table, rows, live)
+    listable = _listable(rows, live)
     eligible = listable if cfg.filters.subset_scope == "metadata" else success
     columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
     sizes, subsets = {}, {}
@@ -457,10 +465,9 @@ def _uids_where(rows: list[tuple[str, str]], mask: np.ndarray) -> np.ndarray:
     return np.unique(np.array([r[0] for r, k in zip(rows, mask, strict=True) if k], dtype=object))
 
 
-def _listable(pool: _Pool, rows: list[tuple[str, str]]) -> np.ndarray:
+def _listable(rows: list[tuple[str, str]], live: set[tuple[str, str]]) -> np.ndarray:
     """Rows a metadata-scope subset may list: one row per valid uid (DataComp lists each uid once; an invalid
     uid has no u8,u8 form) — the row that went on to download when there is one, else the uid's first row."""
-    live = {r for r, keep in zip(_row_ids(pool.narrow), pool.live(), strict=True) if keep}
     pick: dict[str, tuple[str, str]] = {}
     for r in rows:
         if S.is_valid_uid(r[0]) and (r[0] not in pick or (r in live and pick[r[0]] not in live)):
