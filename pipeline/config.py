@@ -256,6 +256,9 @@ class DownloadConfig:
     retry_backoff_s: float = 1.0  # exponential backoff base, full jitter
     retry_after_max_s: float = 30.0  # longest Retry-After honoured by waiting; longer → no early retry
     decode_pixel_budget: int = 89_478_485  # decoded pixels an actor's threads hold at once
+    # JPEGs decode at the smallest libjpeg scale (1/2, 1/4, 1/8) still ≥ this × the output size, then
+    # area-resize; 0 = always the full decode (img2dataset's bytes). docs/download.md, "Where the time goes".
+    jpeg_dct_margin: float = 3.0
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -270,6 +273,12 @@ class DownloadConfig:
                 raise ConfigError(f"allow_hosts {exc}") from None
         non_negative(self, "retries", "part_deadline_s", "retry_backoff_s", "retry_after_max_s")
         require(1 <= self.jpeg_quality <= 100, "jpeg_quality", "must be in 1..100", self.jpeg_quality)
+        require(
+            self.jpeg_dct_margin == 0 or 1 <= self.jpeg_dct_margin < math.inf,
+            "jpeg_dct_margin",
+            "must be 0 (full decode) or a finite number ≥ 1",
+            self.jpeg_dct_margin,
+        )
 
 
 @dataclass(frozen=True)

@@ -405,6 +405,7 @@ class DownloadWorker:
             blur_faces=cfg.blur_faces,
             budget=self.budget,
             deadline=deadline,
+            dct_margin=cfg.jpeg_dct_margin,
         )
         return {
             S.STATUS: img.status,

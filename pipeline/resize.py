@@ -17,8 +17,9 @@ decoding (img2dataset decodes fully first); EXIF orientation is applied (OpenCV'
 ignores it) *after* blurring, because DataComp's boxes were detected on unrotated images; JPEGs with
 recoverable decode errors (truncated scans) are rejected as corrupt rather than kept half-grey; a face box
 that is not four finite numbers is skipped (img2dataset fails the whole image on it). Large JPEGs are
-decoded with libjpeg's DCT-domain downscale by a power of two while staying ≥ 3× the target size, then
-area-resized: ≥ 45 dB from the full decode.
+decoded with libjpeg's DCT-domain downscale by a power of two while staying ≥ ``dct_margin`` × the target
+size (``DownloadConfig.jpeg_dct_margin``; 0 = full decode, img2dataset's bytes), then area-resized.
+Pixels are kept in OpenCV's BGR order from the decoder to the encoder: every step is per channel.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from dataclasses import dataclass
 
 import cv2
 import numpy as np
-import scipy.fftpack  # noqa: F401  (imagehash imports it lazily: ~1 s on the first phash of a worker)
 import simplejpeg
 from PIL import Image
 
@@ -60,7 +60,7 @@ _MAGIC = (
     b"MM\x00*",
     b"\x00\x00\x01\x00",
 )
-DCT_MARGIN = 3  # DCT-domain downscale only while the decoded image stays ≥ 3× the output size
+DCT_MARGIN = 3.0  # DownloadConfig.jpeg_dct_margin's default (docs/download.md, "Where the time goes")
 
 
 @dataclass(frozen=True)
@@ -93,13 +93,15 @@ def output_size(width: int, height: int, image_size: int) -> tuple[int, int]:
     return max(1, round(width * scale)), max(1, round(height * scale))
 
 
-def dct_factor(width: int, height: int, out_w: int, out_h: int) -> int:
-    """Largest power-of-two JPEG scale-down (≤ 8) keeping the decoded image ≥ DCT_MARGIN × the output."""
+def dct_factor(width: int, height: int, out_w: int, out_h: int, margin: float = DCT_MARGIN) -> int:
+    """Largest power-of-two JPEG scale-down (≤ 8) keeping the decoded image ≥ ``margin`` × the output;
+    1 for ``margin`` 0 (always the full decode)."""
     f = 1
     while (
-        f < 8
-        and math.ceil(width / (2 * f)) >= DCT_MARGIN * out_w
-        and math.ceil(height / (2 * f)) >= DCT_MARGIN * out_h
+        margin > 0
+        and f < 8
+        and math.ceil(width / (2 * f)) >= margin * out_w
+        and math.ceil(height / (2 * f)) >= margin * out_h
     ):
         f *= 2
     return f
@@ -268,8 +270,9 @@ def _strip_converter(im: Image.Image) -> Callable[[Image.Image], np.ndarray]:
     return lambda s: np.asarray(s.convert("RGB"))
 
 
-def _to_rgb(im: Image.Image) -> np.ndarray:
-    """Loaded Pillow image of any mode → (H, W, 3) uint8; transparency composited on white like img2dataset.
+def _to_rgb(im: Image.Image, bgr: bool = False) -> np.ndarray:
+    """Loaded Pillow image of any mode → (H, W, 3) uint8 (channels reversed with ``bgr``); transparency
+    composited on white like img2dataset.
 
     Converted strip by strip into one preallocated array, in integers: no full-size float or wide-int copy.
     """
@@ -279,36 +282,36 @@ def _to_rgb(im: Image.Image) -> np.ndarray:
     rows = max(1, STRIP_PIXELS // max(1, w))
     for y in range(0, h, rows):
         part = convert(im.crop((0, y, w, min(h, y + rows))))
-        out[y : y + part.shape[0]] = part if part.ndim == 3 else part[..., None]
+        out[y : y + part.shape[0]] = (part[..., ::-1] if bgr else part) if part.ndim == 3 else part[..., None]
     return out
 
 
-def decoded_pixels(im: Image.Image, out_w: int, out_h: int) -> int:
+def decoded_pixels(im: Image.Image, out_w: int, out_h: int, margin: float = DCT_MARGIN) -> int:
     """Pixels ``_decode`` will materialise for ``im`` (after the DCT-domain scale-down for JPEGs)."""
     w, h = im.size
     if im.format in ("JPEG", "MPO"):
-        f = dct_factor(w, h, out_w, out_h)
+        f = dct_factor(w, h, out_w, out_h, margin)
         return math.ceil(w / f) * math.ceil(h / f)
     return w * h
 
 
-def _decode(data: bytes, im: Image.Image, out_w: int, out_h: int) -> np.ndarray:
-    """Pixels of ``data`` (header already parsed into ``im``), possibly DCT-downscaled for JPEGs."""
+def _decode(data: bytes, im: Image.Image, out_w: int, out_h: int, margin: float = DCT_MARGIN) -> np.ndarray:
+    """BGR pixels of ``data`` (header already parsed into ``im``), possibly DCT-downscaled for JPEGs."""
     w, h = im.size
     is_jpeg = im.format in ("JPEG", "MPO")
-    f = dct_factor(w, h, out_w, out_h) if is_jpeg else 1
+    f = dct_factor(w, h, out_w, out_h, margin) if is_jpeg else 1
     if is_jpeg and im.mode in ("RGB", "L"):
         try:
             # strict: libjpeg warnings (truncated scan, bad Huffman data) raise instead of grey rows.
             return simplejpeg.decode_jpeg(
-                data, colorspace="RGB", min_width=math.ceil(w / f), min_height=math.ceil(h / f), strict=True
+                data, colorspace="BGR", min_width=math.ceil(w / f), min_height=math.ceil(h / f), strict=True
             )
         except ValueError:
             pass  # Pillow tolerates benign warnings (extraneous bytes) but still refuses truncated data
     if f > 1:
         im.draft(im.mode, (math.ceil(w / f), math.ceil(h / f)))
     im.load()
-    return _to_rgb(im)
+    return _to_rgb(im, bgr=True)
 
 
 def _orientation(im: Image.Image) -> int:
@@ -318,8 +321,10 @@ def _orientation(im: Image.Image) -> int:
         return 1  # a broken EXIF block should not cost us the image
 
 
-def _decode_resized(data: bytes, im: Image.Image, out_w: int, out_h: int) -> tuple[np.ndarray, int]:
-    """Pixels area-resized to the output size, and the EXIF orientation; Pillow's buffer closed early.
+def _decode_resized(
+    data: bytes, im: Image.Image, out_w: int, out_h: int, margin: float
+) -> tuple[np.ndarray, int]:
+    """BGR pixels area-resized to the output size, and the EXIF orientation; Pillow's buffer closed early.
 
     The orientation is read after the decode: Pillow's PNG ``getexif`` decodes the whole image to look
     for an ``eXIf`` chunk after the pixel data, which must happen inside the pixel budget, and only once.
@@ -327,7 +332,7 @@ def _decode_resized(data: bytes, im: Image.Image, out_w: int, out_h: int) -> tup
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            pixels = _decode(data, im, out_w, out_h)
+            pixels = _decode(data, im, out_w, out_h, margin)
             orientation = _orientation(im)
         finally:
             im.close()
@@ -357,6 +362,7 @@ def process_image(
     blur_faces: bool = True,
     budget: PixelBudget | None = None,
     deadline: float = math.inf,
+    dct_margin: float = DCT_MARGIN,
 ) -> ImageResult:
     """Downloaded bytes → re-encoded JPEG and sizes, or a ``failed_to_resize:<reason>`` status.
 
@@ -378,8 +384,9 @@ def process_image(
         return ImageResult(failed_resize("too_many_pixels"), error=f"{w}x{h} > {max_pixels} pixels")
     out_w, out_h = output_size(w, h, image_size)
     try:
-        with budget.hold(decoded_pixels(im, out_w, out_h), deadline) if budget else contextlib.nullcontext():
-            pixels, orientation = _decode_resized(data, im, out_w, out_h)
+        held = decoded_pixels(im, out_w, out_h, dct_margin)
+        with budget.hold(held, deadline) if budget else contextlib.nullcontext():
+            pixels, orientation = _decode_resized(data, im, out_w, out_h, dct_margin)
     except TimeoutError as exc:
         return ImageResult(failed_download("deadline"), error=str(exc))
     except Exception as exc:
@@ -396,11 +403,9 @@ def process_image(
     pixels = np.ascontiguousarray(pixels)
     # OpenCV's encoder, as img2dataset's: same bytes for the same pixels (TurboJPEG's API, which
     # simplejpeg wraps, quantises chroma slightly differently at the same quality).
-    ok, buf = cv2.imencode(
-        ".jpg", cv2.cvtColor(pixels, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, jpeg_quality]
-    )
+    ok, buf = cv2.imencode(".jpg", pixels, [cv2.IMWRITE_JPEG_QUALITY, jpeg_quality])
     if not ok:
         return ImageResult(failed_resize("corrupt"), error="JPEG encode failed")
     jpg = buf.tobytes()
     out_h, out_w = pixels.shape[:2]
-    return ImageResult(STATUS_SUCCESS, jpg, out_w, out_h, w, h, phash64(Image.fromarray(pixels)))
+    return ImageResult(STATUS_SUCCESS, jpg, out_w, out_h, w, h, phash64(pixels, "BGR"))

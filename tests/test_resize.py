@@ -16,7 +16,6 @@ import pytest
 from PIL import Image, ImageOps
 from scipy import ndimage
 
-from pipeline import resize
 from pipeline.phash import hamming, phash64
 from pipeline.resize import blur_boxes, dct_factor, output_size, process_image
 
@@ -323,17 +322,69 @@ def test_blur_happens_after_resize_in_output_pixels() -> None:
     assert process_image(data, face_bboxes=[[0.9, 0.9, "x", None], [0.5]]).status == "success"
 
 
-def test_dct_downscale_path_stays_close_to_full_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dct_downscale_path_stays_close_to_full_decode() -> None:
+    """The margin is now a parameter (``DownloadConfig.jpeg_dct_margin``), not a module constant: 0 forces
+    the full decode the margin-3 output is compared with, as before; margins 1 and 2 scale down further."""
     assert dct_factor(1000, 750, 512, 384) == 1 and dct_factor(4000, 3000, 512, 384) == 2
     assert dct_factor(8000, 6000, 512, 384) == 4 and dct_factor(3000, 2250, 512, 384) == 1
+    assert dct_factor(1000, 750, 512, 384, 1) == 1 and dct_factor(1024, 768, 512, 384, 1) == 2
+    assert dct_factor(4000, 3000, 512, 384, 1) == 4 and dct_factor(4000, 3000, 512, 384, 2) == 2
+    assert dct_factor(8000, 6000, 512, 384, 0) == 1 and dct_factor(9000, 9000, 32, 32, 1) == 8
     big = cv2.resize(_textured(400, 300), (1600, 1200), interpolation=cv2.INTER_CUBIC)
     data = _encode(big, quality=92)
     assert dct_factor(1600, 1200, 256, 192) == 2
-    fast = _decode(process_image(data, image_size=256).jpg).astype(float)
-    monkeypatch.setattr(resize, "DCT_MARGIN", 10**6)  # force the full-size decode
-    full = _decode(process_image(data, image_size=256).jpg).astype(float)
-    psnr = 10 * math.log10(255**2 / np.mean((fast - full) ** 2))
-    assert psnr > 40, psnr
+    full = _decode(process_image(data, image_size=256, dct_margin=0).jpg).astype(float)
+    for margin, floor in ((3, 40), (2, 40), (1, 30)):
+        fast = _decode(process_image(data, image_size=256, dct_margin=margin).jpg).astype(float)
+        psnr = 10 * math.log10(255**2 / np.mean((fast - full) ** 2))
+        assert floor < psnr < math.inf, (margin, psnr)
+
+
+def _old_path_jpeg(data: bytes, dct: int = 1) -> bytes:
+    """What process_image encoded before pixels stayed BGR: RGB decode (simplejpeg for RGB/grey JPEGs,
+    Pillow for the rest, transparency composited on white), INTER_AREA, RGB→BGR, OpenCV q95."""
+    import simplejpeg
+
+    im = Image.open(io.BytesIO(data))
+    if im.format == "JPEG" and im.mode in ("RGB", "L"):
+        w, h = im.size
+        rgb = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-w // dct), min_height=-(-h // dct))
+    elif "A" in im.mode:
+        rgba = np.asarray(im.convert("RGBA")).astype(np.float32)
+        a = rgba[..., 3:] / 255.0
+        rgb = np.rint(rgba[..., :3] * a + 255.0 * (1 - a)).astype(np.uint8)
+    else:
+        rgb = np.asarray(im.convert("RGB"))
+    size = output_size(im.size[0], im.size[1], 512)
+    if rgb.shape[1::-1] != size:
+        rgb = cv2.resize(rgb, size, interpolation=cv2.INTER_AREA)
+    ok, buf = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 95])
+    return buf.tobytes()
+
+
+def test_bgr_pipeline_bytes_identical_to_the_rgb_path() -> None:
+    """Decoding straight to BGR and dropping the RGB→BGR conversion changes no output byte: RGB, grey,
+    CMYK and 4:4:4 JPEGs, a DCT-downscaled large one, PNG with alpha, a palette GIF, small and large."""
+    tex = _textured(1300, 900, seed=3)
+    rgba = np.dstack(
+        [_textured(700, 500, seed=4), np.tile(np.arange(700, dtype=np.uint8)[None, :] // 3, (500, 1))]
+    )
+    cases = {
+        "rgb": (_encode(tex, quality=90), 1),
+        "rgb 4:4:4 small": (_encode(tex[:300, :400], quality=95, subsampling=0), 1),
+        "grey": (_encode(Image.fromarray(tex[..., 1]), quality=90), 1),
+        "cmyk": (_encode(Image.fromarray(tex).convert("CMYK"), quality=90), 1),
+        "large, DCT 1/2": (
+            _encode(cv2.resize(tex, (4000, 2770), interpolation=cv2.INTER_CUBIC), quality=85),
+            2,
+        ),
+        "png alpha": (_encode(Image.fromarray(rgba, "RGBA"), "PNG"), 1),
+        "gif palette": (_encode(Image.fromarray(tex[:200, :300]).quantize(64), "GIF"), 1),
+    }
+    for name, (data, dct) in cases.items():
+        res = process_image(data, blur_faces=False)
+        assert res.status == "success", (name, res.error)
+        assert res.jpg == _old_path_jpeg(data, dct), name
 
 
 @pytest.mark.slow
