@@ -4,8 +4,9 @@ Three profiles, each printed as a table and written to ``--out`` (JSON); CPU tim
 (``time.thread_time``), so they mean the same on a loaded machine as on a quiet one (the load is recorded):
 
 ``stages``  the same ``--n`` photo-like JPEGs as bench/build_throughput.py, bytes in memory, one thread,
-            OpenCV single-threaded. Ours: header parse, decode (simplejpeg, DCT-domain scale-down),
-            INTER_AREA resize, RGB→BGR + ``imencode`` q95, pHash (imagehash), sha256; face blur of one box
+            OpenCV single-threaded. Ours: header parse, decode straight to BGR (simplejpeg, DCT-domain
+            scale-down at ``--dct-margin``), INTER_AREA resize, ``imencode`` q95, pHash (OpenCV 32×32 area
+            reduction + DCT), sha256; face blur of one box
             (10% of the side) timed apart, as DataComp rows carry boxes on a minority of images.
             img2dataset 1.47's path over the same bytes: sha256 (its default ``compute_hash``), full
             ``cv2.imdecode``, albumentations ``LongestMaxSize`` (INTER_AREA), ``imencode`` q95, and its
@@ -51,8 +52,8 @@ def _per_image_ms(fn, items) -> float:
     return 1e3 * (time.thread_time() - t) / len(items)
 
 
-def profile_stages(blobs: list[bytes]) -> dict:
-    """Per-image CPU ms of each stage, ours and img2dataset's, over the same bytes."""
+def profile_stages(blobs: list[bytes], margin: float = 3.0, theirs: bool = True) -> dict:
+    """Per-image CPU ms of each stage, ours (JPEG DCT margin ``margin``) and img2dataset's, same bytes."""
     import cv2
     import numpy as np
     from PIL import Image
@@ -62,7 +63,7 @@ def profile_stages(blobs: list[bytes]) -> dict:
 
     cv2.setNumThreads(1)
     for b in blobs[:3]:
-        R.process_image(b)  # lazy imports (imagehash, scipy) are no part of the figure
+        R.process_image(b)  # lazy imports are no part of the figure
 
     def header(b):
         with Image.open(io.BytesIO(b)) as im:
@@ -73,34 +74,36 @@ def profile_stages(blobs: list[bytes]) -> dict:
 
     def decode(i):
         im = Image.open(io.BytesIO(blobs[i]))
-        return R._decode(blobs[i], im, *sizes[i])
+        return R._decode(blobs[i], im, *sizes[i], margin)
 
     decoded = [decode(i) for i in range(len(blobs))]
-    resized = [cv2.resize(d, s, interpolation=cv2.INTER_AREA) for d, s in zip(decoded, sizes, strict=True)]
+    resized = [R.area_resize(d, s) for d, s in zip(decoded, sizes, strict=True)]
     box = [[0.45, 0.45, 0.55, 0.55]]
     idx = list(range(len(blobs)))
     ours = {
         "header (Image.open)": _per_image_ms(header, blobs),
-        "decode (simplejpeg, DCT scale-down)": _per_image_ms(decode, idx),
-        "resize (INTER_AREA)": _per_image_ms(
-            lambda i: cv2.resize(decoded[i], sizes[i], interpolation=cv2.INTER_AREA), idx
+        "decode (simplejpeg to BGR, DCT scale-down)": _per_image_ms(decode, idx),
+        "resize (INTER_AREA)": _per_image_ms(lambda i: R.area_resize(decoded[i], sizes[i]), idx),
+        "encode (imencode q95)": _per_image_ms(
+            lambda p: cv2.imencode(".jpg", p, [cv2.IMWRITE_JPEG_QUALITY, 95]), resized
         ),
-        "encode (RGB→BGR + imencode q95)": _per_image_ms(
-            lambda p: cv2.imencode(
-                ".jpg", cv2.cvtColor(p, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 95]
-            ),
-            resized,
-        ),
-        "pHash (imagehash on the 512-px image)": _per_image_ms(
-            lambda p: phash64(Image.fromarray(p)), resized
-        ),
+        "pHash (32×32 area reduction + DCT)": _per_image_ms(lambda p: phash64(p, "BGR"), resized),
         "sha256 of the body": _per_image_ms(lambda b: hashlib.sha256(b).hexdigest(), blobs),
     }
-    ours["process_image, whole call"] = _per_image_ms(R.process_image, blobs)
+    ours["process_image, whole call"] = _per_image_ms(lambda b: R.process_image(b, dct_margin=margin), blobs)
     ours["face blur, one box (images with boxes only)"] = _per_image_ms(
         lambda p: R.blur_boxes(p, box), resized
     )
-    dct = [R.dct_factor(w, h, *s) for ((w, h), _), s in zip(heads, sizes, strict=True)]
+    dct = [R.dct_factor(w, h, *s, margin) for ((w, h), _), s in zip(heads, sizes, strict=True)]
+    summary = {
+        "images": len(blobs),
+        "mean_kb": sum(map(len, blobs)) / len(blobs) / 1e3,
+        "dct_margin": margin,
+        "dct_factor_counts": {str(f): dct.count(f) for f in sorted(set(dct))},
+        "ours_ms": ours,
+    }
+    if not theirs:
+        return summary
 
     import albumentations as A
     from img2dataset.resizer import Resizer
@@ -109,7 +112,7 @@ def profile_stages(blobs: list[bytes]) -> dict:
     longest = A.LongestMaxSize(max_size=512, interpolation=cv2.INTER_AREA, p=1.0)
     full = [cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_UNCHANGED) for b in blobs]
     small = [longest(image=f)["image"] for f in full]
-    theirs = {
+    summary["img2dataset_ms"] = {
         "sha256 of the body": ours["sha256 of the body"],
         "decode (cv2.imdecode, full size)": _per_image_ms(
             lambda b: cv2.imdecode(np.frombuffer(b, np.uint8), cv2.IMREAD_UNCHANGED), blobs
@@ -122,13 +125,7 @@ def profile_stages(blobs: list[bytes]) -> dict:
         ),
         "Resizer, whole call": _per_image_ms(lambda b: resizer(io.BytesIO(b)), blobs),
     }
-    return {
-        "images": len(blobs),
-        "mean_kb": sum(map(len, blobs)) / len(blobs) / 1e3,
-        "dct_factor_counts": {str(f): dct.count(f) for f in sorted(set(dct))},
-        "ours_ms": ours,
-        "img2dataset_ms": theirs,
-    }
+    return summary
 
 
 # --- one part ------------------------------------------------------------------------------------------
@@ -140,7 +137,6 @@ PART_STAGES = [
     ("header (Image.open)", ["open"]),
     ("decode", ["_decode"]),
     ("resize (cv2.resize)", ["resize"]),
-    ("RGB→BGR", ["cvtColor"]),
     ("encode (imencode)", ["imencode"]),
     ("pHash", ["phash64"]),
     ("pixel budget / deadline bookkeeping", ["hold"]),
@@ -282,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--what", default="stages,part,driver")
     p.add_argument("--n", type=int, default=300, help="images for the stages and part profiles")
+    p.add_argument("--dct-margin", type=float, default=2.0, help="DownloadConfig.jpeg_dct_margin (stages)")
+    p.add_argument("--no-img2dataset", action="store_true", help="stages: ours only")
     p.add_argument("--demo-n", type=int, default=0, help="demo pool rows (0: the preset's)")
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "profile_build.json"))
     args = p.parse_args(argv)
@@ -291,9 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     paths = BT.make_corpus(args.n, 0, cores)
     tmp = Path(tempfile.mkdtemp(prefix="profile-build-"))
     if "stages" in what:
-        res["stages"] = profile_stages([q.read_bytes() for q in paths])
+        blobs = [q.read_bytes() for q in paths]
+        res["stages"] = profile_stages(blobs, args.dct_margin, not args.no_img2dataset)
         res["stages"]["load_avg_1m"] = os.getloadavg()[0]
-        for side in ("ours_ms", "img2dataset_ms"):
+        for side in ("ours_ms", "img2dataset_ms")[: 1 if args.no_img2dataset else 2]:
             print(f"\n{side} (thread CPU per image, load {res['stages']['load_avg_1m']:.1f}):")
             for k, v in res["stages"][side].items():
                 print(f"  {v:7.2f}  {k}")

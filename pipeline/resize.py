@@ -60,7 +60,7 @@ _MAGIC = (
     b"MM\x00*",
     b"\x00\x00\x01\x00",
 )
-DCT_MARGIN = 3.0  # DownloadConfig.jpeg_dct_margin's default (docs/download.md, "Where the time goes")
+DCT_MARGIN = 2.0  # DownloadConfig.jpeg_dct_margin's default (docs/download.md, "Where the time goes")
 
 
 @dataclass(frozen=True)
@@ -336,9 +336,14 @@ def _decode_resized(
             orientation = _orientation(im)
         finally:
             im.close()
-    if pixels.shape[1] != out_w or pixels.shape[0] != out_h:
-        pixels = cv2.resize(pixels, (out_w, out_h), interpolation=cv2.INTER_AREA)
-    return pixels, orientation
+    return area_resize(pixels, (out_w, out_h)), orientation
+
+
+def area_resize(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """OpenCV INTER_AREA to ``size`` (w, h), img2dataset's downscale filter; unchanged when already that size."""
+    if pixels.shape[1::-1] == size:
+        return pixels
+    return cv2.resize(pixels, size, interpolation=cv2.INTER_AREA)
 
 
 _ORIENT = {  # EXIF orientation → numpy ops turning the stored frame into the displayed one
