@@ -106,6 +106,13 @@ def test_direct_construction_checks_types_and_ranges():
         DownloadConfig(jpeg_quality=0)
     with pytest.raises(ConfigError, match="timeout_s"):
         DownloadConfig(timeout_s="10")  # a string is not silently parsed outside the CLI/YAML layers
+    for bad in (0.5, -1.0, float("inf"), float("nan")):
+        with pytest.raises(
+            ConfigError, match="jpeg_dct_margin must be 0 .full decode. or a finite number ≥ 1"
+        ):
+            DownloadConfig(jpeg_dct_margin=bad)
+    assert DownloadConfig(jpeg_dct_margin=0).jpeg_dct_margin == 0  # full decode: img2dataset's bytes
+    assert DownloadConfig().jpeg_dct_margin == 2 and DownloadConfig(jpeg_dct_margin=1).jpeg_dct_margin == 1
 
 
 def test_yaml_error_names_the_file(tmp_path):
