@@ -10,6 +10,7 @@ DCT-domain scale-down (``DownloadConfig.jpeg_dct_margin``).
              (margin 0) on bench/build_throughput.py's corpus (640–1280 px) and on larger photo-like
              JPEGs (2000–4000 px, rendered here): PSNR over all pixels, per-image minimum PSNR, mean and
              max absolute difference, and the per-image CPU of ``process_image`` at that margin.
+             And a worst case: per-pixel luma noise at 2100×1575 and 4000×3000 (``render_detail``).
 ``phash``    the new pHash against imagehash's on the corpus outputs (share of images > the dedupe
              threshold apart) and the per-image cost of both.
 
@@ -132,6 +133,20 @@ def render_large(seed: int, index: int) -> bytes:
     return buf.tobytes()
 
 
+def render_detail(index: int) -> bytes:
+    """Worst case for the scale-down: a smooth base plus luma noise in every pixel (detail up to the
+    sampling limit, as fine foliage or fabric), 2100×1575 or 4000×3000, JPEG q90."""
+    import cv2
+
+    rng = np.random.default_rng([index, 2100])
+    w, h = ((2100, 1575), (4000, 3000))[index % 2]
+    base = rng.integers(0, 256, (h // 8, w // 8, 3), dtype=np.uint8)
+    img = cv2.resize(base, (w, h), interpolation=cv2.INTER_CUBIC).astype(np.float32)
+    img += rng.normal(0, (8, 30)[index // 2 % 2], (h, w, 1)).astype(np.float32)
+    ok, buf = cv2.imencode(".jpg", np.clip(img, 0, 255).astype(np.uint8), [cv2.IMWRITE_JPEG_QUALITY, 90])
+    return buf.tobytes()
+
+
 def large_corpus(n: int) -> list[bytes]:
     LARGE_CACHE.mkdir(parents=True, exist_ok=True)
     out = []
@@ -187,7 +202,8 @@ def bench_quality(n: int, n_large: int, margins: list[float]) -> dict:
     cv2.setNumThreads(1)
     corpus = [p.read_bytes() for p in BT.make_corpus(n, 0, os.cpu_count() or 1)]
     return {"corpus_640_1280": {"images": len(corpus), **_quality(corpus, margins)},
-            "large_2000_4000": {"images": n_large, **_quality(large_corpus(n_large), margins)}}  # fmt: skip
+            "large_2000_4000": {"images": n_large, **_quality(large_corpus(n_large), margins)},
+            "fine_detail_2100_4000": {"images": 4, **_quality([render_detail(i) for i in range(4)], margins)}}  # fmt: skip
 
 
 # --- pHash: new against imagehash on the same output pixels ----------------------------------------------

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--what", default="stages,part,driver")
     p.add_argument("--n", type=int, default=300, help="images for the stages and part profiles")
-    p.add_argument("--dct-margin", type=float, default=2.0, help="DownloadConfig.jpeg_dct_margin (stages)")
+    p.add_argument("--dct-margin", type=float, default=3.0, help="DownloadConfig.jpeg_dct_margin (stages)")
     p.add_argument("--no-img2dataset", action="store_true", help="stages: ours only")
     p.add_argument("--demo-n", type=int, default=0, help="demo pool rows (0: the preset's)")
     p.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "profile_build.json"))

@@ -258,7 +258,7 @@ class DownloadConfig:
     decode_pixel_budget: int = 89_478_485  # decoded pixels an actor's threads hold at once
     # JPEGs decode at the smallest libjpeg scale (1/2, 1/4, 1/8) still ≥ this × the output size, then
     # area-resize; 0 = always the full decode (img2dataset's bytes). docs/download.md, "Where the time goes".
-    jpeg_dct_margin: float = 2.0
+    jpeg_dct_margin: float = 3.0
 
     def __post_init__(self) -> None:
         check_types(self)

@@ -60,7 +60,7 @@ _MAGIC = (
     b"MM\x00*",
     b"\x00\x00\x01\x00",
 )
-DCT_MARGIN = 2.0  # DownloadConfig.jpeg_dct_margin's default (docs/download.md, "Where the time goes")
+DCT_MARGIN = 3.0  # DownloadConfig.jpeg_dct_margin's default (docs/download.md, "Where the time goes")
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ def test_direct_construction_checks_types_and_ranges():
         ):
             DownloadConfig(jpeg_dct_margin=bad)
     assert DownloadConfig(jpeg_dct_margin=0).jpeg_dct_margin == 0  # full decode: img2dataset's bytes
-    assert DownloadConfig().jpeg_dct_margin == 2 and DownloadConfig(jpeg_dct_margin=1).jpeg_dct_margin == 1
+    assert DownloadConfig().jpeg_dct_margin == 3 and DownloadConfig(jpeg_dct_margin=1).jpeg_dct_margin == 1
 
 
 def test_yaml_error_names_the_file(tmp_path):

@@ -234,14 +234,14 @@ def test_worker_accepts_dicts_skips_sha_check_when_disabled_and_never_raises(htt
 
 def test_worker_decodes_at_the_configured_jpeg_dct_margin(http_server) -> None:
     """``jpeg_dct_margin`` reaches the decode: a 1100×800 photo is decoded at 1/2 scale with margin 1
-    (550 ≥ 512) and at full size with the default 2; margin 0 and 2 then store the same bytes."""
+    (550 ≥ 512) and at full size with the default 3; margins 0 and 3 then store the same bytes."""
     rng = np.random.default_rng(3)
     arr = np.clip(rng.normal(128, 40, (800, 1100, 3)), 0, 255).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, "JPEG", quality=90)
     url = http_server.route("/photo.jpg", Route(body=buf.getvalue()))
     stored = {}
-    for margin in (0.0, 1.0, 2.0):
+    for margin in (0.0, 1.0, 3.0):
         worker = DownloadWorker(_cfg(jpeg_dct_margin=margin))
         try:
             out = worker(pa.table({"uid": ["a" * 32], "url": [url]})).to_pydict()
@@ -249,7 +249,7 @@ def test_worker_decodes_at_the_configured_jpeg_dct_margin(http_server) -> None:
             worker.close()
         assert out["status"] == ["success"] and (out["width"][0], out["height"][0]) == (512, 372)
         stored[margin] = out["jpg"][0]
-    assert stored[0.0] == stored[2.0] != stored[1.0]
+    assert stored[0.0] == stored[3.0] != stored[1.0]
 
 
 def test_https_with_pinned_address_sni_and_verification(https_server, monkeypatch) -> None:

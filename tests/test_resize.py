@@ -323,11 +323,11 @@ def test_blur_happens_after_resize_in_output_pixels() -> None:
 
 
 def test_dct_downscale_path_stays_close_to_full_decode() -> None:
-    """The margin is now a parameter (``DownloadConfig.jpeg_dct_margin``, default 2), not a module
+    """The margin is now a parameter (``DownloadConfig.jpeg_dct_margin``, default 3), not a module
     constant: 0 forces the full decode the scaled outputs are compared with, as before."""
     assert dct_factor(1000, 750, 512, 384) == 1 and dct_factor(4000, 3000, 512, 384) == 2
-    assert dct_factor(8000, 6000, 512, 384) == 4 and dct_factor(3000, 2250, 512, 384, 3) == 1
-    assert dct_factor(3000, 2250, 512, 384) == 2 and dct_factor(2040, 1600, 512, 384) == 1  # margin 2
+    assert dct_factor(8000, 6000, 512, 384) == 4 and dct_factor(3000, 2250, 512, 384) == 1
+    assert dct_factor(3000, 2250, 512, 384, 2) == 2 and dct_factor(2040, 1600, 512, 384, 2) == 1
     assert dct_factor(1000, 750, 512, 384, 1) == 1 and dct_factor(1024, 768, 512, 384, 1) == 2
     assert dct_factor(4000, 3000, 512, 384, 1) == 4 and dct_factor(4000, 3000, 512, 384, 2) == 2
     assert dct_factor(8000, 6000, 512, 384, 0) == 1 and dct_factor(9000, 9000, 32, 32, 1) == 8
