@@ -7,7 +7,7 @@ Hamming distance is computed on the raw bits.
 The rule is the common DCT pHash (imagehash's ``phash`` with its default 8×8): a 32×32 grey reduction, the
 unnormalised 2-D DCT-II, its 8×8 lowest frequencies, one bit per coefficient: above their median. The
 reduction is OpenCV's area average (the same filter as the download's resize, GIL released) where
-imagehash uses Pillow's Lanczos; the two hashes agree to within a few bits (docs/download.md, "pHash").
+imagehash uses Pillow's Lanczos; the two hashes agree to within a few bits (docs/download.md, "Deliberate deviations").
 """
 
 from __future__ import annotations
