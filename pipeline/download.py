@@ -45,14 +45,9 @@ import pyarrow as pa
 from pipeline import schema as S
 from pipeline.config import DownloadConfig
 from pipeline.netguard import GuardDecision, UrlGuard
+from pipeline.pixel_budget import PixelBudget, return_large_buffers_to_os
 from pipeline.politeness import HostSlots, parse_retry_after, retry_wait
-from pipeline.resize import (
-    DECODE_BYTES_PER_PIXEL,
-    STRIP_PIXELS,
-    PixelBudget,
-    process_image,
-    return_large_buffers_to_os,
-)
+from pipeline.resize import DECODE_BYTES_PER_PIXEL, STRIP_PIXELS, process_image
 
 MAX_REDIRECTS = 5
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
@@ -330,7 +325,7 @@ class DownloadWorker:
         import cv2
 
         cv2.setNumThreads(1)  # parallelism comes from threads and actors, not from OpenCV's own pool
-        return_large_buffers_to_os()  # idle size stays flat between large images (pipeline/resize.py)
+        return_large_buffers_to_os()  # idle size stays flat between large images (pipeline/pixel_budget.py)
         self.cfg = cfg
         self.guard = UrlGuard(cfg.allow_hosts)
         self.pool = ThreadPoolExecutor(cfg.threads_per_actor, thread_name_prefix="download")

@@ -24,16 +24,11 @@ Pixels are kept in OpenCV's BGR order from the decoder to the encoder: every ste
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import ctypes
-import ctypes.util
 import io
 import math
-import threading
-import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import cv2
@@ -42,6 +37,7 @@ import simplejpeg
 from PIL import Image
 
 from pipeline.phash import phash64
+from pipeline.pixel_budget import PixelBudget
 from pipeline.schema import STATUS_SUCCESS, failed_download, failed_resize
 
 # What Pillow may open. Excludes formats that shell out (EPS → Ghostscript) or are rarely images on the web.
@@ -189,59 +185,6 @@ STRIP_PIXELS = 1 << 18  # mode conversion runs over strips of about this many pi
 # Resident bytes per decoded pixel while an image is converted: Pillow's own buffer (at most 4 B/px for the
 # modes we accept) plus our uint8 RGB copy (3 B/px); strips add a bounded constant (docs/download.md).
 DECODE_BYTES_PER_PIXEL = 7
-
-
-class PixelBudget:
-    """Decoded pixels an actor's threads may hold at once; a FIFO so a large image is not starved.
-
-    ``hold(n)`` blocks until ``n`` pixels are free. An image larger than the whole budget waits until the
-    budget is entirely free and is then decoded alone, so pixels in flight never exceed
-    ``max(total, the largest single image)``. A ``deadline`` (``time.monotonic()``) bounds the wait.
-    """
-
-    def __init__(self, total: int) -> None:
-        self.total = int(total)
-        self._free = self.total
-        self._queue: collections.deque[object] = collections.deque()
-        self._cv = threading.Condition()
-
-    @contextlib.contextmanager
-    def hold(self, n: int, deadline: float = math.inf) -> Iterator[None]:
-        need = min(int(n), self.total)
-        ticket = object()
-        with self._cv:
-            self._queue.append(ticket)
-            try:
-                ok = self._cv.wait_for(
-                    lambda: self._queue[0] is ticket and self._free >= need,
-                    None if deadline == math.inf else max(0.0, deadline - time.monotonic()),
-                )
-            finally:
-                self._queue.remove(ticket)
-                self._cv.notify_all()
-            if not ok:
-                raise TimeoutError("deadline passed waiting for the decode pixel budget")
-            self._free -= need
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._free += need
-                self._cv.notify_all()
-
-
-def return_large_buffers_to_os(threshold: int = 1 << 20) -> bool:
-    """Ask glibc to serve allocations ≥ ``threshold`` with their own mmap, returned to the OS on free.
-
-    By default glibc raises that threshold after freeing a large buffer (up to 32 MiB), after which Pillow's
-    16 MiB blocks land in per-thread heaps that are rarely given back: an actor's idle size then grows to
-    its largest image. Process-wide; a no-op (False) where the C library is not glibc.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD; a fixed value also stops the adjusting
-    except (OSError, AttributeError):
-        return False
 
 
 def _composite_on_white(rgba: np.ndarray) -> np.ndarray:

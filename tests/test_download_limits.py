@@ -189,7 +189,7 @@ def test_memory_bound_is_a_function_of_the_config() -> None:
 
 
 def test_pixel_budget_fifo_big_image_alone_and_deadline() -> None:
-    from pipeline.resize import PixelBudget
+    from pipeline.pixel_budget import PixelBudget
 
     budget = PixelBudget(100)
     events: list[str] = []
