@@ -4,8 +4,10 @@ An embedding is a diagonal Gaussian Z = N(mu, diag(exp(logvar))) with L2-normali
 baselines use `mu` alone. Equation numbers refer to ProLIP (Chun et al., ICLR 2025):
 Eq. 1 CSD, Eq. 2 / A.4 PPCL, Eq. 3 / A.5 inclusion measure, Eq. 4 inclusion hypothesis, Eq. 5 inclusion
 loss, Eq. A.2 VIB, Eq. 6 full objective. SigLIP is Zhai et al. (2023), CLIP InfoNCE Radford et al. (2021).
-PCME++ lives in `training/pcmepp.py`; `training/objectives.py` is the registry of both modules' losses. Slips in the papers are resolved as in docs/math.md and
-docs/fidelity.md.
+The per-sample terms (inclusion, VIB) live in `training/inclusion.py` and are re-exported here; the
+fused forward/backward kernels in `training/loss_kernels.py`. PCME++ lives in `training/pcmepp.py`;
+`training/objectives.py` is the registry of both modules' losses. Slips in the papers are resolved as in
+docs/math.md and docs/fidelity.md.
 
 Distributed contract (the train loop relies on it)
 --------------------------------------------------
@@ -26,36 +28,23 @@ least (float64 stays float64), so bf16 activations never reach exp/log-sigmoid o
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_LOG2 = math.log(2.0)
-_LOG_2PI = math.log(2.0 * math.pi)
-_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+from training.inclusion import REDUCTIONS, inclusion_hypothesis, inclusion_log_measure, inclusion_loss, vib_kl
+from training.loss_kernels import full_precision, pair_sigmoid_loss
 
-
-def full_precision(fn: _Fn) -> _Fn:
-    """Run `fn` outside autocast with floating tensor arguments promoted to >= float32."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        floats = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.is_floating_point()]
-        dtype = functools.reduce(torch.promote_types, (t.dtype for t in floats), torch.float32)
-
-        def cast(a: Any) -> Any:
-            return a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() else a
-
-        with torch.autocast(device_type=floats[0].device.type, enabled=False):
-            return fn(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
-
-    return wrapper  # type: ignore[return-value]
+# The per-sample terms and the precision wrapper are part of this module's public surface (re-exported).
+__all__ = [
+    "MAX_LOG_SCALE", "REDUCTIONS", "SPECS", "CLIPLoss", "LossSpec", "ProLIPLoss", "SigLIPLoss", "clip_loss",
+    "csd", "csd_matrix", "full_precision", "inclusion_hypothesis", "inclusion_log_measure", "inclusion_loss",
+    "ppcl_logits", "ppcl_loss", "prolip_objective", "sigmoid_pair_loss", "siglip_loss", "vib_kl",
+]  # fmt: skip
 
 
 def _columns(local: Tensor, gathered: Tensor | None) -> Tensor:
@@ -140,9 +129,8 @@ def siglip_loss(
 
     Shapes: mu_v, mu_t (B, D) local; mu_t_all (N, D) global -> scalar.
     """
-    cols = _columns(mu_t, mu_t_all)
-    logits = torch.addmm(bias.expand(1, 1), log_scale.exp() * mu_v, cols.T)
-    return sigmoid_pair_loss(logits, offset=offset)
+    # `pair_sigmoid_loss` is `sigmoid_pair_loss` on these logits, fused with their matrix product.
+    return pair_sigmoid_loss(log_scale.exp() * mu_v, _columns(mu_t, mu_t_all), bias, offset=offset)
 
 
 @full_precision
@@ -164,10 +152,14 @@ def ppcl_loss(
     """
     if (mu_t_all is None) != (logvar_t_all is None):
         raise ValueError("pass both mu_t_all and logvar_t_all, or neither")
-    logits = ppcl_logits(
-        mu_v, logvar_v, _columns(mu_t, mu_t_all), _columns(logvar_t, logvar_t_all), log_scale, bias
+    # The logits of `ppcl_logits`, as a mu_v.mu_t plus a row and a column vector (-a/2 sum_d sigma^2 of
+    # each side) plus b, fused with the loss in `pair_sigmoid_loss`: one (B, N) buffer in all.
+    a = log_scale.exp()
+    row_var = logvar_v.exp().sum(-1).mul(-0.5 * a)
+    col_var = _columns(logvar_t, logvar_t_all).exp().sum(-1).mul(-0.5 * a)
+    return pair_sigmoid_loss(
+        a * mu_v, _columns(mu_t, mu_t_all), bias, row_bias=row_var, col_bias=col_var, offset=offset
     )
-    return sigmoid_pair_loss(logits, offset=offset)
 
 
 @full_precision
@@ -191,99 +183,6 @@ def clip_loss(
     text_to_image = F.cross_entropy(scale * mu_t @ _columns(mu_v, mu_v_all).T, targets, reduction="sum")
     n = _columns(mu_t, mu_t_all).shape[0]
     return (image_to_text + text_to_image) / (2 * n)
-
-
-# ---------------------------------------------------------------- inclusion (Eq. 3-5) and VIB (A.2)
-
-
-@full_precision
-def inclusion_log_measure(
-    mu1: Tensor, logvar1: Tensor, mu2: Tensor, logvar2: Tensor, log_eps: float = 0.0
-) -> Tensor:
-    """Log inclusion measure inc(Z1, Z2) = sum_d log int p1(x)^2 p2(x) dx (Eq. 3, derived in A.5).
-
-    Per dimension, with precisions scaled by eps = exp(log_eps) (as if every variance were sigma^2/eps):
-        -log v1 - 1/2 log v2 - 1/2 log A + B^2/(4A) - C - log(pi) - 3/2 log(2),   v = sigma^2 / eps,
-        A = 1/v1 + 1/(2 v2),  B = 2 mu1/v1 + mu2/v2,  C = mu1^2/v1 + mu2^2/(2 v2),
-    which simplifies exactly to -1/2 log v1 - 1/2 log(v1 + 2 v2) - (mu1 - mu2)^2 / (v1 + 2 v2) - log(2 pi).
-    We evaluate the simplified form in log space: B^2/(4A) - C is a difference of two numbers of size
-    1/sigma^2 that cancels catastrophically in float32, and exp(log_eps) alone is subnormal for
-    log_eps = -100. The additive constant (which the paper omits) makes the value the true log-integral
-    of the eps-rescaled Gaussians; eps also shifts the prefactors by +log eps per dimension, a constant
-    that cancels in the hypothesis (Eq. 4). Shapes: (B, D) each -> (B,).
-    """
-    log_v1 = logvar1 - log_eps
-    log_v1_2v2 = torch.logaddexp(logvar1, logvar2 + _LOG2) - log_eps  # log(v1 + 2 v2)
-    per_dim = -0.5 * log_v1 - 0.5 * log_v1_2v2 - (mu1 - mu2).square() * torch.exp(-log_v1_2v2) - _LOG_2PI
-    return per_dim.sum(-1)
-
-
-def _hypothesis_per_dim(mu1: Tensor, logvar1: Tensor, mu2: Tensor, logvar2: Tensor, log_eps: float) -> Tensor:
-    log_s2_2s1 = torch.logaddexp(logvar2, logvar1 + _LOG2)
-    log_s1_2s2 = torch.logaddexp(logvar1, logvar2 + _LOG2)
-    mean_term = (mu1 - mu2).square() * (torch.exp(log_eps - log_s2_2s1) - torch.exp(log_eps - log_s1_2s2))
-    return 0.5 * (logvar2 - logvar1) + 0.5 * (log_s2_2s1 - log_s1_2s2) + mean_term
-
-
-@full_precision
-def inclusion_hypothesis(
-    mu1: Tensor, logvar1: Tensor, mu2: Tensor, logvar2: Tensor, log_eps: float = 0.0, *, per_dim: bool = False
-) -> Tensor:
-    """Inclusion hypothesis H(Z1 in Z2) = inc(Z1, Z2) - inc(Z2, Z1) (Eq. 4); > 0 iff Z1 is included in Z2.
-
-    Per dimension, from `inclusion_log_measure`, the difference collapses to
-        1/2 (log s2 - log s1) + 1/2 [log(s2 + 2 s1) - log(s1 + 2 s2)]
-        + eps (mu1 - mu2)^2 [1/(s2 + 2 s1) - 1/(s1 + 2 s2)],      s = sigma^2,
-    evaluated directly, so no two large sums over D are subtracted. eps enters only the mean term; the
-    log terms are scale-free. H is antisymmetric: H(Z1 in Z2) = -H(Z2 in Z1).
-    Shapes: (B, D) -> (B,) summed over d (Eq. 4), or (B, D) per dimension with ``per_dim``.
-    """
-    h = _hypothesis_per_dim(mu1, logvar1, mu2, logvar2, log_eps)
-    return h if per_dim else h.sum(-1)
-
-
-REDUCTIONS = ("joint", "official")
-
-
-@full_precision
-def inclusion_loss(
-    mu1: Tensor,
-    logvar1: Tensor,
-    mu2: Tensor,
-    logvar2: Tensor,
-    *,
-    c: float = 1000.0,
-    log_eps: float = -20.0,
-    reduction: str = "joint",
-) -> Tensor:
-    """Inclusion loss per sample (Eq. 5).
-
-    ``joint`` (the paper's formula): -log sigmoid(c H(Z1 in Z2)) = softplus(-c H), H summed over d.
-    ``official`` (the official code's reduction): mean_d softplus(-c H_d), one sigmoid per dimension, so a
-    caller's mean over samples is the mean over B x D (docs/fidelity.md).
-    Shapes: (B, D) each -> (B,). Callers divide the local sum by the global count (see module doc).
-    """
-    if reduction == "joint":
-        return F.softplus(-c * inclusion_hypothesis(mu1, logvar1, mu2, logvar2, log_eps))
-    if reduction == "official":
-        h = inclusion_hypothesis(mu1, logvar1, mu2, logvar2, log_eps, per_dim=True)
-        return F.softplus(-c * h).mean(-1)
-    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-
-
-@full_precision
-def vib_kl(mu: Tensor, logvar: Tensor, reduction: str = "joint") -> Tensor:
-    """VIB term per sample (Eq. A.2): KL(N(mu, sigma^2) || N(0, I)) = -1/2 sum_d (1 + log s - mu^2 - s), s = sigma^2.
-
-    ``official``: the same per-dimension KL averaged over d instead of summed (a caller's mean over samples
-    is then the official B x D mean); sigma^2 stays sigma^2 (docs/fidelity.md). Shapes: (B, D) -> (B,).
-    """
-    per_dim = -0.5 * (1.0 + logvar - mu.square() - logvar.exp())
-    if reduction == "joint":
-        return per_dim.sum(-1)
-    if reduction == "official":
-        return per_dim.mean(-1)
-    raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
 # ---------------------------------------------------------------- ProLIP objective (Eq. 6)
