@@ -12,25 +12,26 @@ Memory: peak resident set size (`getrusage(RUSAGE_SELF).ru_maxrss`) during the f
 minus the resident size (/proc/self/statm) just before it, inputs already allocated; one fresh
 subprocess per case so no earlier case can hide a peak. It counts all the loss allocates, autograd
 buffers included, but is coarse below a few MiB (allocator arenas, page granularity).
-Time: the cases run round-robin in one subprocess per B (so load on a shared machine hits them alike);
-we report the minimum and the median over --repeats warm passes, ratios of the minima, and the median and
-spread of the per-pass ratios prolip/siglip and ppcl/siglip, with the 1-minute load average beside them.
+Time: the cases alternate in one subprocess per shape (bench/alternate.py): every round runs each case
+once, in turn, so load on a shared machine hits them alike; per round the ratios prolip/siglip and
+ppcl/siglip of wall and of CPU time, reported as median (min–max) over --rounds (>= 3), with the
+1-minute load average of those rounds beside them. A loaded run (load > cores) is flagged and does not
+overwrite bench/results/loss_memory.json unless --allow-loaded.
 Threads: --threads (default 1). On a busy machine OpenMP's spinning barriers make small multi-threaded
 ops 10-100x slower (measured on our 2-core CI box), which would swamp the comparison.
-Writes bench/results/loss_memory.json. Usage: python bench/loss_memory.py [--sizes 256 1024 4096]
+Writes bench/results/loss_memory.json. Usage: python bench/loss_memory.py [--sizes 256 1024 4096] [--rounds 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratios, results_path, times  # noqa: E402
 from training.losses import inclusion_loss, ppcl_loss, prolip_objective, siglip_loss, vib_kl  # noqa: E402
 
 CASES = ("prolip", "ppcl", "naive", "siglip")
@@ -113,23 +115,12 @@ def measure_memory(case: str, batch: int, dim: int, columns: int) -> dict:
     return {"peak_mib": max(peak - before, 0) / 2**20}
 
 
-def measure_time(cases: list[str], batch: int, dim: int, columns: int, repeats: int) -> dict:
+def measure_time(cases: list[str], batch: int, dim: int, columns: int, rounds: int) -> dict:
     steps = make_steps(batch, dim, columns)
-    times: dict[str, list[float]] = {c: [] for c in cases}
-    for c in cases:  # warm-up
-        steps[c]()
-    for _ in range(repeats):
-        for c in cases:
-            start = time.perf_counter()
-            steps[c]()
-            times[c].append(time.perf_counter() - start)
-    out: dict = {c: {"min_s": min(t), "median_s": statistics.median(t)} for c, t in times.items()}
-    # Ratios of neighbouring passes (the cases alternate, so load hits both alike): median and spread.
-    for num in ("prolip", "ppcl"):
-        if num in times and "siglip" in times:
-            r = [a / b for a, b in zip(times[num], times["siglip"], strict=True)]
-            out[f"{num}/siglip per pass"] = {"median": statistics.median(r), "min": min(r), "max": max(r)}
-    out["load_avg_1m"] = os.getloadavg()[0]
+    log = alternate({c: steps[c] for c in cases}, rounds)
+    out: dict = {c: times(log, c) for c in cases}
+    out["ratios"] = {f"{num}/siglip": ratios(log, num, "siglip") for num in ("prolip", "ppcl")}
+    out["rounds"] = log
     return out
 
 
@@ -139,18 +130,22 @@ def _child(args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+DEFAULT_OUT = ROOT / "bench" / "results" / "loss_memory.json"
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=7, help="alternated rounds per shape (>= 3)")
     parser.add_argument("--naive-limit-gib", type=float, default=6.0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--worker-shape", type=int, nargs=2, default=[512, 16384], metavar=("ROWS", "COLS"))
     parser.add_argument("--no-worker-shape", action="store_true")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "loss_memory.json")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--allow-loaded", action="store_true", help="write --out even if load > cores")
     parser.add_argument("--child", choices=["memory", "time"], help=argparse.SUPPRESS)
     parser.add_argument("--cases", nargs="+", default=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -159,53 +154,50 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _measure_shape(args: argparse.Namespace, batch: int, columns: int) -> dict:
-    """One result row: peak memory per case (a subprocess each), times (one subprocess) and ratios."""
+    """One result row: peak memory per case (a subprocess each), alternated times (one subprocess), ratios."""
     naive_gib = batch * columns * args.dim * 4 / 2**30
     cases = [c for c in CASES if c != "naive" or naive_gib <= args.naive_limit_gib]
     common = ["--batch", str(batch), "--columns", str(columns), "--dim", str(args.dim)]
     common += ["--threads", str(args.threads)]
     memory = {c: _child(["--child", "memory", "--cases", c, *common])["peak_mib"] for c in cases}
-    timing = _child(["--child", "time", "--cases", *cases, "--repeats", str(args.repeats), *common])
-    row: dict = {"rows": batch, "columns": columns, "dim": args.dim, "peak_mib": memory, "time": timing}
+    timing = _child(["--child", "time", "--cases", *cases, "--rounds", str(args.rounds), *common])
+    row: dict = {"rows": batch, "columns": columns, "dim": args.dim, "peak_mib": memory}
+    row["time"] = {c: timing[c] for c in cases}
+    row["time_ratios"] = timing["ratios"]
+    row["rounds"] = timing["rounds"]
     if "naive" not in cases:
         row["naive_skipped"] = f"(rows, columns, D) float32 tensor alone is {naive_gib:.0f} GiB"
-    t = {c: timing[c]["min_s"] for c in cases}
-    row["paired_ratios"] = {k: v for k, v in timing.items() if k.endswith("per pass")}
-    row["load_avg_1m"] = timing["load_avg_1m"]
-    row["ratios"] = {
-        "prolip/siglip time": t["prolip"] / t["siglip"],
-        "ppcl/siglip time": t["ppcl"] / t["siglip"],
-        "prolip peak / (rows*columns*4 bytes)": memory["prolip"] * 2**20 / (4 * batch * columns),
+    row["memory_ratios"] = {
+        "prolip peak / (rows*columns*4 bytes)": memory["prolip"] * 2**20 / (4 * batch * columns)
     }
     if "naive" in cases:
-        row["ratios"]["prolip/naive time"] = t["prolip"] / t["naive"]
-        row["ratios"]["prolip/naive memory"] = memory["prolip"] / memory["naive"]
+        row["memory_ratios"]["prolip/naive memory"] = memory["prolip"] / memory["naive"]
+        row["time_ratios"]["prolip/naive"] = ratios(timing["rounds"], "prolip", "naive")
     return row
 
 
-def _print_rows(rows: list[dict], args: argparse.Namespace) -> None:
+def _print_rows(rows: list[dict], args: argparse.Namespace, cores: int) -> None:
     cols = ["prolip", "ppcl", "naive", "siglip"]
-    print(
-        f"time: min of {args.repeats} forward+backward (s); memory: peak RSS increase (MiB); D = {args.dim}"
-    )
+    print(f"time: median wall s of {args.rounds} alternated forward+backward rounds; memory: peak RSS increase (MiB); D = {args.dim}")  # fmt: skip
     head = " ".join(f"{c + ' s':>9}" for c in cols) + " " + " ".join(f"{c + ' MiB':>11}" for c in cols)
     print(f"{'rows x cols':>12} {head}")
     for r in rows:
-        times = " ".join(
-            f"{r['time'][c]['min_s']:9.4f}" if c in r["time"] else f"{'skipped':>9}" for c in cols
+        t = " ".join(
+            f"{r['time'][c]['wall_s']['median']:9.4f}" if c in r["time"] else f"{'skipped':>9}" for c in cols
         )
         mems = " ".join(
             f"{r['peak_mib'][c]:11.1f}" if c in r["peak_mib"] else f"{'skipped':>11}" for c in cols
         )
-        print(f"{r['rows']:>5} x {r['columns']:<5} {times} {mems}")
+        print(f"{r['rows']:>5} x {r['columns']:<5} {t} {mems}")
     print()
     for r in rows:
-        print(f"{r['rows']} x {r['columns']}: " + ", ".join(f"{k} = {v:.3f}" for k, v in r["ratios"].items()))
-        for k, v in r["paired_ratios"].items():
-            print(
-                f"  {k}: median {v['median']:.3f} (min {v['min']:.3f}, max {v['max']:.3f}), "
-                f"load average {r['load_avg_1m']:.1f}"
-            )
+        print(
+            f"{r['rows']} x {r['columns']}: "
+            + ", ".join(f"{k} = {v:.3f}" for k, v in r["memory_ratios"].items())
+        )
+        for k, v in r["time_ratios"].items():
+            print(f"  {k} time: wall {fmt_spread(v['wall'])}, CPU {fmt_spread(v['cpu'])}, "
+                  f"{loads_note([v['load_min'], v['load_max']], cores)}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,24 +208,34 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure_memory(args.cases[0], args.batch, args.dim, args.columns)))
         return 0
     if args.child == "time":
-        print(json.dumps(measure_time(args.cases, args.batch, args.dim, args.columns, args.repeats)))
+        print(json.dumps(measure_time(args.cases, args.batch, args.dim, args.columns, args.rounds)))
         return 0
+    if args.rounds < MIN_ROUNDS:
+        print(f"note: --rounds {args.rounds} < {MIN_ROUNDS}: a smoke run, not a measurement")
 
+    cores = os.cpu_count() or 1
     shapes = [(b, b) for b in args.sizes] + ([] if args.no_worker_shape else [tuple(args.worker_shape)])
     rows = [_measure_shape(args, batch, columns) for batch, columns in shapes]
-    _print_rows(rows, args)
+    _print_rows(rows, args, cores)
+    max_load = max(v["load_max"] for r in rows for v in r["time_ratios"].values())
     result = {
         "benchmark": "loss_memory",
-        "device": f"cpu {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": f"cpu {platform.machine()}, {cores} cores, torch threads {torch.get_num_threads()}",
         "torch": torch.__version__,
+        "goal": "prolip/siglip time <= 1.3 at B = 4096, D = 512",
         "memory_method": "peak RSS (getrusage ru_maxrss) minus RSS before the first forward+backward, "
         "one subprocess per case",
-        "time_method": f"cases round-robin in one process, min and median of {args.repeats} warm passes",
+        "time_method": f"cases alternated in one process, {args.rounds} rounds after one warm-up round; "
+        "per-round ratios of wall and CPU time, median (min–max); load = 1-min load average",
+        "max_load_avg_1m": max_load,
+        "loaded": max_load > cores,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = results_path(args.out, DEFAULT_OUT, max_load, cores, args.allow_loaded)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from training.loss_kernels import full_precision, inclusion_terms
+from training.loss_kernels import full_precision, gaussian_kl, inclusion_terms
 
 _LOG2 = math.log(2.0)
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -97,10 +97,8 @@ def vib_kl(mu: Tensor, logvar: Tensor, reduction: str = "joint") -> Tensor:
 
     ``official``: the same per-dimension KL averaged over d instead of summed (a caller's mean over samples
     is then the official B x D mean); sigma^2 stays sigma^2 (docs/fidelity.md). Shapes: (B, D) -> (B,).
-    Each sum over d is taken before the terms are combined, so only exp(logvar) is a (B, D) temporary.
+    Computed by `training.loss_kernels.gaussian_kl` (each sum over d taken first, hand-derived gradient).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    d = mu.shape[-1]
-    kl = 0.5 * (logvar.exp().sum(-1) + torch.linalg.vecdot(mu, mu) - logvar.sum(-1) - d)
-    return kl if reduction == "joint" else kl / d
+    return gaussian_kl(mu, logvar, 1.0 if reduction == "joint" else 1.0 / mu.shape[-1])

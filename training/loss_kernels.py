@@ -145,41 +145,54 @@ def pair_sigmoid_loss(
 
 
 def _inclusion_block(
-    mu1: Tensor, lv1: Tensor, mu2: Tensor, lv2: Tensor, c: float, log_eps: float, joint: bool, grads: bool
-) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
-    """Loss per row and, with `grads`, (d/d mu1, d/d lv1, d/d lv2) of it (d/d mu2 = -d/d mu1).
+    mu1: Tensor,
+    lv1: Tensor,
+    mu2: Tensor,
+    lv2: Tensor,
+    c: float,
+    log_eps: float,
+    joint: bool,
+    out: tuple[Tensor, Tensor, Tensor] | None,
+) -> Tensor:
+    """Loss per row; with `out`, writes (d/d mu1, d/d lv1, d/d lv2) of it there (d/d mu2 = -d/d mu1).
 
-    Per dimension, with x = l1 - l2, s = exp(l), u = softplus(x + log 2) = log((s2 + 2 s1) / s2),
-    w = softplus(log 2 - x) = log((s1 + 2 s2) / s1), eP = eps / (s2 + 2 s1), eQ = eps / (s1 + 2 s2):
-        h = -x + (u - w) / 2 + (mu1 - mu2)^2 (eP - eQ)            (training/inclusion.py's H_d)
-        dh/dl1 = -1/2 + (p - q) / 2 - (mu1 - mu2)^2 (eP p - eQ q),  p = sigmoid(x + log 2), q = sigmoid(x - log 2)
-        dh/dl2 = -(mu1 - mu2)^2 (eP - eQ) - dh/dl1,   dh/dmu1 = 2 (mu1 - mu2)(eP - eQ) = -dh/dmu2.
+    Per dimension, with x = l1 - l2, s = exp(l), P = log(s2 + 2 s1) = l2 + softplus(x + log 2),
+    Q = log(s1 + 2 s2) = l1 + softplus(log 2 - x), eP = eps e^-P, eQ = eps e^-Q, k = eP - eQ:
+        2 h = P - Q - x + 2 (mu1 - mu2)^2 k                             (training/inclusion.py's H_d)
+        2 dh/dl1 = p - q - 1 - 2 (mu1 - mu2)^2 (eP p - eQ q),  p = dP/dl1 = sigmoid(x + log 2),
+                                                               q = dQ/dl1 = sigmoid(x - log 2)
+        dh/dl2 = -(mu1 - mu2)^2 k - dh/dl1,   dh/dmu1 = 2 (mu1 - mu2) k = -dh/dmu2.
+    Twice h and its derivatives are formed (one multiply fewer each) and the 1/2 rides on the coefficient.
     """
     x = lv1 - lv2
-    u = F.softplus(x + _LOG2)
-    w = F.softplus(torch.sub(_LOG2, x))
-    e_p = (lv2 + u).neg_().add_(log_eps).exp_()
-    e_q = (lv1 + w).neg_().add_(log_eps).exp_()
+    x_plus = x + _LOG2
+    x_minus = torch.rsub(x, _LOG2)  # log 2 - x
+    big_p = F.softplus(x_plus).add_(lv2)
+    big_q = F.softplus(x_minus).add_(lv1)
+    e_p = torch.rsub(big_p, log_eps).exp_()
+    e_q = torch.rsub(big_q, log_eps).exp_()
     d = mu1 - mu2
-    k = e_p - e_q
     d2 = d.square()
-    h = (u - w).mul_(0.5).sub_(x).addcmul_(d2, k)
+    k = e_p - e_q
+    h2 = big_p.sub_(big_q).sub_(x).addcmul_(d2, k, value=2.0)
     if joint:
-        ch = h.sum(-1).mul_(-c)
+        ch = h2.sum(-1).mul_(-0.5 * c)
         loss = F.softplus(ch)
-        coef = torch.sigmoid(ch).mul_(-c)[:, None]  # d loss / d h_d, the same for every d
+        coef = torch.sigmoid(ch).mul_(-0.5 * c)[:, None]  # d loss / d (2 h_d), the same for every d
     else:
-        ch = h.mul_(-c)
+        ch = h2.mul_(-0.5 * c)
         loss = F.softplus(ch).mean(-1)
-        coef = torch.sigmoid(ch).mul_(-c / h.shape[-1])
-    if not grads:
-        return loss, None
-    p = torch.sigmoid(x + _LOG2)
-    q = torch.sigmoid(x.sub_(_LOG2))
-    g_lv1 = (p - q).mul_(0.5).sub_(0.5).sub_(e_p.mul_(p).sub_(e_q.mul_(q)).mul_(d2))
-    g_lv2 = d2.mul_(k).add_(g_lv1).neg_()
-    g_mu1 = d.mul_(k).mul_(2.0)
-    return loss, (g_mu1.mul_(coef), g_lv1.mul_(coef), g_lv2.mul_(coef))
+        coef = torch.sigmoid(ch).mul_(-0.5 * c / h2.shape[-1])
+    if out is None:
+        return loss
+    p, q = torch.sigmoid(x_plus), torch.sigmoid(x_minus).neg_().add_(1.0)
+    t = e_p.mul_(p).addcmul_(e_q, q, value=-1.0)
+    g_lv1 = p.sub_(q).sub_(1.0).addcmul_(d2, t, value=-2.0)
+    g_lv2 = torch.add(g_lv1, d2.mul_(k), alpha=2.0).neg_()
+    torch.mul(d.mul_(k), coef, out=out[0]).mul_(4.0)
+    torch.mul(g_lv1, coef, out=out[1])
+    torch.mul(g_lv2, coef, out=out[2])
+    return loss
 
 
 def _inclusion_rows(
@@ -191,9 +204,8 @@ def _inclusion_rows(
     step = _block_rows(mu1.shape[-1])
     for i in range(0, mu1.shape[0], step):
         s = slice(i, i + step)
-        loss[s], block = _inclusion_block(mu1[s], lv1[s], mu2[s], lv2[s], c, log_eps, joint, grads)
-        for dst, src in zip(out, block or (), strict=False):
-            dst[s] = src
+        dst = (out[0][s], out[1][s], out[2][s]) if grads else None
+        loss[s] = _inclusion_block(mu1[s], lv1[s], mu2[s], lv2[s], c, log_eps, joint, dst)
     return loss, out
 
 
@@ -241,3 +253,30 @@ def inclusion_terms(
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _Inclusion.apply(*inputs, c, log_eps, joint)
     return _inclusion_rows(*inputs, c, log_eps, joint, grads=False)[0]
+
+
+# ---------------------------------------------------------------- VIB (Eq. A.2)
+
+
+class _GaussianKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, mu: Tensor, lv: Tensor, scale: float) -> Tensor:  # type: ignore[override]
+        var = lv.exp()
+        kl = (var.sum(-1) + torch.linalg.vecdot(mu, mu) - lv.sum(-1) - mu.shape[-1]).mul_(0.5 * scale)
+        # d kl / d mu = scale mu, d kl / d lv = scale (sigma^2 - 1) / 2, kept in the exp's own buffer.
+        ctx.save_for_backward(mu, var.sub_(1.0).mul_(0.5 * scale))
+        ctx.scale = scale
+        return kl
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        mu, d_lv = ctx.saved_tensors
+        per_row = grad[:, None]
+        g_mu = mu * (per_row * ctx.scale) if ctx.needs_input_grad[0] else None
+        return g_mu, d_lv * per_row if ctx.needs_input_grad[1] else None, None
+
+
+def gaussian_kl(mu: Tensor, lv: Tensor, scale: float = 1.0) -> Tensor:
+    """scale * KL(N(mu, exp(lv)) || N(0, I)) per row: scale/2 sum_d (sigma^2 + mu^2 - lv - 1). (B, D) -> (B,)."""
+    return _GaussianKL.apply(mu, lv, scale)

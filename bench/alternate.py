@@ -1,0 +1,87 @@
+"""Shared method of the benchmarks: contenders alternated A B A B, ratios per round, load beside each figure.
+
+A shared machine's load moves within seconds, so a contender timed after another is not comparable to it;
+timing them in turn, one round each, and taking the ratio within a round lets both see the same load. The
+summary of a ratio is its median over the rounds with the min–max spread. Every round records the 1-minute
+load average; a run whose load exceeded the core count is flagged and does not overwrite the checked-in
+results unless asked (`--allow-loaded`). Wall time and process CPU time are both kept: on a loaded machine
+the CPU time of a single-threaded case is the steadier of the two (it leaves out the time it waited for a
+core, not the slowdown of sharing caches and memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+MIN_ROUNDS = 3
+
+
+def load_note(load: float, cores: int) -> str:
+    """The 1-min load average as printed beside every figure; flagged when the machine is oversubscribed."""
+    return f"load {load:.1f}" + (" (> cores!)" if load > cores else "")
+
+
+def spread(values: list[float]) -> dict:
+    v = sorted(values)
+    return {"median": float(statistics.median(v)), "min": v[0], "max": v[-1], "n": len(v), "values": values}
+
+
+def fmt_spread(s: dict, digits: int = 3) -> str:
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}–{s['max']:.{digits}f})"
+
+
+def alternate(cases: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> list[dict]:
+    """Run every case once per round, in turn; per round and case: wall s, CPU s and the load average."""
+    for _ in range(warmup):
+        for fn in cases.values():
+            fn()
+    out = []
+    for _ in range(rounds):
+        row: dict = {}
+        for name, fn in cases.items():
+            load = os.getloadavg()[0]
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            row[name] = {
+                "wall_s": time.perf_counter() - wall,
+                "cpu_s": time.process_time() - cpu,
+                "load": load,
+            }
+        out.append(row)
+    return out
+
+
+def ratios(rounds: list[dict], num: str, den: str) -> dict:
+    """Per-round num/den of wall and CPU time, summarised; the loads seen over those rounds."""
+    loads = [r[c]["load"] for r in rounds for c in (num, den)]
+    return {
+        "wall": spread([r[num]["wall_s"] / r[den]["wall_s"] for r in rounds]),
+        "cpu": spread([r[num]["cpu_s"] / r[den]["cpu_s"] for r in rounds]),
+        "load_min": min(loads),
+        "load_max": max(loads),
+    }
+
+
+def times(rounds: list[dict], case: str) -> dict:
+    return {k: spread([r[case][k] for r in rounds]) for k in ("wall_s", "cpu_s")}
+
+
+def loads_note(loads: list[float], cores: int) -> str:
+    return f"load {min(loads):.1f}–{max(loads):.1f}" + (" (> cores!)" if max(loads) > cores else "")
+
+
+def results_path(out: Path, default: Path, max_load: float, cores: int, allow_loaded: bool) -> Path:
+    """Where to write: `out`, unless it is the checked-in file and the machine was loaded (then a temp file)."""
+    if max_load > cores:
+        print(
+            f"WARNING: load exceeded the core count ({max_load:.1f} > {cores}): these ratios are not evidence"
+        )
+        if out.resolve() == default.resolve() and not allow_loaded:
+            print(f"loaded machine: not overwriting {default} (pass --allow-loaded to force)")
+            return Path(tempfile.gettempdir()) / default.name
+    return out
