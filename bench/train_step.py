@@ -5,23 +5,26 @@
      prolip       probabilistic towers, ProLIP objective, masked variants for 12.5% of the batch
      clip         deterministic towers (no UNC token / σ head), CLIP InfoNCE — the baseline we train
      prolip_loss  the probabilistic towers with the CLIP objective (isolates the objective's share)
-   Ratio: prolip ÷ clip (goal ≤ 1.10). Batches come through the ingest's collate step (masked variants,
-   all-padding token columns trimmed as in training; ``--no-trim`` keeps the full 32-token context).
+   Ratio: prolip ÷ clip (goal ≤ 1.10), per round of the alternated cases (bench/alternate.py: each
+   case one step per round, in turn), as median (min–max) over ``--rounds`` (≥ 3) with the load average
+   of those rounds; wall and CPU time both. Batches come through the ingest's collate step (masked
+   variants, all-padding token columns trimmed as in training; ``--no-trim`` keeps the full 32-token
+   context). A loaded run (load > cores) does not overwrite the results file unless ``--allow-loaded``.
 2. Ingest: samples/s delivered to a consumer by the real pipeline (Ray Data read → window shuffle →
    decode/augment/tokenize tasks → ``iter_torch_batches`` with the masked-variant collate) on a local
    Ray with ``--cpus`` CPUs, against the ceiling: ``DecodeAugment`` called in-process on the same raw
    samples (one core, no Ray). Ratio: delivered ÷ ceiling. Both use ``--ingest-samples`` 64-px demo
    pictures (tests/fixtures_train.py) so the figures compare like with like.
-Writes bench/results/train_step.json. Usage: python bench/train_step.py [--batch 64] [--steps 20]
+Writes bench/results/train_step.json. Usage: python bench/train_step.py [--batch 64] [--rounds 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -33,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratios, results_path, times  # noqa: E402
 from pipeline.ingest_train import DecodeAugment, MaskedVariants, TrainCollate  # noqa: E402
 from pipeline.tokenizer import train_tokenizer  # noqa: E402
 from tests.fixtures_train import demo_samples, write_demo_shards  # noqa: E402
@@ -65,32 +69,29 @@ class StepCase:
         b = TrainCollate(masker, 0, tokenizer.pad_id if trim else None)(raw)
         self.images, self.tokens = b["images"], b["tokens"]
         self.extra = (b.get("masked_tokens"), b.get("keep_idx"), b.get("masked_index"))
-        self.times: list[float] = []
 
-    def step(self) -> float:
-        t0 = time.perf_counter()
+    def step(self) -> None:
         feats = self.module(self.images, self.tokens, *self.extra)
         terms = loss_shares(self.loss, loss_spec(self.objective), feats, self.extra[2])
         self.opt.zero_grad(set_to_none=True)
         terms["total"].backward()
         self.opt.step()
-        return time.perf_counter() - t0
 
 
-def step_times(batch: int, steps: int, tokenizer, trim: bool = True) -> dict[str, float]:
-    """Median seconds per step; the cases take turns so machine load hits them alike."""
+def step_times(batch: int, rounds: int, tokenizer, trim: bool = True) -> dict:
+    """The cases alternated for `rounds` rounds after 3 warm-up rounds; per-case times and per-round ratios."""
     cases = {
         "prolip": StepCase("prolip", True, batch, tokenizer, trim),
         "clip": StepCase("clip", False, batch, tokenizer, trim),
         "prolip_towers_clip_loss": StepCase("clip", True, batch, tokenizer, trim),
     }
-    for _ in range(3):  # warm-up
-        for case in cases.values():
-            case.step()
-    for _ in range(steps):
-        for case in cases.values():
-            case.times.append(case.step())
-    return {k: statistics.median(c.times) for k, c in cases.items()}
+    log = alternate({k: c.step for k, c in cases.items()}, rounds, warmup=3)
+    return {
+        "step": {k: times(log, k) for k in cases},
+        "prolip_over_clip": ratios(log, "prolip", "clip"),
+        "prolip_towers_clip_loss_over_clip": ratios(log, "prolip_towers_clip_loss", "clip"),
+        "rounds": log,
+    }
 
 
 def ingest(n: int, cpus: int, tokenizer, batch: int) -> dict[str, float]:
@@ -138,45 +139,70 @@ def ingest(n: int, cpus: int, tokenizer, batch: int) -> dict[str, float]:
         finally:
             ray.shutdown()
     return {"ceiling_samples_per_s": ceiling, "delivered_samples_per_s": delivered[-1],
-            "first_epoch_samples_per_s": delivered[0], "ratio": delivered[-1] / ceiling}  # fmt: skip
+            "first_epoch_samples_per_s": delivered[0], "ratio": delivered[-1] / ceiling,
+            "load_avg_1m": os.getloadavg()[0]}  # fmt: skip
+
+
+DEFAULT_OUT = ROOT / "bench" / "results" / "train_step.json"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=20, help="alternated rounds, one step per case each (>= 3)")
     ap.add_argument("--ingest-samples", type=int, default=2048)
     ap.add_argument("--cpus", type=int, default=2)
     ap.add_argument("--skip-ingest", action="store_true")
     ap.add_argument("--no-trim", action="store_true", help="keep full-context token batches")
+    ap.add_argument(
+        "--threads", type=int, help="torch threads (default: torch's); 1 steadies a loaded machine"
+    )
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--allow-loaded", action="store_true", help="write --out even if load > cores")
     args = ap.parse_args()
+    if args.rounds < MIN_ROUNDS:
+        print(f"note: --rounds {args.rounds} < {MIN_ROUNDS}: a smoke run, not a measurement")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.set_flush_denormal(True)  # as the train loop does on CPU (training/loop.py)
     tokenizer = train_tokenizer([s["txt"] for s in demo_samples(500, size=16)], vocab_size=512)
+    cores = os.cpu_count() or 1
 
-    steps = step_times(args.batch, args.steps, tokenizer, trim=not args.no_trim)
+    steps = step_times(args.batch, args.rounds, tokenizer, trim=not args.no_trim)
+    ratio = steps["prolip_over_clip"]
     result = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "device": "cpu",
         "cpu": platform.processor() or platform.machine(),
+        "cores": cores,
         "torch_threads": torch.get_num_threads(),
         "batch": args.batch,
         "trim_text_padding": not args.no_trim,
-        "step_s": steps,
-        "prolip_over_clip": steps["prolip"] / steps["clip"],
         "goal_prolip_over_clip": 1.10,
+        "method": f"cases alternated, {args.rounds} rounds after 3 warm-up rounds; per-round ratios of wall "
+        "and CPU time, median (min–max); load = 1-min load average",
+        **steps,
     }
-    print(f"{'case':<26}{'ms/step':>10}")
-    for k, v in steps.items():
-        print(f"{k:<26}{1000 * v:>10.1f}")
-    print(f"ProLIP ÷ CLIP step time: {result['prolip_over_clip']:.3f} (goal ≤ 1.10)")
+    print(f"{'case':<26}{'ms/step wall, median (min–max)':>34}")
+    for k, v in steps["step"].items():
+        w = {q: 1000 * v["wall_s"][q] for q in ("median", "min", "max")}
+        print(f"{k:<26}{w['median']:>14.1f} ({w['min']:.1f}–{w['max']:.1f})")
+    note = loads_note([ratio["load_min"], ratio["load_max"]], cores)
+    print(
+        f"ProLIP ÷ CLIP step: wall {fmt_spread(ratio['wall'])}, CPU {fmt_spread(ratio['cpu'])} (goal ≤ 1.10), {note}"
+    )
     if not args.skip_ingest:
         result["ingest"] = ingest(args.ingest_samples, args.cpus, tokenizer, args.batch)
         ing = result["ingest"]
         print(
             f"ingest: ceiling {ing['ceiling_samples_per_s']:.0f}/s (1 core, in-process), delivered "
-            f"{ing['delivered_samples_per_s']:.0f}/s on {args.cpus} CPUs → ratio {ing['ratio']:.2f}"
+            f"{ing['delivered_samples_per_s']:.0f}/s on {args.cpus} CPUs → ratio {ing['ratio']:.2f}, "
+            f"{loads_note([ing['load_avg_1m']], cores)}"
         )
-    out = ROOT / "bench" / "results" / "train_step.json"
+    max_load = max(ratio["load_max"], result.get("ingest", {}).get("load_avg_1m", 0.0))
+    result["max_load_avg_1m"], result["loaded"] = max_load, max_load > cores
+    out = results_path(args.out, DEFAULT_OUT, max_load, cores, args.allow_loaded)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

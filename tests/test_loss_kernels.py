@@ -148,3 +148,9 @@ def test_inputs_that_need_no_gradient_get_none_and_the_others_match():
     ref_lv1 = lv1.clone().requires_grad_()
     (ref,) = torch.autograd.grad(ref_inclusion_loss(mu1, ref_lv1, mu2, lv2, 10.0, -2.0).sum(), [ref_lv1])
     close(grad, ref, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1 / 5])
+def test_gaussian_kl_gradcheck(scale):
+    mu, lv = gaussians(6, 5, 58, logvar_range=(-4.0, 2.0))
+    assert torch.autograd.gradcheck(lambda m, v: K.gaussian_kl(m, v, scale), _leaves(3 * mu, lv))
