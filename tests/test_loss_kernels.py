@@ -154,3 +154,10 @@ def test_inputs_that_need_no_gradient_get_none_and_the_others_match():
 def test_gaussian_kl_gradcheck(scale):
     mu, lv = gaussians(6, 5, 58, logvar_range=(-4.0, 2.0))
     assert torch.autograd.gradcheck(lambda m, v: K.gaussian_kl(m, v, scale), _leaves(3 * mu, lv))
+
+
+def test_exp_row_sum_gradcheck():
+    _, lv = gaussians(7, 5, 59, logvar_range=(-4.0, 2.0))
+    (leaf,) = _leaves(lv)
+    assert torch.autograd.gradcheck(K.exp_row_sum, (leaf,))
+    close(K.exp_row_sum(leaf), lv.exp().sum(-1), rtol=1e-14, atol=0)

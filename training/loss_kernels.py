@@ -280,3 +280,25 @@ class _GaussianKL(torch.autograd.Function):
 def gaussian_kl(mu: Tensor, lv: Tensor, scale: float = 1.0) -> Tensor:
     """scale * KL(N(mu, exp(lv)) || N(0, I)) per row: scale/2 sum_d (sigma^2 + mu^2 - lv - 1). (B, D) -> (B,)."""
     return _GaussianKL.apply(mu, lv, scale)
+
+
+class _ExpRowSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, lv: Tensor) -> Tensor:  # type: ignore[override]
+        out = lv.new_empty(lv.shape[0])
+        step = _block_rows(lv.shape[-1])
+        for i in range(0, lv.shape[0], step):  # exp per block, summed in cache: no (B, D) buffer
+            torch.sum(lv[i : i + step].exp(), dim=-1, out=out[i : i + step])
+        ctx.save_for_backward(lv)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        (lv,) = ctx.saved_tensors
+        return lv.exp().mul_(grad[:, None])
+
+
+def exp_row_sum(lv: Tensor) -> Tensor:
+    """sum_d exp(lv_d) per row, (B, D) -> (B,): the sigma^2 sums of PPCL's logits (Eq. 2)."""
+    return _ExpRowSum.apply(lv)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training.inclusion import REDUCTIONS, inclusion_hypothesis, inclusion_log_measure, inclusion_loss, vib_kl
-from training.loss_kernels import full_precision, pair_sigmoid_loss
+from training.loss_kernels import exp_row_sum, full_precision, pair_sigmoid_loss
 
 # The per-sample terms and the precision wrapper are part of this module's public surface (re-exported).
 __all__ = [
@@ -155,8 +155,8 @@ def ppcl_loss(
     # The logits of `ppcl_logits`, as a mu_v.mu_t plus a row and a column vector (-a/2 sum_d sigma^2 of
     # each side) plus b, fused with the loss in `pair_sigmoid_loss`: one (B, N) buffer in all.
     a = log_scale.exp()
-    row_var = logvar_v.exp().sum(-1).mul(-0.5 * a)
-    col_var = _columns(logvar_t, logvar_t_all).exp().sum(-1).mul(-0.5 * a)
+    row_var = exp_row_sum(logvar_v).mul(-0.5 * a)
+    col_var = exp_row_sum(_columns(logvar_t, logvar_t_all)).mul(-0.5 * a)
     return pair_sigmoid_loss(
         a * mu_v, _columns(mu_t, mu_t_all), bias, row_bias=row_var, col_bias=col_var, offset=offset
     )
