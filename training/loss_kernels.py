@@ -6,7 +6,7 @@ temporary costs a pass through main memory and page faults on a fresh allocation
 softplus, its backward, the label diagonal's scatter and the gradient sum made four of them. The inclusion
 loss's many small (B, D) steps each left a buffer for the backward. The two `autograd.Function`s here
 compute the same formulas (written out in `training/losses.py` and `training/inclusion.py`) with
-hand-derived gradients, in blocks of rows small enough to stay in the CPU cache:
+hand-derived gradients, on CPU in blocks of rows small enough to stay in the cache (one block elsewhere):
 
 - `pair_sigmoid_loss`: one (B, N) buffer in all. The forward turns the logits into sigmoids in place,
   block by block, after taking the loss from them; the backward multiplies that buffer into the two
@@ -33,8 +33,9 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 _LOG2 = math.log(2.0)
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
-# Elements per block: 64K float32 = 256 KiB, so a block and the few temporaries made from it stay in a
-# core's L2 cache; larger blocks fall out of it, smaller ones pay Python's per-op overhead.
+# Elements per block on CPU: 64K float32 = 256 KiB, so a block and the few temporaries made from it stay
+# in a core's L2 cache; larger blocks fall out of it, smaller ones pay Python's per-op overhead. On an
+# accelerator every op is a kernel launch and there is no such cache to fit: one block of all rows.
 BLOCK_ELEMENTS = 1 << 16
 
 
@@ -55,8 +56,11 @@ def full_precision(fn: _Fn) -> _Fn:
     return wrapper  # type: ignore[return-value]
 
 
-def _block_rows(width: int) -> int:
-    return max(1, BLOCK_ELEMENTS // max(width, 1))
+def _block_rows(t: Tensor) -> int:
+    """Rows per block for a (rows, width) tensor `t`."""
+    if t.device.type != "cpu":
+        return max(1, t.shape[0])
+    return max(1, BLOCK_ELEMENTS // max(t.shape[-1], 1))
 
 
 # ---------------------------------------------------------------- pairwise sigmoid loss
@@ -80,7 +84,7 @@ class _PairSigmoid(torch.autograd.Function):
         row_sums = probs.new_zeros(b) if want_rows or ctx.needs_input_grad[4] else None
         col_sums = probs.new_zeros(probs.shape[1]) if want_cols else None
         total = probs.new_zeros(())
-        step = _block_rows(probs.shape[1])
+        step = _block_rows(probs)
         for i in range(0, b, step):
             block = probs[i : i + step]
             block.add_(col_bias).add_((row_bias[i : i + step] + bias)[:, None])
@@ -201,7 +205,7 @@ def _inclusion_rows(
     """`_inclusion_block` over blocks of rows: the loss (B,) and, with `grads`, its three (B, D) gradients."""
     loss = mu1.new_empty(mu1.shape[0])
     out = [torch.empty_like(mu1) for _ in range(3)] if grads else []
-    step = _block_rows(mu1.shape[-1])
+    step = _block_rows(mu1)
     for i in range(0, mu1.shape[0], step):
         s = slice(i, i + step)
         dst = (out[0][s], out[1][s], out[2][s]) if grads else None
@@ -286,7 +290,7 @@ class _ExpRowSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, lv: Tensor) -> Tensor:  # type: ignore[override]
         out = lv.new_empty(lv.shape[0])
-        step = _block_rows(lv.shape[-1])
+        step = _block_rows(lv)
         for i in range(0, lv.shape[0], step):  # exp per block, summed in cache: no (B, D) buffer
             torch.sum(lv[i : i + step].exp(), dim=-1, out=out[i : i + step])
         ctx.save_for_backward(lv)
