@@ -1,10 +1,10 @@
-"""Fused forward/backward kernels for the pairwise sigmoid loss and the inclusion loss.
+"""Fused forward/backward kernels for the pairwise sigmoid loss, the inclusion loss and VIB.
 
 Autograd through the plain formulas allocates a fresh tensor for every intermediate and runs every
 elementwise step as its own pass over memory. At B = 4096 a (B, B) float32 matrix is 64 MiB: each such
 temporary costs a pass through main memory and page faults on a fresh allocation, and the pairwise loss's
 softplus, its backward, the label diagonal's scatter and the gradient sum made four of them. The inclusion
-loss's many small (B, D) steps each left a buffer for the backward. The two `autograd.Function`s here
+loss's many small (B, D) steps each left a buffer for the backward. The `autograd.Function`s here
 compute the same formulas (written out in `training/losses.py` and `training/inclusion.py`) with
 hand-derived gradients, on CPU in blocks of rows small enough to stay in the cache (one block elsewhere):
 
@@ -14,9 +14,11 @@ hand-derived gradients, on CPU in blocks of rows small enough to stay in the cac
   buffer and can run twice (``retain_graph``).
 - `inclusion_terms`: the loss per sample and, when an input needs it, its gradient for a unit upstream
   gradient, both in the forward's blocks; the backward scales those by the upstream gradient.
+- `gaussian_kl` (VIB) and `exp_row_sum` (PPCL's σ² sums): each sum over d taken before the terms are
+  combined, with the one-line gradients written out.
 
 Every result equals autograd on the plain formulas to float rounding; tests/test_loss_kernels.py checks
-both kernels with `torch.autograd.gradcheck` in float64 and against autograd on the references.
+every kernel with `torch.autograd.gradcheck` in float64 and against autograd on the references.
 """
 
 from __future__ import annotations
