@@ -151,16 +151,10 @@ def pair_sigmoid_loss(
 
 
 def _inclusion_block(
-    mu1: Tensor,
-    lv1: Tensor,
-    mu2: Tensor,
-    lv2: Tensor,
-    c: float,
-    log_eps: float,
-    joint: bool,
-    out: tuple[Tensor, Tensor, Tensor] | None,
+    gaussians: tuple[Tensor, ...], c: float, log_eps: float, joint: bool, out: tuple[Tensor, ...] | None
 ) -> Tensor:
-    """Loss per row; with `out`, writes (d/d mu1, d/d lv1, d/d lv2) of it there (d/d mu2 = -d/d mu1).
+    """Loss per row of (mu1, lv1, mu2, lv2); with `out`, writes (d/d mu1, d/d lv1, d/d lv2) of it there
+    (d/d mu2 = -d/d mu1).
 
     Per dimension, with x = l1 - l2, s = exp(l), P = log(s2 + 2 s1) = l2 + softplus(x + log 2),
     Q = log(s1 + 2 s2) = l1 + softplus(log 2 - x), eP = eps e^-P, eQ = eps e^-Q, k = eP - eQ:
@@ -170,6 +164,7 @@ def _inclusion_block(
         dh/dl2 = -(mu1 - mu2)^2 k - dh/dl1,   dh/dmu1 = 2 (mu1 - mu2) k = -dh/dmu2.
     Twice h and its derivatives are formed (one multiply fewer each) and the 1/2 rides on the coefficient.
     """
+    mu1, lv1, mu2, lv2 = gaussians
     x = lv1 - lv2
     x_plus = x + _LOG2
     x_minus = torch.rsub(x, _LOG2)  # log 2 - x
@@ -211,7 +206,7 @@ def _inclusion_rows(
     for i in range(0, mu1.shape[0], step):
         s = slice(i, i + step)
         dst = (out[0][s], out[1][s], out[2][s]) if grads else None
-        loss[s] = _inclusion_block(mu1[s], lv1[s], mu2[s], lv2[s], c, log_eps, joint, dst)
+        loss[s] = _inclusion_block((mu1[s], lv1[s], mu2[s], lv2[s]), c, log_eps, joint, dst)
     return loss, out
 
 
