@@ -5,7 +5,8 @@ row order, so a resumed or re-partitioned build decides identically. Each functi
 mask, True for the rows to drop; the caller turns it into a status (``duplicate_url``,
 ``duplicate_image``, ``near_duplicate``). Nulls are never duplicates.
 
-Grouping is vectorised (Arrow sorts, numpy run detection); only URL normalisation is per row.
+Grouping is vectorised (Arrow sorts, numpy run detection), URL normalisation too (Arrow string kernels;
+only URLs outside the common http(s) shape go through ``urlnorm.normalize_url`` one by one).
 Near duplicates use multi-index hashing (Norouzi et al., "Fast Search in Hamming Space with Multi-Index
 Hashing", CVPR 2012): cutting 64-bit hashes into ``t + 1`` bands, two hashes within Hamming distance
 ``t`` agree exactly on at least one band (pigeonhole), so only hashes sharing a band value are compared.
@@ -23,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.phash import hamming
-from pipeline.urlnorm import normalize_url
+from pipeline.urlnorm import normalize_urls
 
 # Candidate pairs compared per step: bounds the (pairs, 64) bit matrix ``hamming`` builds to ~64 MB.
 _PAIR_CHUNK = 1 << 20
@@ -60,16 +61,7 @@ def url_duplicates(
     uids: Sequence[str] | np.ndarray | pa.Array, urls: Sequence[str | None] | pa.Array
 ) -> np.ndarray:
     """Rows whose normalised URL already belongs to a smaller uid (DataComp dedupes its pool by URL)."""
-    raw = _strings(urls).to_pylist()
-    keys = [None if u is None else _url_key(u) for u in raw]
-    return _dropped_within_groups(pa.array(keys, type=pa.string()), _strings(uids))
-
-
-def _url_key(url: str) -> str:
-    try:
-        return normalize_url(url)
-    except ValueError:
-        return url  # unparsable: the download stage gives it invalid_url; equal strings still group
+    return _dropped_within_groups(normalize_urls(_strings(urls)), _strings(uids))
 
 
 def exact_duplicates(

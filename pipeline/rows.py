@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.dedupe import url_duplicates
@@ -33,16 +34,18 @@ CAPTION_STATUS = "caption_status"
 ROW_KEY = "row_key"
 
 
-def _raw(col: pa.Array | pa.ChunkedArray) -> list[bytes | None]:
-    """A string or binary column as Python bytes (no UTF-8 decode, so bad bytes cannot raise here)."""
+def _binary(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A string or binary column as one binary array over the same bytes (nothing decoded yet)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
     t = col.type
-    if pa.types.is_string(t) or pa.types.is_binary(t):
-        col = col.cast(pa.binary())
-    elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):
-        col = col.cast(pa.large_binary())
-    elif pa.types.is_null(t):
-        return [None] * len(col)
-    return col.to_pylist()
+    if pa.types.is_null(t):
+        return pa.nulls(len(col), pa.binary())
+    if pa.types.is_large_string(t):
+        col = col.view(pa.large_binary())
+    if pa.types.is_large_binary(col.type):
+        return col.cast(pa.binary())
+    return col.view(pa.binary()) if pa.types.is_string(t) else col
 
 
 def _decode(raw: bytes | None) -> tuple[str | None, bool]:
@@ -55,14 +58,43 @@ def _decode(raw: bytes | None) -> tuple[str | None, bool]:
         return raw.decode("utf-8", errors="replace"), False
 
 
+def _utf8(col: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """(text, ok) of a binary column: strict UTF-8 per row; a row that fails reads with U+FFFD (display
+    only) and ``ok`` False; null stays null, ``ok`` False. Columnar unless the column holds bad bytes, and
+    then only its non-ASCII rows are decoded one by one."""
+    ok = col.is_valid().to_numpy(zero_copy_only=False).copy()
+    try:
+        return col.cast(pa.string()), ok  # the cast validates every row
+    except pa.ArrowInvalid:
+        pass
+    raw = col.view(pa.string())  # unvalidated: only byte-level kernels touch it before the rows are fixed
+    slow = np.flatnonzero(~pc.fill_null(pc.string_is_ascii(raw), True).to_numpy(zero_copy_only=False))
+    fixed = [_decode(b) for b in col.take(pa.array(slow, pa.int64())).to_pylist()]
+    mask = np.zeros(len(col), dtype=bool)
+    mask[slow] = True
+    text = pc.replace_with_mask(raw, pa.array(mask), pa.array([t for t, _ in fixed], pa.string()))
+    ok[slow] = [good for _, good in fixed]
+    return text, ok
+
+
 def caption_status(raw: bytes | None, max_bytes: int) -> tuple[str, str]:
-    """(status, caption): status "" for a usable caption, else ``invalid_caption:<reason>`` and ""."""
-    if raw is None:
-        return S.invalid_caption(S.CAPTION_NULL), ""
-    if len(raw) > max_bytes:
-        return S.invalid_caption(S.CAPTION_TOO_LONG), ""
-    text, ok = _decode(raw)
-    return ("", text or "") if ok else (S.invalid_caption(S.CAPTION_UTF8), "")
+    """(status, caption) of one caption; ``caption_statuses`` is the columnar form over a batch."""
+    status, text = caption_statuses(pa.array([raw], pa.binary()), max_bytes)
+    return status[0].as_py(), text[0].as_py()
+
+
+def caption_statuses(raw: pa.Array, max_bytes: int) -> tuple[pa.Array, pa.Array]:
+    """(status, caption) per row of a binary column: status "" for a usable caption, else
+    ``invalid_caption:<reason>`` (null, then too long, then bad UTF-8) and the caption ""."""
+    text, ok = _utf8(raw)
+    null = raw.is_null().to_numpy(zero_copy_only=False)
+    long = pc.fill_null(pc.greater(pc.binary_length(raw), max_bytes), False).to_numpy(zero_copy_only=False)
+    status = np.full(len(raw), "", dtype=object)
+    status[~ok] = S.invalid_caption(S.CAPTION_UTF8)
+    status[long] = S.invalid_caption(S.CAPTION_TOO_LONG)
+    status[null] = S.invalid_caption(S.CAPTION_NULL)
+    good = pa.array(status == "")
+    return pa.array(status, pa.string()), pc.if_else(good, text, pa.scalar("", pa.string()))
 
 
 def row_key(url: bytes | None, caption: bytes | None) -> str:
@@ -72,56 +104,94 @@ def row_key(url: bytes | None, caption: bytes | None) -> str:
     return h.hexdigest()
 
 
+def row_keys(urls: pa.Array, captions: pa.Array) -> pa.Array:
+    """``row_key`` of every row. The digest stays per row: Arrow has no keyed digest kernel, and the key
+    must not change (it picks a repeated uid's canonical row in builds already on disk)."""
+    blake, little = hashlib.blake2b, int.to_bytes
+    out = []
+    for u, t in zip(urls.to_pylist(), captions.to_pylist(), strict=True):
+        h = blake(digest_size=8)
+        h.update(b"\x01" if u is None else b"\x00" + little(len(u), 8, "little") + u)
+        h.update(b"\x01" if t is None else b"\x00" + little(len(t), 8, "little") + t)
+        out.append(h.hexdigest())
+    return pa.array(out, pa.string())
+
+
 def prepare_batch(batch: pa.Table, max_caption_bytes: int) -> pa.Table:
     """uid, url and text as valid strings (bad bytes → U+FFFD / "" / null), plus ``caption_status`` and
     ``row_key``; other columns pass through."""
     n = batch.num_rows
-    uids = [_decode(u)[0] for u in _raw(batch.column(S.UID))]
-    raw_urls = _raw(batch.column(S.URL))
-    urls = [_decode(u)[0] if u is not None and _decode(u)[1] else None for u in raw_urls]
-    raw_text = _raw(batch.column(S.TEXT)) if S.TEXT in batch.column_names else [None] * n
-    checked = [caption_status(t, max_caption_bytes) for t in raw_text]
-    keys = [row_key(u, t) for u, t in zip(raw_urls, raw_text, strict=True)]
-    out = {S.UID: pa.array(uids, pa.string()), S.URL: pa.array(urls, pa.string())}
-    out[S.TEXT] = pa.array([c for _, c in checked], pa.string())
+    uids, _ = _utf8(_binary(batch.column(S.UID)))
+    raw_urls = _binary(batch.column(S.URL))
+    urls, url_ok = _utf8(raw_urls)
+    raw_text = _binary(batch.column(S.TEXT)) if S.TEXT in batch.column_names else pa.nulls(n, pa.binary())
+    status, captions = caption_statuses(raw_text, max_caption_bytes)
+    out = {S.UID: uids, S.URL: pc.if_else(pa.array(url_ok), urls, pa.scalar(None, pa.string()))}
+    out[S.TEXT] = captions
     for name in batch.column_names:
         if name not in out:
             out[name] = batch.column(name)
-    out[CAPTION_STATUS] = pa.array([s for s, _ in checked], pa.string())
-    out[ROW_KEY] = pa.array(keys, pa.string())
+    out[CAPTION_STATUS] = status
+    out[ROW_KEY] = row_keys(raw_urls, raw_text)
     return pa.table(out)
 
 
-def canonical_rows(uids: Sequence[str | None], keys: Sequence[str], valid: np.ndarray) -> np.ndarray:
+def canonical_rows(
+    uids: Sequence[str | None] | pa.Array | pa.ChunkedArray,
+    keys: Sequence[str] | pa.Array | pa.ChunkedArray,
+    valid: np.ndarray,
+) -> np.ndarray:
     """Mask of the rows that go on for their uid: valid, and the first by ``(uid, row_key, index)``."""
-    n = len(uids)
-    keep = np.zeros(n, dtype=bool)
-    order = sorted(np.flatnonzero(valid).tolist(), key=lambda i: (uids[i], keys[i], i))
-    last = None
-    for i in order:
-        if uids[i] != last:
-            keep[i] = True
-            last = uids[i]
+    keep = np.zeros(len(valid), dtype=bool)
+    idx = np.flatnonzero(valid)
+    if not len(idx):
+        return keep
+    take = pa.array(idx, pa.int64())
+    t = pa.table({"u": _column(uids).take(take), "k": _column(keys).take(take)})
+    # A stable sort: rows equal in uid and key stay in index order. UTF-8 bytes sort as code points do.
+    order = pc.sort_indices(t, sort_keys=[("u", "ascending"), ("k", "ascending")]).to_numpy()
+    su = t.column("u").take(pa.array(order))
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = ~pc.fill_null(pc.equal(su.slice(1), su.slice(0, len(order) - 1)), False).to_numpy(
+        zero_copy_only=False
+    )
+    keep[idx[order[first]]] = True
     return keep
+
+
+def _column(values: Sequence | pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        return values.combine_chunks()
+    return values if isinstance(values, pa.Array) else pa.array(list(values), pa.string())
+
+
+def valid_uids(uids: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """``schema.is_valid_uid`` of every row, columnar (RE2's ``$`` is the end of the text, like fullmatch)."""
+    return pc.fill_null(pc.match_substring_regex(uids, "^[0-9a-f]{32}$"), False).to_numpy(
+        zero_copy_only=False
+    )
 
 
 def pre_statuses(narrow: pa.Table) -> np.ndarray:
     """Statuses decided before download for each row of ``narrow`` (uid, url, caption_status, row_key)
     in the order above; "" = goes on to download."""
-    uids = narrow.column(S.UID).to_pylist()
-    urls = narrow.column(S.URL).to_pylist()
-    cap = narrow.column(CAPTION_STATUS).to_pylist()
-    keys = narrow.column(ROW_KEY).to_pylist()
+    uids = _column(narrow.column(S.UID))
+    urls = _column(narrow.column(S.URL))
+    cap = _column(narrow.column(CAPTION_STATUS))
     status = np.full(len(uids), "", dtype=object)
-    valid = np.array([S.is_valid_uid(u) for u in uids], dtype=bool)
+    valid = valid_uids(uids)
+    canonical = canonical_rows(uids, narrow.column(ROW_KEY), valid)
     status[~valid] = S.STATUS_INVALID_UID
-    status[valid & ~canonical_rows(uids, keys, valid)] = S.STATUS_DUPLICATE_UID
-    for i in np.flatnonzero(status == ""):
-        if urls[i] is None:
-            status[i] = S.STATUS_INVALID_URL
-        elif cap[i]:
-            status[i] = cap[i]
-    idx = np.flatnonzero(status == "")
-    dup = url_duplicates(np.array([uids[i] for i in idx], dtype=object), [urls[i] for i in idx])
-    status[idx[np.asarray(dup, dtype=bool)]] = S.STATUS_DUPLICATE_URL
+    status[valid & ~canonical] = S.STATUS_DUPLICATE_UID
+    pending = valid & canonical
+    no_url = pending & urls.is_null().to_numpy(zero_copy_only=False)
+    status[no_url] = S.STATUS_INVALID_URL
+    pending &= ~no_url
+    bad_cap = pending & pc.fill_null(pc.not_equal(cap, ""), False).to_numpy(zero_copy_only=False)
+    idx = np.flatnonzero(bad_cap)
+    status[idx] = np.array(cap.take(pa.array(idx, pa.int64())).to_pylist(), dtype=object)
+    pending &= ~bad_cap
+    idx = pa.array(np.flatnonzero(pending), pa.int64())
+    dup = np.asarray(url_duplicates(uids.take(idx), urls.take(idx)), dtype=bool)
+    status[idx.to_numpy()[dup]] = S.STATUS_DUPLICATE_URL
     return status
