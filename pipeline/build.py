@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline import filter_reuse as FR
 from pipeline import runstate as R
 from pipeline import schema as S
 from pipeline import storage
@@ -39,7 +40,7 @@ from pipeline.filtering import apply_filters, check_build_filters, needs_languag
 from pipeline.parts import DownloadPart
 from pipeline.placement import scope_dataset
 from pipeline.reshard import ReshardResult, reshard
-from pipeline.rows import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch
+from pipeline.rows import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch, valid_uids
 from pipeline.status_table import decide_image_duplicates, status_table_of
 from pipeline.storage import LOCAL, Storage
 from pipeline.subset import write_subset
@@ -376,26 +377,43 @@ class _LangTag:
         return pa.table({**keys, "lang": pa.array(list(labels), pa.string())})
 
 
-def _row_ids(table: pa.Table) -> list[tuple[str, str]]:
-    return list(zip(table.column(S.UID).to_pylist(), table.column(ROW_KEY).to_pylist(), strict=True))
+@dataclass
+class _Live:
+    """The rows that went on to download, at most one per uid (a repeated uid's canonical row): their
+    uids and row keys as Arrow arrays, and the uids whose status ended as success."""
+
+    uids: pa.Array
+    keys: pa.Array
+    success: pa.Array
+
+    @classmethod
+    def of(cls, pool: _Pool, status_table: pa.Table) -> _Live:
+        live = pa.array(pool.live(), pa.bool_())
+        narrow = pool.narrow
+        status = status_table.column(S.STATUS)
+        success = pc.filter(status_table.column(S.UID), pc.equal(status, S.STATUS_SUCCESS))
+        return cls(
+            _array(pc.filter(narrow.column(S.UID), live)),
+            _array(pc.filter(narrow.column(ROW_KEY), live)),
+            _array(success),
+        )
+
+    def rows(self, table: pa.Table) -> np.ndarray:
+        """Mask of the rows of ``table`` (uid, row_key) that are a live row."""
+        at = pc.index_in(table.column(S.UID), value_set=self.uids)
+        same = pc.equal(self.keys.take(at), _array(table.column(ROW_KEY)))
+        return pc.fill_null(same, False).to_numpy(zero_copy_only=False)
 
 
-def _live_rows(pool: _Pool) -> set[tuple[str, str]]:
-    """The rows that went on to download (one per uid: a repeated uid's canonical row)."""
-    return {r for r, keep in zip(_row_ids(pool.narrow), pool.live(), strict=True) if keep}
+def _array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
 
 
-def _eligible(
-    pool: _Pool, status_table: pa.Table, rows: list[tuple[str, str]], live: set | None = None
-) -> np.ndarray:
+def _eligible(live: _Live, table: pa.Table, live_rows: np.ndarray | None = None) -> np.ndarray:
     """Rows that may enter a subset or the tokenizer: the canonical row of a uid whose status is success."""
-    live = _live_rows(pool) if live is None else live
-    ok = set(
-        pc.filter(
-            status_table.column(S.UID), pc.equal(status_table.column(S.STATUS), S.STATUS_SUCCESS)
-        ).to_pylist()
-    )
-    return np.array([r in live and r[0] in ok for r in rows], dtype=bool)
+    live_rows = live.rows(table) if live_rows is None else live_rows
+    ok = pc.is_in(table.column(S.UID), value_set=live.success).to_numpy(zero_copy_only=False)
+    return live_rows & ok
 
 
 def run_filters(
@@ -403,27 +421,23 @@ def run_filters(
 ) -> tuple[dict, dict]:
     """Apply each requested filter to the whole pool. A subset lists the passing uids of its
     ``filters.subset_scope``, each once: all of them ("metadata", DataComp's filter outputs) or the downloaded
-    ones; a repeated uid counts with one row only. Returns each subset's sizes in both scopes, and its path."""
-    import ray.data
-
+    ones; a repeated uid counts with one row only. Returns each subset's sizes in both scopes, and its path.
+    When nothing the results derive from changed since the last run, that run's files are reused
+    (pipeline/filter_reuse.py)."""
     specs = parse_filter_specs(list(cfg.filters.names), "filters.names")
+    stamp = FR.filter_stamp(cfg, specs, status_table, store)
+    earlier = FR.reusable(stamp, paths, store)
+    if earlier is not None:
+        log(f"filters: metadata, filters and statuses unchanged; reusing {len(earlier['subsets'])} subsets")
+        return earlier["sizes"], earlier["subsets"]
+    FR.forget(paths, store)
     meta = _collect(pool.ds, _FILTER_COLUMNS) if pool.narrow.num_rows else _empty(pool.ds, _FILTER_COLUMNS)
-    rows = _row_ids(meta)
-    lang = None
-    if needs_language(specs) and rows:
-        lang_ds = pool.ds.select_columns([S.UID, S.TEXT, ROW_KEY]).map_batches(
-            _LangTag,
-            fn_constructor_args=(cfg.filters.language_model,),
-            compute=ray.data.ActorPoolStrategy(size=1),
-            batch_format="pyarrow",
-        )
-        lang_tab = _collect(lang_ds, [S.UID, ROW_KEY, "lang"])
-        label = dict(zip(_row_ids(lang_tab), lang_tab.column("lang").to_pylist(), strict=True))
-        lang = np.array([label[r] for r in rows], dtype=object)
-    results = apply_filters(meta, cfg.filters, lang=lang, store=store) if rows else {}
-    live = _live_rows(pool)
-    success = _eligible(pool, status_table, rows, live)
-    listable = _listable(rows, live)
+    lang = _language_labels(pool, cfg, meta) if needs_language(specs) and meta.num_rows else None
+    results = apply_filters(meta, cfg.filters, lang=lang, store=store) if meta.num_rows else {}
+    live = _Live.of(pool, status_table)
+    live_rows = live.rows(meta)
+    success = _eligible(live, meta, live_rows)
+    listable = _listable(meta, live_rows)
     eligible = listable if cfg.filters.subset_scope == "metadata" else success
     columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
     sizes, subsets = {}, {}
@@ -433,47 +447,89 @@ def run_filters(
         res = results.get(name)
         keep = np.asarray(res.keep, dtype=bool) if res is not None else np.zeros(0, dtype=bool)
         columns[f"keep_{name}"] = pa.array(keep, pa.bool_())
-        columns[f"reason_{name}"] = pa.array(
-            [str(r) for r in (res.reason if res is not None else [])], pa.string()
-        )
-        chosen = _uids_where(rows, keep & eligible)
-        path = storage.join(paths["subsets"], f"{name}.npy")
+        columns[f"reason_{name}"] = pa.array(res.reason if res is not None else [], pa.string())
+        chosen = _uids_where(meta, keep & eligible)
+        path = FR.subset_path(paths, name)
         with store.open_output(path) as fh:
-            write_subset(chosen.tolist(), fh)
+            write_subset(chosen, fh)
         sizes[name] = {
-            "metadata": len(_uids_where(rows, keep & listable)),
-            "downloaded": len(_uids_where(rows, keep & success)),
+            "metadata": len(_uids_where(meta, keep & listable)),
+            "downloaded": len(_uids_where(meta, keep & success)),
         }
         subsets[name] = path
         log(
             f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass; {cfg.filters.subset_scope} "
             f"subset {len(chosen)} uids, {sizes[name]['downloaded']} of them downloaded"
         )
-    # A subset an earlier build run wrote for a filter no longer asked for is not derived from this run's
-    # statuses: remove it. Only the build's own (listed in work/): other jobs write subsets here too.
-    # Names, not paths: a run directory that was copied or moved must never reach back into the original.
+    _remove_stale_subsets(subsets, paths, store)
+    store.write_parquet(pa.table(columns), paths["filters"])
+    FR.remember(stamp, sizes, subsets, paths, store)
+    return sizes, subsets
+
+
+def _language_labels(pool: _Pool, cfg: BuildConfig, meta: pa.Table) -> pa.Array:
+    """fastText's label of every row of ``meta`` (in its order), predicted in one Ray actor."""
+    import ray.data
+
+    lang_ds = pool.ds.select_columns([S.UID, S.TEXT, ROW_KEY]).map_batches(
+        _LangTag,
+        fn_constructor_args=(cfg.filters.language_model,),
+        compute=ray.data.ActorPoolStrategy(size=1),
+        batch_format="pyarrow",
+    )
+    return _align_labels(meta, _collect(lang_ds, [S.UID, ROW_KEY, "lang"]))
+
+
+def _remove_stale_subsets(subsets: dict[str, str], paths: dict[str, str], store: Storage) -> None:
+    """A subset an earlier build run wrote for a filter no longer asked for is not derived from this run's
+    statuses: remove it. Only the build's own (listed in work/): other jobs write subsets here too.
+    Names, not paths: a run directory that was copied or moved must never reach back into the original."""
     listed = storage.join(paths["work"], "subsets.json")
     before = store.read_json(listed) if store.exists(listed) else []
     stale = {os.path.basename(str(p)) for p in before} - {f"{n}.npy" for n in subsets}
     store.remove_files([storage.join(paths["subsets"], n) for n in sorted(stale)])
     store.write_json(sorted(f"{n}.npy" for n in subsets), listed)
-    store.write_parquet(pa.table(columns), paths["filters"])
-    return sizes, subsets
 
 
-def _uids_where(rows: list[tuple[str, str]], mask: np.ndarray) -> np.ndarray:
-    return np.unique(np.array([r[0] for r, k in zip(rows, mask, strict=True) if k], dtype=object))
+def _uids_where(table: pa.Table, mask: np.ndarray) -> pa.Array:
+    """The distinct uids of the rows in ``mask`` (unordered: a subset file sorts them)."""
+    return pc.unique(pc.filter(_array(table.column(S.UID)), pa.array(mask, pa.bool_())))
 
 
-def _listable(rows: list[tuple[str, str]], live: set[tuple[str, str]]) -> np.ndarray:
+def _listable(table: pa.Table, live_rows: np.ndarray) -> np.ndarray:
     """Rows a metadata-scope subset may list: one row per valid uid (DataComp lists each uid once; an invalid
-    uid has no u8,u8 form) — the row that went on to download when there is one, else the uid's first row."""
-    pick: dict[str, tuple[str, str]] = {}
-    for r in rows:
-        if S.is_valid_uid(r[0]) and (r[0] not in pick or (r in live and pick[r[0]] not in live)):
-            pick[r[0]] = r
-    chosen = set(pick.values())
-    return np.array([r in chosen for r in rows], dtype=bool)
+    uid has no u8,u8 form) — the row that went on to download when there is one, else the uid's first row.
+    Rows equal in uid and row key (interchangeable) are listable together."""
+    uids = _array(table.column(S.UID))
+    idx = np.flatnonzero(valid_uids(uids))
+    out = np.zeros(len(uids), dtype=bool)
+    if not len(idx):
+        return out
+    rows = pa.array(idx, pa.int64())
+    su = uids.take(rows)
+    order = pc.sort_indices(su).to_numpy()  # stable: a uid's rows stay in table order
+    su = su.take(pa.array(order))
+    sk = _array(table.column(ROW_KEY)).take(rows).take(pa.array(order))
+    start = np.ones(len(order), dtype=bool)
+    start[1:] = ~pc.equal(su.slice(1), su.slice(0, len(su) - 1)).to_numpy(zero_copy_only=False)
+    run = np.cumsum(start) - 1
+    pick = np.flatnonzero(start)  # the uid's first row, unless one of its rows is live
+    live_at = np.flatnonzero(live_rows[idx[order]])
+    pick[run[live_at]] = live_at
+    chosen = pc.equal(sk, sk.take(pa.array(pick[run]))).to_numpy(zero_copy_only=False)
+    out[idx[order]] = chosen
+    return out
+
+
+def _align_labels(meta: pa.Table, tagged: pa.Table) -> pa.Array:
+    """``tagged``'s language labels in ``meta``'s row order. Both hold the same rows (two executions of one
+    dataset, in any order); rows equal in uid and row key have the same caption, hence the same label."""
+    keys = [(S.UID, "ascending"), (ROW_KEY, "ascending")]
+    by_meta = pc.sort_indices(meta.select([S.UID, ROW_KEY]), sort_keys=keys).to_numpy()
+    by_tag = pc.sort_indices(tagged.select([S.UID, ROW_KEY]), sort_keys=keys)
+    inverse = np.empty(len(by_meta), dtype=np.int64)
+    inverse[by_meta] = np.arange(len(by_meta))
+    return _array(tagged.column("lang")).take(by_tag).take(pa.array(inverse))
 
 
 def _empty(ds, columns: list[str]) -> pa.Table:
@@ -495,8 +551,9 @@ def train_build_tokenizer(
     from pipeline.tokenizer import train_tokenizer
 
     meta = _collect(pool.ds, [S.UID, S.TEXT, ROW_KEY])
-    eligible = _eligible(pool, status_table, _row_ids(meta))
-    captions = [t for t, ok in zip(meta.column(S.TEXT).to_pylist(), eligible, strict=True) if ok and t]
+    eligible = _eligible(_Live.of(pool, status_table), meta)
+    texts = pc.filter(meta.column(S.TEXT), pa.array(eligible, pa.bool_()))
+    captions = [t for t in texts.to_pylist() if t]
     tok = train_tokenizer(captions, vocab_size=cfg.tokenizer_vocab)
     out = storage.join(cfg.output, "tokenizer")
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,6 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -24,6 +25,7 @@ from pipeline.build import build
 from pipeline.config import BUILD_PRESETS, merge
 from pipeline.reshard import reshard
 from pipeline.shards import iter_shard
+from pipeline.storage import LOCAL
 from pipeline.subset import read_subset
 from tests.fixtures_demo import demo_pool  # noqa: F401
 
@@ -138,6 +140,53 @@ def test_subset_scope_metadata_is_datacomps_and_downloaded_is_the_shards(built, 
         assert listed(path) == listed(result.subsets[name]) & in_shards, name
         assert again.filter_counts[name] == result.subset_sizes[name]["downloaded"], name
     assert again.subset_sizes == result.subset_sizes
+
+
+def test_rerun_reuses_the_filters_until_a_spec_or_the_status_table_changes(built, tmp_path):
+    """A re-run with nothing to download reuses filters.parquet and the subsets; a changed filter spec or a
+    changed status table recomputes them."""
+    from pipeline.build import _read_pool, run_filters, run_paths
+
+    cfg, first = built
+    shutil.copytree(cfg.output, tmp_path / "run")
+    again_cfg = merge(cfg, {"output": str(tmp_path / "run"), "tokenizer_vocab": 0})
+    paths = run_paths(again_cfg.output)
+    written = {p: os.stat(p).st_mtime_ns for p in [paths["filters"], *again_cfg_subsets(paths, first)]}
+    logs: list[str] = []
+    again = build(again_cfg, log=logs.append)
+    assert any("reusing 4 subsets" in m for m in logs), logs
+    assert not any(m.startswith("filter ") for m in logs)  # no filter ran
+    assert {p: os.stat(p).st_mtime_ns for p in written} == written  # nothing rewritten
+    assert again.subset_sizes == first.subset_sizes
+    assert {n: Path(p).read_bytes() for n, p in again.subsets.items()} == {
+        n: Path(p).read_bytes() for n, p in first.subsets.items()
+    }
+
+    # A changed spec: that filter's subset is recomputed with the new parameter.
+    changed = merge(again_cfg, {"filters": {"random_fraction": 0.5}})
+    logs.clear()
+    res = build(changed, log=logs.append)
+    assert not any("reusing" in m for m in logs) and any(m.startswith("filter random") for m in logs)
+    assert res.subset_sizes["random"] != first.subset_sizes["random"]
+    assert res.subset_sizes["basic"] == first.subset_sizes["basic"]
+
+    # A changed status table (one success turned into a failure): recomputed, that uid leaves the
+    # downloaded scope.
+    pool = _read_pool(changed, LOCAL, lambda m: None)
+    status = pq.read_table(paths["status"])
+    values = status.column(S.STATUS).to_pylist()
+    i = values.index(S.STATUS_SUCCESS)
+    values[i] = "failed_to_download:timeout"
+    status = status.set_column(status.schema.get_field_index(S.STATUS), S.STATUS, pa.array(values))
+    logs.clear()
+    sizes, _ = run_filters(pool, changed, status, paths, logs.append)
+    assert not any("reusing" in m for m in logs)
+    assert sizes["no_filter"]["downloaded"] == res.subset_sizes["no_filter"]["downloaded"] - 1
+    assert sizes["no_filter"]["metadata"] == res.subset_sizes["no_filter"]["metadata"]
+
+
+def again_cfg_subsets(paths: dict[str, str], result) -> list[str]:
+    return [os.path.join(paths["subsets"], os.path.basename(p)) for p in result.subsets.values()]
 
 
 def test_reshard_materialises_the_basic_subset(built, tmp_path):

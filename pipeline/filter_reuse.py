@@ -1,0 +1,135 @@
+"""Re-run short-circuit for the build's filters: reuse ``filters.parquet`` and the subset ``.npy`` files of
+an earlier run when nothing they are derived from has changed.
+
+A filter's keep mask depends only on the pool's metadata, the filter specs with their parameters and input
+files (fastText model, WordNet, synsets, centroids...), and the rows that went on to download; a subset
+also on the status table. The *stamp* below fingerprints all of these: the metadata files and every input
+file by name, size and modification time (a rewritten file counts as changed), the filter and caption
+settings, and a digest of the status table's (uid, status) pairs. The build writes the stamp after the
+results, and removes it before it starts writing new ones, so a stamp on disk always describes the files
+beside it. The stamp carries ``VERSION``: bump it when a filter's rule changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+
+from pipeline import schema as S
+from pipeline import storage
+from pipeline.config import BuildConfig, to_dict
+from pipeline.filtering import FilterSpec, needs_language
+from pipeline.filters import _splitmix64, uid_hash
+from pipeline.langid import default_model_path
+from pipeline.storage import Storage
+
+VERSION = 1
+_BATCH_ROWS = 1 << 20
+
+
+def stamp_path(paths: dict[str, str]) -> str:
+    return storage.join(paths["work"], "filters_stamp.json")
+
+
+def file_stamps(names: list[str], store: Storage) -> list[list[Any]]:
+    """``[name, size, mtime_ns]`` of each existing file (a directory: every file under it)."""
+    out = []
+    for name in sorted(set(names)):
+        fs, p = store.resolve(name)
+        info = fs.get_file_info(p)
+        if info.type == pafs.FileType.Directory:
+            infos = fs.get_file_info(pafs.FileSelector(p, recursive=True))
+        elif info.type == pafs.FileType.File:
+            infos = [info]
+        else:
+            continue
+        for i in sorted((i for i in infos if i.type == pafs.FileType.File), key=lambda i: i.path):
+            out.append([i.path, i.size, i.mtime_ns])
+    return out
+
+
+def status_digest(table: pa.Table) -> str:
+    """A digest of the (uid, status) pairs as a multiset: rows of one uid may come in any order (the
+    status table is sorted by uid only). Per row a 64-bit hash of uid and status, vectorised; the digest is
+    their count, wrapping sum and xor."""
+    n = table.num_rows
+    if n == 0:
+        return "0"
+    words = np.zeros(n, dtype=np.uint64)
+    for start in range(0, n, _BATCH_ROWS):  # bounded memory: a million rows at a time
+        part = table.slice(start, _BATCH_ROWS)
+        uid = uid_hash(pc.fill_null(part.column(S.UID).combine_chunks().cast(pa.string()), ""), 1)
+        status = pc.dictionary_encode(pc.fill_null(part.column(S.STATUS).combine_chunks(), ""))
+        codes = uid_hash(status.dictionary, 2)[status.indices.to_numpy(zero_copy_only=False)]
+        words[start : start + len(uid)] = _splitmix64(uid ^ _splitmix64(codes))
+    with np.errstate(over="ignore"):
+        total = int(words.sum(dtype=np.uint64))
+    return f"{n}:{total:016x}:{int(np.bitwise_xor.reduce(words)):016x}"
+
+
+def _input_files(cfg: BuildConfig, specs: list[FilterSpec]) -> list[str]:
+    """Every string among the filter settings and the specs' parameters that names an input file."""
+    names = [v for v in to_dict(cfg.filters).values() if isinstance(v, str) and v]
+    names += [v for spec in specs for v in spec.params.values() if isinstance(v, str) and v]
+    if needs_language(specs) and not cfg.filters.language_model:
+        names.append(default_model_path())
+    return names
+
+
+def filter_stamp(
+    cfg: BuildConfig, specs: list[FilterSpec], status_table: pa.Table, store: Storage
+) -> dict[str, Any]:
+    """What the filters' results of this run depend on (see the module docstring)."""
+    metadata = store.list_files(cfg.metadata, suffix=".parquet")
+    return {
+        "version": VERSION,
+        "filters": to_dict(cfg.filters),
+        "specs": [spec.text or spec.label for spec in specs],
+        "max_caption_bytes": cfg.max_caption_bytes,
+        "metadata": file_stamps(metadata, store),
+        "inputs": file_stamps([n for n in _input_files(cfg, specs) if _exists(n, store)], store),
+        "status": status_digest(status_table),
+    }
+
+
+def _exists(name: str, store: Storage) -> bool:
+    try:
+        return store.exists(name)
+    except (OSError, ValueError):
+        return False  # a parameter that is not a path at all
+
+
+def reusable(stamp: dict[str, Any], paths: dict[str, str], store: Storage) -> dict[str, Any] | None:
+    """The earlier run's record (``sizes``, ``subsets``) when its stamp equals ``stamp`` and its files are
+    all there; else None."""
+    where = stamp_path(paths)
+    if not store.exists(where):
+        return None
+    record = store.read_json(where)
+    if record.get("stamp") != stamp:
+        return None
+    subsets = {name: subset_path(paths, name) for name in record.get("subsets", [])}
+    if not all(store.exists(f) for f in [paths["filters"], *subsets.values()]):
+        return None
+    return {"sizes": record["sizes"], "subsets": subsets}
+
+
+def subset_path(paths: dict[str, str], name: str) -> str:
+    return storage.join(paths["subsets"], f"{name}.npy")
+
+
+def forget(paths: dict[str, str], store: Storage) -> None:
+    """Remove the stamp before results are rewritten: a run stopped halfway leaves no stamp behind."""
+    if store.exists(stamp_path(paths)):
+        store.remove(stamp_path(paths))
+
+
+def remember(
+    stamp: dict[str, Any], sizes: dict, subsets: dict, paths: dict[str, str], store: Storage
+) -> None:
+    # Names, not paths: a run directory that was copied or moved must never reach back into the original.
+    store.write_json({"stamp": stamp, "sizes": sizes, "subsets": sorted(subsets)}, stamp_path(paths))
