@@ -40,7 +40,7 @@ from pipeline.filtering import apply_filters, check_build_filters, needs_languag
 from pipeline.parts import DownloadPart
 from pipeline.placement import scope_dataset
 from pipeline.reshard import ReshardResult, reshard
-from pipeline.rows import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch, valid_uids
+from pipeline.rows import CAPTION_STATUS, ROW_KEY, one_array, pre_statuses, prepare_batch, valid_uids
 from pipeline.status_table import decide_image_duplicates, status_table_of
 from pipeline.storage import LOCAL, Storage
 from pipeline.subset import write_subset
@@ -393,20 +393,16 @@ class _Live:
         status = status_table.column(S.STATUS)
         success = pc.filter(status_table.column(S.UID), pc.equal(status, S.STATUS_SUCCESS))
         return cls(
-            _array(pc.filter(narrow.column(S.UID), live)),
-            _array(pc.filter(narrow.column(ROW_KEY), live)),
-            _array(success),
+            one_array(pc.filter(narrow.column(S.UID), live)),
+            one_array(pc.filter(narrow.column(ROW_KEY), live)),
+            one_array(success),
         )
 
     def rows(self, table: pa.Table) -> np.ndarray:
         """Mask of the rows of ``table`` (uid, row_key) that are a live row."""
         at = pc.index_in(table.column(S.UID), value_set=self.uids)
-        same = pc.equal(self.keys.take(at), _array(table.column(ROW_KEY)))
+        same = pc.equal(self.keys.take(at), one_array(table.column(ROW_KEY)))
         return pc.fill_null(same, False).to_numpy(zero_copy_only=False)
-
-
-def _array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
-    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
 
 
 def _eligible(live: _Live, table: pa.Table, live_rows: np.ndarray | None = None) -> np.ndarray:
@@ -493,14 +489,14 @@ def _remove_stale_subsets(subsets: dict[str, str], paths: dict[str, str], store:
 
 def _uids_where(table: pa.Table, mask: np.ndarray) -> pa.Array:
     """The distinct uids of the rows in ``mask`` (unordered: a subset file sorts them)."""
-    return pc.unique(pc.filter(_array(table.column(S.UID)), pa.array(mask, pa.bool_())))
+    return pc.unique(pc.filter(one_array(table.column(S.UID)), pa.array(mask, pa.bool_())))
 
 
 def _listable(table: pa.Table, live_rows: np.ndarray) -> np.ndarray:
     """Rows a metadata-scope subset may list: one row per valid uid (DataComp lists each uid once; an invalid
     uid has no u8,u8 form) — the row that went on to download when there is one, else the uid's first row.
     Rows equal in uid and row key (interchangeable) are listable together."""
-    uids = _array(table.column(S.UID))
+    uids = one_array(table.column(S.UID))
     idx = np.flatnonzero(valid_uids(uids))
     out = np.zeros(len(uids), dtype=bool)
     if not len(idx):
@@ -509,7 +505,7 @@ def _listable(table: pa.Table, live_rows: np.ndarray) -> np.ndarray:
     su = uids.take(rows)
     order = pc.sort_indices(su).to_numpy()  # stable: a uid's rows stay in table order
     su = su.take(pa.array(order))
-    sk = _array(table.column(ROW_KEY)).take(rows).take(pa.array(order))
+    sk = one_array(table.column(ROW_KEY)).take(rows).take(pa.array(order))
     start = np.ones(len(order), dtype=bool)
     start[1:] = ~pc.equal(su.slice(1), su.slice(0, len(su) - 1)).to_numpy(zero_copy_only=False)
     run = np.cumsum(start) - 1
@@ -529,7 +525,7 @@ def _align_labels(meta: pa.Table, tagged: pa.Table) -> pa.Array:
     by_tag = pc.sort_indices(tagged.select([S.UID, ROW_KEY]), sort_keys=keys)
     inverse = np.empty(len(by_meta), dtype=np.int64)
     inverse[by_meta] = np.arange(len(by_meta))
-    return _array(tagged.column("lang")).take(by_tag).take(pa.array(inverse))
+    return one_array(tagged.column("lang")).take(by_tag).take(pa.array(inverse))
 
 
 def _empty(ds, columns: list[str]) -> pa.Table:

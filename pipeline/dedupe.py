@@ -33,8 +33,8 @@ _PAIR_CHUNK = 1 << 20
 def _strings(values: Sequence | np.ndarray | pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
-    if isinstance(values, pa.Array):
-        return values.cast(pa.string())
+    if isinstance(values, pa.Array):  # large_string stays: a column past 2 GiB does not fit 32-bit offsets
+        return values if pa.types.is_large_string(values.type) else values.cast(pa.string())
     if isinstance(values, np.ndarray) and values.dtype.kind in "US":
         values = values.astype(str).tolist()
     return pa.array(list(values), type=pa.string())

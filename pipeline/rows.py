@@ -147,7 +147,7 @@ def canonical_rows(
     if not len(idx):
         return keep
     take = pa.array(idx, pa.int64())
-    t = pa.table({"u": _column(uids).take(take), "k": _column(keys).take(take)})
+    t = pa.table({"u": one_array(uids).take(take), "k": one_array(keys).take(take)})
     # A stable sort: rows equal in uid and key stay in index order. UTF-8 bytes sort as code points do.
     order = pc.sort_indices(t, sort_keys=[("u", "ascending"), ("k", "ascending")]).to_numpy()
     su = t.column("u").take(pa.array(order))
@@ -159,8 +159,12 @@ def canonical_rows(
     return keep
 
 
-def _column(values: Sequence | pa.Array | pa.ChunkedArray) -> pa.Array:
+def one_array(values: Sequence | pa.Array | pa.ChunkedArray) -> pa.Array:
+    """One Arrow array from a column (a list: strings). A string column of more than 2 GiB (32-bit offsets)
+    becomes ``large_string``: the pool's URLs pass that size from ~20M rows on."""
     if isinstance(values, pa.ChunkedArray):
+        if values.type in (pa.string(), pa.binary()) and values.nbytes >= 2**31 - 2**26:
+            values = values.cast(pa.large_string() if values.type == pa.string() else pa.large_binary())
         return values.combine_chunks()
     return values if isinstance(values, pa.Array) else pa.array(list(values), pa.string())
 
@@ -175,9 +179,9 @@ def valid_uids(uids: pa.Array | pa.ChunkedArray) -> np.ndarray:
 def pre_statuses(narrow: pa.Table) -> np.ndarray:
     """Statuses decided before download for each row of ``narrow`` (uid, url, caption_status, row_key)
     in the order above; "" = goes on to download."""
-    uids = _column(narrow.column(S.UID))
-    urls = _column(narrow.column(S.URL))
-    cap = _column(narrow.column(CAPTION_STATUS))
+    uids = one_array(narrow.column(S.UID))
+    urls = one_array(narrow.column(S.URL))
+    cap = one_array(narrow.column(CAPTION_STATUS))
     status = np.full(len(uids), "", dtype=object)
     valid = valid_uids(uids)
     canonical = canonical_rows(uids, narrow.column(ROW_KEY), valid)

@@ -64,25 +64,30 @@ def normalize_urls(urls: pa.Array | pa.ChunkedArray) -> pa.Array:
     """``normalize_url`` of every non-null string of ``urls`` (null stays null), columnar with Arrow."""
     if isinstance(urls, pa.ChunkedArray):
         urls = urls.combine_chunks()
-    urls = urls.cast(pa.string())
+    if not pa.types.is_large_string(urls.type):
+        urls = urls.cast(pa.string())
     parts = pc.extract_regex(urls, _SIMPLE)
     simple = pc.fill_null(pc.is_valid(parts), False)
-    scheme = pc.ascii_lower(pc.struct_field(parts, "scheme"))
-    port = pc.struct_field(parts, "port")
+    typ = urls.type  # string, or large_string past 2 GiB: every piece joined below has the same type
+
+    def field(name: str) -> pa.Array:
+        return pc.struct_field(parts, name).cast(typ)
+
+    def text(value: str) -> pa.Scalar:
+        return pa.scalar(value, typ)
+
+    scheme, port, query = pc.ascii_lower(field("scheme")), field("port"), field("query")
     default = pc.or_(
-        pc.and_(pc.equal(scheme, "http"), pc.equal(port, "80")),
-        pc.and_(pc.equal(scheme, "https"), pc.equal(port, "443")),
+        pc.and_(pc.equal(scheme, text("http")), pc.equal(port, text("80"))),
+        pc.and_(pc.equal(scheme, text("https")), pc.equal(port, text("443"))),
     )
-    port_text = pc.if_else(
-        pc.or_(pc.equal(port, ""), default), "", pc.binary_join_element_wise(":", port, "")
+    no_port = pc.or_(pc.equal(port, text("")), default)
+    port = pc.if_else(no_port, text(""), pc.binary_join_element_wise(text(":"), port, text("")))
+    query = pc.if_else(pc.equal(query, text("?")), text(""), query)
+    joined = pc.binary_join_element_wise(
+        scheme, text("://"), pc.ascii_lower(field("host")), port, field("path"), query, text("")
     )
-    query = pc.struct_field(parts, "query")
-    query = pc.if_else(pc.equal(query, "?"), "", query)
-    host = pc.ascii_lower(pc.struct_field(parts, "host"))
-    path = pc.struct_field(parts, "path")
-    fast = pc.if_else(
-        simple, pc.binary_join_element_wise(scheme, "://", host, port_text, path, query, ""), urls
-    )
+    fast = pc.if_else(simple, joined, urls)
     slow = np.flatnonzero(
         ~simple.to_numpy(zero_copy_only=False) & urls.is_valid().to_numpy(zero_copy_only=False)
     )
@@ -91,7 +96,7 @@ def normalize_urls(urls: pa.Array | pa.ChunkedArray) -> pa.Array:
     mask = np.zeros(len(urls), dtype=bool)
     mask[slow] = True
     ref = [_key(u) for u in urls.take(pa.array(slow, pa.int64())).to_pylist()]
-    return pc.replace_with_mask(fast, pa.array(mask), pa.array(ref, pa.string()))
+    return pc.replace_with_mask(fast, pa.array(mask), pa.array(ref, typ))
 
 
 def _key(url: str) -> str:

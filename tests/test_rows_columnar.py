@@ -300,3 +300,11 @@ def test_arrow_uid_packing_equals_the_per_row_one_and_is_as_strict():
     for bad in ("F" * 32, "0" * 31, "0" * 31 + "g", None):
         with pytest.raises(ValueError, match="not a uid"):
             arrow_u8pairs(pa.array(uids[:3] + [bad], pa.string()))
+
+
+def test_large_string_columns_give_the_same_keys_and_statuses():
+    """A URL column past 2 GiB arrives as large_string (32-bit offsets overflow): same results."""
+    assert normalize_urls(pa.array(URLS, pa.large_string())).to_pylist() == [normalize_url(u) for u in URLS]
+    narrow = prepare_batch(_pool(2), 100).select([S.UID, S.URL, CAPTION_STATUS, ROW_KEY])
+    large = narrow.set_column(1, S.URL, narrow.column(S.URL).cast(pa.large_string()))
+    assert pre_statuses(large).tolist() == ref_pre_statuses(narrow).tolist()
