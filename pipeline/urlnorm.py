@@ -51,6 +51,7 @@ def normalize_url(url: str) -> str:
 # ``normalize_url`` one by one. For such a URL ``urlsplit`` ends the host at the first of ``/?#``, the path
 # at the first ``?`` or ``#``, the query at the first ``#``; ``urlunsplit`` drops an empty query's ``?``.
 # One regular expression cuts it the same way.
+_CHUNK = 1 << 20
 _BLANK = r"[ \t\n\r\x0b\x0c]*"  # str.strip removes these (and more: those URLs go the slow way)
 _SIMPLE = (
     rf"^{_BLANK}(?P<scheme>[hH][tT][tT][pP][sS]?)://(?P<host>[A-Za-z0-9._~-]+)"
@@ -66,6 +67,13 @@ def normalize_urls(urls: pa.Array | pa.ChunkedArray) -> pa.Array:
         urls = urls.combine_chunks()
     if not pa.types.is_large_string(urls.type):
         urls = urls.cast(pa.string())
+    if len(urls) > _CHUNK:  # the pieces below are copies of the column: bound them
+        pieces = [_normalize(urls.slice(i, _CHUNK)) for i in range(0, len(urls), _CHUNK)]
+        return pa.chunked_array(pieces, urls.type).combine_chunks()
+    return _normalize(urls)
+
+
+def _normalize(urls: pa.Array) -> pa.Array:
     parts = pc.extract_regex(urls, _SIMPLE)
     simple = pc.fill_null(pc.is_valid(parts), False)
     typ = urls.type  # string, or large_string past 2 GiB: every piece joined below has the same type

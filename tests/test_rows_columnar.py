@@ -308,3 +308,13 @@ def test_large_string_columns_give_the_same_keys_and_statuses():
     narrow = prepare_batch(_pool(2), 100).select([S.UID, S.URL, CAPTION_STATUS, ROW_KEY])
     large = narrow.set_column(1, S.URL, narrow.column(S.URL).cast(pa.large_string()))
     assert pre_statuses(large).tolist() == ref_pre_statuses(narrow).tolist()
+
+
+def test_url_normalisation_in_chunks_equals_one_pass(monkeypatch):
+    import pipeline.urlnorm as U
+
+    monkeypatch.setattr(U, "_CHUNK", 4)  # a long column goes through in slices of bounded memory
+    urls = URLS + [None] + URLS[:3]
+    assert normalize_urls(pa.array(urls)).to_pylist() == [
+        None if u is None else normalize_url(u) for u in urls
+    ]
