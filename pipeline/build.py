@@ -35,12 +35,13 @@ from pipeline import filter_reuse as FR
 from pipeline import runstate as R
 from pipeline import schema as S
 from pipeline import storage
+from pipeline import subset_rows as SR
 from pipeline.config import BuildConfig
 from pipeline.filtering import apply_filters, check_build_filters, needs_language, parse_filter_specs
 from pipeline.parts import DownloadPart
 from pipeline.placement import scope_dataset
 from pipeline.reshard import ReshardResult, reshard
-from pipeline.rows import CAPTION_STATUS, ROW_KEY, one_array, pre_statuses, prepare_batch, valid_uids
+from pipeline.rows import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch
 from pipeline.status_table import decide_image_duplicates, status_table_of
 from pipeline.storage import LOCAL, Storage
 from pipeline.subset import write_subset
@@ -377,41 +378,6 @@ class _LangTag:
         return pa.table({**keys, "lang": pa.array(list(labels), pa.string())})
 
 
-@dataclass
-class _Live:
-    """The rows that went on to download, at most one per uid (a repeated uid's canonical row): their
-    uids and row keys as Arrow arrays, and the uids whose status ended as success."""
-
-    uids: pa.Array
-    keys: pa.Array
-    success: pa.Array
-
-    @classmethod
-    def of(cls, pool: _Pool, status_table: pa.Table) -> _Live:
-        live = pa.array(pool.live(), pa.bool_())
-        narrow = pool.narrow
-        status = status_table.column(S.STATUS)
-        success = pc.filter(status_table.column(S.UID), pc.equal(status, S.STATUS_SUCCESS))
-        return cls(
-            one_array(pc.filter(narrow.column(S.UID), live)),
-            one_array(pc.filter(narrow.column(ROW_KEY), live)),
-            one_array(success),
-        )
-
-    def rows(self, table: pa.Table) -> np.ndarray:
-        """Mask of the rows of ``table`` (uid, row_key) that are a live row."""
-        at = pc.index_in(table.column(S.UID), value_set=self.uids)
-        same = pc.equal(self.keys.take(at), one_array(table.column(ROW_KEY)))
-        return pc.fill_null(same, False).to_numpy(zero_copy_only=False)
-
-
-def _eligible(live: _Live, table: pa.Table, live_rows: np.ndarray | None = None) -> np.ndarray:
-    """Rows that may enter a subset or the tokenizer: the canonical row of a uid whose status is success."""
-    live_rows = live.rows(table) if live_rows is None else live_rows
-    ok = pc.is_in(table.column(S.UID), value_set=live.success).to_numpy(zero_copy_only=False)
-    return live_rows & ok
-
-
 def run_filters(
     pool: _Pool, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log, store: Storage = LOCAL
 ) -> tuple[dict, dict]:
@@ -430,10 +396,10 @@ def run_filters(
     meta = _collect(pool.ds, _FILTER_COLUMNS) if pool.narrow.num_rows else _empty(pool.ds, _FILTER_COLUMNS)
     lang = _language_labels(pool, cfg, meta) if needs_language(specs) and meta.num_rows else None
     results = apply_filters(meta, cfg.filters, lang=lang, store=store) if meta.num_rows else {}
-    live = _Live.of(pool, status_table)
+    live = SR.LiveRows.of(pool.narrow, pool.live(), status_table)
     live_rows = live.rows(meta)
-    success = _eligible(live, meta, live_rows)
-    listable = _listable(meta, live_rows)
+    success = SR.eligible(live, meta, live_rows)
+    listable = SR.listable(meta, live_rows)
     eligible = listable if cfg.filters.subset_scope == "metadata" else success
     columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
     sizes, subsets = {}, {}
@@ -444,13 +410,13 @@ def run_filters(
         keep = np.asarray(res.keep, dtype=bool) if res is not None else np.zeros(0, dtype=bool)
         columns[f"keep_{name}"] = pa.array(keep, pa.bool_())
         columns[f"reason_{name}"] = pa.array(res.reason if res is not None else [], pa.string())
-        chosen = _uids_where(meta, keep & eligible)
+        chosen = SR.uids_where(meta, keep & eligible)
         path = FR.subset_path(paths, name)
         with store.open_output(path) as fh:
             write_subset(chosen, fh)
         sizes[name] = {
-            "metadata": len(_uids_where(meta, keep & listable)),
-            "downloaded": len(_uids_where(meta, keep & success)),
+            "metadata": len(SR.uids_where(meta, keep & listable)),
+            "downloaded": len(SR.uids_where(meta, keep & success)),
         }
         subsets[name] = path
         log(
@@ -473,7 +439,7 @@ def _language_labels(pool: _Pool, cfg: BuildConfig, meta: pa.Table) -> pa.Array:
         compute=ray.data.ActorPoolStrategy(size=1),
         batch_format="pyarrow",
     )
-    return _align_labels(meta, _collect(lang_ds, [S.UID, ROW_KEY, "lang"]))
+    return SR.align_labels(meta, _collect(lang_ds, [S.UID, ROW_KEY, "lang"]))
 
 
 def _remove_stale_subsets(subsets: dict[str, str], paths: dict[str, str], store: Storage) -> None:
@@ -485,47 +451,6 @@ def _remove_stale_subsets(subsets: dict[str, str], paths: dict[str, str], store:
     stale = {os.path.basename(str(p)) for p in before} - {f"{n}.npy" for n in subsets}
     store.remove_files([storage.join(paths["subsets"], n) for n in sorted(stale)])
     store.write_json(sorted(f"{n}.npy" for n in subsets), listed)
-
-
-def _uids_where(table: pa.Table, mask: np.ndarray) -> pa.Array:
-    """The distinct uids of the rows in ``mask`` (unordered: a subset file sorts them)."""
-    return pc.unique(pc.filter(one_array(table.column(S.UID)), pa.array(mask, pa.bool_())))
-
-
-def _listable(table: pa.Table, live_rows: np.ndarray) -> np.ndarray:
-    """Rows a metadata-scope subset may list: one row per valid uid (DataComp lists each uid once; an invalid
-    uid has no u8,u8 form) — the row that went on to download when there is one, else the uid's first row.
-    Rows equal in uid and row key (interchangeable) are listable together."""
-    uids = one_array(table.column(S.UID))
-    idx = np.flatnonzero(valid_uids(uids))
-    out = np.zeros(len(uids), dtype=bool)
-    if not len(idx):
-        return out
-    rows = pa.array(idx, pa.int64())
-    su = uids.take(rows)
-    order = pc.sort_indices(su).to_numpy()  # stable: a uid's rows stay in table order
-    su = su.take(pa.array(order))
-    sk = one_array(table.column(ROW_KEY)).take(rows).take(pa.array(order))
-    start = np.ones(len(order), dtype=bool)
-    start[1:] = ~pc.equal(su.slice(1), su.slice(0, len(su) - 1)).to_numpy(zero_copy_only=False)
-    run = np.cumsum(start) - 1
-    pick = np.flatnonzero(start)  # the uid's first row, unless one of its rows is live
-    live_at = np.flatnonzero(live_rows[idx[order]])
-    pick[run[live_at]] = live_at
-    chosen = pc.equal(sk, sk.take(pa.array(pick[run]))).to_numpy(zero_copy_only=False)
-    out[idx[order]] = chosen
-    return out
-
-
-def _align_labels(meta: pa.Table, tagged: pa.Table) -> pa.Array:
-    """``tagged``'s language labels in ``meta``'s row order. Both hold the same rows (two executions of one
-    dataset, in any order); rows equal in uid and row key have the same caption, hence the same label."""
-    keys = [(S.UID, "ascending"), (ROW_KEY, "ascending")]
-    by_meta = pc.sort_indices(meta.select([S.UID, ROW_KEY]), sort_keys=keys).to_numpy()
-    by_tag = pc.sort_indices(tagged.select([S.UID, ROW_KEY]), sort_keys=keys)
-    inverse = np.empty(len(by_meta), dtype=np.int64)
-    inverse[by_meta] = np.arange(len(by_meta))
-    return one_array(tagged.column("lang")).take(by_tag).take(pa.array(inverse))
 
 
 def _empty(ds, columns: list[str]) -> pa.Table:
@@ -547,8 +472,8 @@ def train_build_tokenizer(
     from pipeline.tokenizer import train_tokenizer
 
     meta = _collect(pool.ds, [S.UID, S.TEXT, ROW_KEY])
-    eligible = _eligible(_Live.of(pool, status_table), meta)
-    texts = pc.filter(meta.column(S.TEXT), pa.array(eligible, pa.bool_()))
+    ok = SR.eligible(SR.LiveRows.of(pool.narrow, pool.live(), status_table), meta)
+    texts = pc.filter(meta.column(S.TEXT), pa.array(ok, pa.bool_()))
     captions = [t for t in texts.to_pylist() if t]
     tok = train_tokenizer(captions, vocab_size=cfg.tokenizer_vocab)
     out = storage.join(cfg.output, "tokenizer")

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import build as B
 from pipeline import schema as S
+from pipeline import subset_rows as SR
 from pipeline.dedupe import _dropped_within_groups
 from pipeline.rows import CAPTION_STATUS, ROW_KEY, _decode, pre_statuses, prepare_batch, row_key
 from pipeline.subset import arrow_u8pairs, to_subset_array
@@ -265,17 +265,17 @@ def test_subset_row_selection_equals_the_tuple_definitions(seed):
     live_set = {r for r, k in zip(ref_row_ids(pool.narrow), pool.live(), strict=True) if k}
     ok = {u for u, s in zip(*status_table.to_pydict().values(), strict=True) if s == S.STATUS_SUCCESS}
     rows = ref_row_ids(meta)
-    live = B._Live.of(pool, status_table)
+    live = SR.LiveRows.of(pool.narrow, pool.live(), status_table)
     live_rows = live.rows(meta)
     assert live_rows.tolist() == [r in live_set for r in rows]
-    success = B._eligible(live, meta, live_rows)
+    success = SR.eligible(live, meta, live_rows)
     assert success.tolist() == [r in live_set and r[0] in ok for r in rows]
-    listable = B._listable(meta, live_rows)
+    listable = SR.listable(meta, live_rows)
     assert listable.tolist() == ref_listable(rows, live_set).tolist()
     keep = np.array([random.Random(i * 7 + seed).random() < 0.6 for i in range(len(rows))])
     for mask in (keep & listable, keep & success):
         want = np.unique(np.array([r[0] for r, k in zip(rows, mask, strict=True) if k], dtype=object))
-        got = B._uids_where(meta, mask)
+        got = SR.uids_where(meta, mask)
         assert sorted(got.to_pylist()) == want.tolist()
         # the .npy bytes: the same sorted u8,u8 array
         assert to_subset_array(got).tobytes() == to_subset_array(want.tolist()).tobytes()
@@ -288,7 +288,7 @@ def test_language_labels_follow_their_rows_whatever_the_order():
     random.Random(5).shuffle(order)
     tagged = meta.take(pa.array(order))
     tagged = tagged.append_column("lang", pa.array([label[r] for r in ref_row_ids(tagged)], pa.string()))
-    got = B._align_labels(meta, tagged)
+    got = SR.align_labels(meta, tagged)
     assert got.to_pylist() == [label[r] for r in ref_row_ids(meta)]
 
 
