@@ -71,13 +71,22 @@ def status_digest(table: pa.Table) -> str:
     return f"{n}:{total:016x}:{int(np.bitwise_xor.reduce(words)):016x}"
 
 
+def _is_path_key(key: str) -> bool:
+    """Settings and spec parameters that name an input file or directory (and nothing else: a relative
+    name such as ``metadata`` or ``cld3`` must never be read as a path)."""
+    return key.endswith("_file") or key in ("wordnet", "text_wordnet", "language_model")
+
+
 def _input_files(cfg: BuildConfig, specs: list[FilterSpec]) -> list[str]:
-    """Every string among the filter settings and the specs' parameters that names an input file."""
-    names = [v for v in to_dict(cfg.filters).values() if isinstance(v, str) and v]
-    names += [v for spec in specs for v in spec.params.values() if isinstance(v, str) and v]
+    """The input files the filters read: the path settings and the specs' path parameters."""
+    settings = to_dict(cfg.filters)
+    names = [v for k, v in settings.items() if _is_path_key(k) and isinstance(v, str) and v]
+    for spec in specs:
+        for _, params in spec.parts:
+            names += [v for k, v in params.items() if _is_path_key(k) and isinstance(v, str) and v]
     if needs_language(specs) and not cfg.filters.language_model:
         names.append(default_model_path())
-    return names
+    return [n for n in names if n not in ("cld3", "fasttext")]  # laion2b's language_model names a model
 
 
 def filter_stamp(
