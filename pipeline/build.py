@@ -44,7 +44,7 @@ from pipeline.reshard import ReshardResult, reshard
 from pipeline.rows import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch
 from pipeline.status_table import decide_image_duplicates, status_table_of
 from pipeline.storage import LOCAL, Storage
-from pipeline.subset import write_subset
+from pipeline.subset import arrow_u8pairs, write_subset
 
 _FILTER_COLUMNS = [S.UID, S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT, S.CLIP_B32, S.CLIP_L14, ROW_KEY]
 
@@ -343,7 +343,7 @@ def _write_shards(
 ) -> ReshardResult:
     """The final shards: the successful uids resharded out of the download parts (none: an empty dir)."""
     success = pc.filter(status_table.column(S.UID), pc.equal(status_table.column(S.STATUS), S.STATUS_SUCCESS))
-    success_pairs = np.sort(S.uids_to_u8pairs(success.to_pylist()))
+    success_pairs = np.sort(arrow_u8pairs(success))
     part_tars = _part_files(paths, n_parts, store, "tar")
     if not part_tars or not len(success_pairs):
         store.remove_files(store.list_files(paths["shards"]))  # an earlier run's shards are not this one's
