@@ -54,6 +54,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.alternate import load_note, spread  # noqa: E402
 from pipeline.config import BuildConfig, merge, parse_set  # noqa: E402
 
 CACHE = Path(tempfile.gettempdir()) / "prolip-bench-build-throughput"
@@ -324,7 +325,7 @@ def run_ceiling(paths: list[Path], n: int) -> dict:
     cv2.setNumThreads(1)
     step = max(1, len(paths) // n)
     blobs = [p.read_bytes() for p in paths[::step][:n]]
-    for data in blobs[:5]:  # first calls pay lazy imports (imagehash, scipy)
+    for data in blobs[:5]:  # first calls pay lazy imports (cv2, simplejpeg)
         process_image(data)
     load = os.getloadavg()[0]
     t0 = time.perf_counter()
@@ -337,16 +338,6 @@ def run_ceiling(paths: list[Path], n: int) -> dict:
 
 
 # --- main -----------------------------------------------------------------------------------------------
-
-
-def load_note(load: float, cores: int) -> str:
-    """The 1-min load average as printed beside every figure; flagged when the machine is oversubscribed."""
-    return f"load {load:.1f}" + (" (> cores!)" if load > cores else "")
-
-
-def spread(values: list[float]) -> dict:
-    v = sorted(values)
-    return {"median": float(np.median(v)), "min": v[0], "max": v[-1], "n": len(v), "values": values}
 
 
 def summarise(rounds: list[dict], names: list[str]) -> dict:
