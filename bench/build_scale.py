@@ -173,14 +173,15 @@ def meta_stages(n: int, min_free_gb: float, child_out: str = "") -> dict:
         return res
 
     stage("ray.init", lambda: init_ray(num_cpus=os.cpu_count() or 1))
-    raw = stage("schema check (every file)", lambda: B.read_metadata(cfg.metadata, LOCAL))
-    check_build_filters(cfg.filters, B._arrow_schema(raw).names, cfg.metadata)
-    from pipeline.rows import CAPTION_STATUS, ROW_KEY, prepare_batch
+    from pipeline.metadata import open_metadata, read_columns
+    from pipeline.rows import CAPTION_STATUS, ROW_KEY
 
-    ds = raw.map_batches(lambda b: prepare_batch(b, cfg.max_caption_bytes), batch_format="pyarrow",
-                         zero_copy_batch=True)  # fmt: skip
+    meta = stage("schema check (every file)", lambda: open_metadata(cfg.metadata, LOCAL))
+    for name, columns in zip(meta.files, meta.names, strict=True):
+        check_build_filters(cfg.filters, columns, name)
     narrow = stage(
-        "read + row keys (narrow columns)", lambda: B._collect(ds, ["uid", "url", CAPTION_STATUS, ROW_KEY])
+        "read + row keys (narrow columns)",
+        lambda: read_columns(meta, ["uid", "url", CAPTION_STATUS, ROW_KEY], cfg.max_caption_bytes, LOCAL),
     )
     status = stage("pre-statuses + URL dedupe", lambda: pre_statuses(narrow))
     import pyarrow as pa
@@ -189,7 +190,7 @@ def meta_stages(n: int, min_free_gb: float, child_out: str = "") -> dict:
     status_table = pa.table(
         {"uid": narrow.column("uid"), "status": np.where(status == "", "success", status)}
     )
-    pool = B._Pool(ds, narrow, status)
+    pool = B._Pool(meta, narrow, status, cfg.max_caption_bytes, LOCAL)
     shutil.rmtree(CACHE / f"out-{n}", ignore_errors=True)  # an earlier run's results would be reused
     paths = B.run_paths(str(CACHE / f"out-{n}"))
     stage("filters basic + clip_score, subset .npy (build.run_filters)",

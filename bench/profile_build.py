@@ -159,7 +159,6 @@ def _cum(stats: pstats.Stats, names: list[str]) -> float:
 
 
 def profile_part(paths: list[Path], n: int, tmp: Path) -> dict:
-    import pyarrow as pa
 
     from pipeline.config import DownloadConfig
     from pipeline.parts import DownloadPart
@@ -170,10 +169,9 @@ def profile_part(paths: list[Path], n: int, tmp: Path) -> dict:
         import pyarrow.parquet as pq
 
         rows = pq.read_table(meta).select(["uid", "url", "text"])
-        rows = rows.append_column("part", pa.array([0] * rows.num_rows, pa.int64()))
         cfg = DownloadConfig(allow_hosts=["127.0.0.1"], verify_sha256=False)
         part = DownloadPart(cfg, str(tmp / "parts"), "t0")
-        part(rows.slice(0, 8))  # warm: lazy imports, first connections
+        part.download(0, rows.slice(0, 8))  # warm: lazy imports, first connections
         profiles: list[cProfile.Profile] = []
         lock = threading.Lock()
         inner = part.worker._one
@@ -188,7 +186,7 @@ def profile_part(paths: list[Path], n: int, tmp: Path) -> dict:
         main = cProfile.Profile(time.thread_time)
         load = os.getloadavg()[0]
         t0, c0 = time.perf_counter(), time.process_time()
-        main.runcall(part, rows)
+        main.runcall(part.download, 0, rows)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         part.worker.close()
         fetch_ms = compare_fetch(rows.column("url").to_pylist(), cfg)

@@ -1,16 +1,18 @@
-"""One download part: fetch its rows, write its tar and per-row parquet under the run's token.
+"""One download part: read its rows, fetch them, write its tar and per-row parquet under the run's token.
 
-A part's rows are the canonical rows (pipeline/rows.py) of the uids that fall in it; the files are
-``part-{i:06d}.{token}.tar`` (successes only, keys = uids, sorted by uid) and ``.parquet`` (one row per uid,
-sorted by uid). The driver commits the part once it receives the rows this call returns
-(pipeline/runstate.py). In a ``retry_failed`` run the rows shipped for an already committed part are its
-transient failures only; they are downloaded again and merged with the rest of the committed part, so
-the new part holds exactly what a clean download would: the same uids, in the same order.
+A part is a consecutive range of the pool's live rows in read order (pipeline/build_download.py cuts
+them); the actor receives the part's row positions only and reads the rows' columns itself from the
+metadata files (pipeline/metadata.py ``read_rows``), so no row travels through the driver or a shuffle.
+The files are ``part-{i:06d}.{token}.tar`` (successes only, keys = uids, sorted by uid) and ``.parquet``
+(one row per uid, sorted by uid). The driver commits the part once it receives the rows this call returns
+(pipeline/runstate.py). In a ``retry_failed`` run an already committed part's spec lists only its
+transient failures; they are downloaded again and merged with the rest of the committed part, so the new
+part holds exactly what a clean download would: the same uids, in the same order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,8 +20,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
-from pipeline.config import DownloadConfig
+from pipeline.config import BuildConfig, DownloadConfig
 from pipeline.download import DownloadWorker
+from pipeline.metadata import read_rows
 from pipeline.rows import ROW_KEY
 from pipeline.runstate import part_file
 from pipeline.shards import ShardWriter, iter_shard, sample_members
@@ -39,7 +42,9 @@ PART_COLUMNS = [
 
 
 class DownloadPart:
-    """Ray Data UDF: one group = one part. Downloads it, writes tar + parquet, returns the rows + ``part``.
+    """Ray Data UDF over part specs (columns ``part``, ``file``, ``row``: one row per metadata row of the
+    part, its file's index in ``files`` and its row in that file): reads each part's rows, downloads them,
+    writes tar + parquet, returns the rows + ``part``.
 
     ``retry``: part → token of its committed files, for the parts whose transient rows are re-fetched.
     """
@@ -51,13 +56,26 @@ class DownloadPart:
         token: str,
         retry: Mapping[int, str] | None = None,
         store: Storage = LOCAL,
+        files: Sequence[str] = (),
+        max_caption_bytes: int = BuildConfig.max_caption_bytes,
     ):
         self.worker = DownloadWorker(download)
         self.parts_dir, self.token, self.store = parts_dir, token, store
         self.retry = dict(retry or {})
+        self.files, self.max_caption_bytes = list(files), max_caption_bytes
 
-    def __call__(self, rows: pa.Table) -> pa.Table:
-        part = int(rows.column("part")[0].as_py())
+    def __call__(self, specs: pa.Table) -> pa.Table:
+        parts = specs.column("part").to_numpy()
+        files, rows = specs.column("file").to_numpy(), specs.column("row").to_numpy()
+        out = []
+        for part in dict.fromkeys(parts.tolist()):  # a batch is one part's block; split if Ray bundles more
+            mine = parts == part
+            table = read_rows(self.files, files[mine], rows[mine], self.max_caption_bytes, self.store)
+            out.append(self.download(int(part), table))
+        return out[0] if len(out) == 1 else pa.concat_tables(out)
+
+    def download(self, part: int, rows: pa.Table) -> pa.Table:
+        """Download ``rows`` as part ``part``: its tar + parquet under this run's token; its rows back."""
         rows = one_row_per_uid(rows)
         out = self.worker(rows)
         out = out if isinstance(out, pa.Table) else pa.table(out)

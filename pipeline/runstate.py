@@ -1,15 +1,19 @@
 """What a run directory remembers between runs of the build: its fingerprint and its committed parts.
 
-**Fingerprint** (``work/fingerprint.json``), written before any download: the row count and a digest of
-the sorted uid list (the pool's identity; URLs are not in it, so the demo pool served on a new port is the
-same pool), the settings that shape the download parts (``part_size``, ``max_caption_bytes``, every
-``download.*`` field but the ``RETRY_KNOBS``, which only decide whether and when a row is fetched) and the settings of what is derived from the parts each
-run (``samples_per_shard``, ``tokenizer_vocab``, ``dedupe.*``, ``filters.*``). Thread/actor/CPU counts, timeouts,
-retries, deadlines and backoff, paths, endpoints and the ``overwrite``/``retry_failed`` actions are not in it: they do not change a byte
-of the output. A re-run whose pool or part settings differ is refused with one line naming what differs
-(``FingerprintMismatch``); ``overwrite=true`` first discards the old run's parts and outputs (not the
-demo pool or the manifest); a new output directory always works. A change of derived settings only is
-logged and recorded: status table, shards and subsets are rewritten from the parts every run anyway.
+**Fingerprint** (``work/fingerprint.json``), written before any download: the row count, a digest of
+the uids in read order and one of the live-row mask (the rows that go on to download, which the parts
+cut into consecutive ranges: pipeline/build_download.py), so a pool whose rows were reordered, or whose
+live rows changed, never resumes into parts cut from another order (URLs are not in it, so the demo pool
+served on a new port is the same pool); the settings that shape the download parts (``part_size``,
+``max_caption_bytes``, every ``download.*`` field but the ``RETRY_KNOBS``, which only decide whether and
+when a row is fetched) and the settings of what is derived from the parts each run
+(``samples_per_shard``, ``tokenizer_vocab``, ``dedupe.*``, ``filters.*``). Thread/actor/CPU counts,
+timeouts, retries, deadlines and backoff, paths, endpoints and the ``overwrite``/``retry_failed``
+actions are not in it: they do not change a byte of the output. A re-run whose pool or part settings
+differ is refused with one line naming what differs (``FingerprintMismatch``); ``overwrite=true`` first
+discards the old run's parts and outputs (not the demo pool or the manifest); a new output directory
+always works. A change of derived settings only is logged and recorded: status table, shards and subsets
+are rewritten from the parts every run anyway.
 
 **Parts and run tokens.** Every run draws a token. A download actor writes its part as
 ``part-{i:06d}.{token}.tar`` and ``.parquet`` and returns its rows; the *driver*, on receiving them,
@@ -29,11 +33,15 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from pipeline import storage
 from pipeline.config import BuildConfig, to_dict
 from pipeline.storage import Storage
 
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2  # 2: parts are row ranges in read order (1: uid-hash buckets)
 _PART_FILE = re.compile(r"^part-(\d{6})\.([0-9a-f]+)\.(tar|parquet)$")
 _MARKER = re.compile(r"^part-(\d{6})\.done$")
 
@@ -42,12 +50,21 @@ class FingerprintMismatch(ValueError):
     """The run directory holds another build; the message names what differs and how to proceed."""
 
 
-def uid_digest(uids: Sequence[str | None]) -> str:
-    h = hashlib.sha256()
-    for u in sorted("" if u is None else u for u in uids):
-        b = u.encode("utf-8", "surrogatepass")
-        h.update(len(b).to_bytes(4, "little") + b)
+def uid_digest(uids: Sequence[str | None] | pa.Array | pa.ChunkedArray) -> str:
+    """Digest of the uids *in their order* (the read order cuts the parts): every uid's UTF-8 length, then
+    all their bytes; a null counts as ""."""
+    arr = uids if isinstance(uids, (pa.Array, pa.ChunkedArray)) else pa.array(list(uids), pa.string())
+    arr = pc.fill_null(arr.cast(pa.large_string()), "")
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    offsets = np.frombuffer(arr.buffers()[1], np.int64)[arr.offset : arr.offset + len(arr) + 1]
+    h = hashlib.sha256(np.diff(offsets).astype("<u4").tobytes())
+    if len(arr) and arr.buffers()[2] is not None:
+        h.update(memoryview(arr.buffers()[2])[offsets[0] : offsets[-1]])
     return h.hexdigest()
+
+
+def mask_digest(mask: np.ndarray) -> str:
+    return hashlib.sha256(np.packbits(np.asarray(mask, dtype=bool)).tobytes()).hexdigest()
 
 
 # Download settings that decide only *whether and when* a row is fetched, never what a fetched row becomes:
@@ -64,11 +81,15 @@ RETRY_KNOBS = (
 )
 
 
-def fingerprint(cfg: BuildConfig, uids: Sequence[str | None]) -> dict[str, Any]:
+def fingerprint(
+    cfg: BuildConfig, uids: Sequence[str | None], live: np.ndarray | None = None
+) -> dict[str, Any]:
+    """``uids`` in read order; ``live``: the rows that go on to download (default: all)."""
     download = {k: v for k, v in to_dict(cfg.download).items() if k not in RETRY_KNOBS}
+    live = np.ones(len(uids), dtype=bool) if live is None else live
     return {
         "version": FINGERPRINT_VERSION,
-        "pool": {"rows": len(uids), "uids_sha256": uid_digest(uids)},
+        "pool": {"rows": len(uids), "uids_sha256": uid_digest(uids), "live_sha256": mask_digest(live)},
         "parts": {
             "part_size": cfg.part_size,
             "max_caption_bytes": cfg.max_caption_bytes,

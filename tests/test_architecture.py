@@ -25,11 +25,13 @@ PACKAGES = ("pipeline", "training", "jobs")
 # Which top-level packages each package may import (besides itself).
 ALLOWED = {"pipeline": {"pipeline"}, "training": {"training", "pipeline"}, "jobs": set(PACKAGES)}
 
-# Library modules allowed to import Ray: the builders of Ray datasets (the build; the shard reads, training
-# ingest and its counters actor), the Ray Train loop and trainer, and the one batch-inference builder.
+# Library modules allowed to import Ray: the builders of Ray datasets (the build and its download phase;
+# the shard reads, training ingest and its counters actor), the Ray Train loop and trainer, and the one
+# batch-inference builder.
 # Everything else is plain Python/numpy/torch, testable without a cluster.
 RAY_MODULES = {
     "pipeline.build",
+    "pipeline.build_download",
     "pipeline.datasets",
     "training.inference",
     "training.loop",

@@ -244,7 +244,7 @@ def test_build_and_train_stages_land_on_labelled_nodes(tmp_path) -> None:
     node_name = {v: k for k, v in report["nodes"].items()}
 
     # Ray Data's work in this driver: every normal task and every task of a map actor pool — reads,
-    # maps, the download and language-ID actors, shuffle reduce, of the build and of the training ingest.
+    # maps, the download and language-ID actors, of the build and of the training ingest.
     # Left out: Ray 2.60's hash-shuffle map and reduce tasks (its shuffle operators pass no label
     # selector) and its parquet footer-reader actors (scheduled SPREAD); Ray's, not ours to place.
     data_tasks = [
@@ -257,10 +257,10 @@ def test_build_and_train_stages_land_on_labelled_nodes(tmp_path) -> None:
     wrong = [t for t in data_tasks if t[1] != "data"]
     assert not wrong, wrong
     ran = {name.split("(")[0].split("->")[0] for name, _ in data_tasks}
-    for stage in ("ReadFilesParquetV2", "MapWorker", "ReadShard", "MapBatches"):
+    # The build reads its metadata in the driver (pyarrow): its Ray Data work is the two actor pools.
+    for stage in ("MapWorker", "ReadShard", "MapBatches"):
         assert stage in ran, (stage, sorted(ran))
-    assert any("DownloadPart" in n for n, _ in data_tasks) and any(
-        "decode_augment" in n for n, _ in data_tasks
-    )
+    for udf in ("DownloadPart", "_LangTag", "decode_augment"):
+        assert any(udf in n for n, _ in data_tasks), (udf, sorted(ran))
     workers = [a for a in report["actors"] if a["class_name"] == "RayTrainWorker"]
     assert len(workers) == 2 and {node_name.get(a["node_id"]) for a in workers} == {"train"}

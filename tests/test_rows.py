@@ -236,10 +236,15 @@ def test_fingerprint_refuses_another_pool_and_names_what_differs(tmp_path):
     cfg = BuildConfig(output=str(tmp_path / "run"))
     logs: list[str] = []
     R.claim(cfg, R.fingerprint(cfg, ["a" * 32, "b" * 32]), LOCAL, logs.append)
-    R.claim(cfg, R.fingerprint(cfg, ["b" * 32, "a" * 32]), LOCAL, logs.append)  # same pool, any order
+    R.claim(cfg, R.fingerprint(cfg, ["a" * 32, "b" * 32]), LOCAL, logs.append)  # the same pool resumes
     with pytest.raises(R.FingerprintMismatch, match=r"pool\.uids_sha256") as exc:
         R.claim(cfg, R.fingerprint(cfg, ["a" * 32, "c" * 32]), LOCAL, logs.append)
     assert "\n" not in str(exc.value) and "overwrite=true" in str(exc.value)
+    # The parts are ranges of the live rows in read order: another order or other live rows are another pool.
+    with pytest.raises(R.FingerprintMismatch, match=r"pool\.uids_sha256"):
+        R.claim(cfg, R.fingerprint(cfg, ["b" * 32, "a" * 32]), LOCAL, logs.append)
+    with pytest.raises(R.FingerprintMismatch, match=r"pool\.live_sha256"):
+        R.claim(cfg, R.fingerprint(cfg, ["a" * 32, "b" * 32], np.array([True, False])), LOCAL, logs.append)
     other = merge(cfg, {"download": {"image_size": 256}, "part_size": 7})
     with pytest.raises(
         R.FingerprintMismatch, match=r"download\.image_size: 512 → 256.*part_size|part_size.*image_size"
