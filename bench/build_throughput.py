@@ -23,7 +23,9 @@ Measured, same URLs, DataComp's settings (longest side 512, downscale only, JPEG
                 memory, one thread, OpenCV single-threaded: images/s per core.
 Order: (c) once, then ``--rounds`` rounds of b, a (, a tuned): the contenders alternate (A B A B A B), each
 of our runs in its own Ray session started after img2dataset finished and stopped before the next round,
-so no contender shares the CPUs with another's idle processes. Ratios a/b are taken per round (same
+so no contender shares the CPUs with another's idle processes; before each contender the script waits
+(``--settle-s``, 150 s at most) for the 1-min load to fall under the core count, so that no run starts on the
+load its predecessor left in the average. Ratios a/b are taken per round (same
 minute, same load) and reported as the median with min–max over the rounds (goals: whole build() ≥ 1.2,
 download phase ≥ 1.4). The 1-min load average is printed beside every figure and a warning when it exceeds
 the core count; a loaded run does not overwrite bench/results/build_throughput.json (``--allow-loaded``).
@@ -401,7 +403,17 @@ def print_report(results: dict, n: int, cores: int) -> None:
         )
 
 
-def run_round(meta: Path, work: Path, i: int, cores: int, contenders: dict[str, dict]) -> dict:
+def settle(cores: int, max_wait_s: float) -> None:
+    """Wait (up to ``max_wait_s``) until the 1-min load falls under the core count: a contender's own threads
+    keep the average up for a minute or two after it ends, and the next one must not start on that."""
+    t0 = time.perf_counter()
+    while os.getloadavg()[0] >= cores and time.perf_counter() - t0 < max_wait_s:
+        time.sleep(2.0)
+
+
+def run_round(
+    meta: Path, work: Path, i: int, cores: int, contenders: dict[str, dict], settle_s: float = 0.0
+) -> dict:
     """One round: img2dataset, then each of our contenders, each in its own cold Ray session."""
     import ray
 
@@ -409,12 +421,14 @@ def run_round(meta: Path, work: Path, i: int, cores: int, contenders: dict[str, 
 
     defaults = bench_config(meta, work / "unused", {})
     threads, shard = defaults.download.threads_per_actor, defaults.part_size
+    settle(cores, settle_s)
     out = {"img2dataset": run_img2dataset(meta, work / f"img2dataset{i}", cores, threads, shard)}
     print(f"  (b) img2dataset: {out['img2dataset']['images_per_s']:.1f} images/s, "
           f"{load_note(out['img2dataset']['load_avg_1m'], cores)}")  # fmt: skip
     for name, overrides in contenders.items():
         # Ray is started for each of our runs and stopped after it: img2dataset never shares the CPUs with
         # an idle Ray, and every build() is cold, as a user's one build is (ray.init is reported apart).
+        settle(cores, settle_s)
         t = time.perf_counter()
         init_ray(num_cpus=cores)
         ray_init = time.perf_counter() - t
@@ -441,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ceiling-n", type=int, default=400, help="images timed for the ceiling (c)")
     p.add_argument("--tuned", action="append", default=None, metavar="KEY=VALUE",
                    help="BuildConfig override for a second contender of ours, repeatable (default: none)")  # fmt: skip
+    p.add_argument("--settle-s", type=float, default=150.0,
+                   help="before each contender, wait up to this long for the 1-min load to fall under the cores")  # fmt: skip
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--allow-loaded", action="store_true",
@@ -469,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(c) ceiling: {results['ceiling']['images_per_s']:.1f} images/s on one core")
         for i in range(args.rounds):
             print(f"round {i + 1}/{args.rounds}")
-            results["rounds"].append(run_round(meta, work, i, cores, contenders))
+            results["rounds"].append(run_round(meta, work, i, cores, contenders, args.settle_s))
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
