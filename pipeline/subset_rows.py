@@ -1,8 +1,8 @@
 """Which rows of the pool may enter a build subset, over Arrow columns (no Python object per row).
 
-The filter columns are collected in another Ray Data execution than the narrow columns the row checks
-ran on, so rows come in another order: a row is identified by its uid and ``row_key`` (rows equal in
-both are interchangeable: same URL and caption bytes) and looked up with Arrow hash kernels and sorts.
+A row is identified by its uid and ``row_key`` (rows equal in both are interchangeable: same URL and
+caption bytes) and looked up with Arrow hash kernels and sorts, so the tables compared here may come in
+any row order (the language labels come back from a Ray actor block by block).
 """
 
 from __future__ import annotations
