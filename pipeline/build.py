@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -112,7 +111,7 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
 
     t2 = time.perf_counter()
     status_table = _decide_statuses(pool, cfg, store, paths, n_parts)
-    counts = Counter(status_table.column(S.STATUS).to_pylist())
+    counts = {c["values"]: c["counts"] for c in pc.value_counts(status_table.column(S.STATUS)).to_pylist()}
     timings["image_dedupe"] = time.perf_counter() - t2
 
     t3 = time.perf_counter()

@@ -23,7 +23,8 @@ from pipeline import schema as S
 from pipeline import storage
 from pipeline.config import BuildConfig, to_dict
 from pipeline.filtering import FilterSpec, needs_language
-from pipeline.filters import _splitmix64, uid_hash
+from pipeline.filters import uid_hash
+from pipeline.hashing import splitmix64
 from pipeline.langid import default_model_path
 from pipeline.storage import Storage
 
@@ -65,7 +66,7 @@ def status_digest(table: pa.Table) -> str:
         uid = uid_hash(pc.fill_null(part.column(S.UID).combine_chunks().cast(pa.string()), ""), 1)
         status = pc.dictionary_encode(pc.fill_null(part.column(S.STATUS).combine_chunks(), ""))
         codes = uid_hash(status.dictionary, 2)[status.indices.to_numpy(zero_copy_only=False)]
-        words[start : start + len(uid)] = _splitmix64(uid ^ _splitmix64(codes))
+        words[start : start + len(uid)] = splitmix64(uid ^ splitmix64(codes))
     with np.errstate(over="ignore"):
         total = int(words.sum(dtype=np.uint64))
     return f"{n}:{total:016x}:{int(np.bitwise_xor.reduce(words)):016x}"

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 
 from pipeline import centroids as C
 from pipeline import schema as S
+from pipeline.hashing import splitmix64
 
 Table = pa.Table | Mapping[str, Any]
 LANG = "lang"  # optional precomputed column of fastText labels
@@ -165,13 +166,6 @@ def no_filter(table: Table) -> FilterResult:
     return from_drops(_num_rows(table), [])
 
 
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def _byte_words(strings: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """(n, w) uint64 view of each string's UTF-8 bytes, zero-padded, and the byte lengths. Copy-free
     when all lengths match (32-hex uids): no Python object per row."""
@@ -195,9 +189,9 @@ def uid_hash(uids: pa.Array | list[str | None], seed: int) -> np.ndarray:
     """A 64-bit hash of each uid string and ``seed`` (splitmix64 over its bytes), vectorised; depends on
     the string alone, not on the other rows. Null hashes like ""."""
     words, lengths = _byte_words(uids if isinstance(uids, pa.Array) else pa.array(uids, pa.string()))
-    h = _splitmix64(np.uint64(seed % (1 << 64)) ^ lengths.astype(np.uint64))
+    h = splitmix64(np.uint64(seed % (1 << 64)) ^ lengths.astype(np.uint64))
     for k in range(words.shape[1]):
-        h = np.where(lengths > 8 * k, _splitmix64(h ^ words[:, k]), h)
+        h = np.where(lengths > 8 * k, splitmix64(h ^ words[:, k]), h)
     return h
 
 

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeline.hashing import splitmix64
+
 _HEX_LUT = np.full(256, -1, dtype=np.int64)
 for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX_LUT[_c] = _i
@@ -34,14 +36,6 @@ _NIBBLE_SHIFTS = np.arange(60, -4, -4, dtype=np.uint64)  # (16,) bit offsets of 
 def round_half_up(x: float | np.ndarray) -> np.ndarray:
     """floor(x + 0.5) as int64: the count rule used by every function here."""
     return np.floor(np.asarray(x, dtype=np.float64) + 0.5).astype(np.int64)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser over a uint64 array (wrapping arithmetic is intended)."""
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 def _uid_words(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -71,10 +65,10 @@ def sample_hash(keys: Sequence | np.ndarray, epoch: int, seed: int = 0) -> np.nd
         raise ValueError(f"keys must be 1-D, got shape {keys.shape}")
     hi, lo = _uid_words(keys)
     with np.errstate(over="ignore"):
-        salt = _splitmix64(np.array([epoch, seed], dtype=np.int64).view(np.uint64))  # (2,)
-        h = _splitmix64(lo ^ salt[1])
-        h = _splitmix64(h ^ hi)
-        return _splitmix64(h ^ salt[0])
+        salt = splitmix64(np.array([epoch, seed], dtype=np.int64).view(np.uint64))  # (2,)
+        h = splitmix64(lo ^ salt[1])
+        h = splitmix64(h ^ hi)
+        return splitmix64(h ^ salt[0])
 
 
 def select_for_masking(
