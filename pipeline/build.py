@@ -302,16 +302,31 @@ def train_build_tokenizer(
 
     from pipeline.tokenizer import train_tokenizer
 
+    out = storage.join(cfg.output, "tokenizer")
+    # A re-run with the same captions (metadata files and the status of every row) keeps the tokenizer:
+    # training it is the only step of a finished build's re-run that would grow with the pool.
+    stamp = {
+        "vocab": cfg.tokenizer_vocab,
+        "max_caption_bytes": cfg.max_caption_bytes,
+        "metadata": FR.file_stamps(pool.meta.files, store),
+        "status": FR.status_digest(status_table),
+    }
+    stamp_file = storage.join(run_paths(cfg.output)["work"], "tokenizer_stamp.json")
+    if store.exists(stamp_file) and store.read_json(stamp_file) == stamp and store.list_files(out):
+        log(f"tokenizer: unchanged captions, kept {out}")
+        return out
+    if store.exists(stamp_file):
+        store.remove(stamp_file)
     meta = pool.columns([S.UID, S.TEXT, ROW_KEY])
     ok = SR.eligible(SR.LiveRows.of(pool.narrow, pool.live(), status_table), meta)
     texts = pc.filter(meta.column(S.TEXT), pa.array(ok, pa.bool_()))
     captions = [t for t in texts.to_pylist() if t]
     tok = train_tokenizer(captions, vocab_size=cfg.tokenizer_vocab)
-    out = storage.join(cfg.output, "tokenizer")
     with tempfile.TemporaryDirectory() as tmp:
         tok.save(tmp)
         for name in sorted(os.listdir(tmp)):
             with open(os.path.join(tmp, name), "rb") as fh:
                 store.write_bytes(fh.read(), storage.join(out, name))
+    store.write_json(stamp, stamp_file)
     log(f"tokenizer: BPE vocab {tok.vocab_size} trained on {len(captions)} captions → {out}")
     return out

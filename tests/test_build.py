@@ -185,6 +185,34 @@ def test_rerun_reuses_the_filters_until_a_spec_or_the_status_table_changes(built
     assert sizes["no_filter"]["metadata"] == res.subset_sizes["no_filter"]["metadata"]
 
 
+def test_rerun_keeps_the_tokenizer_until_the_captions_change(built, tmp_path):
+    """A finished build's re-run does not retrain the tokenizer (the one step whose cost grows with the
+    pool); a changed status table (another set of successful captions) retrains it."""
+    from pipeline.build import _read_pool, run_paths, train_build_tokenizer
+
+    cfg, _ = built
+    shutil.copytree(cfg.output, tmp_path / "run")
+    again_cfg = merge(cfg, {"output": str(tmp_path / "run")})
+    tok_dir = tmp_path / "run" / "tokenizer"
+    written = {p: p.stat().st_mtime_ns for p in tok_dir.iterdir()}
+    logs: list[str] = []
+    build(again_cfg, log=logs.append)
+    assert any(m.startswith("tokenizer: unchanged captions") for m in logs), logs
+    assert {p: p.stat().st_mtime_ns for p in tok_dir.iterdir()} == written
+
+    pool = _read_pool(again_cfg, LOCAL, lambda m: None)
+    status = pq.read_table(run_paths(again_cfg.output)["status"])
+    values = status.column(S.STATUS).to_pylist()
+    values[values.index(S.STATUS_SUCCESS)] = "failed_to_download:timeout"
+    status = status.set_column(status.schema.get_field_index(S.STATUS), S.STATUS, pa.array(values))
+    logs.clear()
+    train_build_tokenizer(pool, status, again_cfg, logs.append)
+    assert any(m.startswith("tokenizer: BPE vocab") for m in logs), logs
+    logs.clear()
+    train_build_tokenizer(pool, status, again_cfg, logs.append)  # and now that one is kept
+    assert any(m.startswith("tokenizer: unchanged captions") for m in logs), logs
+
+
 def again_cfg_subsets(paths: dict[str, str], result) -> list[str]:
     return [os.path.join(paths["subsets"], os.path.basename(p)) for p in result.subsets.values()]
 
