@@ -27,200 +27,41 @@ Parameters resolve as: the registry's default, then the build's ``FilterConfig``
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from pipeline import centroids as C
 from pipeline import filters as F
 from pipeline import schema as S
-from pipeline import score_filters as SF
-from pipeline import text_filters as T
-from pipeline import wordnet as WN
 from pipeline.config import ConfigError, FilterConfig
-from pipeline.filters import FilterError, FilterResult
+from pipeline.filter_registry import (
+    FILTERS,
+    METADATA,
+    SCORE_KEYS,
+    SCORES,
+    Context,
+    Filter,
+    Required,
+    config_params,
+)
+from pipeline.filters import FilterResult
 from pipeline.reshard import ReshardResult, reshard
 from pipeline.storage import LOCAL, Storage
 
-METADATA, SCORES = "metadata", "scores"  # the table a filter reads: the pool's metadata, or model scores
-SCORE_KEYS = ("uid", "ok")  # every score filter reads these (``training.scoring.SCORE_COLUMNS``)
-
-
-@dataclass(frozen=True)
-class Required:
-    """A parameter without a default: the spec must give it (``n_keep`` may come from ``of=``)."""
-
-    kind: type
-
-
-@dataclass(frozen=True)
-class Context:
-    """What some filters need beyond the table: fastText labels aligned with the rows (or a
-    ``LanguageId``; else a ``lang`` column is read) and the storage their input files live on."""
-
-    lang: Any = None
-    store: Storage = LOCAL
-
-
-@dataclass(frozen=True)
-class Filter:
-    run: Callable[..., FilterResult]  # run(table, ctx, **params)
-    params: Mapping[str, Any] = field(default_factory=dict)  # name → default (its type types the spec)
-    columns: tuple[str, ...] = ()  # columns read, besides a ``column`` parameter's value
-    table: str = METADATA
-    unit: tuple[str, ...] = ()  # parameters checked to lie in (0, 1] when the spec is parsed
-    language: bool = False  # needs fastText labels
-
-    def needs(self, params: Mapping[str, Any]) -> tuple[str, ...]:
-        return self.columns + ((params["column"],) if "column" in params else ())
-
-
-# --- adapters from (table, ctx, **params) to the rule functions -----------------------------------------
-
-
-def _file(name: str, key: str, path: str) -> str:
-    if not path:
-        raise FilterError(f"filter {name!r} needs {key}= (filters.{_CONFIG_KEYS[key]})")
-    return path
-
-
-def _clip_score(
-    t: Any, ctx: Context, column: str, fraction: float, threshold: float, nan_cut: str
-) -> FilterResult:
-    if fraction > 0:
-        return F.clip_score_fraction(t, column, fraction, nan_cut=nan_cut)
-    return F.clip_score_threshold(t, column, threshold)
-
-
-def _read(name: str, key: str, path: str, store: Storage) -> bytes:
-    path = _file(name, key, path)
-    try:
-        return store.read_bytes(path)
-    except FileNotFoundError as exc:
-        raise FilterError(f"filter {name!r}: file not found: {path}") from exc
-
-
-def _text_based(
-    t: Any, ctx: Context, method: str, wordnet: str, synsets_file: str, concepts_file: str
-) -> FilterResult:
-    if method == "lemmas":
-        concepts = T.load_concepts(io.BytesIO(_read("text_based", "concepts_file", concepts_file, ctx.store)))
-        return T.text_based_lemmas(t, concepts, ctx.lang)
-    if method != "wordnet":
-        raise FilterError(f"filter 'text_based': method must be wordnet or lemmas, got {method!r}")
-    ids = _read("text_based", "synsets_file", synsets_file, ctx.store).decode("utf-8").splitlines()
-    try:
-        wn = WN.WordNet.load(_file("text_based", "wordnet", wordnet), ctx.store)
-        synset_ids = WN.load_synset_ids(ids)
-    except WN.WordNetError as exc:
-        raise FilterError(f"filter 'text_based': {exc}") from exc
-    return T.text_based(t, wn, synset_ids, ctx.lang)
-
-
-def _image_based(
-    t: Any, ctx: Context, embeddings_file: str, centroids_file: str, centroid_ids_file: str
-) -> FilterResult:
-    emb_path = _file("image_based", "embeddings_file", embeddings_file)
-    cen_path = _file("image_based", "centroids_file", centroids_file)
-    ids_path = _file("image_based", "centroid_ids_file", centroid_ids_file)
-    try:
-        emb = C.load_embeddings(emb_path, ctx.store)
-        centroids = C.load_centroids(cen_path, ctx.store)
-        target = C.load_centroid_ids(ids_path, ctx.store)
-    except (FileNotFoundError, ValueError) as exc:
-        raise FilterError(f"filter 'image_based': {exc}") from exc
-    return F.image_based(t, emb, centroids, target, ctx.lang)
-
-
-def _laion2b(t: Any, ctx: Context, threshold: float, language_model: str) -> FilterResult:
-    if language_model == "cld3":  # DataComp's laion2b rule used gcld3
-        from pipeline.langid import Cld3LanguageId
-
-        return F.laion2b(t, threshold, Cld3LanguageId())
-    if language_model == "fasttext":
-        return F.laion2b(t, threshold, ctx.lang)
-    raise FilterError(f"filter 'laion2b': language_model must be cld3 or fasttext, got {language_model!r}")
-
-
-def _on_scores(rule: Callable[..., FilterResult]) -> Callable[..., FilterResult]:
-    return lambda t, ctx, **params: rule(t, **params)
-
-
-_CONFIG_KEYS = {
-    "wordnet": "text_wordnet",
-    "synsets_file": "text_synsets_file",
-    "concepts_file": "text_concepts_file",
-    "embeddings_file": "image_embeddings_file",
-    "centroids_file": "image_centroids_file",
-    "centroid_ids_file": "image_centroid_ids_file",
-}
-_SIZE = (S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT)
-FILTERS: dict[str, Filter] = {
-    # DataComp's baselines, over the pool's metadata (pipeline.filters).
-    "no_filter": Filter(lambda t, ctx: F.no_filter(t)),
-    "random": Filter(lambda t, ctx, **p: F.random_subset(t, **p), {"fraction": 0.3, "seed": 0}, (S.UID,)),
-    "english": Filter(lambda t, ctx: F.english(t, ctx.lang), {}, (S.TEXT,), language=True),
-    "basic": Filter(lambda t, ctx: F.basic(t, ctx.lang), {}, _SIZE, language=True),
-    "text_based": Filter(
-        _text_based,
-        {"method": "wordnet", "wordnet": "", "synsets_file": "", "concepts_file": ""},
-        (S.TEXT,),
-        language=True,
-    ),
-    "clip_score": Filter(
-        _clip_score, {"column": S.CLIP_L14, "fraction": 0.3, "threshold": 0.3, "nan_cut": "datacomp"}
-    ),
-    "laion2b": Filter(
-        _laion2b, {"threshold": 0.28, "language_model": "cld3"}, (S.CLIP_B32, S.TEXT), language=True
-    ),
-    "image_based": Filter(
-        _image_based,
-        dict.fromkeys(("embeddings_file", "centroids_file", "centroid_ids_file"), ""),
-        (S.UID, S.TEXT),
-        language=True,
-    ),
-    # Our model's scores (pipeline.score_filters over training.scoring's table).
-    "csd_best": Filter(
-        _on_scores(SF.csd_best), {"fraction": 0.2}, (*SCORE_KEYS, "csd"), SCORES, ("fraction",)
-    ),
-    "csd_uncertainty_aware": Filter(
-        _on_scores(SF.csd_uncertainty_aware),
-        {"fraction": 0.2, "text_unc_quantile": 0.9},
-        (*SCORE_KEYS, "csd", "text_unc"),
-        SCORES,
-        ("fraction", "text_unc_quantile"),
-    ),
-    "clip_score_best": Filter(
-        _on_scores(SF.clip_score_best), {"fraction": 0.3}, (*SCORE_KEYS, "cosine"), SCORES, ("fraction",)
-    ),
-    "clip_score_threshold": Filter(
-        _on_scores(SF.clip_score_threshold), {"threshold": 0.3}, (*SCORE_KEYS, "cosine"), SCORES
-    ),
-    "random_same_size": Filter(
-        _on_scores(SF.random_same_size), {"n_keep": Required(int), "seed": 0}, SCORE_KEYS, SCORES
-    ),
-}
-
-
-def config_params(cfg: FilterConfig) -> dict[str, dict[str, Any]]:
-    """The build's ``FilterConfig`` fields as per-filter parameters (a spec's own ``key=value`` wins)."""
-    return {
-        "random": {"fraction": cfg.random_fraction, "seed": cfg.random_seed},
-        "clip_score": {
-            "column": cfg.clip_column,
-            "fraction": cfg.clip_fraction,
-            "threshold": cfg.clip_threshold,
-        },
-        "laion2b": {"threshold": cfg.laion_threshold},
-        "text_based": {
-            k: getattr(cfg, _CONFIG_KEYS[k]) for k in ("wordnet", "synsets_file", "concepts_file")
-        },
-        "image_based": {k: getattr(cfg, _CONFIG_KEYS[k]) for k in FILTERS["image_based"].params},
-    }
+__all__ = [
+    "FILTERS",
+    "METADATA",
+    "SCORES",
+    "SCORE_KEYS",
+    "Context",
+    "Filter",
+    "FilterSpec",
+    "Required",
+    "config_params",
+]
 
 
 # --- spec strings -------------------------------------------------------------------------------------
