@@ -1,4 +1,5 @@
-"""The fused kernels' hand-written gradients (training/loss_kernels.py), checked independently.
+"""The fused kernels' hand-written gradients (training/loss_kernels.py, training/sample_kernels.py),
+checked independently.
 
 `torch.autograd.gradcheck` compares each kernel's backward with finite differences in float64; the full
 ProLIP objective's gradients (both reductions, every input and both learnable scalars) must equal autograd
@@ -28,6 +29,7 @@ from tests.test_losses import (
 )
 from training import loss_kernels as K
 from training import losses as L
+from training import sample_kernels as S
 
 F64 = torch.float64
 
@@ -154,6 +156,31 @@ def test_inputs_that_need_no_gradient_get_none_and_the_others_match():
 def test_gaussian_kl_gradcheck(scale):
     mu, lv = gaussians(6, 5, 58, logvar_range=(-4.0, 2.0))
     assert torch.autograd.gradcheck(lambda m, v: K.gaussian_kl(m, v, scale), _leaves(3 * mu, lv))
+
+
+@pytest.mark.parametrize("reduction", ["joint", "official"])
+def test_sample_terms_gradcheck_with_one_tower_masked(reduction):
+    """The fused per-sample kernel: every output against finite differences, with masked variants of the
+    image tower only (the text tower's masked terms are then empty) and a masked row listed twice."""
+    mu_v, lv_v = gaussians(7, 5, 60)
+    mu_t, lv_t = gaussians(7, 5, 61)
+    mu_vm, lv_vm = gaussians(3, 5, 62)
+    index = torch.tensor([5, 0, 5])
+    leaves = _leaves(mu_v, lv_v, mu_t, lv_t, mu_vm, lv_vm)
+
+    def kernel(mv, lv, mt, lt, mvm, lvm):
+        terms = S.sample_terms(mv, lv, mt, lt, (index, mvm, lvm), None, c=10.0, log_eps=-2.0,
+                               joint=reduction == "joint")  # fmt: skip
+        assert terms.inc_masked_t.shape == (0,)
+        return tuple(terms)
+
+    assert torch.autograd.gradcheck(kernel, leaves)
+    terms = kernel(*leaves)
+    inc = lambda *t: L.inclusion_loss(*t, c=10.0, log_eps=-2.0, reduction=reduction)  # noqa: E731
+    close(terms[0], inc(mu_v, lv_v, mu_t, lv_t), rtol=1e-14, atol=0)
+    close(terms[1], inc(mu_v[index], lv_v[index], mu_vm, lv_vm), rtol=1e-14, atol=0)
+    close(terms[3], lv_v.exp().sum(-1), rtol=1e-14, atol=0)
+    close(terms[6], (mu_t.square() - lv_t).sum(-1), rtol=1e-14, atol=0)
 
 
 def test_exp_row_sum_gradcheck():

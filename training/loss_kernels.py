@@ -1,4 +1,4 @@
-"""Fused forward/backward kernels for the pairwise sigmoid loss, the inclusion loss and VIB.
+"""Fused forward/backward kernels for the pairwise sigmoid loss and the sums over d behind PPCL and VIB.
 
 Autograd through the plain formulas allocates a fresh tensor for every intermediate and runs every
 elementwise step as its own pass over memory. At B = 4096 a (B, B) float32 matrix is 64 MiB: each such
@@ -12,10 +12,10 @@ hand-derived gradients, on CPU in blocks of rows small enough to stay in the cac
   block by block, after taking the loss from them; the backward multiplies that buffer into the two
   gradient products and subtracts the positives' rows as (B, K) corrections, so it never writes to the
   buffer and can run twice (``retain_graph``).
-- `inclusion_terms`: the loss per sample and, when an input needs it, its gradient for a unit upstream
-  gradient, both in the forward's blocks; the backward scales those by the upstream gradient.
-- `gaussian_kl` (VIB) and `exp_row_sum` (PPCL's σ² sums): each sum over d taken before the terms are
-  combined, with the one-line gradients written out.
+- `gaussian_sums` (sum_d σ² and sum_d (μ² − log σ²), from which `gaussian_kl` is VIB) and `exp_row_sum`
+  (PPCL's σ² sums): each sum over d taken block by block, the exp recomputed in the backward.
+- The inclusion loss and the fused per-sample terms of the ProLIP objective are in
+  `training/sample_kernels.py`.
 
 Every result equals autograd on the plain formulas to float rounding; tests/test_loss_kernels.py checks
 every kernel with `torch.autograd.gradcheck` in float64 and against autograd on the references.
@@ -24,7 +24,6 @@ every kernel with `torch.autograd.gradcheck` in float64 and against autograd on 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -33,7 +32,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-_LOG2 = math.log(2.0)
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 # Elements per block on CPU: 64K float32 = 256 KiB, so a block and the few temporaries made from it stay
 # in a core's L2 cache; larger blocks fall out of it, smaller ones pay Python's per-op overhead. On an
@@ -147,157 +145,88 @@ def pair_sigmoid_loss(
     return _PairSigmoid.apply(rows, cols, row_bias, col_bias, bias, offset, n)
 
 
-# ---------------------------------------------------------------- inclusion loss (Eq. 5)
+# ---------------------------------------------------------------- sums over d: σ² (Eq. 2) and VIB (Eq. A.2)
 
 
-def _inclusion_block(
-    gaussians: tuple[Tensor, ...], c: float, log_eps: float, joint: bool, out: tuple[Tensor, ...] | None
-) -> Tensor:
-    """Loss per row of (mu1, lv1, mu2, lv2); with `out`, writes (d/d mu1, d/d lv1, d/d lv2) of it there
-    (d/d mu2 = -d/d mu1).
+def row_sums(mu: Tensor | None, lv: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(sum_d exp(lv), sum_d (mu^2 - lv)) per row, (B, D) -> (B,) each (the second None without `mu`).
 
-    Per dimension, with x = l1 - l2, s = exp(l), P = log(s2 + 2 s1) = l2 + softplus(x + log 2),
-    Q = log(s1 + 2 s2) = l1 + softplus(log 2 - x), eP = eps e^-P, eQ = eps e^-Q, k = eP - eQ:
-        2 h = P - Q - x + 2 (mu1 - mu2)^2 k                             (training/inclusion.py's H_d)
-        2 dh/dl1 = p - q - 1 - 2 (mu1 - mu2)^2 (eP p - eQ q),  p = dP/dl1 = sigmoid(x + log 2),
-                                                               q = dQ/dl1 = sigmoid(x - log 2)
-        dh/dl2 = -(mu1 - mu2)^2 k - dh/dl1,   dh/dmu1 = 2 (mu1 - mu2) k = -dh/dmu2.
-    Twice h and its derivatives are formed (one multiply fewer each) and the 1/2 rides on the coefficient.
+    Block by block, so the exp never fills a (B, D) buffer.
     """
-    mu1, lv1, mu2, lv2 = gaussians
-    x = lv1 - lv2
-    x_plus = x + _LOG2
-    x_minus = torch.rsub(x, _LOG2)  # log 2 - x
-    big_p = F.softplus(x_plus).add_(lv2)
-    big_q = F.softplus(x_minus).add_(lv1)
-    e_p = torch.rsub(big_p, log_eps).exp_()
-    e_q = torch.rsub(big_q, log_eps).exp_()
-    d = mu1 - mu2
-    d2 = d.square()
-    k = e_p - e_q
-    h2 = big_p.sub_(big_q).sub_(x).addcmul_(d2, k, value=2.0)
-    if joint:
-        ch = h2.sum(-1).mul_(-0.5 * c)
-        loss = F.softplus(ch)
-        coef = torch.sigmoid(ch).mul_(-0.5 * c)[:, None]  # d loss / d (2 h_d), the same for every d
-    else:
-        ch = h2.mul_(-0.5 * c)
-        loss = F.softplus(ch).mean(-1)
-        coef = torch.sigmoid(ch).mul_(-0.5 * c / h2.shape[-1])
-    if out is None:
-        return loss
-    p, q = torch.sigmoid(x_plus), torch.sigmoid(x_minus).neg_().add_(1.0)
-    t = e_p.mul_(p).addcmul_(e_q, q, value=-1.0)
-    g_lv1 = p.sub_(q).sub_(1.0).addcmul_(d2, t, value=-2.0)
-    g_lv2 = torch.add(g_lv1, d2.mul_(k), alpha=2.0).neg_()
-    torch.mul(d.mul_(k), coef, out=out[0]).mul_(4.0)
-    torch.mul(g_lv1, coef, out=out[1])
-    torch.mul(g_lv2, coef, out=out[2])
-    return loss
-
-
-def _inclusion_rows(
-    mu1: Tensor, lv1: Tensor, mu2: Tensor, lv2: Tensor, c: float, log_eps: float, joint: bool, grads: bool
-) -> tuple[Tensor, list[Tensor]]:
-    """`_inclusion_block` over blocks of rows: the loss (B,) and, with `grads`, its three (B, D) gradients."""
-    loss = mu1.new_empty(mu1.shape[0])
-    out = [torch.empty_like(mu1) for _ in range(3)] if grads else []
-    step = _block_rows(mu1)
-    for i in range(0, mu1.shape[0], step):
+    var = lv.new_empty(lv.shape[0])
+    quad = None if mu is None else lv.new_empty(lv.shape[0])
+    step = _block_rows(lv)
+    for i in range(0, lv.shape[0], step):
         s = slice(i, i + step)
-        dst = (out[0][s], out[1][s], out[2][s]) if grads else None
-        loss[s] = _inclusion_block((mu1[s], lv1[s], mu2[s], lv2[s]), c, log_eps, joint, dst)
-    return loss, out
+        torch.sum(lv[s].exp(), dim=-1, out=var[s])
+        if quad is not None and mu is not None:
+            torch.sum(mu[s].square().sub_(lv[s]), dim=-1, out=quad[s])
+    return var, quad
 
 
-class _Inclusion(torch.autograd.Function):
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: FunctionCtx,
-        mu1: Tensor,
-        lv1: Tensor,
-        mu2: Tensor,
-        lv2: Tensor,
-        c: float,
-        log_eps: float,
-        joint: bool,
-    ) -> Tensor:
-        loss, grads = _inclusion_rows(mu1, lv1, mu2, lv2, c, log_eps, joint, grads=True)
-        ctx.save_for_backward(*grads)
-        return loss
+def add_row_sums_grad(
+    lv: Tensor, g_var: Tensor, g_quad: Tensor | None, out: Tensor, accumulate: bool
+) -> None:
+    """`out` (+)= d/d lv of `row_sums` for upstream (B,) gradients: exp(lv) g_var - g_quad, per row.
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        g_mu1, g_lv1, g_lv2 = ctx.saved_tensors
-        per_row = grad[:, None]
-        need = ctx.needs_input_grad
-        return (
-            g_mu1 * per_row if need[0] else None,
-            g_lv1 * per_row if need[1] else None,
-            g_mu1 * -per_row if need[2] else None,
-            g_lv2 * per_row if need[3] else None,
-            None,
-            None,
-            None,
-        )
-
-
-def inclusion_terms(
-    mu1: Tensor, lv1: Tensor, mu2: Tensor, lv2: Tensor, c: float, log_eps: float, joint: bool
-) -> Tensor:
-    """Inclusion loss per sample (B,): softplus(-c sum_d h_d) if `joint`, else mean_d softplus(-c h_d).
-
-    The gradients are computed (in the forward's blocks) only when autograd will ask for them.
+    (d/d mu is 2 mu g_quad.) The exp is recomputed block by block instead of kept from the forward.
     """
-    inputs = (mu1, lv1, mu2, lv2)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        return _Inclusion.apply(*inputs, c, log_eps, joint)
-    return _inclusion_rows(*inputs, c, log_eps, joint, grads=False)[0]
+    step = _block_rows(lv)
+    for i in range(0, lv.shape[0], step):
+        s = slice(i, i + step)
+        if accumulate:
+            out[s].addcmul_(lv[s].exp(), g_var[s, None])
+        else:
+            torch.mul(lv[s].exp(), g_var[s, None], out=out[s])
+        if g_quad is not None:
+            out[s].sub_(g_quad[s, None])
 
 
-# ---------------------------------------------------------------- VIB (Eq. A.2)
-
-
-class _GaussianKL(torch.autograd.Function):
+class _GaussianSums(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, mu: Tensor, lv: Tensor, scale: float) -> Tensor:  # type: ignore[override]
-        var = lv.exp()
-        kl = (var.sum(-1) + torch.linalg.vecdot(mu, mu) - lv.sum(-1) - mu.shape[-1]).mul_(0.5 * scale)
-        # d kl / d mu = scale mu, d kl / d lv = scale (sigma^2 - 1) / 2, kept in the exp's own buffer.
-        ctx.save_for_backward(mu, var.sub_(1.0).mul_(0.5 * scale))
-        ctx.scale = scale
-        return kl
+    def forward(ctx: FunctionCtx, mu: Tensor, lv: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        ctx.save_for_backward(mu, lv)
+        return row_sums(mu, lv)  # type: ignore[return-value]
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        mu, d_lv = ctx.saved_tensors
-        per_row = grad[:, None]
-        g_mu = mu * (per_row * ctx.scale) if ctx.needs_input_grad[0] else None
-        return g_mu, d_lv * per_row if ctx.needs_input_grad[1] else None, None
+    def backward(ctx: FunctionCtx, g_var: Tensor, g_quad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        mu, lv = ctx.saved_tensors
+        g_lv = None
+        if ctx.needs_input_grad[1]:
+            g_lv = torch.empty_like(lv)
+            add_row_sums_grad(lv, g_var, g_quad, g_lv, accumulate=False)
+        return mu * (2.0 * g_quad)[:, None] if ctx.needs_input_grad[0] else None, g_lv
+
+
+def gaussian_sums(mu: Tensor, lv: Tensor) -> tuple[Tensor, Tensor]:
+    """Differentiable `row_sums(mu, lv)`: sum_d sigma^2 and sum_d (mu^2 - log sigma^2), (B,) each."""
+    return _GaussianSums.apply(mu, lv)
+
+
+def kl_from_sums(var: Tensor, quad: Tensor, dim: int, scale: float = 1.0) -> Tensor:
+    """scale * KL(N(mu, sigma^2) || N(0, I)) per row from `gaussian_sums`: scale/2 (sum s + sum (mu^2 - lv) - D)."""
+    return (var + quad - dim).mul(0.5 * scale)
 
 
 def gaussian_kl(mu: Tensor, lv: Tensor, scale: float = 1.0) -> Tensor:
     """scale * KL(N(mu, exp(lv)) || N(0, I)) per row: scale/2 sum_d (sigma^2 + mu^2 - lv - 1). (B, D) -> (B,)."""
-    return _GaussianKL.apply(mu, lv, scale)
+    return kl_from_sums(*gaussian_sums(mu, lv), mu.shape[-1], scale)
 
 
 class _ExpRowSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: FunctionCtx, lv: Tensor) -> Tensor:  # type: ignore[override]
-        out = lv.new_empty(lv.shape[0])
-        step = _block_rows(lv)
-        for i in range(0, lv.shape[0], step):  # exp per block, summed in cache: no (B, D) buffer
-            torch.sum(lv[i : i + step].exp(), dim=-1, out=out[i : i + step])
         ctx.save_for_backward(lv)
-        return out
+        return row_sums(None, lv)[0]
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad: Tensor) -> Tensor:  # type: ignore[override]
         (lv,) = ctx.saved_tensors
-        return lv.exp().mul_(grad[:, None])
+        out = torch.empty_like(lv)
+        add_row_sums_grad(lv, grad, None, out, accumulate=False)
+        return out
 
 
 def exp_row_sum(lv: Tensor) -> Tensor:

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training.inclusion import REDUCTIONS, inclusion_hypothesis, inclusion_log_measure, inclusion_loss, vib_kl
-from training.loss_kernels import exp_row_sum, full_precision, pair_sigmoid_loss
+from training.loss_kernels import exp_row_sum, full_precision, kl_from_sums, pair_sigmoid_loss
+from training.sample_kernels import sample_terms
 
 # The per-sample terms and the precision wrapper are part of this module's public surface (re-exported).
 __all__ = [
@@ -150,16 +151,35 @@ def ppcl_loss(
 
     Shapes: (B, D) local rows; (N, D) global text columns -> scalar, normalised by N.
     """
+    mu_cols, logvar_cols = _text_columns(mu_t, logvar_t, mu_t_all, logvar_t_all)
+    return _ppcl_share(
+        mu_v, exp_row_sum(logvar_v), mu_cols, exp_row_sum(logvar_cols), log_scale, bias, offset
+    )
+
+
+def _text_columns(
+    mu_t: Tensor, logvar_t: Tensor, mu_t_all: Tensor | None, logvar_t_all: Tensor | None
+) -> tuple[Tensor, Tensor]:
     if (mu_t_all is None) != (logvar_t_all is None):
         raise ValueError("pass both mu_t_all and logvar_t_all, or neither")
+    return _columns(mu_t, mu_t_all), _columns(logvar_t, logvar_t_all)
+
+
+@full_precision
+def _ppcl_share(
+    mu_v: Tensor,
+    var_v: Tensor,
+    mu_cols: Tensor,
+    var_cols: Tensor,
+    log_scale: Tensor,
+    bias: Tensor,
+    offset: int,
+) -> Tensor:
     # The logits of `ppcl_logits`, as a mu_v.mu_t plus a row and a column vector (-a/2 sum_d sigma^2 of
-    # each side) plus b, fused with the loss in `pair_sigmoid_loss`: one (B, N) buffer in all.
+    # each side, `var_*`) plus b, fused with the loss in `pair_sigmoid_loss`: one (B, N) buffer in all.
     a = log_scale.exp()
-    row_var = exp_row_sum(logvar_v).mul(-0.5 * a)
-    col_var = exp_row_sum(_columns(logvar_t, logvar_t_all)).mul(-0.5 * a)
-    return pair_sigmoid_loss(
-        a * mu_v, _columns(mu_t, mu_t_all), bias, row_bias=row_var, col_bias=col_var, offset=offset
-    )
+    row_var, col_var = var_v.mul(-0.5 * a), var_cols.mul(-0.5 * a)
+    return pair_sigmoid_loss(a * mu_v, mu_cols, bias, row_bias=row_var, col_bias=col_var, offset=offset)
 
 
 @full_precision
@@ -231,36 +251,37 @@ def prolip_objective(
     given = [t is not None for t in (mu_v_masked, logvar_v_masked, mu_t_masked, logvar_t_masked)]
     if any(given) and masked_index is None:
         raise ValueError("masked Gaussians need masked_index, the local rows they were made from")
-    n = _columns(mu_t, mu_t_all).shape[0]
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    mu_cols, logvar_cols = _text_columns(mu_t, logvar_t, mu_t_all, logvar_t_all)
+    n, dim = mu_cols.shape[0], mu_v.shape[-1]
     m_global = n_masked_global
     if m_global is None:
         m_global = 0 if masked_index is None else masked_index.shape[0]
 
-    def masked_share(
-        mu: Tensor, logvar: Tensor, mu_masked: Tensor | None, logvar_masked: Tensor | None
-    ) -> Tensor:
-        if mu_masked is None or logvar_masked is None or masked_index is None:
-            return mu.new_zeros((), dtype=torch.promote_types(mu.dtype, torch.float32))
-        original = (mu.index_select(0, masked_index), logvar.index_select(0, masked_index))
-        per_sample = inclusion_loss(
-            *original, mu_masked, logvar_masked, c=c, log_eps=log_eps, reduction=reduction
+    def masked(mu_m: Tensor | None, logvar_m: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
+        return (
+            None
+            if mu_m is None or logvar_m is None or masked_index is None
+            else (masked_index, mu_m, logvar_m)
         )
-        # An empty (M = 0) selection sums to an exact zero with zero gradient; max() only guards 0 / 0.
-        return per_sample.sum() / max(m_global, 1)
 
-    ppcl = ppcl_loss(
-        mu_v, logvar_v, mu_t, logvar_t, log_scale, bias,
-        mu_t_all=mu_t_all, logvar_t_all=logvar_t_all, offset=offset,
+    # Every O(B D) term from one fused kernel (training/sample_kernels.py); the sums over d it returns
+    # serve PPCL's row (and, in one process, column) variance terms and VIB alike.
+    s = sample_terms(
+        mu_v, logvar_v, mu_t, logvar_t, masked(mu_v_masked, logvar_v_masked),
+        masked(mu_t_masked, logvar_t_masked), c=c, log_eps=log_eps, joint=reduction == "joint",
     )  # fmt: skip
-    inc_vt = inclusion_loss(mu_v, logvar_v, mu_t, logvar_t, c=c, log_eps=log_eps, reduction=reduction)
-    inc_vt = inc_vt.sum() / n
+    var_cols = s.var_t if logvar_cols is logvar_t else exp_row_sum(logvar_cols)
+    kl_scale = 1.0 if reduction == "joint" else 1.0 / dim
+    # An empty (M = 0) selection sums to an exact zero with zero gradient; max() only guards 0 / 0.
     terms = {
-        "ppcl": ppcl,
-        "inc_vt": alpha1 * inc_vt,
-        "inc_masked_v": alpha2 * masked_share(mu_v, logvar_v, mu_v_masked, logvar_v_masked),
-        "inc_masked_t": alpha2 * masked_share(mu_t, logvar_t, mu_t_masked, logvar_t_masked),
-        "vib_v": beta * vib_kl(mu_v, logvar_v, reduction).sum() / n,
-        "vib_t": beta * vib_kl(mu_t, logvar_t, reduction).sum() / n,
+        "ppcl": _ppcl_share(mu_v, s.var_v, mu_cols, var_cols, log_scale, bias, offset),
+        "inc_vt": alpha1 * s.inc_vt.sum() / n,
+        "inc_masked_v": alpha2 * s.inc_masked_v.sum() / max(m_global, 1),
+        "inc_masked_t": alpha2 * s.inc_masked_t.sum() / max(m_global, 1),
+        "vib_v": beta * kl_from_sums(s.var_v, s.quad_v, dim, kl_scale).sum() / n,
+        "vib_t": beta * kl_from_sums(s.var_t, s.quad_t, dim, kl_scale).sum() / n,
     }
     terms["total"] = sum(terms.values())  # type: ignore[assignment]
     return terms
