@@ -27,25 +27,26 @@ from training.loss_kernels import _block_rows, add_row_sums_grad, full_precision
 
 def _inclusion_block(
     gaussians: tuple[Tensor, ...], c: float, log_eps: float, joint: bool, out: tuple[Tensor, ...] | None
-) -> Tensor:
-    """Loss per row of (mu1, lv1, mu2, lv2); with `out`, writes (d/d mu1, d/d lv1, d/d lv2) of it there
-    (d/d mu2 = -d/d mu1).
+) -> tuple[Tensor, Tensor | None]:
+    """Loss per row of (mu1, lv1, mu2, lv2) and, with `out`, its gradient: writes (G_mu, G_l1, G_l2) there
+    and returns a per-row factor r (None: r = 1) with d/d mu1 = 4 r G_mu = -d/d mu2, d/d lv1 = r G_l1,
+    d/d lv2 = -r G_l2 (for a unit upstream gradient; the caller folds its own into r).
 
     Per dimension, with s = exp(l), x = l1 - l2 and t = sigmoid(x) = s1 / S (S = s1 + s2), the two
     variance sums of H are s2 + 2 s1 = S (1 + t) and s1 + 2 s2 = S (2 - t). With i1 = 1 / (1 + t),
     i2 = 1 / (2 - t), w = eps / S = exp(log_eps - max(l1, l2)) max(t, 1 - t) (finite for any l) and
     k = w (i1 - i2) = eps / (s2 + 2 s1) - eps / (s1 + 2 s2):
         2 h      = log(i2 / i1) - x + 2 (mu1 - mu2)^2 k                    (training/inclusion.py's H_d)
-        2 dh/dl1 = 2 t i1 - t i2 - 1 - 2 (mu1 - mu2)^2 w t (2 i1^2 - i2^2)
-        dh/dl2 = -(mu1 - mu2)^2 k - dh/dl1,   dh/dmu1 = 2 (mu1 - mu2) k = -dh/dmu2.
+        2 dh/dl1 = 2 t i1 - t i2 - 1 - 2 (mu1 - mu2)^2 w t (2 i1^2 - i2^2)  = G_l1
+        -2 dh/dl2 = 2 dh/dl1 + 2 (mu1 - mu2)^2 k = G_l2,   dh/dmu1 = 2 (mu1 - mu2) k = 2 G_mu.
     One sigmoid, one exp and one log per element: the log-sum-exp form of the same H takes two softplus,
-    each about ten times an exp on CPU. Twice h and its derivatives are formed (one multiply fewer each)
-    and the 1/2 rides on the coefficient.
+    each about ten times an exp on CPU. r is d loss / d (2 h_d): one value per row for `joint`, so it
+    is applied in the backward with the upstream gradient instead of here; per element (r = 1) otherwise.
     """
     mu1, lv1, mu2, lv2 = gaussians
     x = lv1 - lv2
     t = torch.sigmoid(x)
-    w = torch.maximum(lv1, lv2).sub_(log_eps).neg_().exp_().mul_(torch.sub(t, 0.5).abs_().add_(0.5))
+    w = torch.rsub(torch.maximum(lv1, lv2), log_eps).exp_().mul_(torch.sub(t, 0.5).abs_().add_(0.5))
     i1 = t.add(1.0).reciprocal_()
     i2 = torch.rsub(t, 2.0).reciprocal_()
     d = mu1 - mu2
@@ -55,36 +56,40 @@ def _inclusion_block(
     if joint:
         ch = h2.sum(-1).mul_(-0.5 * c)
         loss = F.softplus(ch)
-        coef = torch.sigmoid(ch).mul_(-0.5 * c)[:, None]  # d loss / d (2 h_d), the same for every d
     else:
         ch = h2.mul_(-0.5 * c)
         loss = F.softplus(ch).mean(-1)
-        coef = torch.sigmoid(ch).mul_(-0.5 * c / h2.shape[-1])
     if out is None:
-        return loss
+        return loss, None
+    coef = torch.sigmoid(ch).mul_(-0.5 * c / (1 if joint else h2.shape[-1]))  # d loss / d (2 h_d)
     ti1 = t * i1
     ti2 = t.mul_(i2)
-    g_lv1 = ti1.mul(2.0).sub_(ti2).sub_(1.0)
+    g_l1 = torch.mul(ti1, 2.0, out=out[1]).sub_(ti2).sub_(1.0)
     z = ti2.mul_(i2).sub_(ti1.mul_(i1), alpha=2.0)  # -t (2 i1^2 - i2^2)
-    g_lv1.addcmul_(w.mul_(d2), z, value=2.0)
-    g_lv2 = torch.add(g_lv1, d2.mul_(k), alpha=2.0).neg_()
-    torch.mul(d.mul_(k), coef, out=out[0]).mul_(4.0)
-    torch.mul(g_lv1, coef, out=out[1])
-    torch.mul(g_lv2, coef, out=out[2])
-    return loss
+    g_l1.addcmul_(w.mul_(d2), z, value=2.0)
+    torch.add(g_l1, d2.mul_(k), alpha=2.0, out=out[2])
+    torch.mul(d, k, out=out[0])
+    if joint:
+        return loss, coef
+    for o in out:
+        o.mul_(coef)
+    return loss, None
 
 
 def _inclusion_rows(
     mu1: Tensor, lv1: Tensor, mu2: Tensor, lv2: Tensor, c: float, log_eps: float, joint: bool, grads: bool
 ) -> tuple[Tensor, list[Tensor]]:
-    """`_inclusion_block` over blocks of rows: the loss (B,) and, with `grads`, its three (B, D) gradients."""
+    """`_inclusion_block` over blocks of rows: the loss (B,) and, with `grads`, its (G_mu, G_l1, G_l2)
+    (B, D) and the per-row factor r (B,)."""
     loss = mu1.new_empty(mu1.shape[0])
-    out = [torch.empty_like(mu1) for _ in range(3)] if grads else []
+    out = [torch.empty_like(mu1) for _ in range(3)] + [mu1.new_ones(mu1.shape[0])] if grads else []
     step = _block_rows(mu1)
     for i in range(0, mu1.shape[0], step):
         s = slice(i, i + step)
         dst = (out[0][s], out[1][s], out[2][s]) if grads else None
-        loss[s] = _inclusion_block((mu1[s], lv1[s], mu2[s], lv2[s]), c, log_eps, joint, dst)
+        loss[s], row = _inclusion_block((mu1[s], lv1[s], mu2[s], lv2[s]), c, log_eps, joint, dst)
+        if row is not None:
+            out[3][s] = row
     return loss, out
 
 
@@ -111,14 +116,14 @@ class _Inclusion(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        g_mu1, g_lv1, g_lv2 = ctx.saved_tensors
-        per_row = grad[:, None]
+        g_mu, g_l1, g_l2, row = ctx.saved_tensors
+        r = (row * grad)[:, None]
         need = ctx.needs_input_grad
         return (
-            g_mu1 * per_row if need[0] else None,
-            g_lv1 * per_row if need[1] else None,
-            g_mu1 * -per_row if need[2] else None,
-            g_lv2 * per_row if need[3] else None,
+            g_mu * (4.0 * r) if need[0] else None,
+            g_l1 * r if need[1] else None,
+            g_mu * (-4.0 * r) if need[2] else None,
+            g_l2 * -r if need[3] else None,
             None,
             None,
             None,
@@ -179,19 +184,22 @@ class _SampleTermsFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: FunctionCtx, *g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         mu_v, lv_v, mu_t, lv_t, index_v, index_t, *inc = ctx.saved_tensors
-        vt_mu, vt_lv1, vt_lv2, mv_mu, mv_lv1, mv_lv2, mt_mu, mt_lv1, mt_lv2 = inc
-        g_vt, g_mv, g_mt, g_var_v, g_quad_v, g_var_t, g_quad_t = (x[:, None] for x in g)
+        (vt_mu, vt_l1, vt_l2, vt_r), (mv_mu, mv_l1, mv_l2, mv_r), (mt_mu, mt_l1, mt_l2, mt_r) = (
+            inc[i : i + 4] for i in (0, 4, 8)
+        )
+        # Per-row factors: the kernel's r times the upstream gradient of each inclusion term.
+        r_vt, r_mv, r_mt = ((r * gi)[:, None] for r, gi in ((vt_r, g[0]), (mv_r, g[1]), (mt_r, g[2])))
         # Each input's gradient in one buffer: inclusion (v in t), the sums' part, the masked rows.
-        g_mu_v = torch.mul(vt_mu, g_vt).addcmul_(mu_v, g_quad_v, value=2.0)
-        g_mu_t = torch.mul(vt_mu, -g_vt).addcmul_(mu_t, g_quad_t, value=2.0)
-        g_lv_v, g_lv_t = torch.mul(vt_lv1, g_vt), torch.mul(vt_lv2, g_vt)
+        g_mu_v = torch.mul(vt_mu, 4.0 * r_vt).addcmul_(mu_v, g[4][:, None], value=2.0)
+        g_mu_t = torch.mul(vt_mu, -4.0 * r_vt).addcmul_(mu_t, g[6][:, None], value=2.0)
+        g_lv_v, g_lv_t = torch.mul(vt_l1, r_vt), torch.mul(vt_l2, -r_vt)
         add_row_sums_grad(lv_v, g[3], g[4], g_lv_v, accumulate=True)
         add_row_sums_grad(lv_t, g[5], g[6], g_lv_t, accumulate=True)
-        g_mu_v.index_add_(0, index_v, mv_mu * g_mv)
-        g_lv_v.index_add_(0, index_v, mv_lv1 * g_mv)
-        g_mu_t.index_add_(0, index_t, mt_mu * g_mt)
-        g_lv_t.index_add_(0, index_t, mt_lv1 * g_mt)
-        masked = (mv_mu * -g_mv, mv_lv2 * g_mv, mt_mu * -g_mt, mt_lv2 * g_mt)
+        g_mu_v.index_add_(0, index_v, mv_mu * (4.0 * r_mv))
+        g_lv_v.index_add_(0, index_v, mv_l1 * r_mv)
+        g_mu_t.index_add_(0, index_t, mt_mu * (4.0 * r_mt))
+        g_lv_t.index_add_(0, index_t, mt_l1 * r_mt)
+        masked = (mv_mu * (-4.0 * r_mv), mv_l2 * -r_mv, mt_mu * (-4.0 * r_mt), mt_l2 * -r_mt)
         return g_mu_v, g_lv_v, g_mu_t, g_lv_t, *masked, None, None, None, None, None
 
 
