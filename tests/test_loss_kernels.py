@@ -188,3 +188,19 @@ def test_exp_row_sum_gradcheck():
     (leaf,) = _leaves(lv)
     assert torch.autograd.gradcheck(K.exp_row_sum, (leaf,))
     close(K.exp_row_sum(leaf), lv.exp().sum(-1), rtol=1e-14, atol=0)
+
+
+def test_columns_that_alias_the_local_rows_give_the_same_objective_and_gradients():
+    """One process may pass the text columns as a view of its own rows (the benchmark does); the objective
+    then reuses the rows' σ² sums for the columns, with the same value and gradients as passing none."""
+    leaves = _objective_inputs(8, 6, [2, 3])
+    masked = dict(zip(MASKED_KEYS, leaves[4:8], strict=True))
+    kw = dict(masked_index=torch.tensor([2, 3]), c=10.0, log_eps=-2.0, **masked)
+    plain = L.prolip_objective(*leaves[:4], *leaves[8:], **kw)["total"]
+    mu_t, lv_t = leaves[2], leaves[3]
+    alias = L.prolip_objective(*leaves[:4], *leaves[8:], mu_t_all=mu_t[:], logvar_t_all=lv_t[:], **kw)[
+        "total"
+    ]
+    close(alias, plain, rtol=1e-14, atol=0)
+    for a, b in zip(torch.autograd.grad(alias, leaves), torch.autograd.grad(plain, leaves), strict=True):
+        close(a, b, rtol=1e-12, atol=1e-15)

@@ -80,8 +80,9 @@ class _PairSigmoid(torch.autograd.Function):
     ) -> Tensor:
         b = rows.shape[0]
         probs = torch.mm(rows, cols.T)  # the one (B, N) buffer: logits, then sigmoids
-        want_rows, want_cols = ctx.needs_input_grad[2], ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        row_sums = probs.new_zeros(b) if want_rows or ctx.needs_input_grad[4] else None
+        # Row sums serve the row-bias and bias gradients, column sums only the column bias's.
+        want_rows, want_cols = ctx.needs_input_grad[2] or ctx.needs_input_grad[4], ctx.needs_input_grad[3]
+        row_sums = probs.new_zeros(b) if want_rows else None
         col_sums = probs.new_zeros(probs.shape[1]) if want_cols else None
         total = probs.new_zeros(())
         step = _block_rows(probs)

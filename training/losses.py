@@ -157,6 +157,16 @@ def ppcl_loss(
     )
 
 
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Whether `a` and `b` are the same values in the same memory (one process: columns = local rows)."""
+    return a is b or (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.stride() == b.stride()
+        and a.data_ptr() == b.data_ptr()
+    )
+
+
 def _text_columns(
     mu_t: Tensor, logvar_t: Tensor, mu_t_all: Tensor | None, logvar_t_all: Tensor | None
 ) -> tuple[Tensor, Tensor]:
@@ -272,7 +282,7 @@ def prolip_objective(
         mu_v, logvar_v, mu_t, logvar_t, masked(mu_v_masked, logvar_v_masked),
         masked(mu_t_masked, logvar_t_masked), c=c, log_eps=log_eps, joint=reduction == "joint",
     )  # fmt: skip
-    var_cols = s.var_t if logvar_cols is logvar_t else exp_row_sum(logvar_cols)
+    var_cols = s.var_t if _same_tensor(logvar_cols, logvar_t) else exp_row_sum(logvar_cols)
     kl_scale = 1.0 if reduction == "joint" else 1.0 / dim
     # An empty (M = 0) selection sums to an exact zero with zero gradient; max() only guards 0 / 0.
     terms = {
