@@ -3,8 +3,8 @@
 Autograd through the plain formulas allocates a fresh tensor for every intermediate and runs every
 elementwise step as its own pass over memory. At B = 4096 a (B, B) float32 matrix is 64 MiB: each such
 temporary costs a pass through main memory and page faults on a fresh allocation, and the pairwise loss's
-softplus, its backward, the label diagonal's scatter and the gradient sum made four of them. The inclusion
-loss's many small (B, D) steps each left a buffer for the backward. The `autograd.Function`s here
+softplus, its backward, the label diagonal's scatter and the gradient sum made four of them. The
+`autograd.Function`s here
 compute the same formulas (written out in `training/losses.py` and `training/inclusion.py`) with
 hand-derived gradients, on CPU in blocks of rows small enough to stay in the cache (one block elsewhere):
 
