@@ -529,6 +529,14 @@ def test_float64_inputs_stay_float64_and_bf16_inputs_promote():
         == torch.float32
     )
     assert np.isfinite(L.csd_matrix(mu, lv, mu, lv).numpy()).all()
+    # The objective promotes its masked variants with the rest (bf16 towers, float32 losses).
+    bf = [t.bfloat16().requires_grad_() for t in (mu, lv, mu, lv, mu, lv, mu, lv)]
+    masked = dict(zip(MASKED_KEYS, bf[4:], strict=True))
+    total = L.prolip_objective(*bf[:4], scalar(2.3).float(), scalar(-10.0).float(),
+                               masked_index=torch.arange(4), **masked)["total"]  # fmt: skip
+    assert total.dtype == torch.float32 and math.isfinite(total.item())
+    grads = torch.autograd.grad(total, bf)
+    assert all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in grads)
 
 
 @pytest.mark.parametrize("name", sorted(LOSS_SPECS))

@@ -223,7 +223,10 @@ def sample_terms(
     """
     none = mu_v.new_zeros(0, mu_v.shape[1])
     empty = (mu_v.new_zeros(0, dtype=torch.long), none, none)
-    (index_v, mu_vm, lv_vm), (index_t, mu_tm, lv_tm) = masked_v or empty, masked_t or empty
+    # The masked tensors sit inside tuples, which `full_precision` does not reach: cast them here.
+    (index_v, mu_vm, lv_vm), (index_t, mu_tm, lv_tm) = (
+        (m[0], m[1].to(mu_v.dtype), m[2].to(mu_v.dtype)) for m in (masked_v or empty, masked_t or empty)
+    )
     inputs = (mu_v, lv_v, mu_t, lv_t, mu_vm, lv_vm, mu_tm, lv_tm, index_v, index_t)
     if _wants_grad(*inputs[:8]):
         return SampleTerms(*_SampleTermsFn.apply(*inputs, c, log_eps, joint))
