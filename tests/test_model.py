@@ -199,6 +199,63 @@ def test_patchify_round_trip(model: ProLIP) -> None:
     torch.testing.assert_close(model.visual.patchify(images)[:, 9], images[:, :, 8:16, 8:16].reshape(B, -1))
 
 
+def test_conv_stem_tokens_keep_the_patch_grid(tmp_path) -> None:
+    """``vision_stem="conv"``: the same (B, N, D) token grid in row-major order, the kept tokens of a patch
+    drop are those of the full forward, and the model saves and loads like the patch projection."""
+    torch.manual_seed(0)
+    m = ProLIP(model_config("demo-32px", vision_stem="conv")).eval()
+    assert not hasattr(m.visual, "patch_embed") and m.config.n_patches == 16
+    images = torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = m.visual.embed_patches(images, None)  # (B, 16, D)
+        assert full.shape == (B, 16, m.config.vision_width)
+        # Token index = row·grid + col: a small change in the top-left 4×4 pixels moves the top-left 2×2
+        # tokens (0, 1, 4, 5) far more than any token of the last row or column, which it reaches only
+        # through the per-sample normalisation statistics.
+        changed = images.clone()
+        changed[:, :, :4, :4] += 0.05
+        moved = (m.visual.embed_patches(changed, None) - full).abs().mean(dim=(0, 2))  # (16,)
+        assert moved[[0, 1, 4, 5]].min() > 3 * moved[[3, 7, 11, 12, 13, 14, 15]].max()
+        keep = torch.from_numpy(choose_kept_patches(16, B, keep_ratio=0.25, rng=0))  # (B, 4)
+        kept = m.visual.embed_patches(images, keep)
+        torch.testing.assert_close(
+            kept, torch.gather(full, 1, keep[..., None].expand(-1, -1, full.shape[-1]))
+        )
+        assert _count_tokens(m, lambda: m.encode_image(images, keep)) == 4 + 2
+        everything = m.encode_image(images, torch.arange(16).expand(B, 16))[0]
+        torch.testing.assert_close(everything, m.encode_image(images)[0], rtol=0, atol=1e-6)
+    decay, no_decay = decay_split(m)
+    assert "visual.conv_stem.layers.0.weight" in decay and "visual.conv_stem.layers.0.bias" in no_decay
+    save_checkpoint(tmp_path / "conv", m, m.config)
+    loaded, cfg, _ = load_checkpoint(tmp_path / "conv")
+    assert cfg.vision_stem == "conv"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval().encode_image(images)[0], m.encode_image(images)[0])
+    with pytest.raises(ConfigError, match="patch_size"):
+        model_config("demo-32px", vision_stem="conv", patch_size=1)
+
+
+def test_mean_pooled_cnn_tower() -> None:
+    """``demo-32px-cnn``: the stem's tokens (plus positions, normalised) averaged, then ``ln_post`` and the
+    head; no transformer layer, so it cannot be probabilistic (its UNC token would see no image)."""
+    torch.manual_seed(0)
+    m = ProLIP(model_config("demo-32px-cnn")).eval()
+    v = m.visual
+    assert len(v.transformer.blocks) == 0 and v.unc_token is None
+    images = torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        tokens = v.ln_pre(v.conv_stem(images) + v.pos_embed[1:])  # (B, 16, D)
+        expected = torch.nn.functional.normalize(v.head.mu_proj(v.ln_post(tokens.mean(1))), dim=-1)
+        torch.testing.assert_close(m.encode_image(images)[0], expected)
+    assert m.encode_image(images)[1] is None
+    with pytest.raises(ConfigError, match="vision_layers"):
+        model_config("demo-32px-cnn", probabilistic=True)
+    with pytest.raises(ConfigError, match="vision_layers"):
+        model_config("demo-32px", vision_layers=0)
+    with pytest.raises(ConfigError, match="vision_stem"):
+        model_config("demo-32px", vision_stem="resnet")
+
+
 # ---------------------------------------------------------------- text padding and masking
 
 

@@ -45,6 +45,8 @@ VARIANTS = {
     "activation": ("gelu", "quick_gelu"),
     "text_pool": ("cls", "eot"),
     "head_variant": ("paper", "prolip_official"),
+    "vision_stem": ("patch", "conv"),
+    "vision_pool": ("cls", "mean"),
 }
 
 
@@ -77,6 +79,12 @@ class ModelConfig:
     text_proj_bias: bool = False
     text_ln_eps: float = 1e-5
     head_variant: str = "paper"  # paper | prolip_official
+    # How pixels become tokens: "patch" (ViT's linear patch projection) or "conv" (3×3 convolutions down to
+    # the same grid, training/towers.py ConvStem). docs/track.md "Recipes tried" has what they did for shapes.
+    vision_stem: str = "patch"
+    # The image state the heads read: the CLS token's output, or the mean of the patch tokens' ("mean",
+    # which also allows vision_layers=0: the stem alone, a small CNN with global average pooling).
+    vision_pool: str = "cls"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -89,7 +97,19 @@ class ModelConfig:
                 raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         for tower in ("vision", "text"):
             width, layers, heads = (getattr(self, f"{tower}_{k}") for k in ("width", "layers", "heads"))
-            if width <= 0 or layers <= 0 or heads <= 0 or width % heads:
+            # A mean-pooled image tower may have no transformer layer (the stem alone) unless it is
+            # probabilistic: its UNC token would then see no image.
+            pooled_stem = tower == "vision" and self.vision_pool == "mean" and not self.probabilistic
+            if layers < (0 if pooled_stem else 1):
+                raise ConfigError(
+                    f"ModelConfig.{tower}_layers={layers} must be >= 1"
+                    + (
+                        " (0 only with vision_pool='mean' and probabilistic=false)"
+                        if tower == "vision"
+                        else ""
+                    )
+                )
+            if width <= 0 or heads <= 0 or width % heads:
                 raise ConfigError(
                     f"ModelConfig.{tower}_width={width} must be a positive multiple of {tower}_heads={heads}"
                 )
@@ -103,6 +123,10 @@ class ModelConfig:
         if self.image_size % self.patch_size:
             raise ConfigError(
                 f"ModelConfig.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}"
+            )
+        if self.vision_stem == "conv" and (self.patch_size < 2 or self.patch_size & (self.patch_size - 1)):
+            raise ConfigError(
+                f"ModelConfig.patch_size={self.patch_size} must be a power of two >= 2 for vision_stem='conv'"
             )
         if not 0 <= self.pad_id < self.vocab_size:
             raise ConfigError(
@@ -143,6 +167,12 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
 # of ``tiny`` on a 2-core CPU; shape, colour and position of the demo pictures survive the downscale.
 MODEL_CONFIGS["demo-32px"] = dataclasses.replace(
     MODEL_CONFIGS["tiny"], image_size=32, vision_layers=2, text_layers=2
+)
+# ``demo-32px`` with a small CNN for the image tower (the convolutional stem, mean-pooled, no transformer
+# layer): with shape labels it fits the demo pictures' shapes in 200 steps where the ViT cannot; trained as a
+# subset CLIP it still did not reach 2× chance on zero-shot shapes (docs/track.md). CLIP/SigLIP only.
+MODEL_CONFIGS["demo-32px-cnn"] = dataclasses.replace(
+    MODEL_CONFIGS["demo-32px"], vision_stem="conv", vision_pool="mean", vision_layers=0, probabilistic=False
 )
 
 

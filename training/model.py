@@ -4,7 +4,8 @@ Presets (``MODEL_CONFIGS``):
 
 - ``tiny``: CPU tests and ``jobs.train --preset demo`` (64 px, patch 8, 4×128 per tower, context 32, vocab
   4096 = the default of ``pipeline.tokenizer.train_tokenizer``); ≈2.2M parameters.
-- ``demo-32px``: the track demo's (``make demo``) — ``tiny`` at 32 px with 2 layers per tower.
+- ``demo-32px``: the track demo's (``make demo``) — ``tiny`` at 32 px with 2 layers per tower; ``demo-32px-cnn`` the
+  same with a small CNN (convolutional stem, mean-pooled, no transformer) as the image tower (CLIP only).
 - ``ViT-B-32``: the DataComp small-track architecture (CLIP ViT-B/32 with a 12×512 causal text tower,
   context 77, vocab 49408 = CLIP BPE). Table C.6 "ViT-B/32": 151.7M base parameters.
 - ``ViT-B-16-ProLIP``: the paper's model (§4.1): ViT-B/16 at 224 px, 12×768 text tower, context 64,

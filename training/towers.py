@@ -155,15 +155,46 @@ class GaussianHead(nn.Module):
         return mu, logvar
 
 
+class ConvStem(nn.Module):
+    """3×3 convolutions from pixels to the patch grid: log2(p) stages, each a stride-1 and a stride-2
+    convolution, each followed by a GroupNorm over all channels (one group: per-sample statistics, so
+    nothing depends on the batch) and GELU (channels doubling up to ``width``), then a 1×1 projection;
+    ``(B, 3, H, W) → (B, N, width)`` in the patch projection's row-major token order. Xiao et al. 2021
+    ("Early convolutions help transformers see better") replace the ViT's patchify with such a stem;
+    docs/track.md has the measurements behind the demo's use of one.
+    """
+
+    def __init__(self, patch_size: int, width: int) -> None:
+        super().__init__()
+        n = patch_size.bit_length() - 1
+        if n < 1 or 1 << n != patch_size:
+            raise ValueError(f"a convolutional stem needs a power-of-two patch_size > 1, got {patch_size}")
+        channels = [3] + [max(16, width >> (n - 1 - k)) for k in range(n)]
+        layers: list[nn.Module] = []
+        for c_in, c_out in zip(channels[:-1], channels[1:], strict=True):
+            mid = max(16, c_out // 2)
+            layers += [nn.Conv2d(c_in, mid, 3, padding=1), nn.GroupNorm(1, mid), nn.GELU()]
+            layers += [nn.Conv2d(mid, c_out, 3, stride=2, padding=1), nn.GroupNorm(1, c_out), nn.GELU()]
+        layers.append(nn.Conv2d(channels[-1], width, 1, bias=False))  # no bias: ln_pre follows
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.layers(images).flatten(2).transpose(1, 2)  # (B, N, width)
+
+
 def _init_weights(module: nn.Module) -> None:
     for m in module.modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, nonlinearity="relu")  # GELU ≈ ReLU's gain
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
             nn.init.trunc_normal_(m.weight, std=_INIT_STD)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=_INIT_STD)
-        elif isinstance(m, nn.LayerNorm):
+        elif isinstance(m, (nn.LayerNorm, nn.GroupNorm)):
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
@@ -219,24 +250,48 @@ class VisionTower(_Tower):
         self.n_patches = self.grid * self.grid
         self.n_special = 2 if cfg.probabilistic else 1
         # A linear layer on flattened patches equals a stride-p convolution; no bias because ln_pre follows.
-        self.patch_embed = nn.Linear(3 * cfg.patch_size * cfg.patch_size, width, bias=False)
+        # ``vision_stem="conv"`` puts a small strided CNN in its place (same token grid).
+        if cfg.vision_stem == "conv":
+            self.conv_stem = ConvStem(cfg.patch_size, width)
+        else:
+            self.patch_embed = nn.Linear(3 * cfg.patch_size * cfg.patch_size, width, bias=False)
         self.cls_token = nn.Parameter(torch.empty(width))
         self.unc_token = nn.Parameter(torch.empty(width)) if cfg.probabilistic else None
         self.pos_embed = nn.Parameter(torch.empty(self.n_special + self.n_patches, width))
         self.ln_pre = nn.LayerNorm(width)
         self.cls_ln_twice = cfg.head_variant == "prolip_official"
+        self.mean_pool = cfg.vision_pool == "mean"
         self._add_trunk(cfg, width, cfg.vision_layers, cfg.vision_heads)
 
-    def patchify(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, 3, H, W) → (B, N, 3·p·p), patches in row-major grid order (index = row·grid + col)."""
-        b, c, h, w = images.shape
-        if (c, h, w) != (3, self.image_size, self.image_size):
+    def _checked(self, images: torch.Tensor) -> torch.Tensor:
+        if tuple(images.shape[1:]) != (3, self.image_size, self.image_size):
             raise ValueError(
                 f"expected images (B, 3, {self.image_size}, {self.image_size}), got {tuple(images.shape)}"
             )
+        return images
+
+    def patchify(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) → (B, N, 3·p·p), patches in row-major grid order (index = row·grid + col)."""
+        b, c, _, _ = self._checked(images).shape
         p, g = self.patch_size, self.grid
         x = images.reshape(b, c, g, p, g, p)  # (B, 3, g, p, g, p)
         return x.permute(0, 2, 4, 1, 3, 5).reshape(b, g * g, c * p * p)  # (B, N, 3·p·p)
+
+    def embed_patches(self, images: torch.Tensor, keep_idx: torch.Tensor | None) -> torch.Tensor:
+        """(B, K, D) patch tokens plus their positional rows, only the ``keep_idx`` ones when given.
+
+        The patch projection gathers the kept patches first: dropped patches cost nothing and cannot leak
+        into the output. A convolutional stem sees the whole picture, so its tokens are gathered after it
+        (a kept token's receptive field reaches into dropped neighbours, as in ConvMAE-style stems)."""
+        b = images.shape[0]
+        pos = self.pos_embed[self.n_special :].expand(b, -1, -1)  # (B, N, D)
+        conv = getattr(self, "conv_stem", None)
+        x = conv(self._checked(images)) if conv is not None else self.patchify(images)  # (B, N, D | 3·p·p)
+        if keep_idx is not None:
+            idx = keep_idx.long()  # (B, K)
+            x = torch.gather(x, 1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))  # (B, K, ·)
+            pos = torch.gather(pos, 1, idx.unsqueeze(-1).expand(-1, -1, pos.shape[-1]))  # (B, K, D)
+        return (x if conv is not None else self.patch_embed(x)) + pos  # (B, K, D)
 
     def special_tokens(self) -> torch.Tensor:
         tokens = [self.cls_token] if self.unc_token is None else [self.cls_token, self.unc_token]
@@ -245,21 +300,14 @@ class VisionTower(_Tower):
     def forward(
         self, images: torch.Tensor, keep_idx: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        patches = self.patchify(images)  # (B, N, 3·p·p)
-        b = patches.shape[0]
-        pos = self.pos_embed[self.n_special :].expand(b, -1, -1)  # (B, N, D)
-        if keep_idx is not None:
-            # Gather before embedding: dropped patches cost nothing and cannot leak into the output.
-            idx = keep_idx.long()  # (B, K)
-            patches = torch.gather(
-                patches, 1, idx.unsqueeze(-1).expand(-1, -1, patches.shape[-1])
-            )  # (B, K, P)
-            pos = torch.gather(pos, 1, idx.unsqueeze(-1).expand(-1, -1, pos.shape[-1]))  # (B, K, D)
-        x = self.patch_embed(patches) + pos  # (B, K, D)
+        x = self.embed_patches(images, keep_idx)  # (B, K, D)
+        b = x.shape[0]
         special = self.special_tokens().unsqueeze(0).expand(b, -1, -1).to(x.dtype)  # (B, S0, D)
         x = torch.cat([special, x], dim=1)  # (B, S0 + K, D)
         x = self.transformer(self.ln_pre(x))  # (B, S0 + K, D)
-        x = self.ln_post(x)  # (B, S0 + K, D)
+        if self.mean_pool:  # the image's state is the mean of its patch tokens, not CLS
+            x = torch.cat([x[:, self.n_special :].mean(dim=1, keepdim=True), x[:, 1 : self.n_special]], 1)
+        x = self.ln_post(x)  # (B, S0 + K, D), or (B, S0, D) when mean-pooled
         h_unc = x[:, 1] if self.unc_token is not None else None  # (B, D)
         h_cls = self.ln_post(x[:, 0]) if self.cls_ln_twice else x[:, 0]  # (B, D)
         return self.head(h_cls, h_unc)
