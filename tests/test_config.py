@@ -47,7 +47,13 @@ def test_parse_set_rejects_missing_equals():
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("data.cache_decoded", "true"), ("scaling.torch_threads", -2), ("run.log_every", 0)]
+    ("key", "value"),
+    [
+        ("data.cache_decoded", "true"),
+        ("scaling.torch_threads", -2),
+        ("run.log_every", 0),
+        ("data.text_mask_mode", "blank"),
+    ],
 )
 def test_train_config_range_errors_name_the_field(key, value):
     from training.config import TRAIN_PRESETS

@@ -146,6 +146,25 @@ def test_masking_is_reproducible_and_order_free(tokenizer) -> None:
     assert other["selected"].sum() == 8 and not np.array_equal(other["selected"], a["selected"])
 
 
+def test_dropped_text_variants_remove_the_masked_tokens(tokenizer) -> None:
+    from training.loop import DroppedTextVariants
+
+    batch = masked_batch(tokenizer)
+    masked = masker(tokenizer, seed=3)(batch, epoch=1)
+    out = DroppedTextVariants(masker(tokenizer, seed=3), tokenizer.mask_id, tokenizer.pad_id)(batch, epoch=1)
+    for k in ("selected", "keep_idx"):  # the same samples and image variants
+        np.testing.assert_array_equal(out[k], masked[k])
+    sel, pad = out["selected"], tokenizer.pad_id
+    np.testing.assert_array_equal(out["masked_tokens"][~sel], batch["tokens"][~sel])
+    for row in np.flatnonzero(sel):
+        holes = masked["masked_tokens"][row] == tokenizer.mask_id
+        # the unmasked words and the end token, in their order
+        kept = [t for t in batch["tokens"][row][~holes] if t != pad]
+        dropped = out["masked_tokens"][row]
+        assert holes.sum() > 0 and tokenizer.mask_id not in dropped and len(dropped) == 16
+        assert list(dropped[: len(kept)]) == kept and (dropped[len(kept) :] == pad).all()
+
+
 def test_train_collate_emits_fixed_shape_tensors(tokenizer) -> None:
     import torch
 

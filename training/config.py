@@ -39,6 +39,7 @@ from training.objectives import LOSS_SPECS
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 PRECISIONS = ("auto", "bf16", "fp32")
+TEXT_MASK_MODES = ("mask", "drop")
 
 
 VARIANTS = {
@@ -222,6 +223,9 @@ class DataConfig:
     max_bad_shards: int = 10  # distinct corrupt/truncated shards tolerated before the job stops
     mask_fraction: float = 0.125  # samples per batch with a masked variant (ProLIP §4.1)
     text_mask_ratio: float = 0.75  # text tokens replaced by [MASK] (§4.1)
+    # "mask": the masked text tokens become [MASK] (§4.1); "drop": they are removed, so the masked caption is
+    # a shorter caption (the text counterpart of the image side's patch drop; a demo-only choice, docs/track.md).
+    text_mask_mode: str = "mask"
     patch_keep_ratio: float = 0.25  # image patches kept (75% dropped, §4.1)
     mask_seed: int = 0
     label_selector: dict[str, str] = field(default_factory=dict)  # ingest nodes (pipeline/placement.py)
@@ -362,6 +366,8 @@ class TrainConfig:
             value = getattr(self.data, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"data.{name} must be in [0, 1], got {value}")
+        if self.data.text_mask_mode not in TEXT_MASK_MODES:
+            raise ConfigError(f"data.text_mask_mode: {self.data.text_mask_mode!r} not in {TEXT_MASK_MODES}")
         if not 0.0 < self.data.crop_scale[0] <= self.data.crop_scale[1] <= 1.0:
             raise ConfigError(f"data.crop_scale must satisfy 0 < lo <= hi <= 1, got {self.data.crop_scale}")
         o = self.optim

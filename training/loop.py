@@ -123,9 +123,32 @@ def checkpoint_candidates(latest: str, fs: pafs.FileSystem) -> list[str]:
     return [latest, *sorted(older, key=posixpath.basename, reverse=True)]
 
 
-def _masker(state: TrainState, tokenizer: Any) -> MaskedVariants:
+def drop_masked_tokens(tokens: np.ndarray, mask_id: int, pad_id: int) -> np.ndarray:
+    """Each row of ``tokens`` (B, L) with its [MASK] positions removed: the other tokens in their order, then
+    padding, (B, L). A caption masked this way reads as a shorter caption rather than one with holes."""
+    holes = tokens == mask_id
+    order = np.argsort(holes, axis=1, kind="stable")  # kept positions first, each group in its order
+    out = np.take_along_axis(tokens, order, axis=1)
+    out[np.take_along_axis(holes, order, axis=1)] = pad_id
+    return out
+
+
+class DroppedTextVariants:
+    """``data.text_mask_mode="drop"``: the masked variants of ``masker`` with their text [MASK] tokens removed
+    (``drop_masked_tokens``); the image variants and which samples are masked are unchanged."""
+
+    def __init__(self, masker: MaskedVariants, mask_id: int, pad_id: int) -> None:
+        self.masker, self.mask_id, self.pad_id = masker, mask_id, pad_id
+
+    def __call__(self, batch: dict[str, np.ndarray], epoch: int) -> dict[str, np.ndarray]:
+        out = self.masker(batch, epoch)
+        dropped = drop_masked_tokens(np.asarray(out["masked_tokens"]), self.mask_id, self.pad_id)
+        return {**out, "masked_tokens": dropped}
+
+
+def _masker(state: TrainState, tokenizer: Any) -> MaskedVariants | DroppedTextVariants:
     data = state.cfg.data
-    return MaskedVariants(
+    masker = MaskedVariants(
         state.mcfg.n_patches,
         tokenizer.pad_id,
         tokenizer.end_id,
@@ -136,6 +159,9 @@ def _masker(state: TrainState, tokenizer: Any) -> MaskedVariants:
         seed=data.mask_seed,
         protected_ids=() if tokenizer.start_id is None else (tokenizer.start_id,),
     )
+    if data.text_mask_mode == "drop":
+        return DroppedTextVariants(masker, tokenizer.mask_id, tokenizer.pad_id)
+    return masker
 
 
 def _epoch_batches(
