@@ -1,0 +1,168 @@
+"""The demo track's scorer without Ray: train it on a built demo run's shards, then measure its σ² claims.
+
+Drives ``training.step.setup_state`` / ``train_step`` on the run's shards (decoded once, kept in memory and
+reshuffled every epoch like ``data.cache_decoded``; masked variants as the training loop makes them), with
+the track's ``demo`` scorer preset plus any ``--set key=value``, then measures what the report's
+uncertainty section measures (training/eval/uncertainty.py) on the run's eval sets: Σσ² text vs image and
+image ⊂ own caption (retrieval set), Spearman(caption words, Σσ²_t) (retrieval and hierarchy captions),
+adjacent hierarchy levels ordered; also colour zero-shot accuracy, ROC AUC on the pool's ground truth
+(CSD for mismatched captions, Σσ²_t for non-English and level-0 captions), and PPCL's push on each caption's
+σ²: Σ_v p_vt over random batches (> 1: PPCL raises that caption's σ², < 1: lowers it; docs/track.md).
+Not a timing benchmark: the batches differ from a Ray run's, so figures match the track's in distribution,
+not digit for digit. Appends one JSON line per run to ``--out``.
+
+Usage: python bench/scorer_replica.py --run runs/demo --seed 1 [--set data.text_mask_mode=mask ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.stats import rankdata
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jobs.track.config import TRACK_PRESETS  # noqa: E402
+from pipeline.config import merge, parse_set  # noqa: E402
+from pipeline.ingest_train import DecodeAugment, TrainCollate  # noqa: E402
+from pipeline.shards import iter_shard  # noqa: E402
+from pipeline.tokenizer import TextTokenizer  # noqa: E402
+from training.encode import Encoder  # noqa: E402
+from training.eval import uncertainty as U  # noqa: E402
+from training.loop import _masker  # noqa: E402
+from training.model import save_checkpoint  # noqa: E402
+from training.step import setup_state, train_step  # noqa: E402
+
+
+def read_tars(pattern: str) -> list[dict]:
+    """Every sample of the shards matching ``pattern`` (raw bytes per extension, ``key``), in order."""
+    shards = sorted(glob.glob(pattern), key=lambda p: (len(p), p))
+    return [s | {"key": s["__key__"]} for p in shards for s in iter_shard(p, decode=False)]
+
+
+def captions(row: dict) -> list[str]:
+    return [c for c in row["txt"].decode().splitlines() if c.strip()]
+
+
+def auc(positive: np.ndarray, score: np.ndarray) -> float:
+    r, pos = rankdata(score), np.asarray(positive, bool)
+    n_pos, n_neg = pos.sum(), (~pos).sum()
+    return float((r[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def train(cfg, tok, pool: list[dict]):
+    state = setup_state(cfg, tok, torch.device("cpu"), 0)
+    dec = DecodeAugment(state.mcfg.image_size, state.mcfg.context_length, tok, cfg.data)
+    raw = {"key": np.array([r["key"] for r in pool], dtype=object), "jpg": [r["jpg"] for r in pool]}
+    rows = dec({**raw, "txt": np.array([r["txt"].decode() for r in pool], dtype=object)})
+    masker = _masker(state, tok)
+    n, b = len(rows["key"]), cfg.global_batch_size
+    while state.step < cfg.total_steps:
+        order = np.random.default_rng([cfg.data.shuffle_seed, state.epoch, 0]).permutation(n)
+        collate = TrainCollate(masker, state.epoch, tok.pad_id)
+        for s in range(0, n - b + 1, b):
+            if state.step < cfg.total_steps:
+                train_step(state, collate({k: v[order[s : s + b]] for k, v in rows.items()}))
+        state.epoch += 1
+    return state, rows
+
+
+def ppcl_push(state, mv, lvv, mt, lvt, rng, rounds=20, b=128) -> np.ndarray:
+    """Mean Σ_v p_vt per caption over ``rounds`` random batches of ``b`` pool rows (NaN if never drawn)."""
+    a, bias = state.module.loss.log_scale.exp().item(), state.module.loss.bias.item()
+    sv, st = np.exp(lvv).sum(1), np.exp(lvt).sum(1)
+    total, count = np.zeros(len(mt)), np.zeros(len(mt))
+    for _ in range(rounds):
+        idx = rng.permutation(len(mt))[:b]
+        logits = a * (mv[idx] @ mt[idx].T - 0.5 * (sv[idx, None] + st[None, idx])) + bias
+        total[idx] += (1 / (1 + np.exp(-logits))).sum(0)
+        count[idx] += 1
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def measure(enc: Encoder, state, run: str, images: np.ndarray, texts: list[str], uids: list[str]) -> dict:
+    ev, out = f"{run}/pool/eval", {}
+    ret, hier = read_tars(f"{ev}/retrieval/test/*.tar"), read_tars(f"{ev}/hierarchy/test/*.tar")
+    r_mu, r_lv, _ = enc.images([r["jpg"] for r in ret])
+    r_caps = [captions(r) for r in ret]
+    t_mu, t_lv = enc.texts([c for cs in r_caps for c in cs])
+    own = np.repeat(np.arange(len(ret)), [len(c) for c in r_caps])
+    out["sigma2"] = U.modality_sigma2(r_lv, t_lv)
+    out["image_in_caption"] = U.inclusion_rate(r_mu[own], r_lv[own], t_mu, t_lv)["rate"]
+    h_caps = [captions(r) for r in hier]
+    _, h_lv = enc.texts([c for cs in h_caps for c in cs])
+    starts = np.concatenate([[0], np.cumsum([len(c) for c in h_caps])[:-1]])
+    levels = min(len(c) for c in h_caps)
+    out["hierarchy"] = U.hierarchy_order(U.trace(h_lv)[starts[:, None] + np.arange(levels)[None, :]])
+    words = [c for cs in r_caps + h_caps for c in cs]
+    out["spearman"] = U.length_correlation(words, np.concatenate([t_lv, h_lv]))["spearman_words_vs_trace"]
+    col = read_tars(f"{ev}/colours/test/*.tar")
+    names = [x for x in Path(f"{ev}/colours/classnames.txt").read_text().splitlines() if x.strip()]
+    tpls = Path(f"{ev}/colours/zeroshot_classification_templates.txt").read_text().split("\n")
+    tpls = [x for x in tpls if x.strip()]
+    c_mu, _, _ = enc.images([r["jpg"] for r in col])
+    p_mu, _ = enc.texts([t.replace("{c}", c) for c in names for t in tpls])
+    protos = torch.nn.functional.normalize(
+        torch.from_numpy(p_mu).reshape(len(names), len(tpls), -1).mean(1), dim=-1
+    )
+    labels = np.array([int(r["cls"].decode()) for r in col])
+    out["colours"] = float(((c_mu @ protos.numpy().T).argmax(1) == labels).mean())
+    import pyarrow.parquet as pq
+
+    truth = pq.read_table(f"{run}/pool/truth.parquet").to_pandas().set_index("uid").loc[uids]
+    with torch.no_grad():
+        mv, lvv = (x.numpy() for x in state.module.model.encode_image(torch.from_numpy(images)))
+    mt, lvt = enc.texts(texts)
+    st = np.exp(lvt.astype(np.float64)).sum(1)
+    mismatched, level = truth["is_mismatched"].to_numpy(), truth["level"].to_numpy()
+    english = truth["language"].to_numpy() == "en"
+    csd = ((mv - mt) ** 2).sum(1) + np.exp(lvv).sum(1) + st
+    out["auc"] = {"csd_mismatched": auc(mismatched, csd), "s2t_non_english": auc(~english, st)}
+    out["auc"]["s2t_level0"] = auc(level == 0, st)
+    clean = ~mismatched & english
+    push = ppcl_push(state, mv, lvv, mt, lvt, np.random.default_rng(123))
+    out["pool_s2t_per_level"] = [float(st[clean & (level == k)].mean()) for k in range(4)]
+    out["ppcl_push_per_level"] = [float(np.nanmean(push[clean & (level == k)])) for k in range(4)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", default="runs/demo", help="a demo track run directory (make demo's output)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", nargs="*", default=[], help="scorer overrides, e.g. loss.beta=0")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "scorer_replica.jsonl"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = merge(TRACK_PRESETS["demo"].scorer, {"seed": args.seed})
+    cfg = merge(cfg, {"data": {"shuffle_seed": args.seed, "mask_seed": args.seed}} | parse_set(args.set))
+    tok = TextTokenizer.load(f"{args.run}/tokenizer")
+    pool = read_tars(f"{args.run}/shards/*.tar")
+    t0 = time.time()
+    state, rows = train(cfg, tok, pool)
+    ckpt = f"{args.run}/replica/seed{args.seed}"
+    extra = {"loss": "prolip", "pixel_mean": list(cfg.data.mean), "pixel_std": list(cfg.data.std)}
+    save_checkpoint(ckpt, state.module.model, state.mcfg, tok, extra)
+    by_key = {r["key"]: r for r in pool}  # rows the decoder kept, in its order
+    texts = [by_key[k]["txt"].decode() for k in rows["key"]]
+    uids = [json.loads(by_key[k]["json"])["uid"] for k in rows["key"]]
+    result = {"seed": args.seed, "set": args.set, "train_s": round(time.time() - t0, 1)}
+    result |= measure(Encoder(ckpt), state, args.run, rows["image"], texts, uids)
+    print(json.dumps(result))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
