@@ -224,7 +224,7 @@ class DataConfig:
     mask_fraction: float = 0.125  # samples per batch with a masked variant (ProLIP §4.1)
     text_mask_ratio: float = 0.75  # text tokens replaced by [MASK] (§4.1)
     # "mask": the masked text tokens become [MASK] (§4.1); "drop": they are removed, so the masked caption is
-    # a shorter caption (the text counterpart of the image side's patch drop; a demo-only choice, docs/track.md).
+    # a shorter caption (the text counterpart of the image side's patch drop; an experiment, docs/track.md).
     text_mask_mode: str = "mask"
     patch_keep_ratio: float = 0.25  # image patches kept (75% dropped, §4.1)
     mask_seed: int = 0

@@ -107,15 +107,11 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096}),
         # Sized so the whole demo fits 9–13 minutes on 2 cores (docs/track.md has the measured steps). Gradient
         # clipping and a longer warmup: without them one of two otherwise identical runs spiked at the LR
-        # peak and never left the sigmoid plateau. Two demo-only deviations (docs/track.md "Demo choices"):
-        # the σ heads at 10× the LR (at the base LR ~300 steps leave log σ² at its initialisation), and
-        # masked text tokens dropped rather than [MASK]ed, so "original ⊂ masked" teaches that a caption
-        # with fewer words is more uncertain (with [MASK] the σ² of captions fell or rose with specificity
-        # depending on the seed).
+        # peak and never left the sigmoid plateau. The σ heads at 10× the LR (a demo-only deviation,
+        # docs/track.md): at the base LR ~300 steps leave log σ² at its initialisation.
         scorer=merge(
             _demo_train(38_400, "scorer"),
             {
-                "data": {"text_mask_mode": "drop"},
                 "optim": {"grad_clip": 1.0, "warmup_steps": 80, "unc_lr_mult": 10.0},
                 "loss": {"reduction": "joint"},
             },
