@@ -1,0 +1,161 @@
+"""Architecture configuration of both towers: ``ModelConfig``, its choice-valued fields (``VARIANTS``) and
+the named presets (``MODEL_CONFIGS``: ``tiny`` and ``demo-32px`` for CPUs, the ViT-B sizes of the papers).
+
+Part of the training config (``training/config.py`` re-exports every name here); kept apart because the
+model, the checkpoint importers and the FLOP counts read it without the rest of the training settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.config import ConfigError, from_dict
+
+VARIANTS = {
+    "activation": ("gelu", "quick_gelu"),
+    "text_pool": ("cls", "eot"),
+    "head_variant": ("paper", "prolip_official"),
+    "vision_stem": ("patch", "conv"),
+    "vision_pool": ("cls", "mean"),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of both towers. Widths/layers/heads per tower; ``embed_dim`` is the shared space."""
+
+    image_size: int
+    patch_size: int
+    vision_width: int
+    vision_layers: int
+    vision_heads: int
+    text_width: int
+    text_layers: int
+    text_heads: int
+    context_length: int
+    vocab_size: int
+    embed_dim: int
+    mlp_ratio: float = 4.0
+    probabilistic: bool = True
+    unc_bias_init: float = -10.0  # §4.1: log σ² starts at −10, σ² ≈ 4.5e−5
+    text_causal: bool = False
+    pad_id: int = 0
+    grad_checkpointing: bool = False
+    # Variants for imported weights (training/imports/): OpenAI CLIP's MLP activation, CLIP's end-token text
+    # pooling (deterministic only), and the official ProLIP code's text tower and heads (training/towers.py).
+    activation: str = "gelu"  # gelu | quick_gelu
+    text_pool: str = "cls"  # cls (appended CLS token) | eot (the end token's position, as CLIP)
+    text_mask_padding: bool = True  # False: padding keys are attended, as the official ProLIP code does
+    text_proj_bias: bool = False
+    text_ln_eps: float = 1e-5
+    head_variant: str = "paper"  # paper | prolip_official
+    # How pixels become tokens: "patch" (ViT's linear patch projection) or "conv" (3×3 convolutions down to
+    # the same grid, training/towers.py ConvStem). docs/track.md "Recipes tried" has what they did for shapes.
+    vision_stem: str = "patch"
+    # The image state the heads read: the CLS token's output, or the mean of the patch tokens' ("mean",
+    # which also allows vision_layers=0: the stem alone, a small CNN with global average pooling).
+    vision_pool: str = "cls"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[str(f.type)]
+            if isinstance(value, bool) and f.type != "bool" or not isinstance(value, expected):
+                raise ConfigError(f"ModelConfig.{f.name} must be {f.type}, got {value!r}")
+        for name in ("image_size", "patch_size", "context_length", "vocab_size", "embed_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        for tower in ("vision", "text"):
+            width, layers, heads = (getattr(self, f"{tower}_{k}") for k in ("width", "layers", "heads"))
+            # A mean-pooled image tower may have no transformer layer (the stem alone) unless it is
+            # probabilistic: its UNC token would then see no image.
+            pooled_stem = tower == "vision" and self.vision_pool == "mean" and not self.probabilistic
+            if layers < (0 if pooled_stem else 1):
+                raise ConfigError(
+                    f"ModelConfig.{tower}_layers={layers} must be >= 1"
+                    + (
+                        " (0 only with vision_pool='mean' and probabilistic=false)"
+                        if tower == "vision"
+                        else ""
+                    )
+                )
+            if width <= 0 or heads <= 0 or width % heads:
+                raise ConfigError(
+                    f"ModelConfig.{tower}_width={width} must be a positive multiple of {tower}_heads={heads}"
+                )
+        for name, allowed in VARIANTS.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"ModelConfig.{name}={getattr(self, name)!r} not in {allowed}")
+        if self.text_pool == "eot" and self.probabilistic:
+            raise ConfigError("ModelConfig.text_pool='eot' needs probabilistic=false (UNC/CLS are appended)")
+        if self.head_variant == "prolip_official" and self.text_width != self.embed_dim:
+            raise ConfigError("ModelConfig.head_variant='prolip_official' needs text_width == embed_dim")
+        if self.image_size % self.patch_size:
+            raise ConfigError(
+                f"ModelConfig.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}"
+            )
+        if self.vision_stem == "conv" and (self.patch_size < 2 or self.patch_size & (self.patch_size - 1)):
+            raise ConfigError(
+                f"ModelConfig.patch_size={self.patch_size} must be a power of two >= 2 for vision_stem='conv'"
+            )
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ConfigError(
+                f"ModelConfig.pad_id={self.pad_id} is outside the vocabulary (vocab_size={self.vocab_size})"
+            )
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        return from_dict(cls, data, prefix="ModelConfig.")
+
+
+MODEL_CONFIGS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        image_size=64, patch_size=8, context_length=32, vocab_size=4096, embed_dim=128,
+        vision_width=128, vision_layers=4, vision_heads=4, text_width=128, text_layers=4, text_heads=4,
+    ),
+    # open_clip's ViT-B-32 (CLIP's text tower: causal, context 77, CLIP BPE vocabulary).
+    "ViT-B-32": ModelConfig(
+        image_size=224, patch_size=32, context_length=77, vocab_size=49408, embed_dim=512, text_causal=True,
+        vision_width=768, vision_layers=12, vision_heads=12, text_width=512, text_layers=12, text_heads=8,
+    ),
+    # ProLIP B/16 (ProLIP App. B.1): SigLIP-style bidirectional text, context 64.
+    "ViT-B-16-ProLIP": ModelConfig(
+        image_size=224, patch_size=16, context_length=64, vocab_size=32000, embed_dim=768,
+        vision_width=768, vision_layers=12, vision_heads=12, text_width=768, text_layers=12, text_heads=12,
+    ),
+}  # fmt: skip
+
+
+# The track demo's model: ``tiny``'s widths at 32 px (16 patches) with 2 layers per tower, ~4× the samples/s
+# of ``tiny`` on a 2-core CPU; shape, colour and position of the demo pictures survive the downscale.
+MODEL_CONFIGS["demo-32px"] = dataclasses.replace(
+    MODEL_CONFIGS["tiny"], image_size=32, vision_layers=2, text_layers=2
+)
+# ``demo-32px`` with a small CNN for the image tower (the convolutional stem, mean-pooled, no transformer
+# layer): with shape labels it fits the demo pictures' shapes in 200 steps where the ViT cannot; trained as a
+# subset CLIP it still did not reach 2× chance on zero-shot shapes (docs/track.md). CLIP/SigLIP only.
+MODEL_CONFIGS["demo-32px-cnn"] = dataclasses.replace(
+    MODEL_CONFIGS["demo-32px"], vision_stem="conv", vision_pool="mean", vision_layers=0, probabilistic=False
+)
+
+
+def model_config(name: str, **overrides: Any) -> ModelConfig:
+    """The named preset with ``overrides`` applied; an unknown name or field raises with that name."""
+    if name not in MODEL_CONFIGS:
+        raise ConfigError(f"unknown model config {name!r}; known: {', '.join(MODEL_CONFIGS)}")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
+    # No coercion here: a programmatic override of the wrong type is an error, not a string to parse.
+    return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
