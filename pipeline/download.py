@@ -45,7 +45,7 @@ import pyarrow as pa
 from pipeline import schema as S
 from pipeline.config import DownloadConfig
 from pipeline.netguard import GuardDecision, UrlGuard
-from pipeline.pixel_budget import PixelBudget, return_large_buffers_to_os
+from pipeline.pixel_budget import MMAP_THRESHOLD, PixelBudget, release_free_memory, return_large_buffers_to_os
 from pipeline.politeness import HostSlots, parse_retry_after, retry_wait
 from pipeline.resize import DECODE_BYTES_PER_PIXEL, STRIP_PIXELS, process_image
 
@@ -297,7 +297,9 @@ def part_deadline_s(cfg: DownloadConfig) -> float:
     return cfg.part_deadline_s or 10 * (cfg.retries + 1) * cfg.timeout_s
 
 
-THREAD_OVERHEAD_BYTES = 40 * STRIP_PIXELS + 32 * 1024 * 1024  # strip temporaries, output-size copies, stack
+# Strip temporaries, output-size copies, stack, and the freed buffers below the mmap threshold that a
+# thread's heap keeps for its next image (pipeline/pixel_budget.py).
+THREAD_OVERHEAD_BYTES = 40 * STRIP_PIXELS + 32 * 1024 * 1024 + MMAP_THRESHOLD
 
 
 def memory_bound(cfg: DownloadConfig) -> int:
@@ -305,7 +307,8 @@ def memory_bound(cfg: DownloadConfig) -> int:
 
     Decoded pixels: the budget, or a single larger image decoded alone (≤ max_pixels), at
     ``DECODE_BYTES_PER_PIXEL`` each; per thread: a body being read (≤ max_bytes, grown by bytearray's
-    1/8 over-allocation) and its bytes copy, plus a constant. The part's output JPEGs are not counted.
+    1/8 over-allocation) and its bytes copy, freed buffers its heap keeps for reuse (< ``MMAP_THRESHOLD``),
+    plus a constant. The part's output JPEGs are not counted.
     """
     pixels = max(cfg.decode_pixel_budget, cfg.max_pixels)
     body = int(2.25 * (cfg.max_bytes + _CHUNK))
@@ -354,7 +357,9 @@ class DownloadWorker:
             else:
                 fut.cancel()
                 out.append({S.UID: uid, S.STATUS: DEADLINE, "error": f"part deadline of {limit:g} s passed"})
-        return pa.Table.from_pylist(out, schema=OUTPUT_SCHEMA)
+        table = pa.Table.from_pylist(out, schema=OUTPUT_SCHEMA)
+        release_free_memory()  # what the threads freed goes back to the OS between parts
+        return table
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
