@@ -78,7 +78,10 @@ def child(case: str, meta: str, lo: int, hi: int, threads: int, overrides: dict,
     run(warm=True)
     t0, c0 = time.perf_counter(), _cpu()
     run(warm=False)
-    wall, (user, system, faults, switches) = time.perf_counter() - t0, (b - a for a, b in zip(c0, _cpu()))
+    wall, (user, system, faults, switches) = (
+        time.perf_counter() - t0,
+        (b - a for a, b in zip(c0, _cpu(), strict=True)),
+    )
     n = len(urls)
     return {
         "cpu_ms_per_image": 1e3 * (user + system) / n,
@@ -156,7 +159,12 @@ def run_case(case: str, meta: Path, args, tmp: Path) -> dict:
             raise RuntimeError(f"{case} child failed ({p.returncode})")
         outs.append(json.loads((tmp / f"{case}{k}" / "result.json").read_text()))
     images = sum(o["images"] for o in outs)
-    per_image = ("cpu_ms_per_image", "sys_ms_per_image", "page_faults_per_image", "context_switches_per_image")
+    per_image = (
+        "cpu_ms_per_image",
+        "sys_ms_per_image",
+        "page_faults_per_image",
+        "context_switches_per_image",
+    )
     return {
         **{k: sum(o[k] * o["images"] for o in outs) / images for k in per_image},
         "images_per_s": images / max(o["wall_s"] for o in outs),
@@ -216,8 +224,8 @@ class Census:
 
 def census_build(meta: Path, tmp: Path, overrides: dict, cores: int) -> dict:
     """One ``build()`` (bench/build_throughput.py's config) in a fresh Ray; CPU seconds per process title."""
-    import ray
     import build_throughput as BT
+    import ray
 
     from jobs.common import init_ray
 
@@ -273,9 +281,11 @@ def main(argv: list[str] | None = None) -> int:
                 load = os.getloadavg()[0]
                 if case == "build":
                     row[case] = census_build(meta, tmp, args.overrides, cores) | {"load_avg_1m": load}
-                    print(f"round {i + 1} build {row[case]['cpu_ms_per_image']:.2f} CPU ms/image, "
-                          f"{row[case]['images_per_s']:.1f} images/s, load {load:.1f}: "
-                          + ", ".join(f"{k} {v:.1f}s" for k, v in row[case]["by_process_s"].items() if v > 0.05))
+                    print(
+                        f"round {i + 1} build {row[case]['cpu_ms_per_image']:.2f} CPU ms/image, "
+                        f"{row[case]['images_per_s']:.1f} images/s, load {load:.1f}: "
+                        + ", ".join(f"{k} {v:.1f}s" for k, v in row[case]["by_process_s"].items() if v > 0.05)
+                    )
                     continue
                 row[case] = run_case(case, meta, args, tmp) | {"load_avg_1m": load}
                 r = row[case]

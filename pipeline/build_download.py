@@ -1,4 +1,4 @@
-"""The build's download phase: cut the download parts, run them on the ``DownloadPart`` actor pool, commit.
+"""The build's download phase: cut the download parts, run them on ``DownloadPart`` Ray actors, commit.
 
 Part k is the k-th range of ``part_size`` live rows (``status_pre == ""``) in read order (files in
 ``Storage.list_files`` order, rows in file order; pipeline/metadata.py). The driver sends one small Arrow
@@ -58,15 +58,12 @@ def download_parts(
     if not specs:
         return n_parts, len(done), 0
     token = uuid.uuid4().hex[:16]
-    results = _download_dataset(rows.meta, specs, cfg, store, paths, retry, token)
-    finished: set[int] = set()
-    for batch in results.iter_batches(batch_format="pyarrow", batch_size=None):
-        new = set(batch.column("part").to_pylist()) - finished
-        for part in sorted(new):
-            R.commit(paths["parts"], part, token, store)  # the driver is alive: the part counts
-        finished |= new
-        ok = pc.sum(pc.equal(batch.column(S.STATUS), S.STATUS_SUCCESS)).as_py() or 0
-        log(f"  part(s) done: {len(finished)}/{len(specs)} (+{batch.num_rows} rows, {ok} images)")
+    finished = 0
+    for part, summary in _run_parts(rows.meta, specs, cfg, store, paths, retry, token):
+        R.commit(paths["parts"], part, token, store)  # the driver is alive: the part counts
+        finished += 1
+        ok = pc.sum(pc.equal(summary.column(S.STATUS), S.STATUS_SUCCESS)).as_py() or 0
+        log(f"  part(s) done: {finished}/{len(specs)} (+{summary.num_rows} rows, {ok} images)")
     R.remove_uncommitted(paths["parts"], R.committed(paths["parts"], store), store)
     return n_parts, len(done), n_retry
 
@@ -114,30 +111,51 @@ def part_specs(rows: PoolRows, part_size: int, todo: list[int], retry: dict[int,
     return specs
 
 
-def _download_dataset(meta: Metadata, specs, cfg: BuildConfig, store: Storage, paths, retry, token: str):
-    """The Ray Data pipeline: a block of row positions per part → ``DownloadPart`` actors → parts' rows."""
-    import ray.data
+# Parts queued on one actor beyond the one it runs: the next part's rows are at hand when one ends.
+QUEUED_PER_ACTOR = 1
+# An actor whose process dies is restarted and its queued parts run again (a part is only committed
+# when the driver has its rows, and a rerun writes under the same token, file by file atomically).
+ACTOR_RESTARTS = 3
 
-    ds = from_arrow_scoped(specs, cfg.data_label_selector)
-    return ds.map_batches(
-        DownloadPart,
-        # The Storage object travels to the actors with its credentials: their processes need no AWS env.
-        fn_constructor_args=(
-            cfg.download,
-            paths["parts"],
-            token,
-            {p: _done_token(paths, p, store) for p in retry},
-            store,
-            list(meta.files),
-            cfg.max_caption_bytes,
-        ),
-        batch_size=None,  # a block is a part: DownloadPart splits a batch by part anyway
-        compute=ray.data.ActorPoolStrategy(size=max(1, min(cfg.download_actors, len(specs)))),
-        # Downloads mostly wait on the network: a fractional CPU leaves room for the other stages' actors
-        # (a whole CPU per actor deadlocks a 2-CPU machine).
-        num_cpus=cfg.download_cpus,
-        batch_format="pyarrow",
-    )
+
+def _run_parts(
+    meta: Metadata, specs: list[pa.Table], cfg: BuildConfig, store: Storage, paths, retry, token: str
+):
+    """Each part's spec on a pool of ``DownloadPart`` Ray actors; yields (part, its rows) as each finishes.
+
+    Plain actors rather than a Ray Data actor pool: a download part is one call, and Ray Data's executor,
+    stats and autoscaling actors cost ~9% of a build's CPU on 2 cores (docs/download.md).
+    """
+    import ray
+
+    options: dict = {"num_cpus": cfg.download_cpus, "max_restarts": ACTOR_RESTARTS,
+                     "max_task_retries": ACTOR_RESTARTS}  # fmt: skip
+    if cfg.data_label_selector:  # pipeline/placement.py: downloads run on the data nodes
+        options["label_selector"] = {str(k): str(v) for k, v in cfg.data_label_selector.items()}
+    # The Storage object travels to the actors with its credentials: their processes need no AWS env.
+    args = (cfg.download, paths["parts"], token, {p: _done_token(paths, p, store) for p in retry}, store,
+            list(meta.files), cfg.max_caption_bytes)  # fmt: skip
+    remote = ray.remote(DownloadPart).options(**options)
+    actors = [remote.remote(*args) for _ in range(max(1, min(cfg.download_actors, len(specs))))]
+    todo = list(reversed(specs))
+    running: dict = {}  # call → (actor, part)
+
+    def submit(actor) -> None:
+        if todo:
+            spec = todo.pop()
+            running[actor.__call__.remote(spec)] = (actor, int(spec.column("part")[0].as_py()))
+
+    try:
+        for actor in actors * (1 + QUEUED_PER_ACTOR):
+            submit(actor)
+        while running:
+            [ref], _ = ray.wait(list(running), num_returns=1)
+            actor, part = running.pop(ref)
+            submit(actor)
+            yield part, ray.get(ref)
+    finally:
+        for actor in actors:  # their CPUs go back to the later stages; a failed build leaves none behind
+            ray.kill(actor)
 
 
 def _done_token(paths: dict[str, str], part: int, store: Storage) -> str:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import ctypes
 import ctypes.util
+import functools
 import math
 import threading
 import time

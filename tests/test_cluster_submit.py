@@ -243,15 +243,16 @@ def test_build_and_train_stages_land_on_labelled_nodes(tmp_path) -> None:
     report = json.loads((tmp_path / "placement.json").read_text())
     node_name = {v: k for k, v in report["nodes"].items()}
 
-    # Ray Data's work in this driver: every normal task and every task of a map actor pool — reads,
-    # maps, the download and language-ID actors, of the build and of the training ingest.
+    # The data plane's work in this driver: every normal task, every task of a Ray Data map actor pool —
+    # reads, maps, the language-ID actor, of the build and of the training ingest — and the calls of the
+    # build's download actors (plain Ray actors, pipeline/build_download.py).
     # Left out: Ray 2.60's hash-shuffle map and reduce tasks (its shuffle operators pass no label
     # selector) and its parquet footer-reader actors (scheduled SPREAD); Ray's, not ours to place.
     data_tasks = [
         (t["name"], node_name.get(t["node_id"], t["node_id"]))
         for t in report["tasks"]
         if t["node_id"]
-        and (t["type"] == "NORMAL_TASK" or (t["name"] or "").startswith("MapWorker("))
+        and (t["type"] == "NORMAL_TASK" or (t["name"] or "").startswith(("MapWorker(", "DownloadPart.")))
         and not (t["name"] or "").startswith("HashShuffle")
     ]
     wrong = [t for t in data_tasks if t[1] != "data"]
@@ -262,5 +263,7 @@ def test_build_and_train_stages_land_on_labelled_nodes(tmp_path) -> None:
         assert stage in ran, (stage, sorted(ran))
     for udf in ("DownloadPart", "_LangTag", "decode_augment"):
         assert any(udf in n for n, _ in data_tasks), (udf, sorted(ran))
+    downloaders = [a for a in report["actors"] if a["class_name"] == "DownloadPart"]
+    assert downloaders and {node_name.get(a["node_id"]) for a in downloaders} == {"data"}, downloaders
     workers = [a for a in report["actors"] if a["class_name"] == "RayTrainWorker"]
     assert len(workers) == 2 and {node_name.get(a["node_id"]) for a in workers} == {"train"}
