@@ -2,7 +2,7 @@
 
 The one Ray-aware module of the build. Global decisions (row checks, URL, exact-image and near-duplicate
 dedupe; filter thresholds over the whole pool) are made in the driver on narrow columns (uid, url, two
-short strings: ~150 bytes a row); everything that touches bytes or models runs in Ray Data.
+short strings: ~150 bytes a row); everything that touches bytes or models runs in Ray (the download actors, Ray Data).
 
 Order of a run: check the metadata files' schemas (each file named), the filter specs and the columns
 they need; read the narrow columns in the driver with pyarrow (pipeline/metadata.py) and decide every row

@@ -264,7 +264,7 @@ def fetch(
     return FetchResult(result.status, result.data, result.error, result.http_status)
 
 
-# --- the Ray Data UDF ------------------------------------------------------------------------------------
+# --- the per-batch worker of a download actor ------------------------------------------------------------
 
 OUTPUT_SCHEMA = pa.schema(
     [
@@ -318,7 +318,7 @@ def memory_bound(cfg: DownloadConfig) -> int:
 class DownloadWorker:
     """Callable over a batch of metadata rows → one output row per input row, same order.
 
-    Built once per Ray Data actor: the guard, a bounded thread pool (``threads_per_actor``, the
+    Built once per download actor: the guard, a bounded thread pool (``threads_per_actor``, the
     counterpart of img2dataset's ``thread_count``), the per-host connection slots and the decode pixel
     budget its threads share. Each thread runs fetch → sha256 → decode/resize/blur. A call ends by its
     deadline (``part_deadline_s``): rows still running then get ``failed_to_download:deadline``.

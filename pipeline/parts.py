@@ -42,9 +42,10 @@ PART_COLUMNS = [
 
 
 class DownloadPart:
-    """Ray Data UDF over part specs (columns ``part``, ``file``, ``row``: one row per metadata row of the
-    part, its file's index in ``files`` and its row in that file): reads each part's rows, downloads them,
-    writes tar + parquet, returns the rows + ``part``.
+    """The download actor (a plain Ray actor, pipeline/build_download.py), called on part specs (columns
+    ``part``, ``file``, ``row``: one row per metadata row of the part, its file's index in ``files`` and its
+    row in that file): reads each part's rows, downloads them, writes tar + parquet, returns the rows +
+    ``part``.
 
     ``retry``: part → token of its committed files, for the parts whose transient rows are re-fetched.
     """
