@@ -34,7 +34,7 @@ from pipeline import runstate as R
 from pipeline import schema as S
 from pipeline import storage
 from pipeline import subset_rows as SR
-from pipeline.build_download import PoolRows, download_parts, from_arrow_scoped
+from pipeline.build_download import PoolRows, download_parts
 from pipeline.config import BuildConfig
 from pipeline.filtering import apply_filters, check_build_filters, needs_language, parse_filter_specs
 from pipeline.metadata import Metadata, MetadataError, open_metadata, read_columns
@@ -270,6 +270,8 @@ def _language_labels(cfg: BuildConfig, meta: pa.Table) -> pa.Array:
     loaded there, not in the driver) over blocks of the table the driver read."""
     import ray
     import ray.data
+
+    from pipeline.datasets import from_arrow_scoped
 
     captions = meta.select([S.UID, S.TEXT, ROW_KEY])
     # Blocks of _LANG_BLOCK rows: the actor streams through the pool instead of receiving it as one object.

@@ -25,7 +25,6 @@ from pipeline import schema as S
 from pipeline.config import BuildConfig
 from pipeline.metadata import Metadata
 from pipeline.parts import DownloadPart
-from pipeline.placement import scope_dataset
 from pipeline.storage import Storage
 
 
@@ -160,20 +159,3 @@ def _run_parts(
 
 def _done_token(paths: dict[str, str], part: int, store: Storage) -> str:
     return store.read_json(R.marker(paths["parts"], part))["token"]
-
-
-def from_arrow_scoped(tables: list[pa.Table], selector: dict[str, str] | None):
-    """``ray.data.from_arrow(tables)`` scoped to ``selector`` (pipeline/placement.py), including the tasks
-    it starts itself: Ray 2.60 computes each block's metadata in a remote task that takes its label
-    selector from the *current* DataContext, not from the dataset's."""
-    import ray.data
-
-    current = ray.data.DataContext.get_current().execution_options
-    before = current.label_selector
-    if selector:
-        current.label_selector = {str(k): str(v) for k, v in selector.items()}
-    try:
-        ds = ray.data.from_arrow(tables)  # its context is a deep copy of the current one
-    finally:
-        current.label_selector = before
-    return scope_dataset(ds, selector)

@@ -269,6 +269,21 @@ def build_train_dataset(
     )
 
 
+def from_arrow_scoped(tables: list[pa.Table], selector: dict[str, str] | None):
+    """``ray.data.from_arrow(tables)`` scoped to ``selector`` (pipeline/placement.py), including the tasks
+    it starts itself: Ray 2.60 computes each block's metadata in a remote task that takes its label
+    selector from the *current* DataContext, not from the dataset's."""
+    current = ray.data.DataContext.get_current().execution_options
+    before = current.label_selector
+    if selector:
+        current.label_selector = {str(k): str(v) for k, v in selector.items()}
+    try:
+        ds = ray.data.from_arrow(tables)  # its context is a deep copy of the current one
+    finally:
+        current.label_selector = before
+    return scope_dataset(ds, selector)
+
+
 def train_dataset_config(selector: Mapping[str, str] | None, preserve_order: bool = False) -> Any:
     """A ``ray.train.DataConfig`` whose ingest keeps ``selector`` (and Ray Data's output order when
     ``preserve_order``), or None (Train's default) when neither is asked for. Ray Train *replaces* the
