@@ -145,7 +145,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = merge(TRACK_PRESETS["demo"].scorer, {"seed": args.seed})
-    cfg = merge(cfg, {"data": {"shuffle_seed": args.seed, "mask_seed": args.seed}} | parse_set(args.set))
+    cfg = merge(cfg, {"data": {"shuffle_seed": args.seed, "mask_seed": args.seed}})
+    cfg = merge(cfg, parse_set(args.set))  # after: a `--set data.…` must not replace the seeds above
     tok = TextTokenizer.load(f"{args.run}/tokenizer")
     pool = read_tars(f"{args.run}/shards/*.tar")
     t0 = time.time()

@@ -133,6 +133,16 @@ def mask_text_tokens(
     return np.where(rank < k[:, None], mask_id, tokens).astype(tokens.dtype)  # (B, L)
 
 
+def drop_masked_tokens(tokens: np.ndarray, mask_id: int, pad_id: int) -> np.ndarray:
+    """Each row of ``tokens`` (B, L) with its [MASK] positions removed: the other tokens in their order, then
+    padding, (B, L). A caption masked this way reads as a shorter caption rather than one with holes."""
+    holes = tokens == mask_id
+    order = np.argsort(holes, axis=1, kind="stable")  # kept positions first, each group in its order
+    out = np.take_along_axis(tokens, order, axis=1)
+    out[np.take_along_axis(holes, order, axis=1)] = pad_id
+    return out
+
+
 def choose_kept_patches(
     n_patches: int, batch: int, keep_ratio: float = 0.25, *, rng: np.random.Generator | int
 ) -> np.ndarray:

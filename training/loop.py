@@ -36,6 +36,7 @@ import torch
 
 from pipeline.datasets import RayTrainCollate, publish_progress, read_counters
 from pipeline.ingest_train import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
+from pipeline.masking import drop_masked_tokens
 from training.config import from_plain
 from training.step import (
     TrainState,
@@ -121,16 +122,6 @@ def checkpoint_candidates(latest: str, fs: pafs.FileSystem) -> list[str]:
         if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_") and i.base_name < name
     ]
     return [latest, *sorted(older, key=posixpath.basename, reverse=True)]
-
-
-def drop_masked_tokens(tokens: np.ndarray, mask_id: int, pad_id: int) -> np.ndarray:
-    """Each row of ``tokens`` (B, L) with its [MASK] positions removed: the other tokens in their order, then
-    padding, (B, L). A caption masked this way reads as a shorter caption rather than one with holes."""
-    holes = tokens == mask_id
-    order = np.argsort(holes, axis=1, kind="stable")  # kept positions first, each group in its order
-    out = np.take_along_axis(tokens, order, axis=1)
-    out[np.take_along_axis(holes, order, axis=1)] = pad_id
-    return out
 
 
 class DroppedTextVariants:

@@ -323,6 +323,8 @@ def checkpoint_extra(state: TrainState) -> dict[str, Any]:
         "attempts": state.attempts,
         "metrics": state.logged,
         "loss": cfg.loss.name,
+        # How masked captions were made ("mask" | "drop"): the eval's original ⊂ masked analysis masks alike.
+        "text_mask_mode": cfg.data.text_mask_mode,
         # Inference (training/encode.py) must normalise pixels as this run did.
         "pixel_mean": list(cfg.data.mean),
         "pixel_std": list(cfg.data.std),

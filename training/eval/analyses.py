@@ -4,7 +4,8 @@ Which set serves which analysis: σ² per modality and image ⊂ own caption on 
 σ² vs caption length on every retrieval and hierarchy caption; level ordering and traversal on the first
 hierarchy task; BPRW on the first classification task. Original ⊂ masked needs fresh encodings of masked
 inputs: the driver's ``Encoder`` encodes the first ``MASKED_SAMPLES`` images/captions of the retrieval
-task (text: 75% of content tokens → [MASK] with ``pipeline.masking.mask_text_tokens``, never pad/end;
+task (text: 75% of content tokens → [MASK] with ``pipeline.masking.mask_text_tokens``, never pad/end, and
+removed from the caption when the checkpoint trained with ``data.text_mask_mode="drop"``;
 image: 25% of patches kept with ``choose_kept_patches`` — the §4.1 masking of training).
 Deterministic checkpoints get ``uncertainty.NOT_APPLICABLE`` for every analysis.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.masking import choose_kept_patches, mask_text_tokens
+from pipeline.masking import choose_kept_patches, drop_masked_tokens, mask_text_tokens
 from pipeline.storage import LOCAL, Storage
 from training.encode import Encoder
 from training.eval import hf_sets, uncertainty
@@ -42,6 +43,8 @@ def masked_inclusion(
     masked = mask_text_tokens(
         tokens, tok.pad_id, tok.end_id, tok.mask_id, 0.75, rng=seed, protected_ids=protected
     )
+    if encoder.extra.get("text_mask_mode") == "drop":  # as the model was trained: the words removed
+        masked = drop_masked_tokens(masked, tok.mask_id, tok.pad_id)
     t_mu, t_lv = model.encode_text(torch.as_tensor(tokens).to(device))
     m_mu, m_lv = model.encode_text(torch.as_tensor(masked).to(device))
     out = {"text": uncertainty.inclusion_rate(*(x.float().cpu().numpy() for x in (t_mu, t_lv, m_mu, m_lv)))}
