@@ -87,3 +87,39 @@ def test_plots_written(tmp_path):
     paths = U.plot_all(analyses, arrays, str(tmp_path))
     assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["bprw.png", "sigma2_modality.png"]
     assert all((tmp_path / p.rsplit("/", 1)[1]).stat().st_size > 1000 for p in paths)
+
+
+@pytest.mark.parametrize("mode", ["mask", "drop"])
+def test_original_in_masked_masks_as_the_checkpoint_trained(tmp_path, mode):
+    # A scorer trained with data.text_mask_mode="drop" never saw [MASK]; its original ⊂ masked analysis must
+    # encode captions with the masked words removed, and a [MASK]-trained one with [MASK] in their place.
+    import torch
+
+    from pipeline.masking import drop_masked_tokens, mask_text_tokens
+    from pipeline.tokenizer import train_tokenizer
+    from tests.fixtures_ckpt import DEMO_CAPTIONS
+    from tests.fixtures_train import demo_samples
+    from training.encode import Encoder
+    from training.eval.analyses import masked_inclusion
+    from training.model import ProLIP, model_config, save_checkpoint
+
+    tok = train_tokenizer(DEMO_CAPTIONS * 4, vocab_size=512)
+    cfg = model_config("tiny", vocab_size=tok.vocab_size, pad_id=tok.pad_id)
+    torch.manual_seed(0)
+    ckpt = save_checkpoint(tmp_path, ProLIP(cfg).eval(), cfg, tok, {"loss": "prolip", "text_mask_mode": mode})
+    enc = Encoder(str(ckpt))
+    samples = demo_samples(6, size=64)
+    captions = [s["txt"] for s in samples]
+    _, h = masked_inclusion(enc, [s["jpg"] for s in samples], captions, seed=3)
+
+    tokens = tok.encode_batch(captions, cfg.context_length)
+    masked = mask_text_tokens(tokens, tok.pad_id, tok.end_id, tok.mask_id, 0.75, rng=3)
+    dropped = drop_masked_tokens(masked, tok.mask_id, tok.pad_id)
+    with torch.inference_mode():
+        t = enc.model.encode_text(torch.as_tensor(tokens))
+        expected = {}
+        for name, m in (("mask", masked), ("drop", dropped)):
+            e = enc.model.encode_text(torch.as_tensor(m))
+            expected[name] = U.hypothesis(*(x.float().numpy() for x in (*t, *e)))
+    assert not np.allclose(expected["mask"], expected["drop"])
+    np.testing.assert_allclose(h["text ⊂ masked"], expected[mode], rtol=1e-5)
