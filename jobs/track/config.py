@@ -116,9 +116,6 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
             {
                 "optim": {"grad_clip": 1.0, "warmup_steps": 80, "unc_lr_mult": 10.0},
                 "loss": {"reduction": "joint"},
-                # Masked captions drop their words (a shorter caption, not one with [MASK] holes): the one
-                # term that ties a caption's σ² to how much it says (docs/track.md "Round 3").
-                "data": {"text_mask_mode": "drop"},
             },
         ),
         # DataComp's protocol: one fixed CLIP recipe per subset, so only the data differs between rows. A
