@@ -186,51 +186,6 @@ def test_patch_drop_keeps_quarter(model: ProLIP) -> None:
     assert _count_tokens(model, lambda: model.encode_image(images)) == n + 2
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [{}, {"vision_pool": "mean"}, {"head_variant": "prolip_official"}, {"probabilistic": False}],
-    ids=["paper", "mean-pooled", "official-heads", "deterministic"],
-)
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
-def test_image_batches_in_one_pass_equal_separate_passes(overrides: dict, checkpointing: bool) -> None:
-    # The training step encodes the pictures and their patch-dropped variants in one tower pass (flat
-    # tokens, attention per batch); outputs and every parameter's gradient must equal two separate passes.
-    torch.manual_seed(0)
-    m = ProLIP(model_config("tiny", **overrides)).double()
-    m.visual.transformer.grad_checkpointing = checkpointing
-    images = torch.randn(5, 3, 64, 64, dtype=torch.float64)
-    keep = torch.from_numpy(choose_kept_patches(m.config.n_patches, 3, keep_ratio=0.25, rng=1))  # (3, 16)
-
-    def run(packed: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-        m.zero_grad(set_to_none=True)
-        if packed:
-            outs = m.encode_images([(images, None), (images[1:4], keep)])
-        else:
-            outs = [m.encode_image(images), m.encode_image(images[1:4], keep)]
-        flat = [x for pair in outs for x in pair if x is not None]
-        weights = [torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(i))
-                   for i, x in enumerate(flat)]  # fmt: skip
-        sum((w * x).sum() for w, x in zip(weights, flat, strict=True)).backward()
-        grads = {k: p.grad.clone() for k, p in m.visual.named_parameters() if p.grad is not None}
-        return [x.detach() for x in flat], grads
-
-    (ref, ref_grads), (got, got_grads) = run(False), run(True)
-    assert len(got) == (4 if overrides.get("probabilistic", True) else 2)
-    assert [x.shape[0] for x in got] == [x.shape[0] for x in ref]
-    for a, b in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert got_grads.keys() == ref_grads.keys() and len(ref_grads) > 10
-    for k in ref_grads:
-        torch.testing.assert_close(got_grads[k], ref_grads[k], rtol=1e-10, atol=1e-12, msg=k)
-    with pytest.raises(ValueError, match="several segments"):
-        block = m.visual.transformer.blocks[0]
-        block(
-            torch.zeros(10, 128, dtype=torch.float64),
-            torch.ones(1, 1, 5, 5, dtype=torch.bool),
-            ((1, 5), (1, 5)),
-        )
-
-
 def _unpatchify(patches: torch.Tensor, grid: int, p: int) -> torch.Tensor:
     b = patches.shape[0]
     x = patches.reshape(b, grid, grid, 3, p, p).permute(0, 3, 1, 4, 2, 5)

@@ -29,7 +29,7 @@ Checkpoints are directories: ``weights.pt`` (a plain state dict, loaded with ``w
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,13 +80,6 @@ class ProLIP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """images (B, 3, H, W) normalised floats; keep_idx (B, K) patch indices to keep (patch drop)."""
         return self.visual(images, keep_idx)
-
-    def encode_images(
-        self, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """``encode_image`` of several ``(images, keep_idx)`` batches in one tower pass (per-token layers
-        once over all their tokens, attention per batch): full pictures with their patch-dropped variants."""
-        return self.visual.forward_batches(batches)
 
     def encode_text(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens (B, L) int64, L ≤ context_length, padded with ``config.pad_id``."""

@@ -59,9 +59,8 @@ class TrainModule(nn.Module):
     """The two towers and the loss's learnable scalars under one module, so one DDP wrapper covers both.
 
     ``forward`` runs both towers on the batch and, when ``masked_index`` (M,) is given, the image tower on
-    the selected images with their kept patches (in the same pass as the full pictures,
-    ``ProLIP.encode_images``) and the text tower on their masked tokens (concatenated with the full text
-    batch: one text forward). The loss is applied outside ``forward``, after the
+    the selected images with their kept patches and the text tower on their masked tokens (concatenated
+    with the full text batch: one text forward). The loss is applied outside ``forward``, after the
     cross-worker gather.
     """
 
@@ -78,20 +77,16 @@ class TrainModule(nn.Module):
         masked_index: Tensor | None = None,
     ) -> dict[str, Tensor | None]:
         b = tokens.shape[0]
+        mu_v, logvar_v = self.model.encode_image(images)  # (B, E)
+        out: dict[str, Tensor | None] = {"mu_v": mu_v, "logvar_v": logvar_v}
+        text = tokens
         # numel() is shape metadata: no device sync, and M = 0 (possible on one rank) skips the extra pass.
         masked = masked_index is not None and masked_index.numel() > 0 and keep_idx is not None
-        text = tokens
         if masked:
-            # One image-tower pass over the pictures and their patch-dropped variants (M, K kept patches).
-            (mu_v, logvar_v), (mu_vm, logvar_vm) = self.model.encode_images(
-                [(images, None), (images[masked_index], keep_idx[masked_index])]
-            )  # (B, E), (M, E)
+            out["mu_v_masked"], out["logvar_v_masked"] = self.model.encode_image(
+                images[masked_index], keep_idx[masked_index]
+            )  # (M, E)
             text = torch.cat([tokens, masked_tokens[masked_index]])  # (B + M, L)
-        else:
-            mu_v, logvar_v = self.model.encode_image(images)  # (B, E)
-        out: dict[str, Tensor | None] = {"mu_v": mu_v, "logvar_v": logvar_v}
-        if masked:
-            out["mu_v_masked"], out["logvar_v_masked"] = mu_vm, logvar_vm
         mu_t, logvar_t = self.model.encode_text(text)  # (B [+ M], E)
         out["mu_t"], out["logvar_t"] = mu_t[:b], None if logvar_t is None else logvar_t[:b]
         if masked:

@@ -40,7 +40,6 @@ Variants selected by ``ModelConfig`` so that imported weights (training/imports/
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,35 +82,14 @@ class Block(nn.Module):
         self.fc_1 = nn.Linear(width, hidden)
         self.fc_2 = nn.Linear(hidden, width)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        segments: tuple[tuple[int, int], ...] | None = None,
-    ) -> torch.Tensor:
-        """x (B, S, D); or, with ``segments`` ((B_1, S_1), …), the flat (Σ B_i·S_i, D) tokens of several
-        batches of different lengths: every per-token layer runs once on all of them, attention per batch."""
-        if segments is None:
-            b, s, d = x.shape
-            return self._forward(x.reshape(b * s, d), attn_mask, ((b, s),)).view(b, s, d)
-        return self._forward(x, attn_mask, segments)
-
-    def _forward(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None, segments: tuple[tuple[int, int], ...]
-    ) -> torch.Tensor:
-        d = x.shape[-1]
-        if attn_mask is not None and len(segments) > 1:
-            raise ValueError("an attention mask applies to one batch; got several segments")
-        qkv = self.qkv(self.ln_1(x))  # (T, 3D)
-        outs, start = [], 0
-        for b, s in segments:
-            part = qkv[start : start + b * s].view(b, s, 3, self.heads, d // self.heads)  # (B, S, 3, H, Dh)
-            q, k, v = part.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, S, Dh)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, S, Dh)
-            outs.append(attn.transpose(1, 2).reshape(b * s, d))  # (B·S, D)
-            start += b * s
-        x = x + self.attn_out(outs[0] if len(outs) == 1 else torch.cat(outs))  # (T, D)
-        return x + self.fc_2(self.act(self.fc_1(self.ln_2(x))))  # (T, D)
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, d = x.shape
+        qkv = self.qkv(self.ln_1(x)).view(b, s, 3, self.heads, d // self.heads)  # (B, S, 3, H, Dh)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, S, Dh)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, S, Dh)
+        x = x + self.attn_out(attn.transpose(1, 2).reshape(b, s, d))  # (B, S, D)
+        x = x + self.fc_2(self.act(self.fc_1(self.ln_2(x))))  # (B, S, D)
+        return x
 
 
 class Transformer(nn.Module):
@@ -130,18 +108,12 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio, activation, eps) for _ in range(layers))
         self.grad_checkpointing = False
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        segments: tuple[tuple[int, int], ...] | None = None,
-    ) -> torch.Tensor:
-        """x (B, S, D), or flat (T, D) tokens of several batches with ``segments`` (see ``Block.forward``)."""
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         for block in self.blocks:
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, attn_mask, segments, use_reentrant=False)
+                x = checkpoint(block, x, attn_mask, use_reentrant=False)  # (B, S, D)
             else:
-                x = block(x, attn_mask, segments)
+                x = block(x, attn_mask)  # (B, S, D)
         return x
 
 
@@ -328,46 +300,17 @@ class VisionTower(_Tower):
     def forward(
         self, images: torch.Tensor, keep_idx: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.forward_batches([(images, keep_idx)])[0]
-
-    def forward_batches(
-        self, batches: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """``(mu, logvar)`` of several ``(images, keep_idx)`` batches — the full pictures and their
-        patch-dropped variants — in one pass: their tokens (of different counts) are stacked flat, so every
-        per-token layer runs once over all of them and only attention runs per batch (``Block.forward``).
-        The same arithmetic as one ``forward`` per batch, with one set of layer calls instead of two: at
-        the masked variants' 12.5% of a batch × 18 tokens, the second pass was mostly per-call overhead."""
-        xs = []
-        for images, keep_idx in batches:
-            x = self.embed_patches(images, keep_idx)  # (B_i, K_i, D)
-            special = (
-                self.special_tokens().unsqueeze(0).expand(x.shape[0], -1, -1).to(x.dtype)
-            )  # (B_i, S0, D)
-            xs.append(torch.cat([special, x], dim=1))  # (B_i, S_i, D)
-        if len(xs) == 1:
-            outs = [self.transformer(self.ln_pre(xs[0]))]  # [(B, S, D)]
-        else:
-            d = xs[0].shape[-1]
-            segments = tuple((x.shape[0], x.shape[1]) for x in xs)
-            flat = torch.cat([x.reshape(-1, d) for x in xs])  # (Σ B_i·S_i, D)
-            flat = self.transformer(self.ln_pre(flat), segments=segments)
-            pieces = flat.split([b * s for b, s in segments])
-            outs = [y.view(b, s, d) for y, (b, s) in zip(pieces, segments, strict=True)]
-        s0 = self.n_special
+        x = self.embed_patches(images, keep_idx)  # (B, K, D)
+        b = x.shape[0]
+        special = self.special_tokens().unsqueeze(0).expand(b, -1, -1).to(x.dtype)  # (B, S0, D)
+        x = torch.cat([special, x], dim=1)  # (B, S0 + K, D)
+        x = self.transformer(self.ln_pre(x))  # (B, S0 + K, D)
         if self.mean_pool:  # the image's state is the mean of its patch tokens, not CLS
-            states = [torch.cat([x[:, s0:].mean(dim=1, keepdim=True), x[:, 1:s0]], 1) for x in outs]
-        else:
-            states = [x[:, :s0] for x in outs]  # (B_i, S0, D): only CLS/UNC reach the heads
-        x = self.ln_post(states[0] if len(states) == 1 else torch.cat(states))  # (Σ B_i, S0, D)
-        h_unc = x[:, 1] if self.unc_token is not None else None  # (Σ B_i, D)
-        h_cls = self.ln_post(x[:, 0]) if self.cls_ln_twice else x[:, 0]  # (Σ B_i, D)
-        mu, logvar = self.head(h_cls, h_unc)
-        sizes = [x.shape[0] for x in outs]
-        if len(sizes) == 1:
-            return [(mu, logvar)]
-        logvars = logvar.split(sizes) if logvar is not None else [None] * len(sizes)
-        return list(zip(mu.split(sizes), logvars, strict=True))
+            x = torch.cat([x[:, self.n_special :].mean(dim=1, keepdim=True), x[:, 1 : self.n_special]], 1)
+        x = self.ln_post(x)  # (B, S0 + K, D), or (B, S0, D) when mean-pooled
+        h_unc = x[:, 1] if self.unc_token is not None else None  # (B, D)
+        h_cls = self.ln_post(x[:, 0]) if self.cls_ln_twice else x[:, 0]  # (B, D)
+        return self.head(h_cls, h_unc)
 
 
 class TextTower(_Tower):
@@ -416,10 +359,10 @@ class TextTower(_Tower):
         special = self.special_tokens().unsqueeze(0).expand(b, -1, -1).to(x.dtype)  # (B, S0, D)
         x = torch.cat([x, special], dim=1)  # (B, L + S0, D)
         x = self.transformer(x, self.attention_mask(tokens))  # (B, L + S0, D)
+        x = self.ln_post(x)  # (B, L + S0, D)
         if self.eot_pool:
             # The end token is the last non-pad position (pipeline/tokenizer.py's layout).
             last = ((tokens != self.pad_id).sum(dim=1) - 1).clamp(min=0)  # (B,)
-            return self.head(self.ln_post(x[torch.arange(b, device=x.device), last]), None)
-        x = self.ln_post(x[:, -self.n_special :])  # (B, S0, D): only UNC/CLS reach the heads
+            return self.head(x[torch.arange(b, device=x.device), last], None)
         h_unc = x[:, -2] if self.unc_token is not None else None  # (B, D)
         return self.head(x[:, -1], h_unc)
