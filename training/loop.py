@@ -12,10 +12,13 @@ Data position on resume: Ray Data cannot seek into a streaming epoch, so a resum
 pass (epoch + 1, new shard order and masks), as open_clip does; the step count, LR schedule and samples
 seen continue from the checkpoint.
 
-Reports: every ``log_every`` steps, at every checkpoint and at the last step, every rank calls
-``ray.train.report`` (a barrier, so all ranks call it at the same steps); rank 0 attaches the checkpoint.
-Metrics are global: loss terms summed over ranks (the shares add up to the global loss), σ² means and the
-data-wait fraction averaged over ranks.
+Reports: every ``log_every`` steps, at every checkpoint and at the last step, every rank computes the
+window's global metrics (loss terms summed over ranks — the shares add up to the global loss — σ² means
+and the data-wait fraction averaged over ranks); rank 0 logs them (TensorBoard, the progress actor, the
+run's metric list). Only checkpoint steps call ``ray.train.report`` (a barrier, so every rank calls it at
+the same steps; rank 0 attaches the checkpoint). A report blocks until Ray Train's controller takes the
+previous one, which it polls for every 2 s (``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``), so reporting metrics
+alone every 10 fast steps held a demo model at ~1 s per report: 64 s against 45 s for one 200-step run.
 """
 
 from __future__ import annotations
@@ -249,7 +252,9 @@ def _report(
         for k, v in metrics.items():
             writer.add_scalar(k, v, state.step)
         writer.flush()
-    if not _checkpoint_due(state) or rank != 0:
+    if not _checkpoint_due(state):
+        return  # metrics alone: logged above, no controller round trip (module docstring)
+    if rank != 0:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory(prefix="prolip-ckpt-") as d:
