@@ -1,7 +1,8 @@
 """Procedural pictures for the demo pool: one coloured shape on a textured, unevenly lit background.
 
-The visual vocabulary (8 shapes × 8 colours × 2 sizes × 3×3 positions × 5 textures × 4 background
-colours) is what the captions talk about and what the zero-shot eval sets classify. Choices that matter:
+The visual vocabulary is 8 shapes × 8 colours × 2 sizes × 3×3 positions × 5 textures × 4 background
+colours. Captions (pipeline/demo/captions.py) name the first three; position and background vary unnamed.
+The zero-shot eval sets classify shapes and colours. Choices that matter:
 
 - Shapes are large (radius ≈ 0.19 or 0.33 of the short side) with distinct silhouettes, because the demo
   model sees 64 px images and, as measured on the demo, learns shapes much later than colours.
