@@ -53,6 +53,7 @@ def test_parse_set_rejects_missing_equals():
         ("scaling.torch_threads", -2),
         ("run.log_every", 0),
         ("data.text_mask_mode", "blank"),
+        ("model", "demo-32px-cnn"),  # the demo preset trains ProLIP, which the CNN tower cannot carry
     ],
 )
 def test_train_config_range_errors_name_the_field(key, value):

@@ -185,6 +185,13 @@ class TrainConfig:
             raise ConfigError(f"model: unknown {self.model!r} (known: {', '.join(MODEL_CONFIGS)})")
         if self.loss.name not in LOSS_SPECS:
             raise ConfigError(f"loss.name: unknown {self.loss.name!r} (known: {', '.join(LOSS_SPECS)})")
+        if LOSS_SPECS[self.loss.name].probabilistic:  # e.g. demo-32px-cnn has no [UNC] token for σ²
+            try:
+                dataclasses.replace(MODEL_CONFIGS[self.model], probabilistic=True)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"model: {self.model!r} cannot train loss.name={self.loss.name!r}: {exc}"
+                ) from None
         if self.tokenizer_clean not in ("", "lower", "canonicalize"):
             raise ConfigError(
                 f"tokenizer_clean: {self.tokenizer_clean!r} not in ('', 'lower', 'canonicalize')"

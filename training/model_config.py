@@ -142,8 +142,8 @@ MODEL_CONFIGS["demo-32px"] = dataclasses.replace(
     MODEL_CONFIGS["tiny"], image_size=32, vision_layers=2, text_layers=2
 )
 # ``demo-32px`` with a small CNN for the image tower (the convolutional stem, mean-pooled, no transformer
-# layer): with shape labels it fits the demo pictures' shapes in 200 steps where the ViT cannot; trained as a
-# subset CLIP it still did not reach 2× chance on zero-shot shapes (docs/track.md). CLIP/SigLIP only.
+# layer): with shape labels it fits the demo pictures' shapes in 200 steps where the ViT cannot, and it is the
+# demo track's subset model (800 steps; docs/track.md "Round 4"). CLIP/SigLIP only: no [UNC] token.
 MODEL_CONFIGS["demo-32px-cnn"] = dataclasses.replace(
     MODEL_CONFIGS["demo-32px"], vision_stem="conv", vision_pool="mean", vision_layers=0, probabilistic=False
 )

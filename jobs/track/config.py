@@ -104,25 +104,36 @@ def _demo_train(samples_seen: int, name: str) -> TrainConfig:
 
 TRACK_PRESETS: dict[str, TrackConfig] = {
     "demo": TrackConfig(
-        # 4,000 rows: the scorer sees each pair ~11 times instead of ~23, so it memorises fewer of the pool's
-        # mismatched pairs (CSD AUC 0.86–0.88 on three seeds against 0.78–0.85 at 2,000; docs/track.md).
-        build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096, "demo_n": 4000}),
+        # 8,000 rows, and the scorer sees each pair ~11 times (76,800 samples): fewer times memorises the
+        # pool's mismatched pairs (CSD AUC 0.78–0.85 at ~23 times; docs/track.md), and on the 4,000-row pool
+        # the 800-step subset models reached the no_filter model's colours from its 30% noise.
+        build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096, "demo_n": 8000}),
         # Sized so the whole demo fits 9–13 minutes on 2 cores (docs/track.md has the measured steps). Gradient
         # clipping and a longer warmup: without them one of two otherwise identical runs spiked at the LR
         # peak and never left the sigmoid plateau. The σ heads at 10× the LR (a demo-only deviation,
         # docs/track.md): at the base LR ~300 steps leave log σ² at its initialisation.
         scorer=merge(
-            _demo_train(38_400, "scorer"),
+            _demo_train(76_800, "scorer"),
             {
                 "optim": {"grad_clip": 1.0, "warmup_steps": 80, "unc_lr_mult": 10.0},
                 "loss": {"reduction": "joint"},
+                # Masked captions drop their masked words (a shorter caption) rather than write [MASK]: the
+                # masked-inclusion term then ties σ² to how much a caption says (docs/track.md "Round 4").
+                "data": {"text_mask_mode": "drop"},
             },
         ),
         # DataComp's protocol: one fixed CLIP recipe per subset, so only the data differs between rows. A
-        # batch of 64 gives a tiny model twice the updates for the same samples seen.
+        # batch of 64 gives a tiny model twice the updates for the same samples seen. The image tower is the
+        # small CNN (``demo-32px-cnn``) and each model sees 51,200 samples (800 steps): the ViT stayed at
+        # chance on shapes at any budget tried, the CNN needs ~800 steps (docs/track.md "Round 4").
         train=merge(
-            _demo_train(12_800, "subset"),
-            {"loss": {"name": "clip"}, "global_batch_size": 64, "optim": {"warmup_steps": 10}},
+            _demo_train(51_200, "subset"),
+            {
+                "model": "demo-32px-cnn",
+                "loss": {"name": "clip"},
+                "global_batch_size": 64,
+                "optim": {"warmup_steps": 10},
+            },
         ),
     ),
     # Runs inside ``make test``: the same steps on a 300-row pool with a few dozen steps per model.

@@ -1,0 +1,125 @@
+"""A demo track's subset model without Ray: train it on one of a run's shard sets, then score zero-shot shapes.
+
+Trains the track's ``demo`` subset recipe (``TRACK_PRESETS["demo"].train`` plus any ``--set key=value``)
+with ``training.step`` on ``<run>/<shards>`` (decoded once and reshuffled every epoch, as
+``data.cache_decoded`` does), then measures on the run's eval sets what the report's table shows for
+shapes and colours (prompt-ensemble zero-shot through ``training.encode.Encoder``) and a nearest-class-mean
+probe of the image embeddings on the shapes set (half the images to fit the class means, half to test):
+the probe says whether the image tower separates shapes at all, zero-shot whether the captions taught it
+their names. ``--recaption P0,P1,P2,P3`` replaces every caption by a clean English one of the picture's
+true attributes at caption level k with probability Pk (``pipeline/demo/captions.py``): the ceiling a
+perfect filter with that level mix would give. One JSON line per run to ``--out``. Not a timing benchmark.
+
+Usage: python bench/subset_replica.py --run runs/demo --shards subset_shards/csd --seed 1 [--set optim.lr=1e-3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.scorer_replica import read_tars, train  # noqa: E402
+from jobs.track.config import TRACK_PRESETS  # noqa: E402
+from pipeline.config import merge, parse_set  # noqa: E402
+from pipeline.demo import render  # noqa: E402
+from pipeline.demo.captions import caption, n_variants  # noqa: E402
+from pipeline.tokenizer import TextTokenizer  # noqa: E402
+from training.encode import Encoder  # noqa: E402
+from training.eval.metrics import gaussian_mean, score_matrix  # noqa: E402
+from training.model import save_checkpoint  # noqa: E402
+
+
+def zero_shot(enc: Encoder, root: str) -> tuple[float, float]:
+    """(zero-shot top-1 with the set's prompt ensemble, nearest-class-mean probe top-1) on one set."""
+    rows = read_tars(f"{root}/test/*.tar")
+    names = [x for x in Path(f"{root}/classnames.txt").read_text().splitlines() if x.strip()]
+    tpls = [x for x in Path(f"{root}/zeroshot_classification_templates.txt").read_text().splitlines() if x]
+    labels = np.array([int(r["cls"].decode()) for r in rows])
+    mu, logvar, _ = enc.images([r["jpg"] for r in rows])
+    p_mu, p_lv = enc.texts([t.replace("{c}", c) for c in names for t in tpls])
+    p_mu = p_mu.reshape(len(names), len(tpls), -1)
+    p_lv = None if p_lv is None else p_lv.reshape(len(names), len(tpls), -1)
+    c_mu, c_lv = gaussian_mean(p_mu, p_lv)
+    c_mu = c_mu / np.linalg.norm(c_mu, axis=1, keepdims=True)
+    acc = float((score_matrix(mu, logvar, c_mu, c_lv).argmax(1) == labels).mean())
+    m, h = mu / np.linalg.norm(mu, axis=1, keepdims=True), len(mu) // 2
+    means = np.stack([m[:h][labels[:h] == k].mean(0) for k in range(len(names))])
+    return acc, float(((m[h:] @ means.T).argmax(1) == labels[h:]).mean())
+
+
+def recaption(pool: list[dict], truth_path: str, probs: np.ndarray, rng: np.random.Generator) -> None:
+    """Every sample's caption → a clean English caption of its picture at a level drawn from ``probs``."""
+    import pyarrow.parquet as pq
+
+    truth = pq.read_table(truth_path).to_pandas().set_index("uid")
+    for row in pool:
+        t = truth.loc[json.loads(row["json"])["uid"]]
+        level = int(rng.choice(4, p=probs))
+        texture, background = t["background"].split()
+        attrs = (
+            render.SHAPES.index(t["shape"]),
+            render.COLOURS.index(t["colour"]),
+            render.SIZES.index(t["size"]),
+            render.POSITIONS.index(t["position"]),
+            render.TEXTURES.index(texture),
+            render.BACKGROUNDS.index(background),
+        )
+        variant = int(rng.integers(n_variants("en", level)))
+        row["txt"] = caption("en", level, variant, *attrs).encode()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", default="runs/demo", help="a demo track run directory (make demo's output)")
+    ap.add_argument("--shards", default="subset_shards/csd", help="shard directory under --run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", nargs="*", default=[], help="subset-recipe overrides, e.g. optim.lr=1e-3")
+    ap.add_argument("--recaption", default="", help="P0,P1,P2,P3: clean captions at these level rates")
+    ap.add_argument("--eval", default="", help="eval-set root (default: <run>/pool/eval)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "subset_replica.jsonl"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = merge(TRACK_PRESETS["demo"].train, {"seed": args.seed})
+    cfg = merge(cfg, {"data": {"shuffle_seed": args.seed, "mask_seed": args.seed}})
+    cfg = merge(cfg, parse_set(args.set))
+    tok = TextTokenizer.load(f"{args.run}/tokenizer")
+    pool = read_tars(f"{args.run}/{args.shards}/*.tar")
+    if args.recaption:
+        probs = np.array([float(x) for x in args.recaption.split(",")])
+        recaption(
+            pool, f"{args.run}/pool/truth.parquet", probs / probs.sum(), np.random.default_rng(args.seed)
+        )
+    t0 = time.time()
+    state, _ = train(cfg, tok, pool)
+    ckpt = f"{args.run}/replica/subset-seed{args.seed}"
+    extra = {"loss": cfg.loss.name, "pixel_mean": list(cfg.data.mean), "pixel_std": list(cfg.data.std)}
+    save_checkpoint(ckpt, state.module.model, state.mcfg, tok, extra)
+    enc, ev = Encoder(ckpt), args.eval or f"{args.run}/pool/eval"
+    (shapes, probe), (colours, _) = zero_shot(enc, f"{ev}/shapes"), zero_shot(enc, f"{ev}/colours")
+    result = {"run": args.run, "shards": args.shards, "seed": args.seed, "set": args.set}
+    result |= {"recaption": args.recaption, "rows": len(pool), "steps": state.step}
+    result |= {
+        "train_s": round(time.time() - t0, 1),
+        "shapes": shapes,
+        "shape_probe": probe,
+        "colours": colours,
+    }
+    print(json.dumps(result))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
