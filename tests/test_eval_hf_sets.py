@@ -88,7 +88,11 @@ def datacomp_root(tmp_path):
     games = []
     for g, (size, cue) in enumerate(((5, "Apple"), (6, "sky"), (10, "Ocean"), (12, "sun"))):
         cands = [names[(g + j) % len(names)] + f"-{j}" for j in range(size)]
-        imgs = [{"bytes": _jpeg(COLOURS[c.split("-")[0]], 32 + j), "path": None} for j, c in enumerate(cands)]
+        # Every candidate its own shade (wrapping, so white stays distinct): games of 10 and 12 repeat
+        # colours, and two solid squares of one colour score alike up to rounding, which would leave
+        # the top k to the order of float ties (the smallest top-k margin is now ~1e-3 of the scores).
+        shade = [tuple((v + 23 * j) % 256 for v in COLOURS[c.split("-")[0]]) for j, c in enumerate(cands)]
+        imgs = [{"bytes": _jpeg(rgb, 32 + j), "path": None} for j, rgb in enumerate(shade)]
         games.append(
             {"candidate_images": imgs, "candidates": cands, "associations": cands[1 : 2 + g], "cue": cue}
         )
