@@ -135,34 +135,58 @@ def measure(enc: Encoder, state, run: str, images: np.ndarray, texts: list[str],
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def replica_parser(description: str, set_help: str, threads: int, out: str) -> argparse.ArgumentParser:
+    """The options every replica takes: the run it reads, the seed, ``--set`` overrides, threads and the
+    JSON-lines file it appends to."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--run", default="runs/demo", help="a demo track run directory (make demo's output)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--set", nargs="*", default=[], help="scorer overrides, e.g. loss.beta=0")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "scorer_replica.jsonl"))
+    ap.add_argument("--set", nargs="*", default=[], help=set_help)
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / out))
+    return ap
+
+
+def seeded_config(base, seed: int, overrides: list[str]):
+    """``base`` with one seed for the model, the shuffle and the masks, then the ``--set`` overrides (after
+    the seeds, so that a ``--set data.…`` cannot replace them)."""
+    cfg = merge(base, {"seed": seed, "data": {"shuffle_seed": seed, "mask_seed": seed}})
+    return merge(cfg, parse_set(overrides))
+
+
+def save_replica(state, cfg, tok, path: str, loss: str) -> str:
+    """The replica's model as a checkpoint the track's Encoder reads (pixel statistics included)."""
+    extra = {"loss": loss, "pixel_mean": list(cfg.data.mean), "pixel_std": list(cfg.data.std)}
+    save_checkpoint(path, state.module.model, state.mcfg, tok, extra)
+    return path
+
+
+def append_result(result: dict, out: str) -> None:
+    """Print one result and append it as a JSON line to ``out`` (one line per run, runs accumulate)."""
+    print(json.dumps(result))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "a") as f:
+        f.write(json.dumps(result) + "\n")
+
+
+def main() -> None:
+    ap = replica_parser(
+        __doc__.splitlines()[0], "scorer overrides, e.g. loss.beta=0", 1, "scorer_replica.jsonl"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = merge(TRACK_PRESETS["demo"].scorer, {"seed": args.seed})
-    cfg = merge(cfg, {"data": {"shuffle_seed": args.seed, "mask_seed": args.seed}})
-    cfg = merge(cfg, parse_set(args.set))  # after: a `--set data.…` must not replace the seeds above
+    cfg = seeded_config(TRACK_PRESETS["demo"].scorer, args.seed, args.set)
     tok = TextTokenizer.load(f"{args.run}/tokenizer")
     pool = read_tars(f"{args.run}/shards/*.tar")
     t0 = time.time()
     state, rows = train(cfg, tok, pool)
-    ckpt = f"{args.run}/replica/seed{args.seed}"
-    extra = {"loss": "prolip", "pixel_mean": list(cfg.data.mean), "pixel_std": list(cfg.data.std)}
-    save_checkpoint(ckpt, state.module.model, state.mcfg, tok, extra)
+    ckpt = save_replica(state, cfg, tok, f"{args.run}/replica/seed{args.seed}", "prolip")
     by_key = {r["key"]: r for r in pool}  # rows the decoder kept, in its order
     texts = [by_key[k]["txt"].decode() for k in rows["key"]]
     uids = [json.loads(by_key[k]["json"])["uid"] for k in rows["key"]]
     result = {"seed": args.seed, "set": args.set, "train_s": round(time.time() - t0, 1)}
     result |= measure(Encoder(ckpt), state, args.run, rows["image"], texts, uids)
-    print(json.dumps(result))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(result) + "\n")
+    append_result(result, args.out)
 
 
 if __name__ == "__main__":

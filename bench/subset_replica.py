@@ -15,9 +15,7 @@ Usage: python bench/subset_replica.py --run runs/demo --shards subset_shards/csd
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,15 +26,20 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scorer_replica import read_tars, train  # noqa: E402
+from bench.scorer_replica import (  # noqa: E402
+    append_result,
+    read_tars,
+    replica_parser,
+    save_replica,
+    seeded_config,
+    train,
+)  # noqa: E402
 from jobs.track.config import TRACK_PRESETS  # noqa: E402
-from pipeline.config import merge, parse_set  # noqa: E402
 from pipeline.demo import render  # noqa: E402
 from pipeline.demo.captions import caption, n_variants  # noqa: E402
 from pipeline.tokenizer import TextTokenizer  # noqa: E402
 from training.encode import Encoder  # noqa: E402
 from training.eval.metrics import gaussian_mean, score_matrix  # noqa: E402
-from training.model import save_checkpoint  # noqa: E402
 
 
 def zero_shot(enc: Encoder, root: str) -> tuple[float, float]:
@@ -79,20 +82,15 @@ def recaption(pool: list[dict], truth_path: str, probs: np.ndarray, rng: np.rand
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", default="runs/demo", help="a demo track run directory (make demo's output)")
+    ap = replica_parser(
+        __doc__.splitlines()[0], "subset-recipe overrides, e.g. optim.lr=1e-3", 2, "subset_replica.jsonl"
+    )
     ap.add_argument("--shards", default="subset_shards/csd", help="shard directory under --run")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--set", nargs="*", default=[], help="subset-recipe overrides, e.g. optim.lr=1e-3")
     ap.add_argument("--recaption", default="", help="P0,P1,P2,P3: clean captions at these level rates")
     ap.add_argument("--eval", default="", help="eval-set root (default: <run>/pool/eval)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "subset_replica.jsonl"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = merge(TRACK_PRESETS["demo"].train, {"seed": args.seed})
-    cfg = merge(cfg, {"data": {"shuffle_seed": args.seed, "mask_seed": args.seed}})
-    cfg = merge(cfg, parse_set(args.set))
+    cfg = seeded_config(TRACK_PRESETS["demo"].train, args.seed, args.set)
     tok = TextTokenizer.load(f"{args.run}/tokenizer")
     pool = read_tars(f"{args.run}/{args.shards}/*.tar")
     if args.recaption:
@@ -102,9 +100,7 @@ def main() -> None:
         )
     t0 = time.time()
     state, _ = train(cfg, tok, pool)
-    ckpt = f"{args.run}/replica/subset-seed{args.seed}"
-    extra = {"loss": cfg.loss.name, "pixel_mean": list(cfg.data.mean), "pixel_std": list(cfg.data.std)}
-    save_checkpoint(ckpt, state.module.model, state.mcfg, tok, extra)
+    ckpt = save_replica(state, cfg, tok, f"{args.run}/replica/subset-seed{args.seed}", cfg.loss.name)
     enc, ev = Encoder(ckpt), args.eval or f"{args.run}/pool/eval"
     (shapes, probe), (colours, _) = zero_shot(enc, f"{ev}/shapes"), zero_shot(enc, f"{ev}/colours")
     result = {"run": args.run, "shards": args.shards, "seed": args.seed, "set": args.set}
@@ -115,10 +111,7 @@ def main() -> None:
         "shape_probe": probe,
         "colours": colours,
     }
-    print(json.dumps(result))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(result) + "\n")
+    append_result(result, args.out)
 
 
 if __name__ == "__main__":
