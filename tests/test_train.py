@@ -231,3 +231,49 @@ def test_seeded_run_repeats_exactly(ray_local, tmp_path) -> None:
         losses.append([m["loss/total"] for m in train(cfg).return_value["metrics"]])
     assert len(losses[0]) == 10 and all(math.isfinite(v) for v in losses[0])
     assert losses[0] == losses[1]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ctrl_c_aborts_with_one_line_and_the_run_resumes(ray_local, tmp_path) -> None:
+    """SIGINT to a training driver: exit status 130 and one line saying how to resume (Ray Train alone
+    leaves with a bare status 1); the same command then resumes from the last committed checkpoint."""
+    shards, train_dir = tmp_path / "shards", tmp_path / "train"
+    write_demo_shards(shards, n_shards=4, per_shard=160)
+    sets = {
+        "model": "demo-32px", "global_batch_size": 32, "samples_seen": TOTAL * 32, "tokenizer_vocab": 512,
+        "optim.warmup_steps": 5, "data.shuffle_window": 64, "data.decode_batch_size": 32,
+        "run.storage_path": str(train_dir), "run.name": "ctrl-c", "run.checkpoint_every": EVERY,
+        "run.log_every": 5, "scaling.num_workers": 1,
+    }  # fmt: skip
+    args = [sys.executable, "-m", "jobs.train", "--preset", "demo", "--shards", str(shards)]
+    for k, v in sets.items():
+        args += ["--set", f"{k}={v}"]
+    env = {**os.environ, "RAY_ADDRESS": ray_local.address_info["address"], "PYTHONPATH": str(ROOT)}
+    snapshot = train_dir / "ctrl-c" / "checkpoint_manager_snapshot.json"
+
+    def run(log: str) -> subprocess.Popen:
+        out = open(tmp_path / log, "wb")
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    first = run("first.log")
+    try:
+        _wait(first, snapshot.exists, 300, "a committed checkpoint")
+        first.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the driver
+        assert first.wait(timeout=120) == 130
+    finally:
+        if first.poll() is None:
+            first.kill()
+    lines = (tmp_path / "first.log").read_text().splitlines()
+    said = [ln for ln in lines if "interrupted" in ln]
+    assert said == [
+        "[train ctrl-c] interrupted: run aborted; the same command resumes from its last checkpoint"
+    ]
+    committed = json.loads(snapshot.read_text())["checkpoint_results"]
+    resume_from = int(committed[-1]["checkpoint_dir_name"].split("_")[1])
+    assert EVERY <= resume_from < TOTAL
+
+    second = run("second.log")
+    assert second.wait(timeout=300) == 0, (tmp_path / "second.log").read_text()[-2000:]
+    extra = json.loads((train_dir / "ctrl-c" / f"checkpoint_{TOTAL:08d}" / "extra.json").read_text())
+    assert extra["history"] == [[1, TOTAL]] and extra["attempts"] == [0, resume_from]

@@ -20,9 +20,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import sys
 import tempfile
+import threading
 import time
 from itertools import islice
 from typing import Any
@@ -161,6 +165,31 @@ def build_trainer(
     )
 
 
+@contextlib.contextmanager
+def interrupt_reported(name: str):
+    """Ctrl-C during ``fit()``: one line and exit status 130 instead of Ray Train's silent exit.
+
+    Ray Train's ``fit()`` installs its own SIGINT handler, which aborts the run's workers and then leaves
+    the driver through a bare ``SystemExit(1)``; it also leaves that handler installed after ``fit()``
+    returns, where a later Ctrl-C (say, in the track's next step) would try to abort a finished run. The
+    caller's handler comes back here either way. A resumed run starts from the last checkpoint, so the
+    steps since it are trained again."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    try:
+        yield
+    except SystemExit:
+        print(
+            f"[train {name}] interrupted: run aborted; the same command resumes from its last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise SystemExit(130) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) training to ``cfg.total_steps``; needs Ray initialised (jobs.common.init_ray)."""
     from training.model import model_config
@@ -175,7 +204,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     try:
         size, context = mcfg.image_size, mcfg.context_length
         dataset = build_train_dataset(cfg.data, data_store, tokenizer, size, context, counters)
-        with ProgressPrinter(counters, cfg.run.name):
+        with ProgressPrinter(counters, cfg.run.name), interrupt_reported(cfg.run.name):
             result = build_trainer(cfg, tokenizer, dataset, counters, run_store).fit()
         ingest = read_counters(counters)
     finally:
