@@ -96,6 +96,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             results[name] = {"loss": dict(zip(sorted(local), totals.tolist(), strict=True)), "grads": grads}
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "distributed.pt"))
+        # Both ranks tear gloo down together: rank 1 destroying its group while rank 0 still saved
+        # aborted rank 1 now and then ("terminate called without an active exception", SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
