@@ -33,7 +33,7 @@ from bench.scorer_replica import (  # noqa: E402
     save_replica,
     seeded_config,
     train,
-)  # noqa: E402
+)
 from jobs.track.config import TRACK_PRESETS  # noqa: E402
 from pipeline.demo import render  # noqa: E402
 from pipeline.demo.captions import caption, n_variants  # noqa: E402

@@ -71,7 +71,7 @@ _EN = {
 }
 
 
-def _english(level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b: int) -> str:
+def _english(level: int, variant: int, s: int, c: int, z: int) -> str:
     tpl = _EN[level][variant % len(_EN[level])]
     return tpl.format(
         a_colour=_a(COLOURS[c]), colour=COLOURS[c], shape=SHAPES[s], a_size=_a(SIZES[z]), size=SIZES[z]
@@ -100,7 +100,7 @@ _DE_SIZE = {
 _DE_SIZE_DATIVE = {"small": "kleinen", "large": "großen"}  # after "einem"/"einer": one ending for all genders
 
 
-def _german(level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b: int) -> str:
+def _german(level: int, variant: int, s: int, c: int, z: int) -> str:
     noun, g = _DE_NOUN[SHAPES[s]]
     ein, einem = ("eine", "einer") if g == "f" else ("ein", "einem")
     colour = _DE_COLOUR[COLOURS[c]]
@@ -159,7 +159,7 @@ _ROMANCE_FULL = (  # level 3, word order per language
 )
 
 
-def _romance(lang: str, level: int, variant: int, s: int, c: int, z: int, p: int, t: int, b: int) -> str:
+def _romance(lang: str, level: int, variant: int, s: int, c: int, z: int) -> str:
     i = _ROMANCE.index(lang)
     k = 1 if SHAPES[s] in _ROMANCE_FEMININE else 0
     un, noun = _ROMANCE_ARTICLE[i][k], _ROMANCE_NOUN[SHAPES[s]][i]
@@ -192,8 +192,9 @@ def caption(
     texture: int,
     background: int,
 ) -> str:
-    """One caption; attributes are indices into the demo_render vocabularies, ``variant`` picks a wording."""
-    return _WRITERS[lang](level, variant, shape, colour, size, position, texture, background)
+    """One caption; attributes are indices into the demo_render vocabularies, ``variant`` picks a wording.
+    Every picture attribute is accepted, but position, texture and background are never named."""
+    return _WRITERS[lang](level, variant, shape, colour, size)
 
 
 def n_variants(lang: str, level: int) -> int:
