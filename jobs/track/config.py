@@ -119,7 +119,9 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
                 "loss": {"reduction": "joint"},
                 # Masked captions drop their masked words (a shorter caption) rather than write [MASK]: the
                 # masked-inclusion term then ties σ² to how much a caption says (docs/track.md "Round 4").
-                "data": {"text_mask_mode": "drop"},
+                # Half the words rather than 75%: the masked caption keeps a caption's length range, so σ²
+                # is ordered among captions of 4–12 words, not only against 1–3-word stubs ("Round 5").
+                "data": {"text_mask_mode": "drop", "text_mask_ratio": 0.5},
             },
         ),
         # DataComp's protocol: one fixed CLIP recipe per subset, so only the data differs between rows. A
