@@ -179,7 +179,10 @@ class ConvStem(nn.Module):
         self.layers = nn.Sequential(*layers)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.layers(images).flatten(2).transpose(1, 2)  # (B, N, width)
+        # Channels-last input: oneDNN's convolutions and GroupNorm run ~20% faster on the demo's CPU step
+        # (docs/track.md "Round 7"), and the (B, H, W, C) result flattens to the token grid without a copy.
+        x = self.layers(images.contiguous(memory_format=torch.channels_last))  # (B, width, H/p, W/p)
+        return x.flatten(2).transpose(1, 2)  # (B, N, width)
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -126,10 +126,11 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         ),
         # DataComp's protocol: one fixed CLIP recipe per subset, so only the data differs between rows. A
         # batch of 64 gives a tiny model twice the updates for the same samples seen. The image tower is the
-        # small CNN (``demo-32px-cnn``) and each model sees 51,200 samples (800 steps): the ViT stayed at
-        # chance on shapes at any budget tried, the CNN needs ~800 steps (docs/track.md "Round 4").
+        # small CNN (``demo-32px-cnn``) and each model sees 76,800 samples (1,200 steps): the ViT stayed at
+        # chance on shapes at any budget tried, the CNN needs ~800 steps (docs/track.md "Round 4"), and 1,200
+        # lifted the csd models' shapes by 0.03–0.07 in the time 800 took with two text layers ("Round 7").
         train=merge(
-            _demo_train(51_200, "subset"),
+            _demo_train(76_800, "subset"),
             {
                 "model": "demo-32px-cnn",
                 "loss": {"name": "clip"},
