@@ -235,6 +235,24 @@ def test_conv_stem_tokens_keep_the_patch_grid(tmp_path) -> None:
         model_config("demo-32px", vision_stem="conv", patch_size=1)
 
 
+def test_conv_stem_channels_last_equals_plain_layout() -> None:
+    """The stem runs its convolutions on channels-last input for speed; tokens and weight gradients must be
+    what the same layers give on the plain (B, C, H, W) layout, in the same row-major token order."""
+    torch.manual_seed(0)
+    stem = ProLIP(model_config("demo-32px-cnn")).visual.conv_stem
+    images = torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    tokens = stem(images)  # (B, 16, D)
+    assert tokens.shape == (B, 16, stem.layers[-1].out_channels)
+    plain = stem.layers(images.contiguous()).flatten(2).transpose(1, 2)  # (B, 16, D)
+    assert not images.is_contiguous(memory_format=torch.channels_last)  # the caller's tensor is untouched
+    torch.testing.assert_close(tokens, plain, rtol=1e-5, atol=1e-5)
+    w = stem.layers[0].weight
+    (g_fast,) = torch.autograd.grad(tokens.square().sum(), w)
+    (g_plain,) = torch.autograd.grad(plain.square().sum(), w)
+    # Summation order differs between the two layouts' kernels: compare in norm, not element by element.
+    assert ((g_fast - g_plain).norm() / g_plain.norm()).item() < 1e-5
+
+
 def test_mean_pooled_cnn_tower() -> None:
     """``demo-32px-cnn``: the stem's tokens (plus positions, normalised) averaged, then ``ln_post`` and the
     head; no transformer layer, so it cannot be probabilistic (its UNC token would see no image)."""
