@@ -179,9 +179,9 @@ class ConvStem(nn.Module):
         self.layers = nn.Sequential(*layers)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        # Channels-last input: the stem's oneDNN convolutions and GroupNorm take 30–32 ms instead of 34–40 ms
-        # on the demo's CPU step (docs/track.md "Round 7"), and the (B, H, W, C) result flattens to the token
-        # grid without a copy.
+        # Channels-last input: the stem's oneDNN convolutions and GroupNorm ran faster on the demo's CPU step
+        # (30–32 ms against 34–40 ms in a scratch timing; docs/track.md "Round 7"), and the (B, H, W, C)
+        # result flattens to the token grid without a copy.
         x = self.layers(images.contiguous(memory_format=torch.channels_last))  # (B, width, H/p, W/p)
         return x.flatten(2).transpose(1, 2)  # (B, N, width)
 
