@@ -5,7 +5,7 @@ reshuffled every epoch like ``data.cache_decoded``; masked variants as the train
 the track's ``demo`` scorer preset plus any ``--set key=value``, then measures what the report's
 uncertainty section measures (training/eval/uncertainty.py) on the run's eval sets: Σσ² text vs image and
 image ⊂ own caption (retrieval set), Spearman(caption words, Σσ²_t) (retrieval and hierarchy captions),
-adjacent hierarchy levels ordered; also colour zero-shot accuracy, ROC AUC on the pool's ground truth
+adjacent hierarchy levels ordered; also colour and shape zero-shot accuracy, ROC AUC on the pool's ground truth
 (CSD for mismatched captions, Σσ²_t for non-English and level-0 captions), and PPCL's push on each caption's
 σ²: Σ_v p_vt over random batches (> 1: PPCL raises that caption's σ², < 1: lowers it; docs/track.md).
 Not a timing benchmark: the batches differ from a Ray run's, so figures match the track's in distribution,
@@ -102,20 +102,11 @@ def measure(enc: Encoder, state, run: str, images: np.ndarray, texts: list[str],
     _, h_lv = enc.texts([c for cs in h_caps for c in cs])
     starts = np.concatenate([[0], np.cumsum([len(c) for c in h_caps])[:-1]])
     levels = min(len(c) for c in h_caps)
-    out["hierarchy"] = U.hierarchy_order(U.trace(h_lv)[starts[:, None] + np.arange(levels)[None, :]])
-    words = [c for cs in r_caps + h_caps for c in cs]
-    out["spearman"] = U.length_correlation(words, np.concatenate([t_lv, h_lv]))["spearman_words_vs_trace"]
-    col = read_tars(f"{ev}/colours/test/*.tar")
-    names = [x for x in Path(f"{ev}/colours/classnames.txt").read_text().splitlines() if x.strip()]
-    tpls = Path(f"{ev}/colours/zeroshot_classification_templates.txt").read_text().split("\n")
-    tpls = [x for x in tpls if x.strip()]
-    c_mu, _, _ = enc.images([r["jpg"] for r in col])
-    p_mu, _ = enc.texts([t.replace("{c}", c) for c in names for t in tpls])
-    protos = torch.nn.functional.normalize(
-        torch.from_numpy(p_mu).reshape(len(names), len(tpls), -1).mean(1), dim=-1
-    )
-    labels = np.array([int(r["cls"].decode()) for r in col])
-    out["colours"] = float(((c_mu @ protos.numpy().T).argmax(1) == labels).mean())
+    words = np.array([[len(c.split()) for c in cs[:levels]] for cs in h_caps])
+    out["hierarchy"] = U.hierarchy_order(U.trace(h_lv)[starts[:, None] + np.arange(levels)[None, :]], words)
+    every = [c for cs in r_caps + h_caps for c in cs]
+    out["spearman"] = U.length_correlation(every, np.concatenate([t_lv, h_lv]))["spearman_words_vs_trace"]
+    out["colours"], out["shapes"] = zero_shot(enc, ev, "colours"), zero_shot(enc, ev, "shapes")
     import pyarrow.parquet as pq
 
     truth = pq.read_table(f"{run}/pool/truth.parquet").to_pandas().set_index("uid").loc[uids]
@@ -133,6 +124,21 @@ def measure(enc: Encoder, state, run: str, images: np.ndarray, texts: list[str],
     out["pool_s2t_per_level"] = [float(st[clean & (level == k)].mean()) for k in range(4)]
     out["ppcl_push_per_level"] = [float(np.nanmean(push[clean & (level == k)])) for k in range(4)]
     return out
+
+
+def zero_shot(enc: Encoder, ev: str, task: str) -> float:
+    """Top-1 zero-shot accuracy on one of the demo's classification sets (prompts averaged per class)."""
+    rows = read_tars(f"{ev}/{task}/test/*.tar")
+    names = [x for x in Path(f"{ev}/{task}/classnames.txt").read_text().splitlines() if x.strip()]
+    tpls = Path(f"{ev}/{task}/zeroshot_classification_templates.txt").read_text().split("\n")
+    tpls = [x for x in tpls if x.strip()]
+    i_mu, _, _ = enc.images([r["jpg"] for r in rows])
+    p_mu, _ = enc.texts([t.replace("{c}", c) for c in names for t in tpls])
+    protos = torch.nn.functional.normalize(
+        torch.from_numpy(p_mu).reshape(len(names), len(tpls), -1).mean(1), dim=-1
+    )
+    labels = np.array([int(r["cls"].decode()) for r in rows])
+    return float(((i_mu @ protos.numpy().T).argmax(1) == labels).mean())
 
 
 def replica_parser(description: str, set_help: str, threads: int, out: str) -> argparse.ArgumentParser:

@@ -125,7 +125,8 @@ def _hierarchy_analyses(hier: Any, encoder: Encoder) -> tuple[Found, Arrays]:
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     idx = starts[:, None] + np.arange(levels)[None, :]  # (n, L): level k of image i
     tr = uncertainty.trace(hier.text_logvar)[idx]
-    found: Found = {"hierarchy_order": {"task": hier.task.name, **uncertainty.hierarchy_order(tr)}}
+    words = np.array([[len(c.split()) for c in cs[:levels]] for cs in hier.captions])
+    found: Found = {"hierarchy_order": {"task": hier.task.name, **uncertainty.hierarchy_order(tr, words)}}
     level = np.concatenate([np.arange(c) for c in counts])
     e_mu, e_lv = encoder.texts([""])
     found["traversal"] = {

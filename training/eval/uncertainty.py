@@ -57,18 +57,32 @@ def length_correlation(captions: Sequence[str], text_logvar: np.ndarray) -> dict
     return {"spearman_words_vs_trace": float(rho), "n": int(len(words))}
 
 
-def hierarchy_order(level_traces: np.ndarray) -> dict:
+def hierarchy_order(level_traces: np.ndarray, level_words: np.ndarray | None = None) -> dict:
     """``level_traces`` (n, L): tr(Σ) of each image's level-k caption (k = 0 most general).
 
-    ordered_fraction = fraction of the n·(L−1) adjacent pairs with tr(level k) > tr(level k+1)."""
+    ordered_fraction = fraction of the n·(L−1) adjacent pairs with tr(level k) > tr(level k+1).
+    With ``level_words`` (n, L), the captions' word counts, also what caption length alone explains:
+    length_only_ordered_fraction is the score of the ranking "the shorter caption is the more uncertain"
+    (ties count one half, a coin flip), and same_length_ordered_fraction is ordered_fraction over the pairs
+    whose two captions have equal word counts, where only what the captions name can decide (None if none).
+    """
     ordered = level_traces[:, :-1] > level_traces[:, 1:]  # (n, L-1)
-    return {
+    out = {
         "mean_trace_per_level": [float(x) for x in level_traces.mean(0)],
         "ordered_fraction": float(ordered.mean()),
         "ordered_fraction_per_pair": [float(x) for x in ordered.mean(0)],
         "n": int(level_traces.shape[0]),
         "paper_ordered_fraction": 0.900,
     }
+    if level_words is not None:
+        general, specific = level_words[:, :-1], level_words[:, 1:]
+        by_length = (general < specific) + 0.5 * (general == specific)
+        same = general == specific
+        out["length_only_ordered_fraction"] = float(by_length.mean())
+        out["length_only_ordered_fraction_per_pair"] = [float(x) for x in by_length.mean(0)]
+        out["same_length_pairs"] = int(same.sum())
+        out["same_length_ordered_fraction"] = float(ordered[same].mean()) if same.any() else None
+    return out
 
 
 def hypothesis(mu1: np.ndarray, logvar1: np.ndarray, mu2: np.ndarray, logvar2: np.ndarray) -> np.ndarray:
