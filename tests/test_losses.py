@@ -249,6 +249,25 @@ def test_inclusion_hypothesis_signs():
             assert L.inclusion_log_measure(a, la, b, lb).item() < overlapping - 5
 
 
+def test_inclusion_hypothesis_sign_is_set_by_the_variances_alone():
+    # Per dimension H(Z1 in Z2) has the sign of sigma2^2 - sigma1^2 whatever the means (docs/track.md
+    # "Round 8"): a caption far from its image includes it no less than a near one with the same variances,
+    # so no inclusion term can ask a distant (general) caption for a larger sigma^2 than a near one.
+    g = torch.Generator().manual_seed(7)
+    mu1, mu2 = (torch.randn(400, 1, generator=g, dtype=F64) * 5 for _ in range(2))
+    lv1, lv2 = (torch.rand(400, 1, generator=g, dtype=F64) * 8 - 6 for _ in range(2))
+    for log_eps in (0.0, -20.0):
+        h = L.inclusion_hypothesis(mu1, lv1, mu2, lv2, log_eps, per_dim=True)
+        ref = ref_inc(mu1, lv1, mu2, lv2, log_eps) - ref_inc(mu2, lv2, mu1, lv1, log_eps)
+        assert torch.equal(torch.sign(h), torch.sign(lv2 - lv1))
+        assert torch.equal(torch.sign(ref), torch.sign(lv2 - lv1)[:, 0])
+    # ... and with sigma2 > sigma1 a larger mean distance makes the inclusion stronger, not weaker.
+    lv_narrow, lv_wide = torch.full((5, 1), -2.0, dtype=F64), torch.full((5, 1), -1.0, dtype=F64)
+    far = torch.tensor([[0.0], [0.1], [0.3], [1.0], [3.0]], dtype=F64)
+    h = L.inclusion_hypothesis(torch.zeros_like(far), lv_narrow, far, lv_wide)
+    assert bool((h.diff() > 0).all())
+
+
 @pytest.mark.parametrize(("c", "log_eps"), [(1000.0, -20.0), (10.0, -100.0)])
 def test_inclusion_loss_finite_and_ordered_at_paper_settings(c, log_eps):
     mu, _ = gaussians(4, 512, 17, dtype=torch.float32)
