@@ -16,6 +16,7 @@ Usage: python bench/subset_replica.py --run runs/demo --shards subset_shards/csd
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,31 +34,13 @@ from bench.scorer_replica import (  # noqa: E402
     save_replica,
     seeded_config,
     train,
+    zero_shot,
 )
 from jobs.track.config import TRACK_PRESETS  # noqa: E402
 from pipeline.demo import render  # noqa: E402
 from pipeline.demo.captions import caption, n_variants  # noqa: E402
 from pipeline.tokenizer import TextTokenizer  # noqa: E402
 from training.encode import Encoder  # noqa: E402
-from training.eval.metrics import gaussian_mean, score_matrix  # noqa: E402
-
-
-def zero_shot(enc: Encoder, root: str) -> tuple[float, float]:
-    """(zero-shot top-1 with the set's prompt ensemble, nearest-class-mean probe top-1) on one set."""
-    rows = read_tars(f"{root}/test/*.tar")
-    names = [x for x in Path(f"{root}/classnames.txt").read_text().splitlines() if x.strip()]
-    tpls = [x for x in Path(f"{root}/zeroshot_classification_templates.txt").read_text().splitlines() if x]
-    labels = np.array([int(r["cls"].decode()) for r in rows])
-    mu, logvar, _ = enc.images([r["jpg"] for r in rows])
-    p_mu, p_lv = enc.texts([t.replace("{c}", c) for c in names for t in tpls])
-    p_mu = p_mu.reshape(len(names), len(tpls), -1)
-    p_lv = None if p_lv is None else p_lv.reshape(len(names), len(tpls), -1)
-    c_mu, c_lv = gaussian_mean(p_mu, p_lv)
-    c_mu = c_mu / np.linalg.norm(c_mu, axis=1, keepdims=True)
-    acc = float((score_matrix(mu, logvar, c_mu, c_lv).argmax(1) == labels).mean())
-    m, h = mu / np.linalg.norm(mu, axis=1, keepdims=True), len(mu) // 2
-    means = np.stack([m[:h][labels[:h] == k].mean(0) for k in range(len(names))])
-    return acc, float(((m[h:] @ means.T).argmax(1) == labels[h:]).mean())
 
 
 def recaption(pool: list[dict], truth_path: str, probs: np.ndarray, rng: np.random.Generator) -> None:
@@ -100,7 +83,10 @@ def main() -> None:
         )
     t0 = time.time()
     state, _ = train(cfg, tok, pool)
-    ckpt = save_replica(state, cfg, tok, f"{args.run}/replica/subset-seed{args.seed}", cfg.loss.name)
+    # One directory per process: replicas of one run and seed side by side must not read each other's model.
+    ckpt = save_replica(
+        state, cfg, tok, f"{args.run}/replica/subset-seed{args.seed}-{os.getpid()}", cfg.loss.name
+    )
     enc, ev = Encoder(ckpt), args.eval or f"{args.run}/pool/eval"
     (shapes, probe), (colours, _) = zero_shot(enc, f"{ev}/shapes"), zero_shot(enc, f"{ev}/colours")
     result = {"run": args.run, "shards": args.shards, "seed": args.seed, "set": args.set}
