@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from jobs.evaluate import main
+from pipeline.shards import iter_shard
 from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures_demo import demo_pool  # noqa: F401
 from training.eval.uncertainty import NOT_APPLICABLE
@@ -68,7 +69,18 @@ def test_demo_eval_end_to_end(ray_local, demo_pool, tiny_checkpoint, clip_checkp
     aggs = json.loads((out / "aggregates.json").read_text())["aggregates"]
     assert aggs["average"] == pytest.approx(sum(r["metrics"]["main_metric"] for r in lines) / 4)
     analyses = json.loads((out / "analyses.json").read_text())
-    assert 0.0 <= analyses["hierarchy_order"]["ordered_fraction"] <= 1.0
+    order = analyses["hierarchy_order"]
+    assert 0.0 <= order["ordered_fraction"] <= 1.0
+    # The length-only baseline comes from the set's own captions, whatever the model.
+    words = [
+        [len(c.split()) for c in s["txt"].decode().splitlines()[:4]]
+        for tar in sorted(Path(eval_root, "hierarchy", "test").glob("*.tar"))
+        for s in iter_shard(str(tar), decode=False)
+    ]
+    pairs = [(a, b) for w in words for a, b in zip(w[:-1], w[1:], strict=True)]
+    shorter = sum((a < b) + 0.5 * (a == b) for a, b in pairs) / len(pairs)
+    assert order["length_only_ordered_fraction"] == pytest.approx(shorter)
+    assert order["same_length_pairs"] == sum(a == b for a, b in pairs)
     assert {"image_in_caption", "original_in_masked_text", "original_in_masked_image"} <= set(
         analyses["inclusion"]
     )
