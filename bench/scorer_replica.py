@@ -103,8 +103,10 @@ def measure(enc: Encoder, state, run: str, images: np.ndarray, texts: list[str],
     _, h_lv = enc.texts([c for cs in h_caps for c in cs])
     starts = np.concatenate([[0], np.cumsum([len(c) for c in h_caps])[:-1]])
     levels = min(len(c) for c in h_caps)
-    words = np.array([[len(c.split()) for c in cs[:levels]] for cs in h_caps])
-    out["hierarchy"] = U.hierarchy_order(U.trace(h_lv)[starts[:, None] + np.arange(levels)[None, :]], words)
+    by_level = [cs[:levels] for cs in h_caps]
+    out["hierarchy"] = U.hierarchy_order(
+        U.trace(h_lv)[starts[:, None] + np.arange(levels)[None, :]], by_level
+    )
     every = [c for cs in r_caps + h_caps for c in cs]
     out["spearman"] = U.length_correlation(every, np.concatenate([t_lv, h_lv]))["spearman_words_vs_trace"]
     out["colours"] = zero_shot(enc, f"{ev}/colours", means_only=True)[0]

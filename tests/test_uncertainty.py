@@ -19,11 +19,16 @@ def test_hierarchy_order_fraction():
     assert out["mean_trace_per_level"][0] == pytest.approx(3.0)
 
 
+def captions(words: np.ndarray) -> list[list[str]]:
+    """Captions of the given word counts, spaced irregularly (words are what count, not characters)."""
+    return [[" ".join(["w"] * n) + "  " for n in row] for row in words]
+
+
 def test_hierarchy_order_reports_what_length_alone_explains():
     tr = np.array([[4.0, 3.0, 2.0, 1.0], [4.0, 3.0, 3.5, 1.0], [1.0, 2.0, 3.0, 0.5]])
     # word counts: image 0 gets longer with each level, image 1 shorter, image 2 equal from level 1 on
     words = np.array([[2, 3, 4, 5], [9, 7, 5, 3], [3, 6, 6, 6]])
-    out = U.hierarchy_order(tr, words)
+    out = U.hierarchy_order(tr, captions(words))
     assert out["ordered_fraction"] == pytest.approx(6 / 9)  # unchanged by the word counts
     # "shorter = more uncertain" orders image 0's 3 pairs, none of image 1's, image 2's first and half of
     # each of its two ties: (3 + 0 + 1 + 0.5 + 0.5) / 9
@@ -32,7 +37,7 @@ def test_hierarchy_order_reports_what_length_alone_explains():
     # equal-length pairs: image 2's levels 1>2 (2.0 > 3.0: no) and 2>3 (3.0 > 0.5: yes)
     assert out["same_length_pairs"] == 2
     assert out["same_length_ordered_fraction"] == pytest.approx(0.5)
-    assert U.hierarchy_order(tr, words + np.arange(4))["same_length_ordered_fraction"] is None
+    assert U.hierarchy_order(tr, captions(words + np.arange(4)))["same_length_ordered_fraction"] is None
     assert "length_only_ordered_fraction" not in U.hierarchy_order(tr)
 
 

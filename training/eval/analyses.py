@@ -112,7 +112,7 @@ def _length_analysis(texts: list) -> tuple[Found, Arrays]:
         "sigma2_length": {"tasks": [d.task.name for d in texts], **uncertainty.length_correlation(caps, lv)}
     }
     arrays = {
-        "caption_words": np.array([len(c.split()) for c in caps]),
+        "caption_words": uncertainty.word_counts(caps),
         "caption_trace": uncertainty.trace(lv),
     }
     return found, arrays
@@ -125,8 +125,8 @@ def _hierarchy_analyses(hier: Any, encoder: Encoder) -> tuple[Found, Arrays]:
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     idx = starts[:, None] + np.arange(levels)[None, :]  # (n, L): level k of image i
     tr = uncertainty.trace(hier.text_logvar)[idx]
-    words = np.array([[len(c.split()) for c in cs[:levels]] for cs in hier.captions])
-    found: Found = {"hierarchy_order": {"task": hier.task.name, **uncertainty.hierarchy_order(tr, words)}}
+    by_level = [cs[:levels] for cs in hier.captions]
+    found: Found = {"hierarchy_order": {"task": hier.task.name, **uncertainty.hierarchy_order(tr, by_level)}}
     level = np.concatenate([np.arange(c) for c in counts])
     e_mu, e_lv = encoder.texts([""])
     found["traversal"] = {

@@ -47,21 +47,26 @@ def modality_sigma2(image_logvar: np.ndarray, text_logvar: np.ndarray) -> dict:
     }
 
 
+def word_counts(captions: Sequence[str]) -> np.ndarray:
+    """A caption's length as every analysis here measures it: its whitespace-separated words."""
+    return np.array([len(c.split()) for c in captions], dtype=np.int64)
+
+
 def length_correlation(captions: Sequence[str], text_logvar: np.ndarray) -> dict:
     """Spearman ρ of caption length (words) vs tr(Σ); the claim predicts ρ < 0."""
     from scipy.stats import spearmanr
 
-    words = np.array([len(c.split()) for c in captions], dtype=np.float64)
+    words = word_counts(captions).astype(np.float64)
     tr = trace(text_logvar)
     rho = spearmanr(words, tr).statistic if len(set(words)) > 1 and np.ptp(tr) > 0 else float("nan")
     return {"spearman_words_vs_trace": float(rho), "n": int(len(words))}
 
 
-def hierarchy_order(level_traces: np.ndarray, level_words: np.ndarray | None = None) -> dict:
+def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[str]] | None = None) -> dict:
     """``level_traces`` (n, L): tr(Σ) of each image's level-k caption (k = 0 most general).
 
     ordered_fraction = fraction of the n·(L−1) adjacent pairs with tr(level k) > tr(level k+1).
-    With ``level_words`` (n, L), the captions' word counts, also what caption length alone explains:
+    With ``level_captions`` (n × L strings, the same captions), also what caption length alone explains:
     length_only_ordered_fraction is the score of the ranking "the shorter caption is the more uncertain"
     (ties count one half, a coin flip), and same_length_ordered_fraction is ordered_fraction over the pairs
     whose two captions have equal word counts, where only what the captions name can decide (None if none).
@@ -74,7 +79,8 @@ def hierarchy_order(level_traces: np.ndarray, level_words: np.ndarray | None = N
         "n": int(level_traces.shape[0]),
         "paper_ordered_fraction": 0.900,
     }
-    if level_words is not None:
+    if level_captions is not None:
+        level_words = np.stack([word_counts(cs) for cs in level_captions])  # (n, L)
         general, specific = level_words[:, :-1], level_words[:, 1:]
         by_length = (general < specific) + 0.5 * (general == specific)
         same = general == specific
