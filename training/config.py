@@ -38,7 +38,7 @@ from training.objectives import LOSS_SPECS
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 PRECISIONS = ("auto", "bf16", "fp32")
-TEXT_MASK_MODES = ("mask", "drop")
+TEXT_MASK_MODES = ("mask", "drop", "salient")
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,9 @@ class DataConfig:
     mask_fraction: float = 0.125  # samples per batch with a masked variant (ProLIP §4.1)
     text_mask_ratio: float = 0.75  # text tokens replaced by [MASK] (§4.1)
     # "mask": the masked text tokens become [MASK] (§4.1); "drop": they are removed, so the masked caption is
-    # a shorter caption (the text counterpart of the image side's patch drop; an experiment, docs/track.md).
+    # a shorter caption (the text counterpart of the image side's patch drop; an experiment, docs/track.md);
+    # "salient": removed too, but the model chooses which — up to text_mask_ratio of the words whose removal
+    # moves the caption's mean most (training/salience.py, docs/track.md "Round 9").
     text_mask_mode: str = "mask"
     patch_keep_ratio: float = 0.25  # image patches kept (75% dropped, §4.1)
     mask_seed: int = 0

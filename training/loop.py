@@ -153,7 +153,9 @@ def _masker(state: TrainState, tokenizer: Any) -> MaskedVariants | DroppedTextVa
         seed=data.mask_seed,
         protected_ids=() if tokenizer.start_id is None else (tokenizer.start_id,),
     )
-    if data.text_mask_mode == "drop":
+    if data.text_mask_mode in ("drop", "salient"):
+        # "salient": the train step replaces these captions with the model's choice (training/salience.py);
+        # which samples are masked, and their image variants, still come from here.
         return DroppedTextVariants(masker, tokenizer.mask_id, tokenizer.pad_id)
     return masker
 

@@ -48,6 +48,7 @@ from training.model import (
 )
 from training.objectives import build_loss_from_config, logit_scalars
 from training.pcmepp import mix_images, pcmepp_soft_labels
+from training.salience import SalientDrop
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -179,6 +180,9 @@ class TrainState:
     attempts: list[int] = field(default_factory=list)  # first step of every (re)start
     start_step: int = 0
     restored: bool = False  # resumed from a checkpoint (a restarted attempt)
+    # data.text_mask_mode="salient": rewrites the collated masked captions with the model's own choice of
+    # words to remove (training/salience.py); None for every other mode.
+    salient: SalientDrop | None = None
 
 
 def setup_state(
@@ -221,6 +225,18 @@ def setup_state(
         attempts=[int(a) for a in extra.get("attempts", [])] + [step],
         start_step=step,
         restored=restore_dir is not None,
+        salient=salient_masker(cfg, tokenizer),
+    )
+
+
+def salient_masker(cfg: Any, tokenizer: Any) -> SalientDrop | None:
+    """The ``SalientDrop`` of ``data.text_mask_mode="salient"`` (same ratio and protected ids as the collate's
+    masks), else None."""
+    if cfg.data.text_mask_mode != "salient":
+        return None
+    start = getattr(tokenizer, "start_id", None)
+    return SalientDrop(
+        tokenizer.pad_id, tokenizer.end_id, cfg.data.text_mask_ratio, () if start is None else (start,)
     )
 
 
@@ -234,11 +250,18 @@ def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str
         mix = (partner.to(device), lam)
     masked_index = batch.get("masked_index")
     masked_index = None if masked_index is None else masked_index.to(device)
+    tokens, masked_tokens = batch["tokens"].to(device), batch.get("masked_tokens")
+    if masked_tokens is not None:
+        masked_tokens = masked_tokens.to(device)
     with autocast(device, cfg.precision):
+        if state.salient is not None and masked_index is not None and masked_index.numel():
+            # Outside DDP (no gradient, no reducer hooks): the current weights choose the words to remove.
+            masked_tokens = masked_tokens.clone()
+            masked_tokens[masked_index] = state.salient(state.module.model.encode_text, tokens, masked_index)
         feats = state.ddp(
             images,
-            batch["tokens"].to(device),
-            batch.get("masked_tokens"),
+            tokens,
+            masked_tokens,
             batch.get("keep_idx"),
             masked_index,
         )

@@ -5,7 +5,7 @@ Which set serves which analysis: σ² per modality and image ⊂ own caption on 
 hierarchy task; BPRW on the first classification task. Original ⊂ masked needs fresh encodings of masked
 inputs: the driver's ``Encoder`` encodes the first ``MASKED_SAMPLES`` images/captions of the retrieval
 task (text: 75% of content tokens → [MASK] with ``pipeline.masking.mask_text_tokens``, never pad/end, and
-removed from the caption when the checkpoint trained with ``data.text_mask_mode="drop"``;
+removed from the caption when the checkpoint trained with ``data.text_mask_mode`` "drop" or "salient";
 image: 25% of patches kept with ``choose_kept_patches`` — the §4.1 masking of training).
 Deterministic checkpoints get ``uncertainty.NOT_APPLICABLE`` for every analysis.
 """
@@ -43,7 +43,9 @@ def masked_inclusion(
     masked = mask_text_tokens(
         tokens, tok.pad_id, tok.end_id, tok.mask_id, 0.75, rng=seed, protected_ids=protected
     )
-    if encoder.extra.get("text_mask_mode") == "drop":  # as the model was trained: the words removed
+    # As the model was trained: the words removed ("salient" removes the model's choice of words; here, as
+    # for "drop", random ones, so the analysis asks the same question of every checkpoint).
+    if encoder.extra.get("text_mask_mode") in ("drop", "salient"):
         masked = drop_masked_tokens(masked, tok.mask_id, tok.pad_id)
     t_mu, t_lv = model.encode_text(torch.as_tensor(tokens).to(device))
     m_mu, m_lv = model.encode_text(torch.as_tensor(masked).to(device))
