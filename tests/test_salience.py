@@ -118,18 +118,19 @@ def test_salient_drop_of_no_rows_is_empty() -> None:
     assert out.shape == (0, 8)
 
 
-def test_train_step_encodes_the_captions_the_pre_step_weights_choose() -> None:
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_train_step_encodes_the_captions_the_pre_step_weights_choose(share: float) -> None:
     cfg = TrainConfig(
         model="tiny",
         global_batch_size=8,
         samples_seen=16,
-        data=DataConfig(text_mask_mode="salient", text_mask_ratio=0.5),
+        data=DataConfig(text_mask_mode="salient", text_mask_ratio=0.5, salient_share=share),
     )
     state = setup_state(cfg, SimpleNamespace(vocab_size=64, pad_id=PAD, end_id=END), torch.device("cpu"), 0)
     assert state.salient is not None
     g = torch.Generator().manual_seed(2)
     small = global_batch()
-    masked_index = torch.tensor([0, 2, 4])
+    masked_index = torch.tensor([0, 2, 4, 6])
     batch = {
         "images": torch.randn(8, 3, 64, 64, generator=g),
         "tokens": small["tokens"],
@@ -138,9 +139,12 @@ def test_train_step_encodes_the_captions_the_pre_step_weights_choose() -> None:
         "masked_index": masked_index,
     }
     model = state.module.model
-    chosen = torch.tensor(_reference(model.encode_text, small["tokens"], [0, 2, 4], 0.5))
+    # share 1: every masked caption is the model's choice; share ½: the first two, the others as collated.
+    chosen_rows = [0, 2, 4, 6] if share == 1.0 else [0, 2]
+    chosen = torch.tensor(_reference(model.encode_text, small["tokens"], chosen_rows, 0.5))
+    expect_tokens = torch.cat([chosen, small["masked_tokens"][[4, 6]]]) if share < 1 else chosen
     with torch.no_grad():
-        expect_mu = model.encode_text(chosen)[0]
+        expect_mu = model.encode_text(expect_tokens)[0]
     _, feats = train_step(state, batch)
     assert torch.allclose(feats["mu_t_masked"].detach(), expect_mu, atol=1e-5)
     assert (batch["masked_tokens"] == small["masked_tokens"]).all(), "the caller's batch was modified"
@@ -150,3 +154,5 @@ def test_config_accepts_salient_and_names_the_field_otherwise() -> None:
     assert TrainConfig(data=DataConfig(text_mask_mode="salient")).data.text_mask_mode == "salient"
     with pytest.raises(ConfigError, match="data.text_mask_mode"):
         TrainConfig(data=DataConfig(text_mask_mode="important"))
+    with pytest.raises(ConfigError, match="data.salient_share"):
+        TrainConfig(data=DataConfig(text_mask_mode="salient", salient_share=1.5))

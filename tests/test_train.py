@@ -182,7 +182,8 @@ def test_tensorboard_writer_writes_event_files(tmp_path) -> None:
 
 @pytest.mark.ray
 def test_cached_epochs_on_two_workers_commit_every_step(ray_local, tmp_path) -> None:
-    """``data.cache_decoded``: epoch 0 from Ray Data (remainder kept), later epochs from each worker's rows."""
+    """``data.cache_decoded``: epoch 0 from Ray Data (remainder kept), later epochs from each worker's rows;
+    with salient masked captions (training/salience.py) under DDP."""
     from pipeline.config import merge
     from training.config import TRAIN_PRESETS
     from training.trainer import train
@@ -193,7 +194,9 @@ def test_cached_epochs_on_two_workers_commit_every_step(ray_local, tmp_path) -> 
         {
             "model": "demo-32px", "global_batch_size": 32, "samples_seen": 8 * 32, "tokenizer_vocab": 512,
             "data": {"shards": str(tmp_path / "shards"), "augment": False, "cache_decoded": True,
-                     "shuffle_seed": 0, "decode_batch_size": 16, "shuffle_window": 32},
+                     "shuffle_seed": 0, "decode_batch_size": 16, "shuffle_window": 32,
+                     # Two DDP workers: each step's salient captions come from the unwrapped model.
+                     "text_mask_mode": "salient"},
             "optim": {"warmup_steps": 2},
             "run": {"storage_path": str(tmp_path / "train"), "name": "cached", "checkpoint_every": 8,
                     "log_every": 2},
@@ -221,7 +224,8 @@ def test_seeded_run_repeats_exactly(ray_local, tmp_path) -> None:
             {
                 "model": "demo-32px", "global_batch_size": 16, "samples_seen": 10 * 16, "tokenizer_vocab": 512,
                 "data": {"shards": str(tmp_path / "shards"), "augment": False, "shuffle_seed": 3,
-                         "decode_batch_size": 4, "shuffle_window": 8, "decode_tasks": 2},
+                         "decode_batch_size": 4, "shuffle_window": 8, "decode_tasks": 2,
+                         "text_mask_mode": "salient"},  # the model's choice of words repeats too
                 "scaling": {"num_workers": 1},
                 "optim": {"warmup_steps": 2},
                 "run": {"storage_path": str(tmp_path / "train"), "name": run, "checkpoint_every": 10,

@@ -80,6 +80,9 @@ class DataConfig:
     # "salient": removed too, but the model chooses which — up to text_mask_ratio of the words whose removal
     # moves the caption's mean most (training/salience.py, docs/track.md "Round 9").
     text_mask_mode: str = "mask"
+    # "salient" only: the share of each batch's masked captions the model chooses for; the others keep their
+    # random drop (length still teaches σ² through them; docs/track.md "Round 9").
+    salient_share: float = 1.0
     patch_keep_ratio: float = 0.25  # image patches kept (75% dropped, §4.1)
     mask_seed: int = 0
     label_selector: dict[str, str] = field(default_factory=dict)  # ingest nodes (pipeline/placement.py)
@@ -223,7 +226,14 @@ class TrainConfig:
             )
         if self.run.checkpoint_every < 1 or self.run.log_every < 1:
             raise ConfigError("run.checkpoint_every and run.log_every must be >= 1")
-        for name in ("mask_fraction", "text_mask_ratio", "patch_keep_ratio", "color_jitter_p", "grayscale_p"):
+        for name in (
+            "mask_fraction",
+            "text_mask_ratio",
+            "salient_share",
+            "patch_keep_ratio",
+            "color_jitter_p",
+            "grayscale_p",
+        ):
             value = getattr(self.data, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"data.{name} must be in [0, 1], got {value}")

@@ -255,9 +255,11 @@ def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str
         masked_tokens = masked_tokens.to(device)
     with autocast(device, cfg.precision):
         if state.salient is not None and masked_index is not None and masked_index.numel():
-            # Outside DDP (no gradient, no reducer hooks): the current weights choose the words to remove.
+            # Outside DDP (no gradient, no reducer hooks): the current weights choose the words to remove, for
+            # the first round(share·M) masked captions in batch order (rows arrive shuffled, so any of them).
+            rows = masked_index[: int(math.floor(cfg.data.salient_share * masked_index.numel() + 0.5))]
             masked_tokens = masked_tokens.clone()
-            masked_tokens[masked_index] = state.salient(state.module.model.encode_text, tokens, masked_index)
+            masked_tokens[rows] = state.salient(state.module.model.encode_text, tokens, rows)
         feats = state.ddp(
             images,
             tokens,

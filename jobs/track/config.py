@@ -115,13 +115,17 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         scorer=merge(
             _demo_train(76_800, "scorer"),
             {
+                # The CNN image tower with a [UNC] token, at the subset models' batch of 64 (1,200 steps):
+                # the ViT scorer never saw shapes, so nothing could make "a red circle" more specific to it
+                # than "a red shape" (docs/track.md "Round 9").
+                "model": "demo-32px-cnn-unc",
+                "global_batch_size": 64,
                 "optim": {"grad_clip": 1.0, "warmup_steps": 80, "unc_lr_mult": 10.0},
-                "loss": {"reduction": "joint"},
-                # Masked captions drop their masked words (a shorter caption) rather than write [MASK]: the
-                # masked-inclusion term then ties σ² to how much a caption says (docs/track.md "Round 4").
-                # Half the words rather than 75%: the masked caption keeps a caption's length range, so σ²
-                # is ordered among captions of 4–12 words, not only against 1–3-word stubs ("Round 5").
-                "data": {"text_mask_mode": "drop", "text_mask_ratio": 0.5},
+                "loss": {"reduction": "joint", "init_bias": -math.log(64)},
+                # Masked captions lose words (a shorter caption) rather than carry [MASK] ("Round 4"), up to
+                # half of them ("Round 5"), and the model chooses which: the words whose removal moves the
+                # caption's mean most, so a masked caption says less rather than only fewer words ("Round 9").
+                "data": {"text_mask_mode": "salient", "text_mask_ratio": 0.5},
             },
         ),
         # DataComp's protocol: one fixed CLIP recipe per subset, so only the data differs between rows. A
