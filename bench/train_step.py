@@ -5,6 +5,9 @@
      prolip       probabilistic towers, ProLIP objective, masked variants for 12.5% of the batch
      clip         deterministic towers (no UNC token / σ head), CLIP InfoNCE — the baseline we train
      prolip_loss  the probabilistic towers with the CLIP objective (isolates the objective's share)
+     prolip_salient  prolip with the demo scorer's salient masked captions (``data.text_mask_mode=salient``,
+                  training/salience.py: one no-grad text pass over every leave-one-out caption); reported
+                  as prolip_salient ÷ prolip, the cost of that demo-only deviation
    Ratio: prolip ÷ clip (goal ≤ 1.10), per round of the alternated cases (bench/alternate.py: each
    case one step per round, in turn), as median (min–max) over ``--rounds`` (≥ 3) with the load average
    of those rounds; wall and CPU time both. Batches come through the ingest's collate step (masked
@@ -43,14 +46,18 @@ from tests.fixtures_train import demo_samples, write_demo_shards  # noqa: E402
 from training.config import DataConfig, LossConfig  # noqa: E402
 from training.model import ProLIP, model_config, param_groups  # noqa: E402
 from training.objectives import build_loss_from_config, loss_spec  # noqa: E402
+from training.salience import SalientDrop  # noqa: E402
 from training.step import TrainModule, loss_shares  # noqa: E402
 
 
 class StepCase:
     """One objective/tower combination with its model, optimizer and a fixed batch."""
 
-    def __init__(self, objective: str, probabilistic: bool, batch: int, tokenizer, trim: bool) -> None:
+    def __init__(
+        self, objective: str, probabilistic: bool, batch: int, tokenizer, trim: bool, salient: bool = False
+    ) -> None:
         torch.manual_seed(0)
+        self.salient = SalientDrop(tokenizer.pad_id, tokenizer.end_id, 0.5) if salient else None
         self.objective = objective
         self.loss = build_loss_from_config(LossConfig(name=objective))[0]
         cfg = model_config("tiny", vocab_size=tokenizer.vocab_size, probabilistic=probabilistic)
@@ -71,7 +78,13 @@ class StepCase:
         self.extra = (b.get("masked_tokens"), b.get("keep_idx"), b.get("masked_index"))
 
     def step(self) -> None:
-        feats = self.module(self.images, self.tokens, *self.extra)
+        masked_tokens, keep_idx, masked_index = self.extra
+        if self.salient is not None:  # as training/step.py's train_step does it
+            masked_tokens = masked_tokens.clone()
+            masked_tokens[masked_index] = self.salient(
+                self.module.model.encode_text, self.tokens, masked_index
+            )
+        feats = self.module(self.images, self.tokens, masked_tokens, keep_idx, masked_index)
         terms = loss_shares(self.loss, loss_spec(self.objective), feats, self.extra[2])
         self.opt.zero_grad(set_to_none=True)
         terms["total"].backward()
@@ -84,12 +97,14 @@ def step_times(batch: int, rounds: int, tokenizer, trim: bool = True) -> dict:
         "prolip": StepCase("prolip", True, batch, tokenizer, trim),
         "clip": StepCase("clip", False, batch, tokenizer, trim),
         "prolip_towers_clip_loss": StepCase("clip", True, batch, tokenizer, trim),
+        "prolip_salient": StepCase("prolip", True, batch, tokenizer, trim, salient=True),
     }
     log = alternate({k: c.step for k, c in cases.items()}, rounds, warmup=3)
     return {
         "step": {k: times(log, k) for k in cases},
         "prolip_over_clip": ratios(log, "prolip", "clip"),
         "prolip_towers_clip_loss_over_clip": ratios(log, "prolip_towers_clip_loss", "clip"),
+        "prolip_salient_over_prolip": ratios(log, "prolip_salient", "prolip"),
         "rounds": log,
     }
 
@@ -191,6 +206,10 @@ def main() -> int:
     note = loads_note([ratio["load_min"], ratio["load_max"]], cores)
     print(
         f"ProLIP ÷ CLIP step: wall {fmt_spread(ratio['wall'])}, CPU {fmt_spread(ratio['cpu'])} (goal ≤ 1.10), {note}"
+    )
+    sal = steps["prolip_salient_over_prolip"]
+    print(
+        f"salient masked captions ÷ ProLIP step: wall {fmt_spread(sal['wall'])}, CPU {fmt_spread(sal['cpu'])}"
     )
     if not args.skip_ingest:
         result["ingest"] = ingest(args.ingest_samples, args.cpus, tokenizer, args.batch)

@@ -273,6 +273,29 @@ def test_mean_pooled_cnn_tower() -> None:
         model_config("demo-32px", vision_stem="resnet")
 
 
+def test_probabilistic_cnn_tower_reads_uncertainty_from_the_picture() -> None:
+    """``demo-32px-cnn-unc`` (the demo scorer): one transformer layer over the stem's tokens, so its UNC
+    state — and log σ² — depends on the picture and on which patches a masked variant keeps."""
+    torch.manual_seed(0)
+    m = ProLIP(model_config("demo-32px-cnn-unc")).eval()
+    v = m.visual
+    assert len(v.transformer.blocks) == 1 and v.unc_token is not None and v.mean_pool
+    torch.nn.init.normal_(v.head.logvar_proj.weight)  # the head starts near a constant (its bias)
+    g = torch.Generator().manual_seed(3)
+    images = torch.randn(B, 3, 32, 32, generator=g)
+    keep = torch.stack([torch.randperm(16, generator=g)[:4].sort().values for _ in range(B)])
+    with torch.no_grad():
+        mu, logvar = m.encode_image(images)
+        _, logvar_other = m.encode_image(images.flip(0))
+        _, logvar_masked = m.encode_image(images, keep)
+    assert mu.shape == logvar.shape == (B, m.config.embed_dim) and torch.isfinite(logvar).all()
+    torch.testing.assert_close(
+        logvar, logvar_other.flip(0), rtol=1e-5, atol=1e-5
+    )  # per picture, no batch mixing
+    assert (logvar[0] - logvar[1]).abs().max() > 1e-3, "log σ² does not depend on the picture"
+    assert (logvar - logvar_masked).abs().max() > 1e-3, "log σ² ignores which patches are kept"
+
+
 # ---------------------------------------------------------------- text padding and masking
 
 
