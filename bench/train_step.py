@@ -80,9 +80,8 @@ class StepCase:
     def step(self) -> None:
         masked_tokens, keep_idx, masked_index = self.extra
         if self.salient is not None:  # as training/step.py's train_step does it
-            masked_tokens = masked_tokens.clone()
-            masked_tokens[masked_index] = self.salient(
-                self.module.model.encode_text, self.tokens, masked_index
+            masked_tokens = self.salient.rewrite(
+                self.module.model.encode_text, self.tokens, masked_tokens, masked_index
             )
         feats = self.module(self.images, self.tokens, masked_tokens, keep_idx, masked_index)
         terms = loss_shares(self.loss, loss_spec(self.objective), feats, self.extra[2])

@@ -156,3 +156,5 @@ def test_config_accepts_salient_and_names_the_field_otherwise() -> None:
         TrainConfig(data=DataConfig(text_mask_mode="important"))
     with pytest.raises(ConfigError, match="data.salient_share"):
         TrainConfig(data=DataConfig(text_mask_mode="salient", salient_share=1.5))
+    with pytest.raises(ConfigError, match="data.salient_share.*text_mask_mode"):
+        TrainConfig(data=DataConfig(text_mask_mode="drop", salient_share=0.5))

@@ -239,6 +239,11 @@ class TrainConfig:
                 raise ConfigError(f"data.{name} must be in [0, 1], got {value}")
         if self.data.text_mask_mode not in TEXT_MASK_MODES:
             raise ConfigError(f"data.text_mask_mode: {self.data.text_mask_mode!r} not in {TEXT_MASK_MODES}")
+        if self.data.salient_share != 1.0 and self.data.text_mask_mode != "salient":
+            raise ConfigError(
+                f"data.salient_share={self.data.salient_share} needs data.text_mask_mode='salient', "
+                f"got {self.data.text_mask_mode!r}"
+            )
         if not 0.0 < self.data.crop_scale[0] <= self.data.crop_scale[1] <= 1.0:
             raise ConfigError(f"data.crop_scale must satisfy 0 < lo <= hi <= 1, got {self.data.crop_scale}")
         o = self.optim

@@ -155,13 +155,11 @@ MODEL_CONFIGS["demo-32px-cnn"] = dataclasses.replace(
     probabilistic=False,
 )
 
-# The demo track's scorer: ``demo-32px`` whose image tower is the same convolutional stem, mean-pooled, with
-# one transformer layer so that the [UNC] token attends to the picture (a stem alone leaves UNC blind), and
-# the two text layers of ``demo-32px``: with one, σ² read length more than content in a track run (levels
-# ordered 59%, docs/track.md "Round 9").
-# The ViT scorer stayed at chance on shapes (0.105–0.134), so "circle" could say no more to it than "shape"
-# and no σ² could order those captions; this one reaches 0.14–0.19 at the same budget (docs/track.md
-# "Round 9").
+# The demo track's scorer (docs/track.md "Round 9"): ``demo-32px`` with the convolutional stem, mean-pooled,
+# and one transformer layer so that the [UNC] token attends to the picture (a stem alone leaves UNC blind).
+# The ViT scorer stayed at chance on shapes (0.105–0.134), so "circle" said no more to it than "shape" and
+# no σ² could order those captions; this one reaches 0.14–0.19 at the same budget. It keeps demo-32px's two
+# text layers: with one, σ² read length more than content in a track run (levels ordered 59%).
 MODEL_CONFIGS["demo-32px-cnn-unc"] = dataclasses.replace(
     MODEL_CONFIGS["demo-32px"], vision_stem="conv", vision_pool="mean", vision_layers=1
 )

@@ -15,8 +15,9 @@ For each selected caption with n content tokens (not pad, not end, not protected
    is above the median keeps all of them (its masked variant equals the caption).
 
 The median is over this worker's batch, so the choice does not depend on other workers. Cost: one
-no-grad text forward over Σ n sequences (~ the selected captions × their length), measured at +14–15%
-of the demo scorer's training time.
+no-grad text forward over Σ n sequences (~ the selected captions × their length): +14–15% of the ViT
+scorer's training time in the replica (docs/track.md "Round 8"), within the spread of
+``bench/train_step.py``'s ``prolip_salient`` case.
 """
 
 from __future__ import annotations
@@ -95,3 +96,15 @@ class SalientDrop:
         rank.scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
         drop = content & (shift > threshold) & (rank < k[:, None])
         return remove_positions(selected, drop, self.pad_id)
+
+    def rewrite(
+        self,
+        encode_text: Callable[[Tensor], tuple[Tensor, Tensor | None]],
+        tokens: Tensor,
+        masked_tokens: Tensor,
+        rows: Tensor,
+    ) -> Tensor:
+        """A copy of the collated ``masked_tokens`` (B, L) with ``rows`` replaced by this rule's captions."""
+        out = masked_tokens.clone()
+        out[rows] = self(encode_text, tokens, rows)
+        return out

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from pipeline.masking import round_half_up
 from training.distributed import all_reduce_sum, ddp_loss_scale, gather_with_grad, rank_and_world
 from training.losses import LossSpec
 from training.model import (
@@ -257,9 +258,8 @@ def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str
         if state.salient is not None and masked_index is not None and masked_index.numel():
             # Outside DDP (no gradient, no reducer hooks): the current weights choose the words to remove, for
             # the first round(share·M) masked captions in batch order (rows arrive shuffled, so any of them).
-            rows = masked_index[: int(math.floor(cfg.data.salient_share * masked_index.numel() + 0.5))]
-            masked_tokens = masked_tokens.clone()
-            masked_tokens[rows] = state.salient(state.module.model.encode_text, tokens, rows)
+            rows = masked_index[: int(round_half_up(cfg.data.salient_share * masked_index.numel()))]
+            masked_tokens = state.salient.rewrite(state.module.model.encode_text, tokens, masked_tokens, rows)
         feats = state.ddp(
             images,
             tokens,
