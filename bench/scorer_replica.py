@@ -109,6 +109,10 @@ def measure(enc: Encoder, state, run: str, images: np.ndarray, texts: list[str],
     )
     every = [c for cs in r_caps + h_caps for c in cs]
     out["spearman"] = U.length_correlation(every, np.concatenate([t_lv, h_lv]))["spearman_words_vs_trace"]
+    out["spearman_per_set"] = {
+        name: U.length_correlation([c for cs in caps for c in cs], lv)["spearman_words_vs_trace"]
+        for name, caps, lv in (("retrieval", r_caps, t_lv), ("hierarchy", h_caps, h_lv))
+    }
     out["colours"] = zero_shot(enc, f"{ev}/colours", means_only=True)[0]
     out["shapes"], out["shapes_probe"] = zero_shot(enc, f"{ev}/shapes", means_only=True)
     import pyarrow.parquet as pq

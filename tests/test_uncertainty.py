@@ -41,6 +41,42 @@ def test_hierarchy_order_reports_what_length_alone_explains():
     assert "length_only_ordered_fraction" not in U.hierarchy_order(tr)
 
 
+def test_level_only_spearman_is_a_property_of_the_captions():
+    tr = np.array([[4.0, 3.0], [2.0, 1.0]])
+    # words grow with the level: ranks 1, 4, 2, 3 against the tied −level ranks 3.5, 1.5, 3.5, 1.5
+    level_only = U.hierarchy_order(tr, captions(np.array([[2, 5], [3, 4]])))["level_only_spearman"]
+    assert level_only == pytest.approx(-2 / math.sqrt(5))
+    # one image's general caption is the long one, the other's the short one: length says nothing
+    crossed = U.hierarchy_order(tr, captions(np.array([[2, 3], [3, 2]])))["level_only_spearman"]
+    assert crossed == pytest.approx(0.0)
+    # independent of the traces it is given
+    words = np.array([[2, 3, 4, 5], [9, 7, 5, 3], [3, 6, 6, 6]])
+    a = U.hierarchy_order(np.zeros((3, 4)), captions(words))["level_only_spearman"]
+    b = U.hierarchy_order(np.random.default_rng(0).random((3, 4)), captions(words))["level_only_spearman"]
+    assert a == b and -1.0 < a < 0.0
+
+
+def test_length_analysis_reports_each_task_and_both_together():
+    from types import SimpleNamespace
+
+    from training.eval.analyses import _length_analysis
+
+    def task(name, caps, traces):
+        lv = np.log(np.asarray(traces, np.float64))[:, None]
+        return SimpleNamespace(task=SimpleNamespace(name=name), captions=caps, text_logvar=lv)
+
+    # retrieval: shorter is more uncertain; hierarchy: longer is, and by more
+    ret = task("ret", [["a b", "a b c d"]], [3.0, 2.0])
+    hier = task("hier", [["a", "a b c"], ["a b c d e"]], [1.0, 4.0, 5.0])
+    found, arrays = _length_analysis([ret, hier])
+    out = found["sigma2_length"]
+    assert out["per_task"] == {"ret": pytest.approx(-1.0), "hier": pytest.approx(1.0)}
+    assert out["n"] == 5 and out["tasks"] == ["ret", "hier"]
+    # over all five captions: words 2, 4, 1, 3, 5 against traces 3, 2, 1, 4, 5 → ranks d = 1, -2, 0, -1, 0
+    assert out["spearman_words_vs_trace"] == pytest.approx(1 - 6 * 6 / (5 * 24))
+    assert arrays["caption_words"].tolist() == [2, 4, 1, 3, 5]
+
+
 def test_inclusion_rate_sign():
     mu = np.zeros((2, 4))
     small, big = np.full((2, 4), math.log(0.01)), np.full((2, 4), math.log(1.0))

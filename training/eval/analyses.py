@@ -107,11 +107,22 @@ def _retrieval_analyses(ret: Any, encoder: Encoder, seed: int, store: Storage) -
 
 
 def _length_analysis(texts: list) -> tuple[Found, Arrays]:
-    """σ² vs caption length over every retrieval and hierarchy caption."""
+    """σ² vs caption length over every retrieval and hierarchy caption, and per task (the sets can pull
+    opposite ways: the demo's retrieval captions name the most in their shortest wording)."""
     caps = [c for d in texts for cs in d.captions for c in cs]
     lv = np.concatenate([d.text_logvar for d in texts])
+    per_task = {
+        d.task.name: uncertainty.length_correlation([c for cs in d.captions for c in cs], d.text_logvar)[
+            "spearman_words_vs_trace"
+        ]
+        for d in texts
+    }
     found = {
-        "sigma2_length": {"tasks": [d.task.name for d in texts], **uncertainty.length_correlation(caps, lv)}
+        "sigma2_length": {
+            "tasks": [d.task.name for d in texts],
+            **uncertainty.length_correlation(caps, lv),
+            "per_task": per_task,
+        }
     }
     arrays = {
         "caption_words": uncertainty.word_counts(caps),

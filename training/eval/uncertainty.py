@@ -52,14 +52,18 @@ def word_counts(captions: Sequence[str]) -> np.ndarray:
     return np.array([len(c.split()) for c in captions], dtype=np.int64)
 
 
-def length_correlation(captions: Sequence[str], text_logvar: np.ndarray) -> dict:
-    """Spearman ρ of caption length (words) vs tr(Σ); the claim predicts ρ < 0."""
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman ρ (ties ranked by their mean rank); NaN when either side is constant."""
     from scipy.stats import spearmanr
 
-    words = word_counts(captions).astype(np.float64)
-    tr = trace(text_logvar)
-    rho = spearmanr(words, tr).statistic if len(set(words)) > 1 and np.ptp(tr) > 0 else float("nan")
-    return {"spearman_words_vs_trace": float(rho), "n": int(len(words))}
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    return float(spearmanr(x, y).statistic) if np.ptp(x) > 0 and np.ptp(y) > 0 else float("nan")
+
+
+def length_correlation(captions: Sequence[str], text_logvar: np.ndarray) -> dict:
+    """Spearman ρ of caption length (words) vs tr(Σ); the claim predicts ρ < 0."""
+    words = word_counts(captions)
+    return {"spearman_words_vs_trace": _spearman(words, trace(text_logvar)), "n": int(len(words))}
 
 
 def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[str]] | None = None) -> dict:
@@ -69,7 +73,9 @@ def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[
     With ``level_captions`` (n × L strings, the same captions), also what caption length alone explains:
     length_only_ordered_fraction is the score of the ranking "the shorter caption is the more uncertain"
     (ties count one half, a coin flip), and same_length_ordered_fraction is ordered_fraction over the pairs
-    whose two captions have equal word counts, where only what the captions name can decide (None if none).
+    whose two captions have equal word counts, where only what the captions name can decide (None if none);
+    level_only_spearman is Spearman(words, tr(Σ)) over these captions for a tr(Σ) that reads the level and
+    nothing else (−level): what a σ² exactly right about specificity scores on the length claim here.
     """
     ordered = level_traces[:, :-1] > level_traces[:, 1:]  # (n, L-1)
     out = {
@@ -88,6 +94,9 @@ def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[
         out["length_only_ordered_fraction_per_pair"] = [float(x) for x in by_length.mean(0)]
         out["same_length_pairs"] = int(same.sum())
         out["same_length_ordered_fraction"] = float(ordered[same].mean()) if same.any() else None
+        out["level_only_spearman"] = _spearman(
+            level_words.ravel(), -np.broadcast_to(np.arange(level_words.shape[1]), level_words.shape).ravel()
+        )
     return out
 
 
