@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from scipy.stats import spearmanr
 
 from jobs.evaluate import main
 from pipeline.shards import iter_shard
@@ -81,6 +82,10 @@ def test_demo_eval_end_to_end(ray_local, demo_pool, tiny_checkpoint, clip_checkp
     shorter = sum((a < b) + 0.5 * (a == b) for a, b in pairs) / len(pairs)
     assert order["length_only_ordered_fraction"] == pytest.approx(shorter)
     assert order["same_length_pairs"] == sum(a == b for a, b in pairs)
+    # So does the Spearman of a σ² that reads only the level (−level) against the words.
+    level_only = spearmanr([n for w in words for n in w], [-k for w in words for k in range(len(w))])
+    assert order["level_only_spearman"] == pytest.approx(level_only.statistic)
+    assert set(analyses["sigma2_length"]["per_task"]) == {"retrieval", "hierarchy"}
     assert {"image_in_caption", "original_in_masked_text", "original_in_masked_image"} <= set(
         analyses["inclusion"]
     )
