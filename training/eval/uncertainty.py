@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from training.eval import bprw
+from training.eval.calibration import spearman
 from training.eval.metrics import classification_metrics, gaussian_mean, score_matrix, topk
 from training.losses import inclusion_hypothesis
 
@@ -52,18 +53,11 @@ def word_counts(captions: Sequence[str]) -> np.ndarray:
     return np.array([len(c.split()) for c in captions], dtype=np.int64)
 
 
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman ρ (ties ranked by their mean rank); NaN when either side is constant."""
-    from scipy.stats import spearmanr
-
-    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-    return float(spearmanr(x, y).statistic) if np.ptp(x) > 0 and np.ptp(y) > 0 else float("nan")
-
-
 def length_correlation(captions: Sequence[str], text_logvar: np.ndarray) -> dict:
-    """Spearman ρ of caption length (words) vs tr(Σ); the claim predicts ρ < 0."""
+    """Spearman ρ of caption length (words) vs tr(Σ); the claim predicts ρ < 0 (NaN for < 2 captions)."""
     words = word_counts(captions)
-    return {"spearman_words_vs_trace": _spearman(words, trace(text_logvar)), "n": int(len(words))}
+    rho = spearman(words, trace(text_logvar)) if len(words) >= 2 else float("nan")
+    return {"spearman_words_vs_trace": rho, "n": int(len(words))}
 
 
 def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[str]] | None = None) -> dict:
@@ -94,7 +88,7 @@ def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[
         out["length_only_ordered_fraction_per_pair"] = [float(x) for x in by_length.mean(0)]
         out["same_length_pairs"] = int(same.sum())
         out["same_length_ordered_fraction"] = float(ordered[same].mean()) if same.any() else None
-        out["level_only_spearman"] = _spearman(
+        out["level_only_spearman"] = spearman(
             level_words.ravel(), -np.broadcast_to(np.arange(level_words.shape[1]), level_words.shape).ravel()
         )
     return out
