@@ -439,3 +439,22 @@ def test_hierarchy_set_tests_specificity_not_length(tmp_path):
         assert all(scene["colour"] in line.split() for line in lines[1:])
         assert scene["shape"] not in lines[1].split() and all(scene["shape"] in line for line in lines[2:])
         assert scene["size"] in lines[3].split()
+
+
+def test_retrieval_descriptions_add_words_as_they_add_detail(tmp_path):
+    """Each retrieval image's three descriptions: the level-2 one (no size) is the shortest, as in natural
+    caption sets, and every one names the picture's colour and shape, the level-3 ones its size too."""
+    from pipeline.demo.eval_sets import EvalSizes, write_eval_sets
+
+    dirs = write_eval_sets(tmp_path, seed=0, sizes=EvalSizes(per_class=1, retrieval=40, hierarchy=1))
+    n = 0
+    with tarfile.open(Path(dirs["retrieval"]) / "test" / "0.tar") as tar:
+        for name in sorted(x for x in tar.getnames() if x.endswith(".txt")):
+            scene = json.loads(tar.extractfile(name.replace(".txt", ".json")).read())
+            lines = [line.split() for line in tar.extractfile(name).read().decode().splitlines()]
+            assert len(lines) == 3
+            assert len(lines[0]) < len(lines[1]) < len(lines[2])
+            assert all(scene["colour"] in w and scene["shape"] in w for w in lines)
+            assert scene["size"] not in lines[0] and all(scene["size"] in w for w in lines[1:])
+            n += 1
+    assert n == 40

@@ -7,7 +7,8 @@ Under ``OUT/eval/``:
   ``classnames.txt`` (one class per line), ``zeroshot_classification_templates.txt`` (one template per
   line, ``{c}`` is the class name) and ``dataset_type.txt`` — the files clip_benchmark's
   ``build_wds_dataset`` reads.
-- ``retrieval/``: ``{key}.jpg`` + ``{key}.txt`` with three English descriptions, one per line
+- ``retrieval/``: ``{key}.jpg`` + ``{key}.txt`` with three English descriptions, one per line, shortest
+  and least detailed first (``captions.paraphrases``)
   (``dataset_type.txt`` = retrieval).
 - ``hierarchy/``: ``{key}.jpg`` + ``{key}.txt`` whose lines are the caption levels 0..3, general to
   specific (read as a retrieval set by clip_benchmark; line k is level k). Each image draws its own
