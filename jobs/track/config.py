@@ -104,7 +104,7 @@ def _demo_train(samples_seen: int, name: str) -> TrainConfig:
 
 TRACK_PRESETS: dict[str, TrackConfig] = {
     "demo": TrackConfig(
-        # 8,000 rows, and the scorer sees each pair ~14 times (96,000 samples): far more often memorises the
+        # 8,000 rows, and the scorer sees each pair ~11 times (76,800 samples): fewer times memorises the
         # pool's mismatched pairs (CSD AUC 0.78–0.85 at ~23 times; docs/track.md), and on the 4,000-row pool
         # the 800-step subset models reached the no_filter model's colours from its 30% noise.
         build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096, "demo_n": 8000}),
@@ -113,12 +113,9 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         # peak and never left the sigmoid plateau. The σ heads at 10× the LR (a demo-only deviation,
         # docs/track.md): at the base LR ~300 steps leave log σ² at its initialisation.
         scorer=merge(
-            # 96,000 samples rather than the subset models' 76,800: at 1.25× the budget the slowest-learning
-            # scorer seed ordered the hierarchy levels 85% instead of 79% in the replica, the other two alike
-            # (docs/track.md "Round 11"), for ~40 s more.
-            _demo_train(96_000, "scorer"),
+            _demo_train(76_800, "scorer"),
             {
-                # The CNN image tower with a [UNC] token, at the subset models' batch of 64 (1,500 steps):
+                # The CNN image tower with a [UNC] token, at the subset models' batch of 64 (1,200 steps):
                 # the ViT scorer never saw shapes, so nothing could make "a red circle" more specific to it
                 # than "a red shape" (docs/track.md "Round 9").
                 "model": "demo-32px-cnn-unc",
