@@ -216,11 +216,9 @@ def paraphrases(
 ) -> list[str]:
     """Three English descriptions of one picture for the retrieval eval set: a short level-2 wording and two
     longer level-3 ones ("the red circle", "a photo of a small red circle", "a simple photo that shows one
-    small red circle"). As in natural caption sets, the description that names less is the shortest; the
-    earlier pairing named the most in its shortest wording ("the small red circle" beside a 6-word level-2
-    caption), which no natural set does and which made a σ² exactly right about specificity score a
-    Spearman(words, Σσ²_t) near zero here (docs/track.md "Round 11"). The hierarchy set keeps the lengths of
-    its levels overlapping: it is the test of specificity against length."""
+    small red circle"). As in natural caption sets, the description that names less is the shortest
+    (docs/track.md "Round 11"); the hierarchy set, whose levels overlap in length, is the test of
+    specificity against length."""
     attrs = (shape, colour, size, position, texture, background)
     return [caption("en", 2, 3, *attrs), caption("en", 3, 0, *attrs), caption("en", 3, 5, *attrs)]
 
