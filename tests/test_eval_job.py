@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
@@ -89,6 +90,13 @@ def test_demo_eval_end_to_end(ray_local, demo_pool, tiny_checkpoint, clip_checkp
     assert {"image_in_caption", "original_in_masked_text", "original_in_masked_image"} <= set(
         analyses["inclusion"]
     )
+    # Per class, the prompts' σ² against recall; the recalls average to the metric the eval reports.
+    per_class = analyses["class_uncertainty"]
+    assert set(per_class) == {"colours", "shapes"}
+    for r in lines[:2]:
+        mine = per_class[r["task"]]
+        assert mine["n_classes"] == len(mine["classes"]) == 8
+        assert np.mean(mine["recall"]) == pytest.approx(r["metrics"]["mean_per_class_recall"])
     plots = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert plots == sorted(
         [

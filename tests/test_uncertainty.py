@@ -138,6 +138,27 @@ def test_bprw_analysis_reports_before_after():
     assert fs["shots"] == 2 and fs["n_eval"] == 9
 
 
+def test_class_uncertainty_against_recall():
+    from scipy.stats import spearmanr
+
+    # 4 classes × 3 prompts × 2 dims; class 3 has no image. Prompt traces (mean over prompts): 2e^a per
+    # prompt with a = the log-variance, so class k's trace is the mean of 2·exp(lv) over its prompts.
+    lv = np.log(np.array([[0.1, 0.2, 0.3], [0.5, 0.5, 0.5], [0.3, 0.2, 0.4], [1.0, 1.0, 1.0]]))
+    prompt_lv = np.repeat(lv[:, :, None], 2, axis=2)
+    labels = np.array([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    pred = np.array([0, 0, 0, 1, 2, 2, 2, 2, 0])  # recall 3/4, 0/2, 2/3; nothing to recall for class 3
+    scores = np.eye(4)[pred]
+    out = U.class_uncertainty(prompt_lv, scores, labels)
+    # Unlabelled images (−1) count for no class.
+    assert U.class_uncertainty(prompt_lv, np.vstack([scores, np.eye(4)[:1]]), np.append(labels, -1)) == out
+    trace = 2 * np.exp(lv).mean(1)
+    assert out["prompt_trace"] == pytest.approx(trace.tolist())
+    assert out["recall"][:3] == pytest.approx([0.75, 0.0, 2 / 3]) and out["recall"][3] is None
+    assert out["n_classes"] == 3
+    assert out["spearman_trace_vs_recall"] == pytest.approx(spearmanr(trace[:3], [0.75, 0.0, 2 / 3])[0])
+    assert out["spearman_trace_vs_recall"] == pytest.approx(-1.0)  # the more uncertain, the less recalled
+
+
 @pytest.mark.slow  # matplotlib import alone takes seconds on a loaded machine
 def test_plots_written(tmp_path):
     analyses = {"bprw": {"zero_shot": {"acc1_before": 0.5, "acc1_after": 0.6}}}

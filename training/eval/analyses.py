@@ -2,11 +2,12 @@
 
 Which set serves which analysis: σ² per modality and image ⊂ own caption on the first retrieval task;
 σ² vs caption length on every retrieval and hierarchy caption; level ordering and traversal on the first
-hierarchy task; BPRW on the first classification task. Original ⊂ masked needs fresh encodings of masked
-inputs: the driver's ``Encoder`` encodes the first ``MASKED_SAMPLES`` images/captions of the retrieval
-task (text: 75% of content tokens → [MASK] with ``pipeline.masking.mask_text_tokens``, never pad/end, and
-removed from the caption when the checkpoint trained with ``data.text_mask_mode`` "drop" or "salient";
-image: 25% of patches kept with ``choose_kept_patches`` — the §4.1 masking of training).
+hierarchy task; BPRW on the first classification task; each class's prompt σ² against its zero-shot recall
+on every classification task. Original ⊂ masked needs fresh encodings of masked inputs: the driver's
+``Encoder`` encodes the first ``MASKED_SAMPLES`` images/captions of the retrieval task (text: 75% of
+content tokens → [MASK] with ``pipeline.masking.mask_text_tokens``, never pad/end, and removed from the
+caption when the checkpoint trained with ``data.text_mask_mode`` "drop" or "salient"; image: 25% of
+patches kept with ``choose_kept_patches`` — the §4.1 masking of training).
 Deterministic checkpoints get ``uncertainty.NOT_APPLICABLE`` for every analysis.
 """
 
@@ -22,9 +23,18 @@ from pipeline.storage import LOCAL, Storage
 from training.encode import Encoder
 from training.eval import hf_sets, uncertainty
 from training.eval import sets as eval_sets
+from training.eval.metrics import zero_shot_scores
 
 MASKED_SAMPLES = 128
-ANALYSES = ("sigma2_modality", "sigma2_length", "hierarchy_order", "inclusion", "bprw", "traversal")
+ANALYSES = (
+    "sigma2_modality",
+    "sigma2_length",
+    "hierarchy_order",
+    "inclusion",
+    "bprw",
+    "traversal",
+    "class_uncertainty",
+)
 
 
 def _first(data: list, kind: str) -> Any:
@@ -166,6 +176,20 @@ def _bprw_analysis(cls: Any, seed: int) -> Found:
     }
 
 
+def _class_analysis(classification: list) -> Found:
+    """Per zero-shot task: its classes' prompt tr(Σ) against their zero-shot recall, scored as the task is."""
+    out: Found = {}
+    for d in classification:
+        c, t = len(d.classnames), len(d.templates)
+        prompt_mu, prompt_lv = d.text_mu.reshape(c, t, -1), d.text_logvar.reshape(c, t, -1)
+        scores = zero_shot_scores(prompt_mu, prompt_lv, d.image_mu, d.image_logvar)
+        out[d.task.name] = {
+            "classes": list(d.classnames),
+            **uncertainty.class_uncertainty(prompt_lv, scores, d.labels),
+        }
+    return out
+
+
 def run_analyses(
     data: list, encoder: Encoder, plot_dir: str, seed: int = 0, store: Storage = LOCAL
 ) -> tuple[dict, list[str]]:
@@ -199,4 +223,8 @@ def run_analyses(
     else:
         found["hierarchy_order"] = found["traversal"] = _MISSING.format("hierarchy")
     found["bprw"] = _bprw_analysis(cls, seed) if cls is not None else _MISSING.format("classification")
+    classification = [d for d in data if d.task.kind == "zeroshot_classification"]
+    found["class_uncertainty"] = (
+        _class_analysis(classification) if classification else _MISSING.format("classification")
+    )
     return found, uncertainty.plot_all(found, arrays, plot_dir)

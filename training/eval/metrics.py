@@ -55,6 +55,17 @@ def score_matrix(
     return a.astype(np.float64) @ b.astype(np.float64).T
 
 
+def zero_shot_scores(
+    prompt_mu: np.ndarray,
+    prompt_logvar: np.ndarray | None,
+    image_mu: np.ndarray,
+    image_logvar: np.ndarray | None,
+) -> np.ndarray:
+    """(n, C) scores of n images against C classes, each the prompt ensemble (C, N, D) → ``gaussian_mean``."""
+    class_mu, class_logvar = gaussian_mean(prompt_mu, prompt_logvar, axis=1)
+    return score_matrix(image_mu, image_logvar, class_mu, class_logvar)
+
+
 def topk(scores: np.ndarray, k: int) -> np.ndarray:
     """(N, k) column indices by decreasing score; ties keep the lower index first (stable)."""
     k = min(k, scores.shape[1])

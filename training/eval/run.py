@@ -34,9 +34,9 @@ from training.eval import sets as eval_sets
 from training.eval.metrics import (
     association_metrics,
     classification_metrics,
-    gaussian_mean,
     retrieval_metrics,
     score_matrix,
+    zero_shot_scores,
 )
 from training.eval.results import aggregates, datacomp_names, previous_results, result_line
 from training.eval.sets import EvalSetError, Task
@@ -237,8 +237,7 @@ def task_metrics(d: TaskData) -> dict[str, float]:
         c, t = len(d.classnames), len(d.templates)
         mu = d.text_mu.reshape(c, t, -1)
         logvar = None if d.text_logvar is None else d.text_logvar.reshape(c, t, -1)
-        class_mu, class_logvar = gaussian_mean(mu, logvar, axis=1)
-        scores = score_matrix(d.image_mu, d.image_logvar, class_mu, class_logvar)
+        scores = zero_shot_scores(mu, logvar, d.image_mu, d.image_logvar)
         extra = {}
         if d.task.group_column is not None:
             extra = dict(

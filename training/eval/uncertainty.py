@@ -14,6 +14,11 @@ matplotlib's Agg backend. The claims measured in miniature (ProLIP §4.3–4.4):
   empty-caption embedding; 50 linear steps of (μ, σ²) from the root to the image's nearest caption,
   retrieving the nearest caption (CSD) at each step and recording its hierarchy level;
 - BPRW (``training/eval/bprw.py``) zero-shot and few-shot, accuracy before/after.
+
+Not a paper claim, measured here (docs/track.md "Round 13"): per class of a zero-shot set, the mean tr(Σ)
+of its prompts against the class's zero-shot recall. PPCL raises a caption's σ² with the negatives its
+mean cannot keep away, so a class name the model cannot tell apart from others should read more
+uncertain: Spearman(tr(Σ), recall) < 0. On the demo it explains which hierarchy pairs a scorer orders.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 
 from training.eval import bprw
 from training.eval.calibration import spearman
-from training.eval.metrics import classification_metrics, gaussian_mean, score_matrix, topk
+from training.eval.metrics import classification_metrics, score_matrix, topk, zero_shot_scores
 from training.losses import inclusion_hypothesis
 
 NOT_APPLICABLE = "not applicable: deterministic checkpoint (no σ²)"
@@ -92,6 +97,28 @@ def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[
             level_words.ravel(), -np.broadcast_to(np.arange(level_words.shape[1]), level_words.shape).ravel()
         )
     return out
+
+
+def class_uncertainty(prompt_logvar: np.ndarray, scores: np.ndarray, labels: np.ndarray) -> dict:
+    """Per class of a zero-shot set: the mean tr(Σ) of its prompts (``prompt_logvar`` (C, N, D)) and its
+    zero-shot recall (``scores`` (n, C) of the n labelled images); Spearman ρ of the two over the classes
+    that have images (NaN for fewer than 2). The reading above predicts ρ < 0."""
+    c = prompt_logvar.shape[0]
+    prompt_trace = trace(prompt_logvar).mean(1)  # (C,)
+    labels = np.asarray(labels)
+    valid = (labels >= 0) & (labels < c)  # an unlabelled image counts for no class
+    labels, pred = labels[valid], scores[valid].argmax(1)
+    counts = np.bincount(labels, minlength=c)
+    hits = np.bincount(labels[pred == labels], minlength=c)
+    has = counts > 0
+    recall = np.where(has, hits / np.maximum(counts, 1), np.nan)
+    rho = spearman(prompt_trace[has], recall[has]) if has.sum() >= 2 else float("nan")
+    return {
+        "spearman_trace_vs_recall": rho,
+        "n_classes": int(has.sum()),
+        "prompt_trace": [float(x) for x in prompt_trace],
+        "recall": [None if np.isnan(x) else float(x) for x in recall],
+    }
 
 
 def hypothesis(mu1: np.ndarray, logvar1: np.ndarray, mu2: np.ndarray, logvar2: np.ndarray) -> np.ndarray:
@@ -166,8 +193,7 @@ def bprw_analysis(
     labelled images per class (capped so one is left), α = 2, scored on the remaining images."""
     labels = np.asarray(labels)
     c = prompt_mu.shape[0]
-    mu_c, logvar_c = gaussian_mean(prompt_mu, prompt_logvar, axis=1)
-    before = score_matrix(image_mu, image_logvar, mu_c, logvar_c)
+    before = zero_shot_scores(prompt_mu, prompt_logvar, image_mu, image_logvar)
     zs = bprw.ZERO_SHOT
     near = topk(before.T, zs["n_images"])  # (C, m): images nearest to each class
     new_mu, new_logvar, pi = bprw.reweight_classes(
