@@ -106,6 +106,7 @@ def test_demo_eval_end_to_end(ray_local, demo_pool, tiny_checkpoint, clip_checkp
             "inclusion.png",
             "bprw.png",
             "traversal.png",
+            "class_uncertainty.png",
         ]
     )
     assert json.loads((out / "manifest.json").read_text())["jobs"]["evaluate"]["config"]["tasks"] == "demo"

@@ -161,10 +161,15 @@ def test_class_uncertainty_against_recall():
 
 @pytest.mark.slow  # matplotlib import alone takes seconds on a loaded machine
 def test_plots_written(tmp_path):
-    analyses = {"bprw": {"zero_shot": {"acc1_before": 0.5, "acc1_after": 0.6}}}
+    classes = {"prompt_trace": [0.3, 0.2, 0.4], "recall": [0.5, 0.9, None], "spearman_trace_vs_recall": -1.0}
+    analyses = {
+        "bprw": {"zero_shot": {"acc1_before": 0.5, "acc1_after": 0.6}},
+        "class_uncertainty": {"shapes": classes},
+    }
     arrays = {"image_trace": np.array([1.0, 2.0]), "text_trace": np.array([3.0, 4.0])}
     paths = U.plot_all(analyses, arrays, str(tmp_path))
-    assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["bprw.png", "sigma2_modality.png"]
+    names = ["bprw.png", "class_uncertainty.png", "sigma2_modality.png"]
+    assert sorted(p.rsplit("/", 1)[1] for p in paths) == names
     assert all((tmp_path / p.rsplit("/", 1)[1]).stat().st_size > 1000 for p in paths)
 
 

@@ -323,6 +323,25 @@ def _plot_traversal(plt, analyses: dict, arrays: dict[str, np.ndarray]):
     return fig
 
 
+def _plot_classes(plt, analyses: dict, arrays: dict[str, np.ndarray]):
+    per_task = analyses.get("class_uncertainty")
+    if not isinstance(per_task, dict) or not per_task:
+        return None
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for task, cu in per_task.items():
+        keep = [i for i, r in enumerate(cu["recall"]) if r is not None]
+        ax.scatter(
+            [cu["prompt_trace"][i] for i in keep],
+            [cu["recall"][i] for i in keep],
+            s=12,
+            label=f"{task} (ρ = {cu['spearman_trace_vs_recall']:.2f})",
+        )
+    ax.set_xlabel("mean tr(Σ) of the class's prompts")
+    ax.set_ylabel("zero-shot recall of the class")
+    ax.legend(fontsize=7)
+    return fig
+
+
 # (file name, drawer): a drawer returns a figure, or None when its analysis is absent.
 _PLOTS = (
     ("sigma2_modality.png", _plot_modality),
@@ -331,6 +350,7 @@ _PLOTS = (
     ("inclusion.png", _plot_inclusion),
     ("bprw.png", _plot_bprw),
     ("traversal.png", _plot_traversal),
+    ("class_uncertainty.png", _plot_classes),
 )
 
 
