@@ -182,6 +182,8 @@ def _class_analysis(classification: list) -> Found:
     for d in classification:
         c, t = len(d.classnames), len(d.templates)
         prompt_mu, prompt_lv = d.text_mu.reshape(c, t, -1), d.text_logvar.reshape(c, t, -1)
+        # Scored again rather than kept from task_metrics: holding every task's (n, C) matrix until the
+        # analyses run would cost more memory (ImageNet: 50k × 1000 float64) than this recompute costs time.
         scores = zero_shot_scores(prompt_mu, prompt_lv, d.image_mu, d.image_logvar)
         out[d.task.name] = {
             "classes": list(d.classnames),
