@@ -87,6 +87,16 @@ def test_demo_eval_end_to_end(ray_local, demo_pool, tiny_checkpoint, clip_checkp
     level_only = spearmanr([n for w in words for n in w], [-k for w in words for k in range(len(w))])
     assert order["level_only_spearman"] == pytest.approx(level_only.statistic)
     assert set(analyses["sigma2_length"]["per_task"]) == {"retrieval", "hierarchy"}
+    # Each claim's figure lies inside its interval over resampled pictures.
+    for figure, (low, high) in (
+        (order["ordered_fraction"], order["ordered_fraction_ci95"]),
+        (analyses["sigma2_length"]["spearman_words_vs_trace"], analyses["sigma2_length"]["ci95"]),
+        (
+            analyses["inclusion"]["image_in_caption"]["rate"],
+            analyses["inclusion"]["image_in_caption"]["ci95"],
+        ),
+    ):
+        assert low <= figure <= high
     assert {"image_in_caption", "original_in_masked_text", "original_in_masked_image"} <= set(
         analyses["inclusion"]
     )

@@ -108,6 +108,10 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert "| subset | size | downloaded | samples seen |" in report and "CSD filter vs controls" in report
     assert results["machine"]["cores"] >= 1 and results["machine"]["matmul_gflops"] > 0
     assert "Machine: " in report
+    # The scorer's figures come with their intervals over resampled pictures, as the eval wrote them.
+    analyses = json.loads((out / "eval" / "scorer" / "analyses.json").read_text())
+    low, high = analyses["hierarchy_order"]["ordered_fraction_ci95"]
+    assert f"| hierarchy_order.ordered_fraction_ci95 | [{low:.4f}, {high:.4f}] |" in report
     assert printed.rstrip().splitlines()[-1].startswith("| random |")  # the table ends the output
     for name in ("scorer", "no_filter-seed0", "csd-seed0", "random-seed0"):
         assert (out / "eval" / name / "eval_results.jsonl").is_file()

@@ -207,3 +207,64 @@ def test_original_in_masked_masks_as_the_checkpoint_trained(tmp_path, mode):
             expected[name] = U.hypothesis(*(x.float().numpy() for x in (*t, *e)))
     assert not np.allclose(expected["mask"], expected["drop"])
     np.testing.assert_allclose(h["text ⊂ masked"], expected[mode], rtol=1e-5)
+
+
+def test_group_bootstrap_matches_the_binomial_interval():
+    # Independent pass/fail rows: the percentile interval of their mean is the normal one, p ± 1.96·SE.
+    rows = np.random.default_rng(1).random(600) < 0.8
+    p = rows.mean()
+    half = 1.96 * math.sqrt(p * (1 - p) / len(rows))
+    low, high = U.group_bootstrap(lambda r: rows[r].mean(), np.arange(len(rows)), rounds=2000)
+    assert low == pytest.approx(p - half, abs=0.006)
+    assert high == pytest.approx(p + half, abs=0.006)
+    # Seeded: the same call gives the same interval.
+    assert U.group_bootstrap(lambda r: rows[r].mean(), np.arange(len(rows)), rounds=2000) == [low, high]
+
+
+def test_group_bootstrap_resamples_whole_groups():
+    # Each picture's outcome repeated for its 3 captions: 200 independent outcomes, not 600. Resampling
+    # pictures gives the interval of 200 (√3 wider than treating the 600 rows as independent).
+    outcome = np.random.default_rng(2).random(200) < 0.7
+    rows, pictures = np.repeat(outcome, 3), np.repeat(np.arange(200), 3)
+
+    def mean(r: np.ndarray) -> float:
+        return rows[r].mean()
+
+    by_picture = np.diff(U.group_bootstrap(mean, pictures, rounds=2000))[0]
+    by_row = np.diff(U.group_bootstrap(mean, np.arange(600), rounds=2000))[0]
+    p = outcome.mean()
+    assert by_picture == pytest.approx(2 * 1.96 * math.sqrt(p * (1 - p) / 200), rel=0.12)
+    assert by_picture / by_row == pytest.approx(math.sqrt(3), rel=0.15)
+
+
+def test_length_correlation_interval_matches_fisher_z():
+    # Bivariate normal lengths and traces: Spearman's ρ has standard error ≈ 1.03/√(n−3) on Fisher's z scale
+    # (Fieller, Hartley & Pearson's approximation), an interval independent of the bootstrap.
+    rng = np.random.default_rng(3)
+    n = 400
+    x = rng.standard_normal(n)
+    y = -0.5 * x + math.sqrt(0.75) * rng.standard_normal(n)
+    words = np.round(8 + 3 * x).astype(int).clip(1)
+    caps = [" ".join(["w"] * k) for k in words]
+    logvar = np.log(np.exp(y)[:, None] / 4 * np.ones((1, 4)))  # tr(Σ) = e^y, monotone in y
+    out = U.length_correlation(caps, logvar, groups=np.arange(n))
+    rho, (low, high) = out["spearman_words_vs_trace"], out["ci95"]
+    z, se = math.atanh(rho), 1.03 / math.sqrt(n - 3)
+    assert low == pytest.approx(math.tanh(z - 1.96 * se), abs=0.02)
+    assert high == pytest.approx(math.tanh(z + 1.96 * se), abs=0.02)
+    assert "ci95" not in U.length_correlation(caps, logvar)
+
+
+def test_hierarchy_and_inclusion_intervals():
+    tr = np.random.default_rng(4).random((50, 4))
+    out = U.hierarchy_order(tr)
+    per_image = (tr[:, :-1] > tr[:, 1:]).mean(1)
+    assert out["ordered_fraction_ci95"] == U.group_bootstrap(lambda r: per_image[r].mean(), np.arange(50))
+    low, high = out["ordered_fraction_ci95"]
+    assert low < out["ordered_fraction"] < high
+    mu = np.zeros((6, 2))
+    lv = np.log(np.array([[1.0, 1.0], [2.0, 2.0]] * 3))
+    narrow, wide = lv, lv[:, ::-1] + np.log(3.0)
+    inc = U.inclusion_rate(mu, narrow, mu, wide, groups=np.array([0, 0, 1, 1, 2, 2]))
+    assert inc["rate"] == 1.0 and inc["ci95"] == [1.0, 1.0]
+    assert "ci95" not in U.inclusion_rate(mu, narrow, mu, wide)

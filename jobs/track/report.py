@@ -24,6 +24,8 @@ def _fmt(x: Any, digits: int = 3) -> str:
         return "–"
     if isinstance(x, float):
         return f"{x:.{digits}f}"
+    if isinstance(x, list):
+        return "[" + ", ".join(_fmt(v, digits) for v in x) + "]"
     return str(x)
 
 
@@ -178,6 +180,15 @@ def _flat(prefix: str, obj: Any, out: list[tuple[str, Any]]) -> None:
             _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
     elif isinstance(obj, (int, float, str, bool)) or obj is None:
         out.append((prefix, obj))
+    elif isinstance(obj, list) and 0 < len(obj) <= _SHORT_LIST and all(_number(v) for v in obj):
+        out.append((prefix, obj))  # an interval, or one figure per level or pair
+
+
+_SHORT_LIST = 8  # longer lists (per class, per template) stay in the eval's own JSON
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def markdown_table(rows: list[Row]) -> str:

@@ -93,7 +93,7 @@ def _retrieval_analyses(ret: Any, encoder: Encoder, seed: int, store: Storage) -
     }
     own = np.repeat(np.arange(len(ret.captions)), [len(c) for c in ret.captions])
     pairs = (ret.image_mu[own], ret.image_logvar[own], ret.text_mu, ret.text_logvar)
-    inc = {"image_in_caption": uncertainty.inclusion_rate(*pairs)}
+    inc = {"image_in_caption": uncertainty.inclusion_rate(*pairs, groups=own)}
     arrays["H_image ⊂ caption"] = uncertainty.hypothesis(*pairs)
     n = min(MASKED_SAMPLES, len(ret.captions))
     if ret.task.hf_dataset:  # a set in the datasets cache (DataComp's Flickr / MSCOCO)
@@ -121,6 +121,9 @@ def _length_analysis(texts: list) -> tuple[Found, Arrays]:
     opposite ways: the demo's retrieval captions name the most in their shortest wording)."""
     caps = [c for d in texts for cs in d.captions for c in cs]
     lv = np.concatenate([d.text_logvar for d in texts])
+    # The picture each caption describes, numbered across the tasks: the interval resamples pictures.
+    sizes = [len(cs) for d in texts for cs in d.captions]
+    pictures = np.repeat(np.arange(len(sizes)), sizes)
     per_task = {
         d.task.name: uncertainty.length_correlation([c for cs in d.captions for c in cs], d.text_logvar)[
             "spearman_words_vs_trace"
@@ -130,7 +133,7 @@ def _length_analysis(texts: list) -> tuple[Found, Arrays]:
     found = {
         "sigma2_length": {
             "tasks": [d.task.name for d in texts],
-            **uncertainty.length_correlation(caps, lv),
+            **uncertainty.length_correlation(caps, lv, groups=pictures),
             "per_task": per_task,
         }
     }

@@ -15,6 +15,11 @@ matplotlib's Agg backend. The claims measured in miniature (ProLIP §4.3–4.4):
   retrieving the nearest caption (CSD) at each step and recording its hierarchy level;
 - BPRW (``training/eval/bprw.py``) zero-shot and few-shot, accuracy before/after.
 
+Each claim's figure comes with ``ci95``: a 95% percentile bootstrap interval that resamples the eval set's
+images (every caption or pair of a resampled image comes along, since they share it). It is the error of
+having measured on this sample of pictures, not the spread between training seeds, which on the demo is
+larger (docs/track.md "Round 14").
+
 Not a paper claim, measured here (docs/track.md "Round 13"): per class of a zero-shot set, the mean tr(Σ)
 of its prompts against the class's zero-shot recall. PPCL raises a caption's σ² with the negatives its
 mean cannot keep away, so a class name the model cannot tell apart from others should read more
@@ -24,7 +29,7 @@ uncertain: Spearman(tr(Σ), recall) < 0. On the demo it explains which hierarchy
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +40,37 @@ from training.eval.metrics import classification_metrics, score_matrix, topk, ze
 from training.losses import inclusion_hypothesis
 
 NOT_APPLICABLE = "not applicable: deterministic checkpoint (no σ²)"
+BOOTSTRAP_ROUNDS = 1000
+
+
+def group_bootstrap(
+    statistic: Callable[[np.ndarray], float],
+    groups: np.ndarray,
+    rounds: int = BOOTSTRAP_ROUNDS,
+    level: float = 0.95,
+    seed: int = 0,
+) -> list[float] | None:
+    """[low, high]: the percentile interval of ``statistic(rows)`` over ``rounds`` resamples, each drawing as
+    many groups as there are, with replacement, and passing the row indices of every drawn group (a group
+    drawn twice gives its rows twice). ``groups`` (n,) labels each row; rows of one group (one picture's
+    captions) are dependent, so they are resampled together. Non-finite resampled values are left out; None
+    if none is finite."""
+    labels, inverse = np.unique(np.asarray(groups), return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    members = np.split(order, np.cumsum(np.bincount(inverse))[:-1])
+    rng = np.random.default_rng(seed)
+    values = np.array(
+        [
+            statistic(np.concatenate([members[g] for g in rng.integers(0, len(labels), len(labels))]))
+            for _ in range(rounds)
+        ],
+        dtype=np.float64,
+    )
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return None
+    tail = (1.0 - level) / 2
+    return [float(np.quantile(values, tail)), float(np.quantile(values, 1.0 - tail))]
 
 
 def trace(logvar: np.ndarray) -> np.ndarray:
@@ -58,17 +94,24 @@ def word_counts(captions: Sequence[str]) -> np.ndarray:
     return np.array([len(c.split()) for c in captions], dtype=np.int64)
 
 
-def length_correlation(captions: Sequence[str], text_logvar: np.ndarray) -> dict:
-    """Spearman ρ of caption length (words) vs tr(Σ); the claim predicts ρ < 0 (NaN for < 2 captions)."""
-    words = word_counts(captions)
-    rho = spearman(words, trace(text_logvar)) if len(words) >= 2 else float("nan")
-    return {"spearman_words_vs_trace": rho, "n": int(len(words))}
+def length_correlation(
+    captions: Sequence[str], text_logvar: np.ndarray, groups: np.ndarray | None = None
+) -> dict:
+    """Spearman ρ of caption length (words) vs tr(Σ); the claim predicts ρ < 0 (NaN for < 2 captions).
+    With ``groups`` (the picture of each caption), also its ``ci95`` over resampled pictures."""
+    words, tr = word_counts(captions), trace(text_logvar)
+    rho = spearman(words, tr) if len(words) >= 2 else float("nan")
+    out = {"spearman_words_vs_trace": rho, "n": int(len(words))}
+    if groups is not None and len(words) >= 2:
+        out["ci95"] = group_bootstrap(lambda rows: spearman(words[rows], tr[rows]), groups)
+    return out
 
 
 def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[str]] | None = None) -> dict:
     """``level_traces`` (n, L): tr(Σ) of each image's level-k caption (k = 0 most general).
 
-    ordered_fraction = fraction of the n·(L−1) adjacent pairs with tr(level k) > tr(level k+1).
+    ordered_fraction = fraction of the n·(L−1) adjacent pairs with tr(level k) > tr(level k+1), with its
+    ``ordered_fraction_ci95`` over resampled images (an image's pairs share its captions).
     With ``level_captions`` (n × L strings, the same captions), also what caption length alone explains:
     length_only_ordered_fraction is the score of the ranking "the shorter caption is the more uncertain"
     (ties count one half, a coin flip), and same_length_ordered_fraction is ordered_fraction over the pairs
@@ -77,9 +120,13 @@ def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[
     nothing else (−level): what a σ² exactly right about specificity scores on the length claim here.
     """
     ordered = level_traces[:, :-1] > level_traces[:, 1:]  # (n, L-1)
+    per_image = ordered.mean(1)  # equal pairs per image: the mean of these is ordered_fraction
     out = {
         "mean_trace_per_level": [float(x) for x in level_traces.mean(0)],
         "ordered_fraction": float(ordered.mean()),
+        "ordered_fraction_ci95": group_bootstrap(
+            lambda rows: per_image[rows].mean(), np.arange(len(per_image))
+        ),
         "ordered_fraction_per_pair": [float(x) for x in ordered.mean(0)],
         "n": int(level_traces.shape[0]),
         "paper_ordered_fraction": 0.900,
@@ -127,9 +174,20 @@ def hypothesis(mu1: np.ndarray, logvar1: np.ndarray, mu2: np.ndarray, logvar2: n
     return inclusion_hypothesis(*t, log_eps=0.0).numpy()
 
 
-def inclusion_rate(mu1: np.ndarray, logvar1: np.ndarray, mu2: np.ndarray, logvar2: np.ndarray) -> dict:
+def inclusion_rate(
+    mu1: np.ndarray,
+    logvar1: np.ndarray,
+    mu2: np.ndarray,
+    logvar2: np.ndarray,
+    groups: np.ndarray | None = None,
+) -> dict:
+    """Fraction of rows with H(Z₁ ⊂ Z₂) > 0; with ``groups`` (the picture of each pair), its ``ci95``."""
     h = hypothesis(mu1, logvar1, mu2, logvar2)
-    return {"rate": float(np.mean(h > 0)), "median_H": float(np.median(h)), "n": int(len(h))}
+    out = {"rate": float(np.mean(h > 0)), "median_H": float(np.median(h)), "n": int(len(h))}
+    if groups is not None and len(h):
+        inside = h > 0
+        out["ci95"] = group_bootstrap(lambda rows: inside[rows].mean(), groups)
+    return out
 
 
 def _nearest(mu: np.ndarray, var: np.ndarray, pool_mu: np.ndarray, pool_logvar: np.ndarray) -> np.ndarray:
