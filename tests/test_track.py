@@ -112,6 +112,10 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     analyses = json.loads((out / "eval" / "scorer" / "analyses.json").read_text())
     low, high = analyses["hierarchy_order"]["ordered_fraction_ci95"]
     assert f"| hierarchy_order.ordered_fraction_ci95 | [{low:.4f}, {high:.4f}] |" in report
+    # ... and the paper's claims lead the section, each figure with its interval.
+    fraction = analyses["hierarchy_order"]["ordered_fraction"]
+    claim = f"| adjacent hierarchy levels ordered | {fraction:.4f} | [{low:.4f}, {high:.4f}] | 0.90 (HierarCaps) |"
+    assert claim in report
     assert printed.rstrip().splitlines()[-1].startswith("| random |")  # the table ends the output
     for name in ("scorer", "no_filter-seed0", "csd-seed0", "random-seed0"):
         assert (out / "eval" / name / "eval_results.jsonl").is_file()
@@ -182,3 +186,12 @@ def test_track_subsets_are_filter_specs_with_the_library_random_control():
     assert specs[0].params == {"fraction": 0.5}
     assert specs[1].params == {"fraction": 0.5, "text_unc_quantile": 0.9}
     assert specs[-1].of == "basic" and specs[-1].params == {"seed": 3}
+
+
+def test_claims_table_skips_a_scorer_without_sigma2():
+    from jobs.track.report import _claim_lines
+    from training.eval.uncertainty import NOT_APPLICABLE
+
+    assert _claim_lines({"sigma2_modality": NOT_APPLICABLE, "hierarchy_order": NOT_APPLICABLE}) == []
+    only = _claim_lines({"hierarchy_order": {"ordered_fraction": 0.5, "ordered_fraction_ci95": [0.4, 0.6]}})
+    assert only[-1] == "| adjacent hierarchy levels ordered | 0.5000 | [0.4000, 0.6000] | 0.90 (HierarCaps) |"

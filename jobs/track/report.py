@@ -264,20 +264,79 @@ def _ground_truth_lines(
     return lines
 
 
+def _get(tree: Any, path: str) -> Any:
+    """``tree["a"]["b"]`` for ``path`` "a.b"; None where a level is missing or not a dict (a deterministic
+    scorer's analyses are "not applicable" strings)."""
+    for key in path.split("."):
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
+# The paper's σ² observations (ProLIP §4.3) as the analyses measure them: claim, figure, its interval, what
+# the paper reports or predicts.
+_CLAIMS = (
+    ("mean tr(Σ), text", "sigma2_modality.text_mean_trace", None, "larger than the image's (§4.3)"),
+    ("mean tr(Σ), image", "sigma2_modality.image_mean_trace", None, ""),
+    ("image ⊂ own caption (H > 0)", "inclusion.image_in_caption.rate", "inclusion.image_in_caption.ci95", ""),
+    ("original ⊂ masked, text", "inclusion.original_in_masked_text.rate", None, ""),
+    ("original ⊂ masked, image", "inclusion.original_in_masked_image.rate", None, "> 0.70 (HierarImgs)"),
+    (
+        "Spearman(caption words, tr Σ_t)",
+        "sigma2_length.spearman_words_vs_trace",
+        "sigma2_length.ci95",
+        "< 0: shorter, more uncertain",
+    ),
+    (
+        "adjacent hierarchy levels ordered",
+        "hierarchy_order.ordered_fraction",
+        "hierarchy_order.ordered_fraction_ci95",
+        "0.90 (HierarCaps)",
+    ),
+    (
+        "… by caption length alone",
+        "hierarchy_order.length_only_ordered_fraction",
+        None,
+        "(the set's baseline)",
+    ),
+)
+
+
+def _claim_lines(analyses: dict[str, Any]) -> list[str]:
+    """The claims above as a short table before the full one; empty for a scorer without σ²."""
+    rows = [
+        (label, _get(analyses, fig), _get(analyses, ci) if ci else None, paper)
+        for label, fig, ci, paper in _CLAIMS
+    ]
+    rows = [r for r in rows if isinstance(r[1], (int, float))]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "The paper's σ² observations in miniature (interval: 95% over resampled eval pictures; training seeds",
+        "move these figures by more, docs/track.md):",
+        "",
+        "| claim | figure | 95% interval | paper |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {label} | {_fmt(v, 4)} | {_fmt(ci, 4) if ci else '–'} | {paper or '–'} |"
+        for label, v, ci, paper in rows
+    ]
+    return lines
+
+
 def _scorer_lines(cfg: Any, scorer_eval: dict[str, Any]) -> list[str]:
-    """The scorer's uncertainty analyses as a flat table, and its plots linked relative to the run."""
+    """The scorer's uncertainty analyses: the paper's claims first, then every figure as a flat table, and
+    its plots linked relative to the run."""
     lines: list[str] = []
     analyses = scorer_eval.get("analyses") or {}
     if analyses:
         flat: list[tuple[str, Any]] = []
         _flat("", analyses, flat)
-        lines += [
-            "",
-            "## Uncertainty (scorer, measured on the demo eval sets)",
-            "",
-            "| quantity | value |",
-            "|---|---|",
-        ]
+        lines += ["", "## Uncertainty (scorer, measured on the demo eval sets)", *_claim_lines(analyses)]
+        lines += ["", "| quantity | value |", "|---|---|"]
         lines += [f"| {k} | {_fmt(v, 4)} |" for k, v in flat]
     plots = scorer_eval.get("plots") or []
     if plots:
