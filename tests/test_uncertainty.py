@@ -268,3 +268,6 @@ def test_hierarchy_and_inclusion_intervals():
     inc = U.inclusion_rate(mu, narrow, mu, wide, groups=np.array([0, 0, 1, 1, 2, 2]))
     assert inc["rate"] == 1.0 and inc["ci95"] == [1.0, 1.0]
     assert "ci95" not in U.inclusion_rate(mu, narrow, mu, wide)
+    # An empty set has no interval (its figures are NaN), rather than an error.
+    assert U.group_bootstrap(lambda r: 0.0, np.array([], dtype=int)) is None
+    assert U.hierarchy_order(np.zeros((0, 4)))["ordered_fraction_ci95"] is None

@@ -309,7 +309,7 @@ def _claim_lines(analyses: dict[str, Any]) -> list[str]:
         (label, _get(analyses, fig), _get(analyses, ci) if ci else None, paper)
         for label, fig, ci, paper in _CLAIMS
     ]
-    rows = [r for r in rows if isinstance(r[1], (int, float))]
+    rows = [r for r in rows if _number(r[1])]
     if not rows:
         return []
     lines = [

@@ -54,8 +54,10 @@ def group_bootstrap(
     many groups as there are, with replacement, and passing the row indices of every drawn group (a group
     drawn twice gives its rows twice). ``groups`` (n,) labels each row; rows of one group (one picture's
     captions) are dependent, so they are resampled together. Non-finite resampled values are left out; None
-    if none is finite."""
+    if none is finite or there are no rows."""
     labels, inverse = np.unique(np.asarray(groups), return_inverse=True)
+    if labels.size == 0:
+        return None
     order = np.argsort(inverse, kind="stable")
     members = np.split(order, np.cumsum(np.bincount(inverse))[:-1])
     rng = np.random.default_rng(seed)
