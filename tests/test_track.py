@@ -127,6 +127,19 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert main(args) == 0
     steps = [k for k in state if k != "timings"]
     assert capsys.readouterr().out.count("done earlier, skipped") == len(steps)
+    # The seed table reads the same files: the run's figures with their intervals, and its summary.
+    from jobs.track import seeds
+
+    assert seeds.main([str(out), str(out), "--out", str(tmp_path / "seeds.md")]) == 0
+    table = (tmp_path / "seeds.md").read_text()
+    cell = f"{fraction:.3f} [{low:.3f}, {high:.3f}]"
+    assert f"| adjacent hierarchy levels ordered | {cell} | {cell} | {fraction:.3f} ± 0.000 |" in table
+    summary = json.loads((tmp_path / "seeds.json").read_text())["summary"]
+    diff = results["verdict"]["csd_vs_random"]["mean_diff"]
+    assert summary["csd − random (average)"]["mean"] == pytest.approx(diff)
+    assert summary["csd − random (average)"]["holds"] == (2 if diff > 0 else 0)
+    assert seeds.main([str(out), str(tmp_path / "not-a-run")]) == 2
+    assert "not-a-run/track_results.json: not found" in capsys.readouterr().err
 
 
 def test_auroc_matches_hand_counts():
@@ -195,3 +208,48 @@ def test_claims_table_skips_a_scorer_without_sigma2():
     assert _claim_lines({"sigma2_modality": NOT_APPLICABLE, "hierarchy_order": NOT_APPLICABLE}) == []
     only = _claim_lines({"hierarchy_order": {"ordered_fraction": 0.5, "ordered_fraction_ci95": [0.4, 0.6]}})
     assert only[-1] == "| adjacent hierarchy levels ordered | 0.5000 | [0.4000, 0.6000] | 0.90 (HierarCaps) |"
+
+
+def test_seed_table_summarises_over_runs_and_shows_what_a_run_lacks():
+    from jobs.track.seeds import markdown, run_figures, summarise
+
+    def run(seed, csd, no_filter, spearman, ordered):
+        results = {
+            "table": [
+                {"subset": "csd", "average": csd, "tasks": {"shapes": 0.3}},
+                {"subset": "no_filter", "average": no_filter, "tasks": {}},
+            ],
+            "verdict": {"csd_vs_no_filter": {"mean_diff": csd - no_filter}},
+            "noise_detection": {"csd_auroc_mismatched": 0.9},
+        }
+        analyses = {
+            "sigma2_modality": {"text_gt_image": spearman < 0},
+            "sigma2_length": {"spearman_words_vs_trace": spearman, "ci95": [spearman - 0.1, spearman + 0.1]},
+            "hierarchy_order": {
+                "ordered_fraction": ordered,
+                "ordered_fraction_per_pair": [1.0, 0.5, ordered],
+            },
+        }
+        return run_figures(results, {"scorer": {"seed": seed}, "evaluate/scorer": {"analyses": analyses}})
+
+    runs = {
+        "a": run(0, 0.40, 0.30, -0.5, 0.70),
+        "b": run(1, 0.30, 0.35, 0.2, 0.90),
+        "c": run(2, 0.5, 0.3, -0.3, 0.8),
+    }
+    summary = summarise(runs)
+    diff = summary["csd − no_filter (average)"]
+    assert diff["mean"] == pytest.approx((0.10 - 0.05 + 0.20) / 3) and diff["holds"] == 2 and diff["n"] == 3
+    assert diff["sd"] == pytest.approx(0.1258306, abs=1e-6) and diff["min"] == pytest.approx(-0.05)
+    assert summary["Spearman(caption words, tr Σ_t)"]["holds"] == 2  # negative on two runs of three
+    assert summary["text Σσ² > image Σσ²"]["holds"] == 2 and "mean" not in summary["text Σσ² > image Σσ²"]
+    assert summary["csd − random (average)"] == {"n": 0}  # no run has the random control
+    text = markdown(runs, summary)
+    assert "| csd − random (average) | – | – | – | – | – | – |" in text
+    assert "| Spearman(caption words, tr Σ_t) | -0.500 [-0.600, -0.400] | 0.200 [0.100, 0.300] |" in text
+    assert "| levels ordered per pair, % (0>1/1>2/2>3) | 100.0/50.0/70.0 |" in text
+    # A scorer without σ² (CLIP) has no analyses: its claims are missing, not an error.
+    clip = run_figures(
+        {"table": []}, {"scorer": {"seed": 0}, "evaluate/scorer": {"analyses": "not applicable"}}
+    )
+    assert clip["figures"]["adjacent hierarchy levels ordered"] is None and clip["per_pair"] is None
