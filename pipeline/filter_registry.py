@@ -166,10 +166,10 @@ FILTERS: dict[str, Filter] = {
     ),
     "csd_uncertainty_aware": Filter(
         _on_scores(SF.csd_uncertainty_aware),
-        {"fraction": 0.2, "text_unc_quantile": 0.9},
+        {"fraction": 0.2, "text_unc_quantile": 0.9, "text_unc_low_quantile": 0.0},
         (*SCORE_KEYS, "csd", "text_unc"),
         SCORES,
-        ("fraction", "text_unc_quantile"),
+        ("fraction", "text_unc_quantile"),  # text_unc_low_quantile may be 0: checked by the rule
     ),
     "clip_score_best": Filter(
         _on_scores(SF.clip_score_best), {"fraction": 0.3}, (*SCORE_KEYS, "cosine"), SCORES, ("fraction",)

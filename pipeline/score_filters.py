@@ -9,9 +9,11 @@ Rules (exact counts, so subsets of different filters compare at equal size):
 
 - ``csd_best(fraction)``: the round(fraction·n_ok) rows with the smallest CSD (ProLIP App. C.8 /
   Table C.7 keeps the best 20%); ties broken by uid ascending, so the result does not depend on row order.
-- ``csd_uncertainty_aware(fraction, text_unc_quantile=0.9)``: first drop the round((1 − q)·n_ok) rows with
-  the largest text uncertainty Σ_d σ²_t (the top decile for q = 0.9: the least informative captions,
-  ProLIP §4.3 — short/general captions have large σ²), ties by uid; then keep the round(fraction·n_ok)
+- ``csd_uncertainty_aware(fraction, text_unc_quantile=0.9, text_unc_low_quantile=0)``: first drop the
+  round((1 − q)·n_ok) rows with the largest text uncertainty Σ_d σ²_t (the top decile for q = 0.9: the
+  least informative captions, ProLIP §4.3 — short/general captions have large σ²; q = 1 drops none), and
+  the round(q_low·n_ok) rows with the smallest (q_low = 0: none; the demo scorer gives non-English
+  captions its lowest σ², docs/track.md "Round 15"), ties by uid; then keep the round(fraction·n_ok)
   smallest-CSD rows among the rest — the same size as ``csd_best`` (all the rest when fewer remain).
   Needs a probabilistic checkpoint (text_unc is NaN for deterministic ones).
 - ``clip_score_best(fraction)``: the round(fraction·n_ok) rows with the largest cosine (DataComp's
@@ -104,22 +106,31 @@ def csd_best(scores: Scores, fraction: float = 0.2) -> FilterResult:
 
 
 def csd_uncertainty_aware(
-    scores: Scores, fraction: float = 0.2, text_unc_quantile: float = 0.9
+    scores: Scores, fraction: float = 0.2, text_unc_quantile: float = 0.9, text_unc_low_quantile: float = 0.0
 ) -> FilterResult:
-    """Drop the round((1−q)·n_ok) most uncertain captions, then keep round(fraction·n_ok) smallest CSD."""
+    """Drop the round((1−q)·n_ok) most and the round(q_low·n_ok) least uncertain captions, then keep
+    round(fraction·n_ok) smallest CSD among the rest."""
     _check_fraction("fraction", fraction)
-    if not 0.0 < text_unc_quantile < 1.0:
-        raise ValueError(f"text_unc_quantile must be in (0, 1), got {text_unc_quantile}")
+    if not 0.0 < text_unc_quantile <= 1.0:
+        raise ValueError(f"text_unc_quantile must be in (0, 1], got {text_unc_quantile}")
+    if not 0.0 <= text_unc_low_quantile < text_unc_quantile:
+        raise ValueError(
+            f"text_unc_low_quantile must be in [0, text_unc_quantile={text_unc_quantile}), got {text_unc_low_quantile}"
+        )
     uids, csd, reason = _scorable(scores, "csd")
     text_unc = _column(scores, "text_unc").astype(np.float64)
     rows = np.flatnonzero(reason == "")
     if len(rows) and not np.isfinite(text_unc[rows]).all():
         raise ValueError("csd_uncertainty_aware needs text_unc: score with a probabilistic checkpoint")
     n_ok = len(rows)
-    n_drop = _round((1.0 - text_unc_quantile) * n_ok)
-    by_unc = _order(text_unc, uids, rows, descending=True)
-    reason[by_unc[:n_drop]] = f"text_uncertainty_top_{_pct(1.0 - text_unc_quantile)}"
-    order = _order(csd, uids, by_unc[n_drop:], descending=False)
+    n_top = _round((1.0 - text_unc_quantile) * n_ok)
+    n_low = _round(text_unc_low_quantile * n_ok)
+    by_unc = _order(text_unc, uids, rows, descending=True)  # most uncertain first
+    reason[by_unc[:n_top]] = f"text_uncertainty_top_{_pct(1.0 - text_unc_quantile)}"
+    rest = by_unc[n_top : n_ok - n_low]
+    if n_low:
+        reason[by_unc[n_ok - n_low :]] = f"text_uncertainty_bottom_{_pct(text_unc_low_quantile)}"
+    order = _order(csd, uids, rest, descending=False)
     return _keep_first(order, _round(fraction * n_ok), reason, f"csd_not_in_best_{_pct(fraction)}")
 
 

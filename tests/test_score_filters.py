@@ -73,6 +73,41 @@ def test_uncertainty_aware_drops_top_decile_and_keeps_equal_size():
         F.csd_uncertainty_aware(_scores(csd, text_unc=np.full(n, np.nan)), 0.2)
 
 
+def test_uncertainty_aware_can_drop_the_least_uncertain_tail_too():
+    rng = np.random.default_rng(1)
+    n = 40
+    csd = rng.uniform(0, 2, n)
+    text_unc = rng.permutation(n).astype(np.float64)  # distinct: ranks are the values
+    csd[text_unc < 4] = 0.0  # the 4 least uncertain captions have the best CSD (as non-English ones did)
+    t = _scores(csd, text_unc=text_unc)
+    # Bottom 10% only (q = 1 drops nobody from the top): those 4 go, the size stays csd_best's.
+    result = F.csd_uncertainty_aware(t, 0.25, text_unc_quantile=1.0, text_unc_low_quantile=0.1)
+    keep, reason = result
+    low = set(np.flatnonzero(text_unc < 4).tolist())
+    assert {i for i in range(n) if reason[i] == "text_uncertainty_bottom_10%"} == low
+    rest = np.array(sorted(set(range(n)) - low))
+    assert set(np.flatnonzero(keep)) == set(rest[np.argsort(csd[rest])[:10]].tolist())
+    assert result.counts() == {"kept": 10, "text_uncertainty_bottom_10%": 4, "csd_not_in_best_25%": 26}
+    # Both tails: 4 from the top and 8 from the bottom, never the same row twice.
+    both = F.csd_uncertainty_aware(t, 0.25, text_unc_quantile=0.9, text_unc_low_quantile=0.2)
+    assert both.counts() == {
+        "kept": 10,
+        "text_uncertainty_top_10%": 4,
+        "text_uncertainty_bottom_20%": 8,
+        "csd_not_in_best_25%": 18,
+    }
+    assert set(np.flatnonzero(both.reason == "text_uncertainty_top_10%")) == set(
+        np.flatnonzero(text_unc >= 36)
+    )
+    # The default drops no bottom tail: the same rows as before the parameter existed.
+    assert (F.csd_uncertainty_aware(t, 0.25).keep == F.csd_uncertainty_aware(t, 0.25, 0.9, 0.0).keep).all()
+    for q, q_low in ((0.9, 0.9), (0.9, -0.1), (1.2, 0.0)):
+        with pytest.raises(ValueError, match="text_unc"):
+            F.csd_uncertainty_aware(t, 0.25, text_unc_quantile=q, text_unc_low_quantile=q_low)
+    spec = "csd_uncertainty_aware:fraction=0.25,text_unc_quantile=1,text_unc_low_quantile=0.1"
+    assert kept_uids(t, P.apply(spec, t)).tolist() == sorted(_uid(i) for i in np.flatnonzero(keep))
+
+
 def test_clip_score_best_and_threshold():
     cos = [0.1, 0.35, 0.2, 0.3, 0.5, -0.2]
     t = _scores(np.zeros(6), cosine=cos)

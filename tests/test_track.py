@@ -23,6 +23,16 @@ def test_random_control_needs_its_reference():
         merge(TrackConfig(), {"subsets": ["no_filter", "random"], "random_of": "csd"})
 
 
+def test_uncertainty_tails_must_leave_captions_between_them():
+    for low, high in ((0.9, 0.9), (-0.1, 0.9), (0.5, 0.4)):
+        with pytest.raises(ConfigError, match="text_unc_low_quantile"):
+            merge(TrackConfig(), {"text_unc_low_quantile": low, "text_unc_quantile": high})
+    assert (
+        merge(TrackConfig(), {"text_unc_low_quantile": 0.1, "text_unc_quantile": 1.0}).text_unc_quantile
+        == 1.0
+    )
+
+
 def test_csd_needs_a_prolip_scorer():
     with pytest.raises(ConfigError, match="scorer.loss.name"):
         merge(TrackConfig(), {"scorer": {"loss": {"name": "clip"}}})
@@ -197,7 +207,7 @@ def test_track_subsets_are_filter_specs_with_the_library_random_control():
         ("random", "random_same_size"),
     ]
     assert specs[0].params == {"fraction": 0.5}
-    assert specs[1].params == {"fraction": 0.5, "text_unc_quantile": 0.9}
+    assert specs[1].params == {"fraction": 0.5, "text_unc_quantile": 0.9, "text_unc_low_quantile": 0.0}
     assert specs[-1].of == "basic" and specs[-1].params == {"seed": 3}
 
 

@@ -32,7 +32,8 @@ class TrackConfig:
     subsets: tuple[str, ...] = ("no_filter", "basic", "csd", "csd_uncertainty", "random")
     csd_fraction: float = 0.5  # of the scored (successful) pairs; App. C.8 keeps 20% of DataComp
     clip_fraction: float = 0.3  # DataComp's CLIP-score top-30% baseline (``clip_score`` subset)
-    text_unc_quantile: float = 0.9  # csd_uncertainty: captions above this Σσ²_t quantile go first
+    text_unc_quantile: float = 0.9  # csd_uncertainty: captions above this Σσ²_t quantile go first (1 = none)
+    text_unc_low_quantile: float = 0.0  # … and those below this one (0 = none; docs/track.md "Round 15")
     random_of: str = "csd"  # the random control matches this subset's size
     seeds: tuple[int, ...] = (0,)
     eval_tasks: str = "demo"  # a task-list name (training/eval/tasks/<name>.yaml) or a YAML path
@@ -55,6 +56,11 @@ class TrackConfig:
         for name in ("csd_fraction", "clip_fraction", "text_unc_quantile"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if not 0.0 <= self.text_unc_low_quantile < self.text_unc_quantile:
+            raise ConfigError(
+                f"text_unc_low_quantile must be in [0, text_unc_quantile={self.text_unc_quantile}), "
+                f"got {self.text_unc_low_quantile}"
+            )
         from_build = [s for s in self.subsets if s in BUILD_SUBSETS and s not in self.build.filters.names]
         if from_build:
             raise ConfigError(f"build.filters.names: add {from_build} (subsets takes them from the build)")

@@ -75,7 +75,8 @@ def subset_specs(cfg: TrackConfig) -> list[str]:
     specs = {  # keys: _SCORE_SUBSETS
         "csd": f"csd_best:fraction={cfg.csd_fraction}",
         "csd_uncertainty": (
-            f"csd_uncertainty_aware:fraction={cfg.csd_fraction},text_unc_quantile={cfg.text_unc_quantile}"
+            f"csd_uncertainty_aware:fraction={cfg.csd_fraction},text_unc_quantile={cfg.text_unc_quantile},"
+            f"text_unc_low_quantile={cfg.text_unc_low_quantile}"
         ),
         "clip_score": f"clip_score_best:fraction={cfg.clip_fraction}",
         "random": f"random_same_size:of={cfg.random_of},seed={cfg.seeds[0]}",
