@@ -2,6 +2,9 @@
 
 - ``decode_image``: simplejpeg (libjpeg-turbo) with DCT downscaling to the smallest size that still covers
   the requested side, Pillow for other formats.
+- ``decode_for_size`` and ``center_resize``: the one deterministic preprocessing, shared by training with
+  augmentation off and by every encoder (scoring, evaluation, embedding), so a model is evaluated on the
+  pixels it was trained on.
 - ``random_resized_crop_box``: the crop rule of torchvision's RandomResizedCrop (ten area/aspect draws,
   then a centred fallback); ProLIP App. B.1 uses area (0.8, 1.0).
 - ``color_jitter``: brightness/contrast/saturation factors uniform in [1 − s, 1 + s] and a hue shift in
@@ -66,6 +69,26 @@ def center_crop_box(h: int, w: int) -> tuple[int, int, int, int]:
     side = min(h, w)
     x0, y0 = (w - side) // 2, (h - side) // 2
     return x0, y0, x0 + side, y0 + side
+
+
+# Decode at >= this × the output side: the DCT downscale stops short of the output, so a bicubic resize (which
+# filters what it drops) does the last step, and random_resized_crop's smallest crop side (~0.77 of the
+# image at area 0.6) still covers the output.
+DECODE_MARGIN = 1.3
+
+
+def decode_for_size(data: bytes, size: int) -> np.ndarray:
+    """(H, W, 3) uint8 RGB decoded for an output side of ``size`` (both sides >= DECODE_MARGIN × size when
+    the image is that large)."""
+    return decode_image(data, math.ceil(size * DECODE_MARGIN))
+
+
+def center_resize(arr: np.ndarray, size: int) -> np.ndarray:
+    """(size, size, 3) uint8: the centred square crop of ``arr``, bicubic-resized."""
+    from PIL import Image
+
+    box = center_crop_box(*arr.shape[:2])
+    return np.asarray(Image.fromarray(arr).resize((size, size), Image.BICUBIC, box=box))
 
 
 def _gray(x: np.ndarray) -> np.ndarray:

@@ -40,9 +40,9 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.augment import (
-    center_crop_box,
+    center_resize,
     color_jitter,
-    decode_image,
+    decode_for_size,
     random_grayscale,
     random_resized_crop_box,
 )
@@ -51,8 +51,6 @@ from pipeline.masking import choose_kept_patches, mask_text_tokens, sample_hash,
 log = logging.getLogger(__name__)
 
 BadImageReport = Callable[[int, list[str]], None]  # (n dropped, a few "key: error" examples)
-
-DECODE_MARGIN = 1.3  # decode at >= this × output size: the smallest crop side is ~0.77 of the image
 
 
 # --- 2. windowed shuffle ------------------------------------------------------------------------------
@@ -104,20 +102,16 @@ class DecodeAugment:
     def _crop(self, arr: np.ndarray) -> np.ndarray:
         from PIL import Image
 
-        h, w = arr.shape[:2]
-        if self.cfg.augment:
-            box = random_resized_crop_box(h, w, self.cfg.crop_scale, self.cfg.crop_ratio, self.rng)
-        else:
-            box = center_crop_box(h, w)
-        img = Image.fromarray(arr)
-        return np.asarray(img.resize((self.size, self.size), Image.BICUBIC, box=box))
+        if not self.cfg.augment:
+            return center_resize(arr, self.size)  # the encoders' preprocessing (training/encode.py)
+        box = random_resized_crop_box(*arr.shape[:2], self.cfg.crop_scale, self.cfg.crop_ratio, self.rng)
+        return np.asarray(Image.fromarray(arr).resize((self.size, self.size), Image.BICUBIC, box=box))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        min_side = math.ceil(self.size * DECODE_MARGIN)
         keep, images, errors = [], [], []
         for i, data in enumerate(batch["jpg"]):
             try:
-                arr = decode_image(bytes(data), min_side)
+                arr = decode_for_size(bytes(data), self.size)
                 if arr.ndim != 3 or arr.shape[2] != 3 or min(arr.shape[:2]) < 1:
                     raise ValueError(f"unexpected decoded shape {arr.shape}")
                 images.append(self._crop(arr))

@@ -154,3 +154,36 @@ def test_encoder_batch_runs_each_tower_only_on_its_rows(tiny_checkpoint, scorer)
     assert "image_mu" not in merged and merged["mu"].shape == (6, mu_v.shape[1])
     np.testing.assert_allclose(merged["mu"], np.concatenate([mu_v, mu_t]), atol=1e-6, equal_nan=True)
     np.testing.assert_allclose(merged["logvar"], np.concatenate([lv_v, lv_t]), atol=1e-6, equal_nan=True)
+
+
+def test_encoder_sees_the_pixels_training_sees(tiny_checkpoint):
+    """One deterministic preprocessing: the encoder's pixels equal the training decoder's with augmentation
+    off. The sizes include JPEGs whose DCT downscale alone reaches the model's side (8× and 4×), where an
+    encoder decoding for the output side itself once skipped training's bicubic step."""
+    import io
+
+    from PIL import Image
+
+    from pipeline.ingest_train import DecodeAugment
+    from training.config import DataConfig
+
+    enc = Encoder(tiny_checkpoint)
+    size = enc.config.image_size
+    rng = np.random.default_rng(0)
+    jpgs = []
+    for h, w in ((8 * size, 8 * size), (4 * size, 6 * size + 5), (size, 2 * size), (size // 2, size + 3)):
+        smooth = rng.uniform(0, 255, (h // 4 + 1, w // 4 + 1, 3)).astype(np.uint8)
+        img = Image.fromarray(smooth).resize((w, h), Image.BILINEAR)
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=90)
+        jpgs.append(buf.getvalue())
+    pixels, ok = enc.preprocess(jpgs)
+    assert ok.all()
+    cfg = DataConfig(augment=False, mean=tuple(map(float, enc.mean)), std=tuple(map(float, enc.std)))
+    batch = {
+        "key": np.array([str(i) for i in range(len(jpgs))], dtype=object),
+        "jpg": np.array(jpgs, dtype=object),
+        "txt": np.array(["a photo"] * len(jpgs), dtype=object),
+    }
+    trained_on = DecodeAugment(size, enc.config.context_length, enc.tokenizer, cfg)(batch)["image"]
+    np.testing.assert_array_equal(pixels, trained_on)

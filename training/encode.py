@@ -126,21 +126,18 @@ class Encoder:
     # --- images ---------------------------------------------------------------------------------------
 
     def _preprocess_chunk(self, data: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        from PIL import Image
-
-        from pipeline.augment import center_crop_box, decode_image
+        from pipeline.augment import center_resize, decode_for_size
 
         size = self.config.image_size
         out = np.zeros((len(data), size, size, 3), np.float32)
         ok = np.zeros(len(data), bool)
         for i, item in enumerate(data):
             try:
-                arr = decode_image(bytes(item), size)
+                # Training's preprocessing with augmentation off, to the pixel (pipeline/augment.py).
+                arr = decode_for_size(bytes(item), size)
                 if arr.ndim != 3 or arr.shape[2] != 3:
                     raise ValueError(f"decoded shape {arr.shape}")
-                box = center_crop_box(*arr.shape[:2])
-                img = Image.fromarray(arr).resize((size, size), Image.BICUBIC, box=box)
-                out[i] = np.asarray(img, np.float32) / 255.0
+                out[i] = center_resize(arr, size).astype(np.float32) / 255.0
                 ok[i] = True
             except Exception:  # one bad image must not stop a scoring or eval job: flagged via ``ok``
                 continue
