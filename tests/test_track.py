@@ -140,7 +140,11 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     # The seed table reads the same files: the run's figures with their intervals, and its summary.
     from jobs.track import seeds
 
-    assert seeds.main([str(out), str(out), "--out", str(tmp_path / "seeds.md")]) == 0
+    again = tmp_path / "again"  # a second run with the same figures: the table reads only these two files
+    again.mkdir()
+    for name in ("track_results.json", "track_state.json"):
+        (again / name).write_bytes((out / name).read_bytes())
+    assert seeds.main([str(out), str(again), "--out", str(tmp_path / "seeds.md")]) == 0
     table = (tmp_path / "seeds.md").read_text()
     cell = f"{fraction:.3f} [{low:.3f}, {high:.3f}]"
     assert f"| adjacent hierarchy levels ordered | {cell} | {cell} | {fraction:.3f} ± 0.000 |" in table
@@ -148,6 +152,8 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     diff = results["verdict"]["csd_vs_random"]["mean_diff"]
     assert summary["csd − random (average)"]["mean"] == pytest.approx(diff)
     assert summary["csd − random (average)"]["holds"] == (2 if diff > 0 else 0)
+    assert seeds.main([str(out), str(out) + "/"]) == 2
+    assert "given more than once" in capsys.readouterr().err
     assert seeds.main([str(out), str(tmp_path / "not-a-run")]) == 2
     assert "not-a-run/track_results.json: not found" in capsys.readouterr().err
 

@@ -158,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     store = Storage.from_env(args.s3_endpoint)
     runs: dict[str, dict[str, Any]] = {}
+    twice = sorted(
+        {r.rstrip("/") for r in args.runs if [x.rstrip("/") for x in args.runs].count(r.rstrip("/")) > 1}
+    )
+    if twice:
+        print(f"error: runs: {', '.join(twice)} given more than once", file=sys.stderr)
+        return 2
     for run in args.runs:
         try:
             runs[run.rstrip("/")] = run_figures(*_load(run, store))
