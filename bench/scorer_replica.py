@@ -60,11 +60,16 @@ def auc(positive: np.ndarray, score: np.ndarray) -> float:
     return float((r[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
 
-def train(cfg, tok, pool: list[dict]):
-    state = setup_state(cfg, tok, torch.device("cpu"), 0)
+def decode_pool(state, cfg, tok, pool: list[dict]) -> dict[str, np.ndarray]:
+    """The pool's samples as the training decoder makes them (rows it cannot decode left out)."""
     dec = DecodeAugment(state.mcfg.image_size, state.mcfg.context_length, tok, cfg.data)
     raw = {"key": np.array([r["key"] for r in pool], dtype=object), "jpg": [r["jpg"] for r in pool]}
-    rows = dec({**raw, "txt": np.array([r["txt"].decode() for r in pool], dtype=object)})
+    return dec({**raw, "txt": np.array([r["txt"].decode() for r in pool], dtype=object)})
+
+
+def train(cfg, tok, pool: list[dict]):
+    state = setup_state(cfg, tok, torch.device("cpu"), 0)
+    rows = decode_pool(state, cfg, tok, pool)
     masker = _masker(state, tok)
     n, b = len(rows["key"]), cfg.global_batch_size
     while state.step < cfg.total_steps:

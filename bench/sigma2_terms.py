@@ -23,14 +23,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.scorer_replica import append_result, read_tars, replica_parser, seeded_config  # noqa: E402
+from bench.scorer_replica import (  # noqa: E402
+    append_result,
+    decode_pool,
+    read_tars,
+    replica_parser,
+    seeded_config,
+)
 from jobs.track.config import TRACK_PRESETS  # noqa: E402
-from pipeline.ingest_train import DecodeAugment, TrainCollate  # noqa: E402
-from pipeline.masking import round_half_up  # noqa: E402
+from pipeline.ingest_train import TrainCollate  # noqa: E402
 from pipeline.tokenizer import TextTokenizer  # noqa: E402
 from training.loop import _masker  # noqa: E402
 from training.model import load_checkpoint  # noqa: E402
-from training.step import loss_shares, setup_state  # noqa: E402
+from training.step import forward_terms, setup_state  # noqa: E402
 
 TERMS = ("ppcl", "inc_vt", "inc_masked_t", "vib_t")
 
@@ -70,23 +75,16 @@ def main() -> None:
     tok = TextTokenizer.load(f"{args.run}/tokenizer")
     cfg, state = trained_state(args.run, args.seed, tok)
     pool = read_tars(f"{args.run}/shards/*.tar")
-    dec = DecodeAugment(state.mcfg.image_size, state.mcfg.context_length, tok, cfg.data)
-    raw = {"key": np.array([r["key"] for r in pool], dtype=object), "jpg": [r["jpg"] for r in pool]}
-    rows = dec({**raw, "txt": np.array([r["txt"].decode() for r in pool], dtype=object)})
+    rows = decode_pool(state, cfg, tok, pool)
     by_key = {r["key"]: r for r in pool}
     kind = caption_kinds(args.run, [json.loads(by_key[k]["json"])["uid"] for k in rows["key"]])
-    masker, model, b = _masker(state, tok), state.module.model, cfg.global_batch_size
+    masker, b = _masker(state, tok), cfg.global_batch_size
     sums: dict[str, dict[str, list[float]]] = {k: {} for k in set(kind)}
     rng = np.random.default_rng(7)
     for it in range(args.batches):
         idx = rng.permutation(len(kind))[:b]
         batch = TrainCollate(masker, it, tok.pad_id)({k: v[idx] for k, v in rows.items()})
-        mi, masked = batch.get("masked_index"), batch.get("masked_tokens")
-        if state.salient is not None and mi is not None and mi.numel():
-            chosen = mi[: int(round_half_up(cfg.data.salient_share * mi.numel()))]
-            masked = state.salient.rewrite(model.encode_text, batch["tokens"], masked, chosen)
-        feats = state.module(batch["images"], batch["tokens"], masked, batch.get("keep_idx"), mi)
-        terms = loss_shares(state.module.loss, state.module.spec, feats, mi, None)
+        terms, feats = forward_terms(state, batch)  # as training computes them, salient masks included
         per: dict[str, np.ndarray] = {}
         for name in TERMS:
             if terms[name].requires_grad:

@@ -241,8 +241,9 @@ def salient_masker(cfg: Any, tokenizer: Any) -> SalientDrop | None:
     )
 
 
-def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """One optimizer step on one collated batch: (this worker's loss terms, the features it computed)."""
+def forward_terms(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The forward half of a step on one collated batch, gradients kept: (this worker's loss terms, the
+    features it computed). ``train_step`` backpropagates its total; diagnostics read single terms."""
     cfg, device, spec = state.cfg, state.device, state.module.spec
     images = batch["images"].to(device, non_blocking=True)
     mix = None
@@ -267,7 +268,13 @@ def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str
             batch.get("keep_idx"),
             masked_index,
         )
-    terms = loss_shares(state.module.loss, spec, feats, masked_index, mix)
+    return loss_shares(state.module.loss, spec, feats, masked_index, mix), feats
+
+
+def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """One optimizer step on one collated batch: (this worker's loss terms, the features it computed)."""
+    cfg = state.cfg
+    terms, feats = forward_terms(state, batch)
     state.opt.zero_grad(set_to_none=True)
     (terms["total"] * ddp_loss_scale()).backward()
     if cfg.optim.grad_clip > 0:

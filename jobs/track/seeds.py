@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections import Counter
 from typing import Any
 
 from jobs.track.report import _CLAIMS, _fmt, _get, _number
@@ -157,16 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--s3-endpoint", default="", help="for s3:// runs; else AWS_ENDPOINT_URL(_S3)")
     args = parser.parse_args(argv)
     store = Storage.from_env(args.s3_endpoint)
-    runs: dict[str, dict[str, Any]] = {}
-    twice = sorted(
-        {r.rstrip("/") for r in args.runs if [x.rstrip("/") for x in args.runs].count(r.rstrip("/")) > 1}
-    )
+    names = [run.rstrip("/") for run in args.runs]
+    twice = sorted(name for name, n in Counter(names).items() if n > 1)
     if twice:
         print(f"error: runs: {', '.join(twice)} given more than once", file=sys.stderr)
         return 2
-    for run in args.runs:
+    runs: dict[str, dict[str, Any]] = {}
+    for name in names:
         try:
-            runs[run.rstrip("/")] = run_figures(*_load(run, store))
+            runs[name] = run_figures(*_load(name, store))
         except (FileNotFoundError, ValueError) as exc:
             print(f"error: {redact_text(str(exc))}", file=sys.stderr)
             return 2
