@@ -37,7 +37,12 @@ def test_hierarchy_order_reports_what_length_alone_explains():
     # equal-length pairs: image 2's levels 1>2 (2.0 > 3.0: no) and 2>3 (3.0 > 0.5: yes)
     assert out["same_length_pairs"] == 2
     assert out["same_length_ordered_fraction"] == pytest.approx(0.5)
-    assert U.hierarchy_order(tr, captions(words + np.arange(4)))["same_length_ordered_fraction"] is None
+    # general caption longer: image 1's three pairs (4>3 yes, 3>3.5 no, 3.5>1 yes)
+    assert out["against_length_pairs"] == 3
+    assert out["against_length_ordered_fraction"] == pytest.approx(2 / 3)
+    growing = U.hierarchy_order(tr, captions(words + np.arange(4) * 9))
+    assert growing["same_length_ordered_fraction"] is None
+    assert growing["against_length_ordered_fraction"] is None
     assert "length_only_ordered_fraction" not in U.hierarchy_order(tr)
 
 

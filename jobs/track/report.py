@@ -300,6 +300,12 @@ _CLAIMS = (
         None,
         "(the set's baseline)",
     ),
+    (
+        "… where the general caption is the longer",
+        "hierarchy_order.against_length_ordered_fraction",
+        None,
+        "(length points the wrong way)",
+    ),
 )
 
 

@@ -118,6 +118,9 @@ def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[
     length_only_ordered_fraction is the score of the ranking "the shorter caption is the more uncertain"
     (ties count one half, a coin flip), and same_length_ordered_fraction is ordered_fraction over the pairs
     whose two captions have equal word counts, where only what the captions name can decide (None if none);
+    against_length_ordered_fraction is ordered_fraction over the pairs whose general caption has more words
+    than its specific one, where length points the wrong way and only reading what they name orders them
+    (None if none);
     level_only_spearman is Spearman(words, tr(Σ)) over these captions for a tr(Σ) that reads the level and
     nothing else (−level): what a σ² exactly right about specificity scores on the length claim here.
     """
@@ -142,6 +145,9 @@ def hierarchy_order(level_traces: np.ndarray, level_captions: Sequence[Sequence[
         out["length_only_ordered_fraction_per_pair"] = [float(x) for x in by_length.mean(0)]
         out["same_length_pairs"] = int(same.sum())
         out["same_length_ordered_fraction"] = float(ordered[same].mean()) if same.any() else None
+        against = general > specific
+        out["against_length_pairs"] = int(against.sum())
+        out["against_length_ordered_fraction"] = float(ordered[against].mean()) if against.any() else None
         out["level_only_spearman"] = spearman(
             level_words.ravel(), -np.broadcast_to(np.arange(level_words.shape[1]), level_words.shape).ravel()
         )
