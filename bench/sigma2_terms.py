@@ -34,6 +34,7 @@ from jobs.track.config import TRACK_PRESETS  # noqa: E402
 from pipeline.ingest_train import TrainCollate  # noqa: E402
 from pipeline.tokenizer import TextTokenizer  # noqa: E402
 from training.loop import _masker  # noqa: E402
+from training.losses import ppcl_logits  # noqa: E402
 from training.model import load_checkpoint  # noqa: E402
 from training.step import forward_terms, setup_state  # noqa: E402
 
@@ -93,11 +94,12 @@ def main() -> None:
                 ]
                 per[name] = np.zeros(b) if g is None else g.sum(1).numpy() * b
         with torch.no_grad():
-            a, bias = state.module.loss.log_scale.exp(), state.module.loss.bias
-            s2v, s2t = feats["logvar_v"].exp().sum(1), feats["logvar_t"].exp().sum(1)
-            logits = a * (feats["mu_v"] @ feats["mu_t"].T - 0.5 * (s2v[:, None] + s2t[None, :])) + bias
+            loss = state.module.loss
+            logits = ppcl_logits(
+                feats["mu_v"], feats["logvar_v"], feats["mu_t"], feats["logvar_t"], loss.log_scale, loss.bias
+            )
             per["sum_p"] = torch.sigmoid(logits).sum(0).numpy()
-            per["sigma2_t"] = s2t.numpy()
+            per["sigma2_t"] = feats["logvar_t"].exp().sum(1).numpy()
         for j, i in enumerate(idx):
             for name, values in per.items():
                 sums[kind[i]].setdefault(name, []).append(float(values[j]))
