@@ -12,6 +12,7 @@ from torch import nn
 from pipeline.config import ConfigError
 from pipeline.masking import choose_kept_patches
 from pipeline.tokenizer import train_tokenizer
+from training.config import OptimConfig, TrainConfig
 from training.model import (
     CONFIG_FILE,
     MODEL_CONFIGS,
@@ -20,6 +21,7 @@ from training.model import (
     ModelConfig,
     ProLIP,
     decay_split,
+    is_unc_param,
     load_checkpoint,
     load_extra,
     model_config,
@@ -462,6 +464,38 @@ def test_param_groups_exempt_gains_biases_embeddings_and_scalars(model: ProLIP) 
     assert [g["weight_decay"] for g in groups] == [0.2, 0.0]
     assert sum(len(g["params"]) for g in groups) == len(list(holder.parameters()))
     torch.optim.AdamW(groups, lr=5e-4)  # accepted as-is
+
+
+def test_param_groups_give_each_towers_sigma_head_its_own_lr(model: ProLIP) -> None:
+    holder = nn.Module()
+    holder.model = model
+    names = {id(p): n for n, p in holder.named_parameters()}
+    decay = dict.fromkeys(decay_split(holder)[0])
+
+    def lrs(groups: list[dict]) -> dict[str, tuple[float, float]]:
+        """parameter name → (its group's LR, its group's decay); every parameter in exactly one group."""
+        out: dict[str, tuple[float, float]] = {}
+        for g in groups:
+            for p in g["params"]:
+                assert names[id(p)] not in out
+                out[names[id(p)]] = (g.get("lr", 1e-3), g["weight_decay"])
+        assert set(out) == set(names.values())
+        return out
+
+    def expect(text: float, image: float) -> dict[str, tuple[float, float]]:
+        def lr(n: str) -> float:
+            if not is_unc_param(n):
+                return 1e-3
+            return 1e-3 * (image if n.startswith("model.visual.") else text)
+
+        return {n: (pytest.approx(lr(n)), 0.2 if n in decay else 0.0) for n in names.values()}
+
+    assert lrs(param_groups(holder, 0.2, 1e-3, 10.0, 0.1)) == expect(10.0, 0.1)
+    assert lrs(param_groups(holder, 0.2, 1e-3, 10.0)) == expect(10.0, 10.0)  # None: the text multiplier
+    assert lrs(param_groups(holder, 0.2, 1e-3, 1.0, 3.0)) == expect(1.0, 3.0)  # image alone still splits
+    assert len(param_groups(holder, 0.2, 1e-3, 1.0, 1.0)) == 2  # nothing to split
+    with pytest.raises(ConfigError, match="optim.unc_lr_mult_image"):
+        TrainConfig(model="tiny", optim=OptimConfig(unc_lr_mult_image=0.0))
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -124,6 +124,10 @@ class OptimConfig:
     # LR multiplier for the σ heads (each tower's log σ² projection and [UNC] token, ``model.unc_params``):
     # 1 everywhere but the demo, whose ~300 steps are too few for the heads to move at the base LR.
     unc_lr_mult: float = 1.0
+    # The image tower's σ head alone (None: ``unc_lr_mult``). The two heads meet different gradients (text
+    # captions repeat across pictures, pictures do not), so a study may want them apart (docs/track.md
+    # "Round 17"); no preset sets it.
+    unc_lr_mult_image: float | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,10 @@ class TrainConfig:
             ("betas", all(0 <= b < 1 for b in o.betas)),
             ("min_lr_ratio", 0 <= o.min_lr_ratio <= 1),
             ("unc_lr_mult", math.isfinite(o.unc_lr_mult) and o.unc_lr_mult > 0),
+            (
+                "unc_lr_mult_image",
+                o.unc_lr_mult_image is None or (math.isfinite(o.unc_lr_mult_image) and o.unc_lr_mult_image > 0),
+            ),
         ):
             require(ok, f"optim.{key}", "is out of range", getattr(o, key))
 

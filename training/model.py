@@ -132,23 +132,34 @@ def is_unc_param(name: str) -> bool:
 
 
 def param_groups(
-    model: nn.Module, weight_decay: float, lr: float | None = None, unc_lr_mult: float = 1.0
+    model: nn.Module,
+    weight_decay: float,
+    lr: float | None = None,
+    unc_lr_mult: float = 1.0,
+    unc_lr_mult_image: float | None = None,
 ) -> list[dict[str, Any]]:
     """AdamW parameter groups: matrices decay by ``weight_decay``; gains, biases, scalars, embeddings not.
 
     With ``unc_lr_mult`` != 1 the σ-head parameters (``is_unc_param``) get their own groups at
-    ``lr * unc_lr_mult`` (same decay rule); the LR schedule scales every group alike.
+    ``lr * unc_lr_mult`` (same decay rule); ``unc_lr_mult_image`` (None: the same) sets the image tower's
+    σ head apart from the text tower's. The LR schedule scales every group alike.
     """
     params = dict(model.named_parameters())
     decay, no_decay = decay_split(model)
+    image_mult = unc_lr_mult if unc_lr_mult_image is None else unc_lr_mult_image
+    split = lr is not None and (unc_lr_mult != 1.0 or image_mult != 1.0)
+
+    def mult(name: str) -> float:
+        return image_mult if "visual" in name.split(".") else unc_lr_mult
+
     groups = []
     for names, wd in ((decay, weight_decay), (no_decay, 0.0)):
-        split = unc_lr_mult != 1.0 and lr is not None
-        main = [params[n] for n in names if not (split and is_unc_param(n))]
-        groups.append({"params": main, "weight_decay": wd})
-        unc = [params[n] for n in names if split and is_unc_param(n)]
-        if unc:
-            groups.append({"params": unc, "weight_decay": wd, "lr": lr * unc_lr_mult})  # type: ignore[operator]
+        unc = [n for n in names if split and is_unc_param(n)]
+        rest = set(names).difference(unc)
+        groups.append({"params": [params[n] for n in names if n in rest], "weight_decay": wd})
+        for m in dict.fromkeys(mult(n) for n in unc):  # one group per multiplier, in first-seen order
+            ps = [params[n] for n in unc if mult(n) == m]
+            groups.append({"params": ps, "weight_decay": wd, "lr": lr * m})  # type: ignore[operator]
     return groups
 
 

@@ -203,7 +203,7 @@ def setup_state(
     ddp = wrap(module)
     inner: TrainModule = ddp.module if hasattr(ddp, "module") else ddp
     o = cfg.optim
-    groups = param_groups(inner, o.weight_decay, o.lr, o.unc_lr_mult)
+    groups = param_groups(inner, o.weight_decay, o.lr, o.unc_lr_mult, o.unc_lr_mult_image)
     opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.total_steps, o.warmup_steps, o.min_lr_ratio))
     if saved is not None:
