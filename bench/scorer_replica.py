@@ -12,6 +12,7 @@ Not a timing benchmark: the batches differ from a Ray run's, so figures match th
 not digit for digit. Appends one JSON line per run to ``--out``.
 
 Usage: python bench/scorer_replica.py --run runs/demo --seed 1 [--set data.text_mask_mode=mask ...]
+       [--train-rows matched]
 """
 
 from __future__ import annotations
@@ -196,9 +197,26 @@ def append_result(result: dict, out: str) -> None:
         f.write(json.dumps(result) + "\n")
 
 
+def matched_rows(run: str, pool: list[dict]) -> list[dict]:
+    """The pool rows whose caption describes their picture by the generator's ground truth: what a scorer
+    pretrained on a curated corpus would have seen, as an oracle (no filter knows this)."""
+    import pyarrow.parquet as pq
+
+    truth = pq.read_table(f"{run}/pool/truth.parquet", columns=["uid", "is_mismatched"]).to_pandas()
+    mismatched = set(truth.loc[truth["is_mismatched"], "uid"])
+    return [r for r in pool if json.loads(r["json"])["uid"] not in mismatched]
+
+
 def main() -> None:
     ap = replica_parser(
         __doc__.splitlines()[0], "scorer overrides, e.g. loss.beta=0", 1, "scorer_replica.jsonl"
+    )
+    ap.add_argument(
+        "--train-rows",
+        choices=("all", "matched"),
+        default="all",
+        help="train on every pool row (the track) or only the matched ones (an oracle curated corpus); "
+        "the figures are measured on every row either way",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -206,13 +224,16 @@ def main() -> None:
     tok = TextTokenizer.load(f"{args.run}/tokenizer")
     pool = read_tars(f"{args.run}/shards/*.tar")
     t0 = time.time()
-    state, rows = train(cfg, tok, pool)
+    state, rows = train(cfg, tok, pool if args.train_rows == "all" else matched_rows(args.run, pool))
+    train_s = round(time.time() - t0, 1)
     # One directory per process: replicas of one run and seed side by side must not read each other's model.
     ckpt = save_replica(state, cfg, tok, f"{args.run}/replica/seed{args.seed}-{os.getpid()}", "prolip")
+    if args.train_rows != "all":
+        rows = decode_pool(state, cfg, tok, pool)
     by_key = {r["key"]: r for r in pool}  # rows the decoder kept, in its order
     texts = [by_key[k]["txt"].decode() for k in rows["key"]]
     uids = [json.loads(by_key[k]["json"])["uid"] for k in rows["key"]]
-    result = {"seed": args.seed, "set": args.set, "train_s": round(time.time() - t0, 1)}
+    result = {"seed": args.seed, "set": args.set, "train_rows": args.train_rows, "train_s": train_s}
     result |= measure(Encoder(ckpt), state, args.run, rows["image"], texts, uids)
     append_result(result, args.out)
 
