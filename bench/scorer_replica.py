@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 from scipy.stats import rankdata
 
@@ -121,8 +122,6 @@ def measure(enc: Encoder, state, run: str, images: np.ndarray, texts: list[str],
     }
     out["colours"] = zero_shot(enc, f"{ev}/colours", means_only=True)[0]
     out["shapes"], out["shapes_probe"] = zero_shot(enc, f"{ev}/shapes", means_only=True)
-    import pyarrow.parquet as pq
-
     truth = pq.read_table(f"{run}/pool/truth.parquet").to_pandas().set_index("uid").loc[uids]
     with torch.no_grad():
         mv, lvv = (x.numpy() for x in state.module.model.encode_image(torch.from_numpy(images)))
@@ -200,8 +199,6 @@ def append_result(result: dict, out: str) -> None:
 def matched_rows(run: str, pool: list[dict]) -> list[dict]:
     """The pool rows whose caption describes their picture by the generator's ground truth: what a scorer
     pretrained on a curated corpus would have seen, as an oracle (no filter knows this)."""
-    import pyarrow.parquet as pq
-
     truth = pq.read_table(f"{run}/pool/truth.parquet", columns=["uid", "is_mismatched"]).to_pandas()
     mismatched = set(truth.loc[truth["is_mismatched"], "uid"])
     return [r for r in pool if json.loads(r["json"])["uid"] not in mismatched]

@@ -262,7 +262,8 @@ class TrainConfig:
             ("unc_lr_mult", math.isfinite(o.unc_lr_mult) and o.unc_lr_mult > 0),
             (
                 "unc_lr_mult_image",
-                o.unc_lr_mult_image is None or (math.isfinite(o.unc_lr_mult_image) and o.unc_lr_mult_image > 0),
+                o.unc_lr_mult_image is None
+                or (math.isfinite(o.unc_lr_mult_image) and o.unc_lr_mult_image > 0),
             ),
         ):
             require(ok, f"optim.{key}", "is out of range", getattr(o, key))

@@ -155,8 +155,9 @@ def param_groups(
     groups = []
     for names, wd in ((decay, weight_decay), (no_decay, 0.0)):
         unc = [n for n in names if split and is_unc_param(n)]
-        rest = set(names).difference(unc)
-        groups.append({"params": [params[n] for n in names if n in rest], "weight_decay": wd})
+        groups.append(
+            {"params": [params[n] for n in names if not (split and is_unc_param(n))], "weight_decay": wd}
+        )
         for m in dict.fromkeys(mult(n) for n in unc):  # one group per multiplier, in first-seen order
             ps = [params[n] for n in unc if mult(n) == m]
             groups.append({"params": ps, "weight_decay": wd, "lr": lr * m})  # type: ignore[operator]
