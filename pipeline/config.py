@@ -194,6 +194,14 @@ def merge(cfg: T, updates: Mapping[str, Any], prefix: str = "") -> T:
         return dataclasses.replace(cfg, **changes)
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line from a PyYAML error: what it expected and where (1-based line and column)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
+
+
 def parse_set(items: list[str]) -> dict[str, Any]:
     """``["a.b=1", "c=x"]`` → nested dict; values parsed as YAML scalars so ``true``/``0.5``/``[1,2]`` work."""
     out: dict[str, Any] = {}
@@ -201,7 +209,10 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {key.strip()}: value is not valid YAML ({yaml_problem(exc)})") from None
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -218,8 +229,15 @@ def resolve(
         raise ConfigError(f"unknown preset {preset!r} (known: {', '.join(sorted(presets))})")
     cfg = presets[preset]
     if config_file:
-        with open(config_file) as fh:
-            data = yaml.safe_load(fh) or {}
+        try:
+            with open(config_file) as fh:
+                data = yaml.safe_load(fh) or {}
+        except OSError as exc:
+            raise ConfigError(f"{config_file}: cannot read the config file ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{config_file}: not UTF-8 text (byte {exc.start})") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{config_file}: not valid YAML ({yaml_problem(exc)})") from None
         if not isinstance(data, Mapping):
             raise ConfigError(f"{config_file}: top level must be a mapping")
         try:

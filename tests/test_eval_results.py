@@ -136,6 +136,18 @@ def test_our_lines_are_datacomps_schema():
         read_results(json.dumps(ok) + "\n{not json\n", "results.jsonl")
 
 
+def test_a_broken_task_list_is_one_line_naming_the_file(tmp_path):
+    broken = tmp_path / "tasks.yaml"
+    broken.write_text("tasks:\n  - {name: shapes, path: [x\n")
+    with pytest.raises(EvalSetError, match=r"tasks\.yaml: not valid YAML \(line 3, column 1: ") as info:
+        load_tasks(str(broken))
+    assert "\n" not in str(info.value)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00tasks: []\n")
+    with pytest.raises(EvalSetError, match=r"binary\.yaml: cannot read the task list"):
+        load_tasks(str(binary))
+
+
 def test_evaluate_resumes_from_a_datacomp_file(tmp_path, tiny_checkpoint):
     out = tmp_path / "out"
     out.mkdir()

@@ -44,3 +44,23 @@ def test_bad_yaml_value_names_field_and_file(job, tmp_path, capsys):
     assert _run(module.main, ["--config", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.yaml" in err[0] and "no_such_key" in err[0], err
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_unreadable_or_malformed_config_is_one_line_naming_the_file(job, tmp_path, capsys):
+    main = importlib.import_module(f"jobs.{job}").main
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("download:\n  retries: [1, 2\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00retries: 1\n")
+    cases = (
+        (["--config", str(tmp_path / "missing.yaml")], ("missing.yaml", "cannot read")),
+        (["--config", str(tmp_path)], (str(tmp_path), "cannot read")),
+        (["--config", str(broken)], ("broken.yaml", "not valid YAML", "line 3")),
+        (["--config", str(binary)], ("binary.yaml",)),
+        (["--set", "a.b=[1, 2"], ("--set a.b", "not valid YAML")),
+    )
+    for argv, words in cases:
+        assert _run(main, argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and all(w in err[0] for w in words), (argv, err)

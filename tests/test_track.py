@@ -18,6 +18,15 @@ def test_unknown_subset_is_named():
         merge(TrackConfig(), {"subsets": ["no_filter", "csd_magic"]})
 
 
+def test_a_repeated_seed_or_subset_is_named():
+    # it would train one model twice and count it twice in the report's "n/n seeds better"
+    with pytest.raises(ConfigError, match=r"seeds: repeated \[1\]"):
+        merge(TrackConfig(), {"seeds": [0, 1, 2, 1]})
+    with pytest.raises(ConfigError, match=r"subsets: repeated \['csd'\]"):
+        merge(TrackConfig(), {"subsets": ["no_filter", "csd", "random", "csd"]})
+    assert merge(TrackConfig(), {"seeds": [2, 0, 1]}).seeds == (2, 0, 1)
+
+
 def test_random_control_needs_its_reference():
     with pytest.raises(ConfigError, match="random_of"):
         merge(TrackConfig(), {"subsets": ["no_filter", "random"], "random_of": "csd"})

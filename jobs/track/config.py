@@ -53,6 +53,13 @@ class TrackConfig:
             raise ConfigError(f"subsets: unknown {unknown} (known: {', '.join(SUBSET_KINDS)})")
         if not self.seeds:
             raise ConfigError("seeds: need at least one seed")
+        # A repeated seed or subset would train the same model twice and count it twice in the report's
+        # "n/n seeds better" lines.
+        for name in ("seeds", "subsets"):
+            values = list(getattr(self, name))
+            repeated = sorted({v for v in values if values.count(v) > 1}, key=values.index)
+            if repeated:
+                raise ConfigError(f"{name}: repeated {repeated} (each may appear once)")
         for name in ("csd_fraction", "clip_fraction", "text_unc_quantile"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")

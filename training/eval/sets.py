@@ -32,6 +32,7 @@ import numpy as np
 import yaml
 
 from pipeline import storage
+from pipeline.config import yaml_problem
 from pipeline.shard_source import IMAGE_EXTS
 from pipeline.shards import ShardError, iter_shard
 from pipeline.storage import LOCAL, Storage
@@ -82,7 +83,9 @@ def load_tasks(path_or_name: str, root: str | None = None) -> list[Task]:
     try:
         data = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as e:
-        raise EvalSetError(f"{file}: invalid YAML: {e}") from e
+        raise EvalSetError(f"{file}: not valid YAML ({yaml_problem(e)})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise EvalSetError(f"{file}: cannot read the task list ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("tasks"), list):
         raise EvalSetError(f"{file}: expected a mapping with a 'tasks' list")
     defaults = data.get("defaults") or {}
