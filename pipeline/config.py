@@ -71,7 +71,8 @@ def fraction(cfg: Any, *names: str, open_low: bool = False) -> None:
 
 
 def check_types(cfg: Any) -> None:
-    """Every field holds a value of its declared type (no silent coercion on direct construction)."""
+    """Every field holds a value of its declared type (no silent coercion on direct construction), and every
+    seed field (``seed``, ``*_seed``, ``seeds``) is non-negative."""
     hints = typing.get_type_hints(type(cfg))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
@@ -79,6 +80,15 @@ def check_types(cfg: Any) -> None:
         same_kind = isinstance(value, bool) == isinstance(coerced, bool)
         equal = coerced == value or (isinstance(value, float) and math.isnan(value))  # ranges judge NaN
         require(equal and same_kind, f.name, f"must be of type {hints[f.name]}", value)
+        if f.name == "seed" or f.name.endswith("_seed") or f.name == "seeds":
+            check_seed(value, f.name)
+
+
+def check_seed(value: Any, name: str) -> None:
+    """A seed (or a tuple of them) is a non-negative int or None: numpy's generators take no negative seed,
+    and a run that fails on it would fail after the work before it (a build, a scorer)."""
+    for v in value if isinstance(value, (list, tuple)) else (value,):
+        require(v is None or (isinstance(v, int) and v >= 0), name, "must be a non-negative integer", v)
 
 
 def one_of(cfg: Any, name: str, choices: Any) -> None:
@@ -117,6 +127,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             value = [v for v in (s.strip() for s in value.split(",")) if v]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:  # fixed arity, e.g. Adam's two betas
+            if len(value) != len(args):
+                raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}: {list(value)!r}")
+            return tuple(
+                _coerce(v, t, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, args, strict=True))
+            )
         inner = args[0] if args else Any
         items = [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
@@ -138,6 +154,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str):
             try:
                 return int(value)
+            except ValueError:
+                pass
+            try:  # "1e6": YAML reads a float without a dot as a string
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, float) and value.is_integer():

@@ -127,3 +127,27 @@ def test_yaml_error_names_the_file(tmp_path):
     path.write_text("download:\n  timeout_s: -3\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml: download\.timeout_s must be"):
         resolve(BUILD_PRESETS, "demo", str(path))
+
+
+def test_fixed_length_tuples_seeds_and_exponent_ints():
+    from training.config import TRAIN_PRESETS
+
+    # Adam's betas, a crop's aspect range, a pixel mean: a wrong count used to pass and crash in the worker
+    for key, value, words in (
+        ("optim.betas", "[0.9]", "expected 2 values, got 1"),
+        ("optim.betas", "[0.9, 0.98, 0.5]", "expected 2 values, got 3"),
+        ("data.mean", "[0.5, 0.5]", "expected 3 values, got 2"),
+    ):
+        with pytest.raises(ConfigError, match=f"{key}: {words}"):
+            resolve(TRAIN_PRESETS, "demo", sets=[f"{key}={value}"])
+    # numpy's generators take no negative seed: a negative one used to fail after the build
+    for key in ("seed", "data.mask_seed", "data.shuffle_seed", "data.augment_seed"):
+        with pytest.raises(ConfigError, match=f"{key} must be a non-negative integer, got -1"):
+            resolve(TRAIN_PRESETS, "demo", sets=[f"{key}=-1"])
+    for key in ("demo_seed", "filters.random_seed"):
+        with pytest.raises(ConfigError, match=f"{key} must be a non-negative integer, got -2"):
+            resolve(BUILD_PRESETS, "demo", sets=[f"{key}=-2"])
+    cfg = resolve(TRAIN_PRESETS, "demo", sets=["samples_seen=1e4", "optim.betas=[0.8, 0.9]"])
+    assert cfg.samples_seen == 10_000 and cfg.optim.betas == (0.8, 0.9)  # YAML reads "1e4" as a string
+    with pytest.raises(ConfigError, match="samples_seen: expected an int"):
+        resolve(TRAIN_PRESETS, "demo", sets=["samples_seen=1.5"])

@@ -25,6 +25,18 @@ def test_a_repeated_seed_or_subset_is_named():
     with pytest.raises(ConfigError, match=r"subsets: repeated \['csd'\]"):
         merge(TrackConfig(), {"subsets": ["no_filter", "csd", "random", "csd"]})
     assert merge(TrackConfig(), {"seeds": [2, 0, 1]}).seeds == (2, 0, 1)
+    with pytest.raises(ConfigError, match="seeds must be a non-negative integer, got -1"):
+        merge(TrackConfig(), {"seeds": [0, -1]})
+
+
+def test_the_task_list_is_checked_before_the_build(tmp_path):
+    # it is read only after every training, so a typo used to cost the whole run
+    with pytest.raises(ConfigError, match=r"eval_tasks: task list not found: demo2 \(known names: "):
+        merge(TrackConfig(), {"eval_tasks": "demo2"})
+    broken = tmp_path / "tasks.yaml"
+    broken.write_text("tasks: [\n")
+    with pytest.raises(ConfigError, match="eval_tasks: .*tasks.yaml: not valid YAML"):
+        merge(TrackConfig(), {"eval_tasks": str(broken)})
 
 
 def test_random_control_needs_its_reference():

@@ -30,7 +30,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from pipeline.config import ConfigError, check_types, from_dict, non_negative, positive, require
+from pipeline.config import ConfigError, check_seed, check_types, from_dict, non_negative, positive, require
 from training.losses import REDUCTIONS
 from training.model_config import MODEL_CONFIGS, VARIANTS, ModelConfig, model_config  # noqa: F401  re-exported
 from training.objectives import LOSS_SPECS
@@ -228,6 +228,8 @@ class TrainConfig:
             raise ConfigError(
                 "data.cache_decoded needs data.augment=false (cached crops would repeat every epoch)"
             )
+        for name in ("shuffle_seed", "augment_seed", "mask_seed"):
+            check_seed(getattr(self.data, name), f"data.{name}")
         if self.run.checkpoint_every < 1 or self.run.log_every < 1:
             raise ConfigError("run.checkpoint_every and run.log_every must be >= 1")
         for name in (

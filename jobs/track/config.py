@@ -13,6 +13,7 @@ from typing import Any
 from pipeline import storage
 from pipeline.config import BUILD_PRESETS, BuildConfig, ConfigError, check_types, merge
 from training.config import TRAIN_PRESETS, TrainConfig
+from training.eval.sets import EvalSetError, load_tasks
 
 BUILD_SUBSETS = ("no_filter", "basic", "english")  # written by the build's own filters
 SUBSET_KINDS = ("no_filter", "basic", "english", "csd", "csd_uncertainty", "clip_score", "random")
@@ -53,6 +54,10 @@ class TrackConfig:
             raise ConfigError(f"subsets: unknown {unknown} (known: {', '.join(SUBSET_KINDS)})")
         if not self.seeds:
             raise ConfigError("seeds: need at least one seed")
+        try:  # the task list is read at the end, after the build and every training: check it now
+            load_tasks(self.eval_tasks)
+        except EvalSetError as exc:
+            raise ConfigError(f"eval_tasks: {exc}") from None
         # A repeated seed or subset would train the same model twice and count it twice in the report's
         # "n/n seeds better" lines.
         for name in ("seeds", "subsets"):
