@@ -25,15 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scorer_replica import append_result  # noqa: E402
+from pipeline.demo.captions import _a  # noqa: E402  the pool's own article rule
 from pipeline.demo.render import COLOURS, SHAPES  # noqa: E402
 from training.encode import Encoder  # noqa: E402
 from training.salience import SalientDrop  # noqa: E402
 
 GENERIC = ("shape", "object")
-
-
-def _a(word: str) -> str:
-    return ("an " if word[0] in "aeiou" else "a ") + word
 
 
 def last_word(enc: Encoder, words: tuple[str, ...]) -> dict[str, tuple[float, float]]:
