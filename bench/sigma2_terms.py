@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.scorer_replica import (  # noqa: E402
     append_result,
+    cpu_as_train_loop,
     decode_pool,
     read_tars,
     replica_parser,
@@ -72,7 +73,7 @@ def main() -> None:
     ap = replica_parser(__doc__.splitlines()[0], "(unused)", 1, "sigma2_terms.jsonl")
     ap.add_argument("--batches", type=int, default=150)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    cpu_as_train_loop(args.threads)
     tok = TextTokenizer.load(f"{args.run}/tokenizer")
     cfg, state = trained_state(args.run, args.seed, tok)
     pool = read_tars(f"{args.run}/shards/*.tar")

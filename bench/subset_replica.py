@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.scorer_replica import (  # noqa: E402
     append_result,
+    cpu_as_train_loop,
     read_tars,
     replica_parser,
     save_replica,
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--recaption", default="", help="P0,P1,P2,P3: clean captions at these level rates")
     ap.add_argument("--eval", default="", help="eval-set root (default: <run>/pool/eval)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    cpu_as_train_loop(args.threads)
     cfg = seeded_config(TRACK_PRESETS["demo"].train, args.seed, args.set)
     tok = TextTokenizer.load(f"{args.run}/tokenizer")
     pool = read_tars(f"{args.run}/{args.shards}/*.tar")
