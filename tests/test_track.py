@@ -154,10 +154,25 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert {"build", "scorer", "score", "filters", "reshard", "train/csd-seed0", "evaluate/scorer"} <= set(
         state
     )
-    # A re-run resumes: every recorded step is skipped, only the report is written again.
-    assert main(args) == 0
-    steps = [k for k in state if k != "timings"]
+    # A re-run resumes: every recorded step is skipped, only the report is written again. Keys that say
+    # where or how fast a step runs may change between the runs.
+    assert main([*args, "--set", "scorer.run.log_every=3", "--set", "score_actors=2"]) == 0
+    steps = [k for k in state if k not in ("timings", "config")]
     assert capsys.readouterr().out.count("done earlier, skipped") == len(steps)
+    # A config that would change a finished step's output stops before Ray starts, naming the key ...
+    samples = state["config"]["scorer"]["samples_seen"]
+    assert main([*args, "--set", f"scorer.samples_seen={samples + 64}"]) == 2
+    err = capsys.readouterr().err
+    assert f"scorer.samples_seen: {samples} → {samples + 64}" in err and "new output" in err
+    assert main([*args, "--set", "seeds=[5]"]) == 2  # the scorer's seed
+    assert "scorer_seed: 0 → 5" in capsys.readouterr().err
+    assert json.loads((out / "track_state.json").read_text()) == state  # and records nothing
+    # ... and so does a run whose state has no recorded config (made by an earlier version).
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "track_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "config"}))
+    assert main(["--preset", "tiny", "--set", f"output={legacy}"]) == 2
+    assert "not their config" in capsys.readouterr().err
     # The seed table reads the same files: the run's figures with their intervals, and its summary.
     from jobs.track import seeds
 

@@ -8,19 +8,26 @@ resumes: finished steps are skipped, an interrupted training resumes from its ch
 
 from __future__ import annotations
 
+import sys
+
 from jobs.common import config_parser, init_ray, resolve_config
 from jobs.track.config import TRACK_PRESETS
 from jobs.track.report import markdown_table
-from jobs.track.run import run_track
+from jobs.track.run import ResumeMismatch, claim_output, run_track
 from pipeline.config import to_dict
 from pipeline.manifest import write_manifest
-from pipeline.storage import Storage
+from pipeline.storage import Storage, redact_text
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = config_parser(__doc__.splitlines()[0], TRACK_PRESETS)
     args = parser.parse_args(argv)
     cfg = resolve_config(args, TRACK_PRESETS)  # validated on construction; errors exit 2 with one line
+    try:  # before Ray starts: a resumed run's config must match the steps it recorded
+        claim_output(cfg)
+    except ResumeMismatch as exc:
+        print(f"config error: {redact_text(str(exc))}", file=sys.stderr)
+        return 2
     init_ray(cfg.num_cpus)
     result = run_track(cfg)
     write_manifest(

@@ -16,7 +16,11 @@ Steps, all under one run directory (local or ``s3://``):
    with the uncertainty analyses; 7. **report** — ``report.md`` with the DataComp-style table.
 
 A re-run with the same output resumes: finished steps are recorded in ``track_state.json`` and skipped;
-an interrupted training resumes from its last checkpoint (same run name).
+an interrupted training resumes from its last checkpoint (same run name). The state also records the
+config that made those steps (``resume_key``): a re-run whose config would change what a finished step
+produced stops with one line naming the keys, instead of reporting the old steps' figures as the new
+config's. Keys that say only where or how fast a step runs (cores, actors, GPUs, checkpoint interval,
+download retries) and further seeds may change between runs.
 """
 
 from __future__ import annotations
@@ -30,7 +34,69 @@ from typing import Any
 
 from jobs.track.config import TrackConfig, paths
 from pipeline import storage
+from pipeline.config import ConfigError, to_dict
+from pipeline.runstate import RETRY_KNOBS, differences
 from pipeline.storage import Storage
+
+# Keys that change where or how fast a step runs, not what it produces (resume_key leaves them out).
+_PLACEMENT = {
+    "": ("output", "s3_endpoint", "num_cpus", "seeds", "score_actors", "score_gpus", "eval_gpus"),
+    "build": (
+        "output", "s3_endpoint", "num_cpus", "download_actors", "download_cpus", "keep_parts", "overwrite",
+        "retry_failed",
+    ),
+    "build.download": RETRY_KNOBS,
+    "model": ("scaling", "run"),
+    "model.data": (
+        "shards", "s3_endpoint", "read_cpus", "decode_tasks", "decode_cpus", "prefetch_batches", "label_selector",
+    ),
+}  # fmt: skip
+
+
+class ResumeMismatch(ConfigError):
+    """The output holds a track run made with another config; the message names the keys."""
+
+
+def resume_key(cfg: TrackConfig) -> dict[str, Any]:
+    """What the recorded steps depend on: the config without its ``_PLACEMENT`` keys, and of the seeds only
+    the first (the scorer's); more seeds only add models."""
+    key = to_dict(cfg)
+
+    def drop(d: dict[str, Any], names: tuple[str, ...]) -> None:
+        for name in names:
+            d.pop(name, None)
+
+    drop(key, _PLACEMENT[""])
+    drop(key["build"], _PLACEMENT["build"])
+    drop(key["build"]["download"], _PLACEMENT["build.download"])
+    for name in ("scorer", "train"):
+        drop(key[name], _PLACEMENT["model"])
+        drop(key[name]["data"], _PLACEMENT["model.data"])
+    key["scorer_seed"] = cfg.seeds[0]
+    return key
+
+
+def claim_output(cfg: TrackConfig, store: Storage | None = None) -> None:
+    """Check ``cfg`` against the steps already recorded in its output, then record it; raises
+    ``ResumeMismatch`` (a ``ConfigError``) naming what differs."""
+    store = store or Storage.from_env(cfg.s3_endpoint)
+    state = _State(cfg.output, store)
+    new = resume_key(cfg)
+    steps = [k for k in state.data if k not in ("timings", "config")]
+    old = state.get("config")
+    if steps and old is None:
+        raise ResumeMismatch(
+            f"{state.path} records {len(steps)} finished steps but not their config (an earlier version made "
+            "them); use a new output (--set output=DIR) or remove that directory"
+        )
+    diff = differences(old, new) if old is not None else []
+    if diff:
+        shown = "; ".join(diff[:4]) + ("; …" if len(diff) > 4 else "")
+        raise ResumeMismatch(
+            f"{state.path}: its finished steps were made with another config ({shown}); resume with that "
+            "config, or use a new output (--set output=DIR)"
+        )
+    state.done("config", new)
 
 
 @dataclass
@@ -82,6 +148,7 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
     log(f"[track] machine: {machine['cores']} cores, fp32 matmul {machine['matmul_gflops']} GFLOP/s")
     t_start = time.perf_counter()
     p = paths(cfg)
+    claim_output(cfg)
     state = _State(cfg.output, Storage.from_env(cfg.s3_endpoint))
     timings: dict[str, float] = dict(state.get("timings") or {})
 
