@@ -76,9 +76,9 @@ def resume_key(cfg: TrackConfig) -> dict[str, Any]:
     return key
 
 
-def claim_output(cfg: TrackConfig, store: Storage | None = None) -> None:
-    """Check ``cfg`` against the steps already recorded in its output, then record it; raises
-    ``ResumeMismatch`` (a ``ConfigError``) naming what differs."""
+def claim_output(cfg: TrackConfig, store: Storage | None = None) -> _State:
+    """Check ``cfg`` against the steps already recorded in its output, record it and return the state;
+    raises ``ResumeMismatch`` (a ``ConfigError``) naming what differs."""
     store = store or Storage.from_env(cfg.s3_endpoint)
     state = _State(cfg.output, store)
     new = resume_key(cfg)
@@ -97,6 +97,7 @@ def claim_output(cfg: TrackConfig, store: Storage | None = None) -> None:
             "config, or use a new output (--set output=DIR)"
         )
     state.done("config", new)
+    return state
 
 
 @dataclass
@@ -148,8 +149,7 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
     log(f"[track] machine: {machine['cores']} cores, fp32 matmul {machine['matmul_gflops']} GFLOP/s")
     t_start = time.perf_counter()
     p = paths(cfg)
-    claim_output(cfg)
-    state = _State(cfg.output, Storage.from_env(cfg.s3_endpoint))
+    state = claim_output(cfg)
     timings: dict[str, float] = dict(state.get("timings") or {})
 
     def step(name: str, fn: Callable[[], Any]) -> Any:
