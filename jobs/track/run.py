@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +43,9 @@ from pipeline.storage import Storage
 
 # Keys that change where or how fast a step runs, not what it produces (resume_key leaves them out).
 _PLACEMENT = {
-    "": ("output", "s3_endpoint", "num_cpus", "seeds", "score_actors", "score_gpus", "eval_gpus"),
+    "": (
+        "output", "s3_endpoint", "num_cpus", "seeds", "score_actors", "score_gpus", "eval_gpus", "train_parallel",
+    ),
     "build": (
         "output", "s3_endpoint", "num_cpus", "download_actors", "download_cpus", "keep_parts", "overwrite",
         "retry_failed",
@@ -138,6 +143,43 @@ def cpu_reference(seconds: float = 1.0, n: int = 256) -> dict[str, float]:
     return {"cores": os.cpu_count() or 0, "matmul_gflops": round(2 * n**3 * count / elapsed / 1e9, 1)}
 
 
+def _serialised(log: Callable[[str], None], lock: threading.Lock) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        with lock:
+            log(line)
+
+    return say
+
+
+def in_parallel(
+    fn: Callable[[Any], Any], items: Sequence[Any], workers: int, log: Callable[[str], None]
+) -> list:
+    """``[fn(x) for x in items]``, ``workers`` at a time (threads: each ``fn`` here waits on Ray). A failure
+    lets the others finish, so their steps are recorded, and is raised after them. Ctrl-C cancels the queued
+    ones and shuts the local Ray down, which ends the running trainings; their checkpoints stay, so the same
+    command resumes them."""
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="track")
+    futures = [pool.submit(fn, x) for x in items]
+    try:
+        wait(futures)
+    except KeyboardInterrupt:
+        import ray
+
+        pool.shutdown(wait=False, cancel_futures=True)
+        print("[track] interrupted: the same command resumes from the last checkpoints", file=sys.stderr)
+        ray.shutdown()
+        raise SystemExit(130) from None
+    pool.shutdown()
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    for exc in failed[1:]:
+        log(f"[track] also failed: {type(exc).__name__}: {exc}")
+    if failed:
+        raise failed[0]
+    return [f.result() for f in futures]
+
+
 def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResult:
     """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
     from jobs.track.report import write_report
@@ -145,12 +187,16 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
     from pipeline.build import build
     from pipeline.demo.source import demo_source
 
+    said = threading.Lock()  # one line at a time when models train side by side
+    log = _serialised(log, said)
     machine = cpu_reference()
     log(f"[track] machine: {machine['cores']} cores, fp32 matmul {machine['matmul_gflops']} GFLOP/s")
     t_start = time.perf_counter()
     p = paths(cfg)
     state = claim_output(cfg)
     timings: dict[str, float] = dict(state.get("timings") or {})
+
+    recording = threading.Lock()  # subset models may finish side by side (train_parallel)
 
     def step(name: str, fn: Callable[[], Any]) -> Any:
         cached = state.get(name)
@@ -160,10 +206,12 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         log(f"[track] {name} …")
         t = time.perf_counter()
         value = fn()
-        timings[name] = time.perf_counter() - t
-        state.done("timings", timings)
+        with recording:
+            timings[name] = time.perf_counter() - t
+            state.done("timings", timings)
+            state.done(name, value)
         log(f"[track] {name}: {timings[name]:.0f}s")
-        return state.done(name, value)
+        return value
 
     def do_build() -> dict[str, Any]:
         bcfg = dataclasses.replace(
@@ -187,10 +235,13 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         for seed in cfg.seeds
     }
     # One state entry per model, so an interrupted track never retrains or re-evaluates a finished one.
-    models = {
-        name: step(f"train/{name}", lambda name=name, run=run: train_models(cfg, {name: run}, log)[name])
-        for name, run in runs.items()
-    }
+    trained = in_parallel(
+        lambda item: step(f"train/{item[0]}", lambda: train_models(cfg, dict([item]), log)[item[0]]),
+        list(runs.items()),
+        cfg.train_parallel,
+        log,
+    )
+    models = dict(zip(runs, trained, strict=True))
     evals = {
         name: step(
             f"evaluate/{name}", lambda name=name, info=info: evaluate_models(cfg, {name: info}, log)[name]

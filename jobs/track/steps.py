@@ -21,8 +21,8 @@ _SCORE_SUBSETS = ("csd", "csd_uncertainty", "clip_score", "random")  # the rest 
 
 
 def train_models(cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int]], log: Log) -> dict[str, Any]:
-    """Train each ``name → (base config, shards, seed)`` in turn; the cluster could run them side by side,
-    but on a laptop they would only compete for the same cores."""
+    """Train each ``name → (base config, shards, seed)`` in turn (``run_track`` runs ``train_parallel`` such
+    calls side by side)."""
     from training.trainer import train
 
     out: dict[str, Any] = {}
