@@ -151,12 +151,18 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     for name in ("scorer", "no_filter-seed0", "csd-seed0", "random-seed0"):
         assert (out / "eval" / name / "eval_results.jsonl").is_file()
     state = json.loads((out / "track_state.json").read_text())
-    assert {"build", "scorer", "score", "filters", "reshard", "train/csd-seed0", "evaluate/scorer"} <= set(
-        state
-    )
+    # The tiny preset trains its three subset models two at a time (train_parallel): each one recorded.
+    models = {f"train/{s}-seed0" for s in subsets}
+    assert {"build", "scorer", "score", "filters", "reshard", "evaluate/scorer", *models} <= set(state)
+    assert models <= set(state["timings"]) and "2 at a time (train_parallel): their times overlap" in report
     # A re-run resumes: every recorded step is skipped, only the report is written again. Keys that say
     # where or how fast a step runs may change between the runs.
-    assert main([*args, "--set", "scorer.run.log_every=3", "--set", "score_actors=2"]) == 0
+    assert (
+        main(
+            [*args, "--set", "scorer.run.log_every=3", "--set", "score_actors=2", "--set", "train_parallel=1"]
+        )
+        == 0
+    )
     steps = [k for k in state if k not in ("timings", "config")]
     assert capsys.readouterr().out.count("done earlier, skipped") == len(steps)
     # A config that would change a finished step's output stops before Ray starts, naming the key ...
@@ -305,3 +311,33 @@ def test_seed_table_summarises_over_runs_and_shows_what_a_run_lacks():
         {"table": []}, {"scorer": {"seed": 0}, "evaluate/scorer": {"analyses": "not applicable"}}
     )
     assert clip["figures"]["adjacent hierarchy levels ordered"] is None and clip["per_pair"] is None
+
+
+def test_in_parallel_keeps_order_lets_the_others_finish_and_raises_the_first_failure():
+    import threading
+    import time
+
+    from jobs.track.run import in_parallel
+
+    running, peak, lock, lines = [0], [0], threading.Lock(), []
+
+    def work(x):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.05 * (3 - x % 3))  # later items finish first
+        with lock:
+            running[0] -= 1
+        if x in (1, 3):
+            raise ValueError(f"item {x}")
+        return x * 10
+
+    assert in_parallel(lambda x: x * 10, [0, 2, 4, 5], 2, lines.append) == [0, 20, 40, 50]
+    done = []
+    with pytest.raises(ValueError, match="item 1"):  # the first failure in item order
+        in_parallel(lambda x: done.append(x) or work(x), list(range(6)), 2, lines.append)
+    assert sorted(done) == list(range(6)) and peak[0] == 2  # every item ran, two at a time
+    assert lines == ["[track] also failed: ValueError: item 3"]
+    assert in_parallel(work, [0, 2], 1, lines.append) == [0, 20]  # one at a time: a plain loop
+    with pytest.raises(ConfigError, match="train_parallel must be >= 1"):
+        merge(TRACK_PRESETS["tiny"], {"train_parallel": 0})

@@ -354,7 +354,7 @@ def _scorer_lines(cfg: Any, scorer_eval: dict[str, Any]) -> list[str]:
 
 
 def _timing_lines(
-    scores: dict[str, Any], timings: dict[str, float], machine: dict[str, float] | None
+    scores: dict[str, Any], timings: dict[str, float], machine: dict[str, float] | None, parallel: int = 1
 ) -> list[str]:
     lines = [
         "",
@@ -362,6 +362,11 @@ def _timing_lines(
         "",
         ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
         "",
+        *(
+            [f"Subset models trained {parallel} at a time (train_parallel): their times overlap.", ""]
+            if parallel > 1
+            else []
+        ),
         f"Scoring: {scores['n_rows']} pairs at {scores['pairs_per_s']:.0f} pairs/s.",
         "",
     ]
@@ -398,7 +403,7 @@ def write_report(
         *_verdict_lines(verdicts),
         *_ground_truth_lines(detection, purity),
         *_scorer_lines(cfg, evals.get("scorer", {})),
-        *_timing_lines(scores, timings, machine),
+        *_timing_lines(scores, timings, machine, cfg.train_parallel),
     ]
     path = storage.join(cfg.output, "report.md")
     store.write_bytes("\n".join(lines).encode(), path)
