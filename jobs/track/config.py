@@ -109,8 +109,9 @@ def _demo_train(samples_seen: int, name: str) -> TrainConfig:
     grayscale (label-destroying here) are off, and the sigmoid bias starts at −log(B) (docs/track.md).
 
     Sized for a 2-core laptop: the 32-px, 2-layer ``demo-32px`` model (~4× the samples/s of ``tiny``); one
-    Train worker using every core (two half-core DDP workers ran at ~60% of its rate); and, with augmentation
-    off, the decoded rows kept in the worker after the first epoch (``data.cache_decoded``).
+    Train worker using every core (two half-core DDP workers ran at ~60% of its rate; the demo's subset models
+    override this with one thread each, two at a time: ``train_parallel``); and, with augmentation off, the
+    decoded rows kept in the worker after the first epoch (``data.cache_decoded``).
     """
     return merge(
         TRAIN_PRESETS["demo"],
