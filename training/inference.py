@@ -37,6 +37,8 @@ from training.scoring import (
     score_schema,
 )
 
+READ_CPUS = 0.25  # logical CPUs per read task of encode_items (reads bytes only)
+
 
 class PoolOptions(TypedDict, total=False):
     """The encoding actor pool: ``num_actors`` models, ``num_gpus`` and ``cpus_per_actor`` each (one
@@ -155,6 +157,9 @@ def encode_items(
 ) -> list[dict[str, np.ndarray]]:
     """One read task per item (``reader``: item → rows for ``Encoder``), encoded on one actor pool;
     the encoded batches, gathered on the driver in arrival order."""
-    ds = ray.data.from_items(items, override_num_blocks=len(items)).flat_map(reader)
+    # The read tasks only read bytes (the Encoder decodes), so they reserve a quarter CPU as the training
+    # ingest's shard reads do (DataConfig.read_cpus): at Ray's default of one, an eval beside a half-CPU
+    # training on 2 CPUs had its encoder actor but no CPU left for a read task until the training ended.
+    ds = ray.data.from_items(items, override_num_blocks=len(items)).flat_map(reader, num_cpus=READ_CPUS)
     encoded = encode_dataset(ds, checkpoint, store, output=output, amp=amp, **pool)
     return list(encoded.iter_batches(batch_size=None, batch_format="numpy"))
