@@ -363,11 +363,7 @@ def _timing_lines(
         ", ".join(f"{k} {v:.0f}" for k, v in timings.items()),
         "",
         *(
-            [
-                f"Subset models trained {parallel} at a time (train_parallel), the evaluations in the slots no "
-                "training was waiting for: their times overlap.",
-                "",
-            ]
+            [f"Subset models trained {parallel} at a time (train_parallel): their times overlap.", ""]
             if parallel > 1
             else []
         ),

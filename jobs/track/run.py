@@ -26,12 +26,11 @@ download retries) and further seeds may change between runs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,51 +180,6 @@ def in_parallel(
     return [f.result() for f in futures]
 
 
-def train_then_evaluate(
-    names: Sequence[str],
-    train: Callable[[str], Any],
-    evaluate: Callable[[str, Any], Any],
-    trained_before: Mapping[str, Any],
-    workers: int,
-    log: Callable[[str], None],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``train(name)`` for every name, then ``evaluate(name, trained)`` for ``trained_before`` (models that
-    exist already, e.g. the scorer) and every name, as one queue worked ``workers`` at a time (``in_parallel``).
-
-    Every training is queued before any evaluation, so evaluations only take a slot no training is waiting
-    for: five demo models two at a time leave the fifth training alone, and the evaluations run beside it.
-    An evaluation waits for its model's training, and for the evaluation before it; one whose training
-    failed is skipped, and the failure is raised once the queue is done. Returns (trained, evaluated), each
-    in queue order."""
-    trained: dict[str, Any] = {}
-    ready = {name: threading.Event() for name in names}
-    # One evaluation at a time: two side by side each hold an encoder actor and, on 2 CPUs, left no CPU for
-    # the read tasks that feed them (the tiny track hung).
-    evaluating = threading.Lock()
-
-    def train_one(name: str) -> None:
-        try:
-            trained[name] = train(name)
-        finally:
-            ready[name].set()  # an evaluation waiting on a failed training goes on, and skips
-
-    def evaluate_one(name: str) -> Any:
-        if name in ready:
-            ready[name].wait()
-        model = trained_before[name] if name in trained_before else trained.get(name)
-        if model is None:
-            return None
-        with evaluating:
-            return evaluate(name, model)
-
-    order = [*trained_before, *names]
-    jobs = [functools.partial(train_one, n) for n in names] + [
-        functools.partial(evaluate_one, n) for n in order
-    ]
-    done = in_parallel(lambda job: job(), jobs, workers, log)
-    return {n: trained[n] for n in names}, dict(zip(order, done[len(names) :], strict=True))
-
-
 def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResult:
     """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
     from jobs.track.report import write_report
@@ -281,14 +235,19 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         for seed in cfg.seeds
     }
     # One state entry per model, so an interrupted track never retrains or re-evaluates a finished one.
-    models, evals = train_then_evaluate(
-        list(runs),
-        lambda name: step(f"train/{name}", lambda: train_models(cfg, {name: runs[name]}, log)[name]),
-        lambda name, info: step(f"evaluate/{name}", lambda: evaluate_models(cfg, {name: info}, log)[name]),
-        {"scorer": scorer},
+    trained = in_parallel(
+        lambda item: step(f"train/{item[0]}", lambda: train_models(cfg, dict([item]), log)[item[0]]),
+        list(runs.items()),
         cfg.train_parallel,
         log,
     )
+    models = dict(zip(runs, trained, strict=True))
+    evals = {
+        name: step(
+            f"evaluate/{name}", lambda name=name, info=info: evaluate_models(cfg, {name: info}, log)[name]
+        )
+        for name, info in {"scorer": scorer, **models}.items()
+    }
     timings["this_invocation"] = time.perf_counter() - t_start
     report, table, comparisons = write_report(
         cfg, built, scores, subsets, models, scorer, evals, timings, machine
