@@ -31,6 +31,7 @@ from pipeline.demo.images import (
     UnitJob,
     build_phash,
     close_pairs,
+    map_processes,
     render_unit,
 )
 from pipeline.demo.plan import CAPTION_NOISE_RATES, FAULT_STATUS, LEVEL_P, NOISE_RATES, noise_count, plan_pool
@@ -369,6 +370,15 @@ def test_plan_and_pictures_are_functions_of_the_seed():
     )
     other = render_unit(UnitJob(0, scene, (6, 1, 0, 0), 90, True))
     assert one == two and one.jpeg != other.jpeg and one.copy_jpeg != other.copy_jpeg
+
+
+def test_pictures_rendered_in_spawned_processes_equal_one_process():
+    """The pool renders on spawned processes; a picture must not depend on where it was rendered."""
+    jobs = [
+        UnitJob(i, Scene(i % 8, i % 8, i % 2, i % 9, i % 5, i % 4, 200 + i, 180 + i, face=i % 3 == 0), (7, 1, i, 0), 90, i % 2 == 0)
+        for i in range(8)
+    ]  # fmt: skip
+    assert map_processes(render_unit, jobs, workers=2, chunksize=2) == [render_unit(j) for j in jobs]
 
 
 @pytest.mark.slow

@@ -165,6 +165,20 @@ def map_threads(fn, jobs: list, workers: int | None = None) -> list:
         return list(pool.map(fn, jobs, chunksize=1))
 
 
+def map_processes(fn, jobs: list, workers: int | None = None, chunksize: int = 64) -> list:
+    """``[fn(j) for j in jobs]`` for a module-level ``fn``, on ``workers`` spawned processes (default: one
+    per core) when worth it. Rendering holds the GIL for most of a picture (threads ran it ~1.2× faster than
+    one thread on 2 cores); spawn, not fork, because the caller may be a Ray driver or serve HTTP."""
+    workers = workers or os.cpu_count() or 1
+    if workers <= 1 or len(jobs) < 4 * chunksize:
+        return [fn(j) for j in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(fn, jobs, chunksize=chunksize))
+
+
 def render_units(plan: dict[str, np.ndarray], seed: int, workers: int | None = None) -> dict[int, UnitResult]:
     """Render every picture of the pool, re-rendering (new seed) until the hash guarantees hold."""
     from pipeline.demo.plan import COPY_KINDS
@@ -181,7 +195,7 @@ def render_units(plan: dict[str, np.ndarray], seed: int, workers: int | None = N
         )  # fmt: skip
         return UnitJob(i, scene, (int(seed), 1, i, attempt[i]), int(plan["quality"][i]), i in near_sources)
 
-    results = {r.unit: r for r in map_threads(render_unit, [job(int(u)) for u in units], workers)}
+    results = {r.unit: r for r in map_processes(render_unit, [job(int(u)) for u in units], workers)}
     for _ in range(50):
         bad = {u for u, r in results.items() if not r.ok}
         hashes, groups = [], []
