@@ -132,7 +132,7 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         # pool's mismatched pairs (CSD AUC 0.78–0.85; docs/track.md), and on the 4,000-row pool
         # the 800-step subset models reached the no_filter model's colours from its 30% noise.
         build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096, "demo_n": 8000}),
-        # Sized for ~13 minutes on 2 cores (16.5 on the slowest day measured; docs/track.md "Measured"). Gradient
+        # Sized for ~13 minutes on 2 cores (13 min 7 s in Round 22; docs/track.md "Measured"). Gradient
         # clipping and a longer warmup: without them one of two otherwise identical runs spiked at the LR
         # peak and never left the sigmoid plateau. The σ heads at 10× the LR (a demo-only deviation,
         # docs/track.md): at the base LR ~300 steps leave log σ² at its initialisation.
