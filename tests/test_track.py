@@ -137,6 +137,10 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
         assert 0.0 <= row["average"] <= 1.0 and row["tasks"]
     assert set(results["verdict"]) == {"csd_vs_no_filter", "csd_vs_random"}
     assert "| subset | size | downloaded | samples seen |" in report and "CSD filter vs controls" in report
+    # The build's subsets that train no model here still show what they keep: basic drops non-English.
+    purity = results["purity"]
+    assert "| basic (not trained) | " in report and "basic" not in subsets
+    assert purity["basic (not trained)"].get("non_english", 0.0) < purity["no_filter"]["non_english"]
     assert results["machine"]["cores"] >= 1 and results["machine"]["matmul_gflops"] > 0
     assert "Machine: " in report
     # The scorer's figures come with their intervals over resampled pictures, as the eval wrote them.

@@ -13,6 +13,7 @@ import math
 import statistics
 from typing import Any
 
+from jobs.track.config import BUILD_SUBSETS
 from pipeline import storage
 from pipeline.storage import Storage
 
@@ -396,7 +397,13 @@ def write_report(
     store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
     rows = comparison_table(cfg, subsets, models, evals)
     verdicts = verdict(cfg, evals)
-    purity = subset_purity(cfg, subsets, store)
+    # The build's own subsets that train no model here (the demo's ``basic``) still show what they keep.
+    untrained = {
+        f"{name} (not trained)": {"path": path}
+        for name, path in (built.get("subsets") or {}).items()
+        if name in BUILD_SUBSETS and name not in subsets
+    }
+    purity = subset_purity(cfg, {**subsets, **untrained}, store)
     detection = noise_detection(cfg, scores["path"], store)
     lines = [
         *_header_lines(cfg, built, scorer, rows),
