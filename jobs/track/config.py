@@ -181,8 +181,7 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         # rules do not see mismatched captions, the pool's bad rows), so its model repeats no_filter's
         # (0.005–0.016 below it on the average, seeds 0–2 of Round 19), and as the fifth model, trained
         # alone, it cost ~2.5 of the 15 minutes (docs/track.md "Round 22"). The build still writes
-        # ``subsets/basic.npy``;
-        # ``--set subsets=[no_filter,basic,csd,csd_uncertainty,random]`` trains it too.
+        # ``subsets/basic.npy``; ``--set subsets=[no_filter,basic,csd,csd_uncertainty,random]`` trains it too.
         subsets=("no_filter", "csd", "csd_uncertainty", "random"),
         train_parallel=2,
     ),

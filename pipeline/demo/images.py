@@ -167,8 +167,9 @@ def map_threads(fn, jobs: list, workers: int | None = None) -> list:
 
 def map_processes(fn, jobs: list, workers: int | None = None, chunksize: int = 64) -> list:
     """``[fn(j) for j in jobs]`` for a module-level ``fn``, on ``workers`` spawned processes (default: one
-    per core) when worth it. Rendering holds the GIL for most of a picture (threads ran it ~1.2× faster than
-    one thread on 2 cores); spawn, not fork, because the caller may be a Ray driver or serve HTTP."""
+    per core) when worth it. Rendering holds the GIL for much of a picture: on 2 cores two threads rendered
+    2,000 pictures only 1.2–1.6× as fast as one (docs/track.md "Round 22"). Spawn, not fork, because the
+    caller may be a Ray driver or serve HTTP."""
     workers = workers or os.cpu_count() or 1
     if workers <= 1 or len(jobs) < 4 * chunksize:
         return [fn(j) for j in jobs]
@@ -212,7 +213,9 @@ def render_units(plan: dict[str, np.ndarray], seed: int, workers: int | None = N
             return results
         for u in bad:
             attempt[u] += 1
-        results.update({r.unit: r for r in map_threads(render_unit, [job(u) for u in sorted(bad)], workers)})
+        results.update(
+            {r.unit: r for r in map_processes(render_unit, [job(u) for u in sorted(bad)], workers)}
+        )
     raise RuntimeError("could not separate the pool's perceptual hashes in 50 rounds")
 
 
