@@ -68,7 +68,7 @@ def child(case: str, meta: str, lo: int, hi: int, threads: int, overrides: dict,
                 overrides)  # fmt: skip
     run = _case(case, cfg, rows, urls, threads, tmp)
     if os.environ.get("ACTOR_CPU_MMAP_THRESHOLD"):  # after DownloadWorker's own setting: this one wins
-        from pipeline.pixel_budget import return_large_buffers_to_os
+        from pipeline.download.pixel_budget import return_large_buffers_to_os
 
         return_large_buffers_to_os(int(os.environ["ACTOR_CPU_MMAP_THRESHOLD"]))
     if os.environ.get("ACTOR_CPU_TRIM_THRESHOLD"):
@@ -96,10 +96,10 @@ def child(case: str, meta: str, lo: int, hi: int, threads: int, overrides: dict,
 
 def _case(case: str, cfg, rows, urls: list[str], threads: int, tmp: str):
     """A callable ``run(warm)``: the warm call does a few rows so lazy imports and first connections are paid."""
-    from pipeline.download import DownloadWorker, fetch
-    from pipeline.netguard import UrlGuard
-    from pipeline.parts import DownloadPart
-    from pipeline.resize import process_image
+    from pipeline.download.fetch import DownloadWorker, fetch
+    from pipeline.download.netguard import UrlGuard
+    from pipeline.download.part import DownloadPart
+    from pipeline.download.resize import process_image
 
     warm_n = 8
     if case == "ceiling":

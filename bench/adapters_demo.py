@@ -5,7 +5,7 @@ Reproduces the table of docs/adapters.md "Measured on the demo pool" from a buil
 trained on it (a deterministic CLIP, a ProLIP and a PCME++ model; a run directory stands for its newest
 ``checkpoint_*``):
 
-1. embeds the training shards with the deterministic CLIP (``training.inference.embed_shards``) — what the
+1. embeds the training shards with the deterministic CLIP (``training.infer.batch_inference.embed_shards``) — what the
    post-hoc adapters are fitted on;
 2. expands the retrieval eval set (``{key}.jpg`` + ``{key}.txt`` with three captions, pipeline/demo/eval_sets.py)
    into one webdataset sample per (image, caption) pair, written to ``OUT/eval_pairs/``; the pairs of one
@@ -44,7 +44,7 @@ RETRIEVAL_PER_TAR = 1000  # pairs per eval shard; the demo's 200 images × 3 cap
 
 def pair_uid(key: str) -> str:
     """A 32-hex uid for an eval image key: the scorers keep a json uid only when it has DataComp's form
-    (training/scoring.py ``sample_uid``), and every caption row of one image must carry the same one."""
+    (training/infer/scoring.py ``sample_uid``), and every caption row of one image must carry the same one."""
     return hashlib.md5(f"retrieval/{key}".encode()).hexdigest()
 
 
@@ -70,7 +70,7 @@ def write_retrieval_pairs(eval_dir: Path, out_dir: Path) -> tuple[list[str], int
     """Write ``retrieval_pairs`` of ``eval_dir/test/*.tar`` as shards under ``out_dir``.
 
     Returns (shard paths, images, pairs)."""
-    from pipeline.shards import iter_shard, write_shard
+    from pipeline.shards.writer import iter_shard, write_shard
 
     tars = sorted((eval_dir / "test").glob("*.tar"))
     if not tars:
@@ -106,7 +106,7 @@ def extra_nota(out: Path, eval_root: Path, sets: list[str], checkpoint: str, uns
     import torch
 
     from jobs.adapters import AdaptersConfig, run_nota
-    from pipeline.storage import LOCAL
+    from pipeline.common.storage import LOCAL
     from training.adapters.asymvlm import AsymVLM
 
     heads = {}
@@ -155,7 +155,7 @@ def _checkpoints(args: argparse.Namespace, run: Path) -> dict[str, str] | None:
     except FileNotFoundError as exc:
         print(f"adapters_demo: {exc}", file=sys.stderr)
         return None
-    from training.scoring import verify_checkpoint
+    from training.infer.scoring import verify_checkpoint
 
     for name, c in ckpts.items():
         cfg = verify_checkpoint(c)
@@ -169,7 +169,7 @@ def _checkpoints(args: argparse.Namespace, run: Path) -> dict[str, str] | None:
 def _embed_all(jobs: list[tuple[str, str, str]], emb: Path, reuse: bool, timings: dict[str, float]) -> None:
     """Embed each (name, shards, checkpoint) into ``emb/{name}.parquet`` on a local Ray, skipping the
     parquets already there when ``reuse``; Ray is shut down afterwards to free the cores for fitting."""
-    from training.inference import embed_shards
+    from training.infer.batch_inference import embed_shards
 
     todo = [j for j in jobs if not (reuse and (emb / f"{j[0]}.parquet").exists())]
     if not todo:

@@ -21,7 +21,7 @@
 (d) ``rerun``    ``build()`` again on each finished output (resume with nothing to do): its wall time as a
                  fraction of the first run's.
 (c) ``reshard``  a ``--reshard-n`` sample pool of part tars (1,000 samples each, 4–12 kB bodies), half of it
-                 selected by a subset: ``pipeline.reshard.reshard`` against a plain sequential baseline
+                 selected by a subset: ``pipeline.subsets.reshard.reshard`` against a plain sequential baseline
                  written here in the way DataComp's resharder works per worker (stream each input tar,
                  parse the sample's json for its uid, ``np.searchsorted`` in the sorted ``u8,u8`` subset,
                  append the members to a rolling output tar of ``samples_per_shard``).
@@ -148,10 +148,10 @@ def meta_stages(n: int, min_free_gb: float, child_out: str = "") -> dict:
 
     from jobs.common import init_ray
     from pipeline import build as B
+    from pipeline.common.storage import LOCAL
     from pipeline.config import BuildConfig, merge
-    from pipeline.filtering import check_build_filters
-    from pipeline.rows import pre_statuses
-    from pipeline.storage import LOCAL
+    from pipeline.filters.specs import check_build_filters
+    from pipeline.source.row_checks import pre_statuses
 
     folder = synth_metadata(n)
     cfg = merge(BuildConfig(), {"metadata": str(folder), "output": str(CACHE / "unused"),
@@ -173,8 +173,8 @@ def meta_stages(n: int, min_free_gb: float, child_out: str = "") -> dict:
         return res
 
     stage("ray.init", lambda: init_ray(num_cpus=os.cpu_count() or 1))
-    from pipeline.metadata import open_metadata, read_columns
-    from pipeline.rows import CAPTION_STATUS, ROW_KEY
+    from pipeline.source.metadata import open_metadata, read_columns
+    from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY
 
     meta = stage("schema check (every file)", lambda: open_metadata(cfg.metadata, LOCAL))
     for name, columns in zip(meta.files, meta.names, strict=True):
@@ -304,7 +304,7 @@ def run_download(sizes: list[int], corpus_n: int) -> dict:
 def make_reshard_pool(n: int, folder: Path) -> tuple[list[str], np.ndarray]:
     """``n`` samples in part tars of 1,000 (jpg, txt, json with the uid), and a subset of half of them."""
     from pipeline import schema as S
-    from pipeline.shards import ShardWriter
+    from pipeline.shards.writer import ShardWriter
 
     rng = np.random.default_rng(1)
     hexes = rng.bytes(16 * n).hex()
@@ -363,7 +363,7 @@ def baseline_reshard(inputs: list[str], subset: np.ndarray, out: Path, samples_p
 
 
 def run_reshard(n: int, rounds: int) -> dict:
-    from pipeline.reshard import reshard
+    from pipeline.subsets.reshard import reshard
 
     folder = Path(tempfile.mkdtemp(prefix="bench-reshard-"))
     try:

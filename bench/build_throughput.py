@@ -19,7 +19,7 @@ Measured, same URLs, DataComp's settings (longest side 512, downscale only, JPEG
                 ``threads_per_actor``, shards of our ``part_size`` so both split the work the same way.
                 It runs in a subprocess (its spawn pool needs a ``__main__`` guard); we report the call
                 alone (the runner times it) and the subprocess wall time including ``import img2dataset``.
-  (c) ceiling   ``pipeline.resize.process_image`` (decode, resize, encode, pHash) over the same bytes in
+  (c) ceiling   ``pipeline.download.resize.process_image`` (decode, resize, encode, pHash) over the same bytes in
                 memory, one thread, OpenCV single-threaded: images/s per core.
 Order: (c) once, then ``--rounds`` rounds of b, a (, a tuned): the contenders alternate (A B A B A B), each
 of our runs in its own Ray session started after img2dataset finished and stopped before the next round,
@@ -322,7 +322,7 @@ def run_ceiling(paths: list[Path], n: int) -> dict:
     """process_image over ``n`` of the images (evenly spaced), bytes in memory, one thread."""
     import cv2
 
-    from pipeline.resize import process_image
+    from pipeline.download.resize import process_image
 
     cv2.setNumThreads(1)
     step = max(1, len(paths) // n)

@@ -10,7 +10,7 @@ that over from the forked parent's resident size across ``exec``, so it would re
 
 Kinds: RGBA PNG (alpha composited on white), palette PNG with a transparent entry, 16-bit greyscale PNG,
 RGB PNG, and JPEG (decoded at 1/8 in the DCT domain). The bound is
-``pipeline.download.memory_bound(cfg)`` (docs/download.md): the peak over the resident size before the
+``pipeline.download.fetch.memory_bound(cfg)`` (docs/download.md): the peak over the resident size before the
 call must stay below it whatever the input. Each configuration runs ``--repeats`` times alternated with
 the others; we report the median, min and max, and the load average beside each figure.
 
@@ -110,7 +110,7 @@ def _worker(port: int, paths: list[str], threads: int, budget: int, out: mp.Queu
     import pyarrow as pa
 
     from pipeline.config import DownloadConfig
-    from pipeline.download import DownloadWorker
+    from pipeline.download.fetch import DownloadWorker
 
     kw = {"allow_hosts": ["127.0.0.1"], "threads_per_actor": threads, "verify_sha256": False}
     if budget and "decode_pixel_budget" in DownloadConfig.__dataclass_fields__:
@@ -128,7 +128,7 @@ def _worker(port: int, paths: list[str], threads: int, budget: int, out: mp.Queu
     secs = time.perf_counter() - t0
     peak = _hwm()
     try:
-        from pipeline.download import memory_bound
+        from pipeline.download.fetch import memory_bound
 
         bound = memory_bound(cfg)
     except ImportError:

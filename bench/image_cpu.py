@@ -162,15 +162,15 @@ def large_corpus(n: int) -> list[bytes]:
 def _pixels(data: bytes, margin: float) -> np.ndarray:
     from PIL import Image
 
-    from pipeline import resize as R
+    from pipeline.download import resize as R
 
     im = Image.open(io.BytesIO(data))
     return R._decode_resized(data, im, *R.output_size(*im.size, 512), margin)[0]
 
 
 def _quality(blobs: list[bytes], margins: list[float]) -> dict:
-    from pipeline import resize as R
-    from pipeline.resize import process_image
+    from pipeline.download import resize as R
+    from pipeline.download.resize import process_image
 
     full = [_pixels(b, 0).astype(np.int16) for b in blobs]
     out = {}
@@ -214,7 +214,7 @@ def bench_phash(n: int) -> dict:
     import imagehash
     from PIL import Image
 
-    from pipeline.phash import hamming, phash64
+    from pipeline.dedup.phash import hamming, phash64
 
     cv2.setNumThreads(1)
     pixels = [_pixels(p.read_bytes(), 3.0) for p in BT.make_corpus(n, 0, os.cpu_count() or 1)]

@@ -2,12 +2,12 @@
 
 Cases per batch size B (D = 512 by default), single process (B rows x B columns), plus one worker-shaped
 row (--worker-shape, default 512 local rows x 16,384 global columns: the paper's 512 per GPU x 32 GPUs,
-the share one worker computes under training/losses.py's distributed contract):
-  prolip  `training.losses.prolip_objective`: PPCL + inclusion (v in t) + masked inclusion on B/8 + VIB
-  ppcl    `training.losses.ppcl_loss` alone, the pairwise term that replaces SigLIP's
+the share one worker computes under training/losses/contrastive.py's distributed contract):
+  prolip  `training.losses.contrastive.prolip_objective`: PPCL + inclusion (v in t) + masked inclusion on B/8 + VIB
+  ppcl    `training.losses.contrastive.ppcl_loss` alone, the pairwise term that replaces SigLIP's
   naive   the full objective with the PPCL variance term built as the official code does, from a
           (B, B, D) tensor of sigma^2 sums; skipped when that tensor alone would exceed --naive-limit-gib
-  siglip  `training.losses.siglip_loss` on the same means
+  siglip  `training.losses.contrastive.siglip_loss` on the same means
 Memory: peak resident set size (`getrusage(RUSAGE_SELF).ru_maxrss`) during the first forward + backward,
 minus the resident size (/proc/self/statm) just before it, inputs already allocated; one fresh
 subprocess per case so no earlier case can hide a peak. It counts all the loss allocates, autograd
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratios, results_path, times  # noqa: E402
-from training.losses import inclusion_loss, ppcl_loss, prolip_objective, siglip_loss, vib_kl  # noqa: E402
+from training.losses.contrastive import inclusion_loss, ppcl_loss, prolip_objective, siglip_loss, vib_kl  # noqa: E402
 
 CASES = ("prolip", "ppcl", "naive", "siglip")
 MASKED_KEYS = ("mu_v_masked", "logvar_v_masked", "mu_t_masked", "logvar_t_masked")

@@ -58,8 +58,8 @@ def profile_stages(blobs: list[bytes], margin: float = 3.0, theirs: bool = True)
     import numpy as np
     from PIL import Image
 
-    from pipeline import resize as R
-    from pipeline.phash import phash64
+    from pipeline.dedup.phash import phash64
+    from pipeline.download import resize as R
 
     cv2.setNumThreads(1)
     for b in blobs[:3]:
@@ -161,7 +161,7 @@ def _cum(stats: pstats.Stats, names: list[str]) -> float:
 def profile_part(paths: list[Path], n: int, tmp: Path) -> dict:
 
     from pipeline.config import DownloadConfig
-    from pipeline.parts import DownloadPart
+    from pipeline.download.part import DownloadPart
 
     server = BT.ImageServer(paths[0].parent)
     try:
@@ -217,8 +217,8 @@ def compare_fetch(urls: list[str], cfg) -> dict:
     """Thread CPU per image of one serial fetch, no profiler: ours vs img2dataset's ``download_image``."""
     from img2dataset.downloader import download_image
 
-    from pipeline.download import fetch
-    from pipeline.netguard import UrlGuard
+    from pipeline.download.fetch import fetch
+    from pipeline.download.netguard import UrlGuard
 
     guard = UrlGuard(cfg.allow_hosts)
     ours = lambda u: fetch(u, timeout_s=10, retries=0, max_bytes=cfg.max_bytes, guard=guard,  # noqa: E731

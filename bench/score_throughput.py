@@ -1,7 +1,7 @@
 """CSD scoring throughput of pool pairs, as a ratio measured in one run.
 
 1. CPU, ``tiny`` model (random init: throughput does not depend on the weights), ``--n`` demo pictures
-   (tests/fixtures_train.py, ``--px`` px JPEGs) with their captions, in memory:
+   (tests/fixtures/train_shards.py, ``--px`` px JPEGs) with their captions, in memory:
      end_to_end  the scoring ``Encoder`` called in-process: decode → both towers → CSD, batches of ``--batch``
      forward     the ceiling: both towers only, on pre-decoded pixels and pre-tokenized captions, same
                  batch size and torch threads
@@ -33,12 +33,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline.tokenizer import train_tokenizer  # noqa: E402
-from tests.fixtures_ckpt import DEMO_CAPTIONS, make_checkpoint  # noqa: E402
-from tests.fixtures_train import demo_samples  # noqa: E402
-from training.encode import Encoder  # noqa: E402
-from training.model import ProLIP, model_config, save_checkpoint  # noqa: E402
-from training.scoring import score_columns  # noqa: E402
+from pipeline.ingest.tokenizer import train_tokenizer  # noqa: E402
+from tests.fixtures.checkpoints import DEMO_CAPTIONS, make_checkpoint  # noqa: E402
+from tests.fixtures.train_shards import demo_samples  # noqa: E402
+from training.infer.encode import Encoder  # noqa: E402
+from training.infer.scoring import score_columns  # noqa: E402
+from training.model.two_tower import ProLIP, model_config, save_checkpoint  # noqa: E402
 
 
 def _batches(n: int, size: int) -> list[slice]:
@@ -110,8 +110,8 @@ def measure(scorer: Encoder, samples: list[dict], batch: int, repeats: int) -> d
 def ray_path(samples: list[dict], ckpt: str, batch: int, workdir: str) -> dict[str, float]:
     import ray
 
-    from pipeline.shards import write_shard
-    from training.inference import score_shards
+    from pipeline.shards.writer import write_shard
+    from training.infer.batch_inference import score_shards
 
     shard_dir = os.path.join(workdir, "shards")
     os.makedirs(shard_dir)

@@ -1,6 +1,6 @@
 """The demo track's scorer without Ray: train it on a built demo run's shards, then measure its σ² claims.
 
-Drives ``training.step.setup_state`` / ``train_step`` on the run's shards (decoded once, kept in memory and
+Drives ``training.train.step.setup_state`` / ``train_step`` on the run's shards (decoded once, kept in memory and
 reshuffled every epoch like ``data.cache_decoded``; masked variants as the training loop makes them), with
 the track's ``demo`` scorer preset plus any ``--set key=value``, then measures what the report's
 uncertainty section measures (training/eval/uncertainty.py) on the run's eval sets: Σσ² text vs image and
@@ -35,15 +35,15 @@ sys.path.insert(0, str(ROOT))
 
 from jobs.track.config import TRACK_PRESETS  # noqa: E402
 from pipeline.config import merge, parse_set  # noqa: E402
-from pipeline.ingest_train import DecodeAugment, TrainCollate  # noqa: E402
-from pipeline.shards import iter_shard  # noqa: E402
-from pipeline.tokenizer import TextTokenizer  # noqa: E402
-from training.encode import Encoder  # noqa: E402
+from pipeline.ingest.tokenizer import TextTokenizer  # noqa: E402
+from pipeline.ingest.transforms import DecodeAugment, TrainCollate  # noqa: E402
+from pipeline.shards.writer import iter_shard  # noqa: E402
 from training.eval import uncertainty as U  # noqa: E402
 from training.eval.metrics import gaussian_mean, score_matrix  # noqa: E402
-from training.loop import _masker  # noqa: E402
-from training.model import save_checkpoint  # noqa: E402
-from training.step import setup_state, train_step  # noqa: E402
+from training.infer.encode import Encoder  # noqa: E402
+from training.model.two_tower import save_checkpoint  # noqa: E402
+from training.train.loop import _masker  # noqa: E402
+from training.train.step import setup_state, train_step  # noqa: E402
 
 
 def read_tars(pattern: str) -> list[dict]:
@@ -175,7 +175,7 @@ def replica_parser(description: str, set_help: str, threads: int, out: str) -> a
 
 
 def cpu_as_train_loop(threads: int) -> None:
-    """The train loop's CPU settings (training/loop.py): ``threads`` torch threads and subnormals flushed
+    """The train loop's CPU settings (training/train/loop.py): ``threads`` torch threads and subnormals flushed
     to zero. Without the flush the masked branch's saturated inclusion gradients ran the scorer's steps
     ~1.4x slower, and the replica's numbers then differ from the loop's from the first such step."""
     torch.set_num_threads(threads)

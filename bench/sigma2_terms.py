@@ -32,12 +32,12 @@ from bench.scorer_replica import (  # noqa: E402
     seeded_config,
 )
 from jobs.track.config import TRACK_PRESETS  # noqa: E402
-from pipeline.ingest_train import TrainCollate  # noqa: E402
-from pipeline.tokenizer import TextTokenizer  # noqa: E402
-from training.loop import _masker  # noqa: E402
-from training.losses import ppcl_logits  # noqa: E402
-from training.model import load_checkpoint  # noqa: E402
-from training.step import forward_terms, setup_state  # noqa: E402
+from pipeline.ingest.tokenizer import TextTokenizer  # noqa: E402
+from pipeline.ingest.transforms import TrainCollate  # noqa: E402
+from training.losses.contrastive import ppcl_logits  # noqa: E402
+from training.model.two_tower import load_checkpoint  # noqa: E402
+from training.train.loop import _masker  # noqa: E402
+from training.train.step import forward_terms, setup_state  # noqa: E402
 
 TERMS = ("ppcl", "inc_vt", "inc_masked_t", "vib_t")
 

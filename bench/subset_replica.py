@@ -1,9 +1,9 @@
 """A demo track's subset model without Ray: train it on one of a run's shard sets, then score zero-shot shapes.
 
 Trains the track's ``demo`` subset recipe (``TRACK_PRESETS["demo"].train`` plus any ``--set key=value``)
-with ``training.step`` on ``<run>/<shards>`` (decoded once and reshuffled every epoch, as
+with ``training.train.step`` on ``<run>/<shards>`` (decoded once and reshuffled every epoch, as
 ``data.cache_decoded`` does), then measures on the run's eval sets what the report's table shows for
-shapes and colours (prompt-ensemble zero-shot through ``training.encode.Encoder``) and a nearest-class-mean
+shapes and colours (prompt-ensemble zero-shot through ``training.infer.encode.Encoder``) and a nearest-class-mean
 probe of the image embeddings on the shapes set (half the images to fit the class means, half to test):
 the probe says whether the image tower separates shapes at all, zero-shot whether the captions taught it
 their names. ``--recaption P0,P1,P2,P3`` replaces every caption by a clean English one of the picture's
@@ -39,8 +39,8 @@ from bench.scorer_replica import (  # noqa: E402
 from jobs.track.config import TRACK_PRESETS  # noqa: E402
 from pipeline.demo import render  # noqa: E402
 from pipeline.demo.captions import caption, n_variants  # noqa: E402
-from pipeline.tokenizer import TextTokenizer  # noqa: E402
-from training.encode import Encoder  # noqa: E402
+from pipeline.ingest.tokenizer import TextTokenizer  # noqa: E402
+from training.infer.encode import Encoder  # noqa: E402
 
 
 def recaption(pool: list[dict], truth_path: str, probs: np.ndarray, rng: np.random.Generator) -> None:

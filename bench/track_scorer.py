@@ -56,7 +56,7 @@ def main() -> None:
     tcfg = train_config(cfg, cfg.scorer, "scorer", paths(cfg)["shards"], args.seed)
     tcfg = merge(tcfg, {"run": {"storage_path": args.out, "name": "scorer"}})
     init_ray(cfg.num_cpus)
-    from training.trainer import train
+    from training.train.trainer import train
 
     res = train(tcfg)
     ev = f"{args.out}/eval"

@@ -40,11 +40,11 @@ def peak_flops(name: str, override_tflops: float | None) -> float | None:
 def make_case(objective: str, batch: int, device: torch.device, compile_model: bool):
     import numpy as np
 
-    from pipeline.masking import choose_kept_patches, mask_text_tokens
+    from pipeline.ingest.masking import choose_kept_patches, mask_text_tokens
     from training.config import LossConfig
-    from training.model import ProLIP, model_config, param_groups
-    from training.objectives import build_loss_from_config, loss_spec
-    from training.step import TrainModule, loss_shares
+    from training.losses.registry import build_loss_from_config, loss_spec
+    from training.model.two_tower import ProLIP, model_config, param_groups
+    from training.train.step import TrainModule, loss_shares
 
     torch.manual_seed(0)
     loss = build_loss_from_config(LossConfig(name=objective))[0]

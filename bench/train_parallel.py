@@ -44,7 +44,7 @@ def main() -> None:
     cfg = merge(TRACK_PRESETS["demo"], {"output": args.run, "seeds": [args.seed]})
     subsets = args.subsets.split(",")
     init_ray(cfg.num_cpus)
-    from training.trainer import train
+    from training.train.trainer import train
 
     def one(subset: str, scaling: dict, root: str) -> None:
         shards = os.path.join(args.run, "subset_shards", subset)

@@ -6,7 +6,7 @@
      clip         deterministic towers (no UNC token / σ head), CLIP InfoNCE — the baseline we train
      prolip_loss  the probabilistic towers with the CLIP objective (isolates the objective's share)
      prolip_salient  prolip with the demo scorer's salient masked captions (``data.text_mask_mode=salient``,
-                  training/salience.py: one no-grad text pass over every leave-one-out caption); reported
+                  training/train/salient_masking.py: one no-grad text pass over every leave-one-out caption); reported
                   as prolip_salient ÷ prolip, the cost of that demo-only deviation
    Ratio: prolip ÷ clip (goal ≤ 1.10), per round of the alternated cases (bench/alternate.py: each
    case one step per round, in turn), as median (min–max) over ``--rounds`` (≥ 3) with the load average
@@ -17,7 +17,7 @@
    decode/augment/tokenize tasks → ``iter_torch_batches`` with the masked-variant collate) on a local
    Ray with ``--cpus`` CPUs, against the ceiling: ``DecodeAugment`` called in-process on the same raw
    samples (one core, no Ray). Ratio: delivered ÷ ceiling. Both use ``--ingest-samples`` 64-px demo
-   pictures (tests/fixtures_train.py) so the figures compare like with like.
+   pictures (tests/fixtures/train_shards.py) so the figures compare like with like.
 Writes bench/results/train_step.json. Usage: python bench/train_step.py [--batch 64] [--rounds 20]
 """
 
@@ -40,14 +40,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratios, results_path, times  # noqa: E402
-from pipeline.ingest_train import DecodeAugment, MaskedVariants, TrainCollate  # noqa: E402
-from pipeline.tokenizer import train_tokenizer  # noqa: E402
-from tests.fixtures_train import demo_samples, write_demo_shards  # noqa: E402
+from pipeline.ingest.tokenizer import train_tokenizer  # noqa: E402
+from pipeline.ingest.transforms import DecodeAugment, MaskedVariants, TrainCollate  # noqa: E402
+from tests.fixtures.train_shards import demo_samples, write_demo_shards  # noqa: E402
 from training.config import DataConfig, LossConfig  # noqa: E402
-from training.model import ProLIP, model_config, param_groups  # noqa: E402
-from training.objectives import build_loss_from_config, loss_spec  # noqa: E402
-from training.salience import SalientDrop  # noqa: E402
-from training.step import TrainModule, loss_shares  # noqa: E402
+from training.losses.registry import build_loss_from_config, loss_spec  # noqa: E402
+from training.model.two_tower import ProLIP, model_config, param_groups  # noqa: E402
+from training.train.salient_masking import SalientDrop  # noqa: E402
+from training.train.step import TrainModule, loss_shares  # noqa: E402
 
 
 class StepCase:
@@ -79,7 +79,7 @@ class StepCase:
 
     def step(self) -> None:
         masked_tokens, keep_idx, masked_index = self.extra
-        if self.salient is not None:  # as training/step.py's train_step does it
+        if self.salient is not None:  # as training/train/step.py's train_step does it
             masked_tokens = self.salient.rewrite(
                 self.module.model.encode_text, self.tokens, masked_tokens, masked_index
             )
@@ -111,8 +111,8 @@ def step_times(batch: int, rounds: int, tokenizer, trim: bool = True) -> dict:
 def ingest(n: int, cpus: int, tokenizer, batch: int) -> dict[str, float]:
     import ray
 
-    from pipeline.datasets import RayTrainCollate, build_train_dataset
-    from pipeline.storage import LOCAL
+    from pipeline.common.storage import LOCAL
+    from pipeline.ingest.dataset import RayTrainCollate, build_train_dataset
 
     with tempfile.TemporaryDirectory() as d:
         per_shard = max(1, n // 8)
@@ -179,7 +179,7 @@ def main() -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)  # as the train loop does on CPU (training/loop.py)
+    torch.set_flush_denormal(True)  # as the train loop does on CPU (training/train/loop.py)
     tokenizer = train_tokenizer([s["txt"] for s in demo_samples(500, size=16)], vocab_size=512)
     cores = os.cpu_count() or 1
 

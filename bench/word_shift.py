@@ -1,7 +1,7 @@
 """How much a generic word moves a trained scorer's caption mean, against the words it stands for.
 
 For each demo track run given, at its scorer's last checkpoint: the leave-one-out shift ‖μ(caption without
-the word) − μ(caption)‖₂ that the salient masking ranks words by (``training/salience.py``), of the last
+the word) − μ(caption)‖₂ that the salient masking ranks words by (``training/train/salient_masking.py``), of the last
 word of "a photo of a {colour} {word}", averaged over the eight colours, for the generic words of the
 level-1 captions ("shape", "object") and for each shape's name; the same captions' mean tr(Σ_t); and the
 run's adjacent-level ordering from its ``eval/scorer/analyses.json``. A scorer that reads "shape" as "any
@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 from bench.scorer_replica import append_result  # noqa: E402
 from pipeline.demo.captions import _a  # noqa: E402  the pool's own article rule
 from pipeline.demo.render import COLOURS, SHAPES  # noqa: E402
-from training.encode import Encoder  # noqa: E402
-from training.salience import SalientDrop  # noqa: E402
+from training.infer.encode import Encoder  # noqa: E402
+from training.train.salient_masking import SalientDrop  # noqa: E402
 
 GENERIC = ("shape", "object")
 

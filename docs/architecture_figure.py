@@ -84,7 +84,7 @@ def draw(out_stem: Path) -> None:
         7.0,
         -0.35,
         "Direction: jobs → training → pipeline; nothing imports jobs; no file cycles; Ray only in named modules\n"
-        "(pipeline.build, pipeline.datasets, training.inference, training.loop, training.trainer) and jobs — "
+        "(pipeline.build, pipeline.ingest.dataset, training.infer.batch_inference, training.train.loop, training.train.trainer) and jobs — "
         "tests/test_architecture.py",
         fontsize=10,
         ha="center",

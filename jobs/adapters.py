@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from jobs.common import parse_job_config, print_table
-from pipeline import storage
+from pipeline.common import storage
+from pipeline.common.manifest import redacted
+from pipeline.common.storage import Storage
 from pipeline.config import check_types, non_negative, positive, require
-from pipeline.manifest import redacted
-from pipeline.storage import Storage
 from training.adapters.compare import evaluate_methods, markdown_table, none_of_the_above, nota_scores
 from training.adapters.fit import describe, fit_asymvlm, fit_probvlm, load_embeddings
 
@@ -71,7 +71,7 @@ FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(AdaptersConfig)
 def _read_classification_set(
     root: str, store: Storage
 ) -> tuple[list[bytes], np.ndarray, list[str], list[str]]:
-    from pipeline.shards import iter_shard
+    from pipeline.shards.writer import iter_shard
 
     classes = store.read_bytes(storage.join(root, "classnames.txt")).decode().split("\n")
     templates = store.read_bytes(storage.join(root, "zeroshot_classification_templates.txt")).decode()
@@ -86,7 +86,7 @@ def _read_classification_set(
 
 def run_nota(args: AdaptersConfig, asym: dict[str, Any], store: Storage) -> dict[str, Any]:
     """Zero-shot over the seen classes + the dummy prompt; frozen cosine vs each AsymVLM head."""
-    from training.encode import Encoder
+    from training.infer.encode import Encoder
 
     images, labels, classes, templates = _read_classification_set(args.zeroshot, store)
     enc = Encoder(args.checkpoint, store)

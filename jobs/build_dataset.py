@@ -10,13 +10,13 @@ import sys
 
 from jobs.common import config_parser, init_ray, print_table, resolve_config
 from pipeline.build import MetadataError, build
+from pipeline.common.manifest import write_manifest
+from pipeline.common.storage import Storage
 from pipeline.config import BUILD_PRESETS, ConfigError, to_dict
 from pipeline.demo.source import demo_source
-from pipeline.filtering import check_build_filters
-from pipeline.manifest import write_manifest
-from pipeline.runstate import FingerprintMismatch
+from pipeline.filters.specs import check_build_filters
 from pipeline.schema import METADATA_SCHEMA, SchemaError
-from pipeline.storage import Storage
+from pipeline.source.run_state import FingerprintMismatch
 
 
 def main(argv: list[str] | None = None) -> int:

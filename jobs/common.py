@@ -13,8 +13,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from pipeline.common.storage import redact_text
 from pipeline.config import ConfigError, merge, resolve
-from pipeline.storage import redact_text
 
 T = TypeVar("T")
 LOOPBACK = "127.0.0.1"
@@ -127,7 +127,7 @@ def loopback_only(ray: Any) -> None:
     interfaces. Its single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the default on macOS
     and Windows) uses the loopback address as the node address instead, and every component binds to
     the node address. The env var reaches the processes Ray starts; the driver read it at import, so its
-    copy is set too. tests/test_local_ray_bind.py lists every listening socket of the process tree.
+    copy is set too. tests/jobs/test_local_ray_bind.py lists every listening socket of the process tree.
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     constants = ray._private.ray_constants

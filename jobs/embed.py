@@ -1,7 +1,7 @@
 """``python -m jobs.embed --checkpoint C --shards S --out O.parquet [--num-actors N --num-gpus G]``.
 
 Writes the frozen embeddings of every pool pair — what the post-hoc adapters (ProbVLM, AsymVLM) train
-on — with Ray batch inference (``training.inference.embed_shards``). One parquet file, local or ``s3://``,
+on — with Ray batch inference (``training.infer.batch_inference.embed_shards``). One parquet file, local or ``s3://``,
 rows in arrival order (join on ``uid``), one row per sample with an image:
 
 =================  ===============================  ==================================================
@@ -28,11 +28,11 @@ import sys
 from dataclasses import dataclass, fields
 
 from jobs.common import init_ray, parse_job_config, print_table
+from pipeline.common.storage import Storage
 from pipeline.config import check_types, non_negative, positive
-from pipeline.storage import Storage
-from training.inference import embed_shards
-from training.model import CheckpointError
-from training.scoring import verify_checkpoint
+from training.infer.batch_inference import embed_shards
+from training.infer.scoring import verify_checkpoint
+from training.model.two_tower import CheckpointError
 
 
 @dataclass(frozen=True)

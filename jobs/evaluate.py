@@ -18,14 +18,14 @@ import sys
 import time
 
 from jobs.common import config_parser, init_ray, print_table, resolve_config
+from pipeline.common.manifest import write_manifest
+from pipeline.common.storage import Storage
 from pipeline.config import ConfigError, merge, to_dict
-from pipeline.manifest import write_manifest
-from pipeline.storage import Storage
 from training.config import EVAL_PRESETS
 from training.eval.results import AGGREGATES, datacomp_names, main_value
 from training.eval.run import evaluate
 from training.eval.sets import EvalSetError, load_tasks
-from training.model import CheckpointError
+from training.model.two_tower import CheckpointError
 
 _FLAGS = (
     "checkpoint",

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jobs.common import parse_job_config, print_table
+from pipeline.common.storage import Storage
 from pipeline.config import ConfigError, check_types
-from pipeline.storage import Storage
-from training.model import CheckpointError, load_checkpoint
+from training.model.two_tower import CheckpointError, load_checkpoint
 
 
 @dataclass(frozen=True)

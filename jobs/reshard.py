@@ -2,7 +2,7 @@
 
 Like every job it also takes ``--preset``, ``--config FILE.yaml`` and ``--set key=value``.
 
-Thin entry point over ``pipeline.reshard.reshard`` (DataComp's resharder semantics: semi-join on uid,
+Thin entry point over ``pipeline.subsets.reshard.reshard`` (DataComp's resharder semantics: semi-join on uid,
 repeated uids up-sampled, bytes copied as they are). No Ray: one streaming pass, optional read-ahead
 threads. The summary (written, missing, shards) is printed and written to ``OUT/reshard.json``.
 """
@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jobs.common import parse_job_config, print_table
+from pipeline.common.storage import Storage
 from pipeline.config import check_types, positive
-from pipeline.reshard import ReshardError, reshard
-from pipeline.shards import ShardError
-from pipeline.storage import Storage
-from pipeline.subset import SubsetError
+from pipeline.shards.writer import ShardError
+from pipeline.subsets.reshard import ReshardError, reshard
+from pipeline.subsets.uid_files import SubsetError
 
 
 @dataclass(frozen=True)

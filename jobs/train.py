@@ -14,11 +14,11 @@ from __future__ import annotations
 import sys
 
 from jobs.common import config_parser, init_ray, print_table, resolve_config
+from pipeline.common.manifest import write_manifest
+from pipeline.common.storage import Storage
 from pipeline.config import ConfigError, merge
-from pipeline.manifest import write_manifest
-from pipeline.storage import Storage
 from training.config import TRAIN_PRESETS, to_plain
-from training.trainer import train
+from training.train.trainer import train
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,9 +5,9 @@ dedupe; filter thresholds over the whole pool) are made in the driver on narrow 
 short strings: ~150 bytes a row); everything that touches bytes or models runs in Ray (the download actors, Ray Data).
 
 Order of a run: check the metadata files' schemas (each file named), the filter specs and the columns
-they need; read the narrow columns in the driver with pyarrow (pipeline/metadata.py) and decide every row
-that can be decided before download (pipeline/rows.py); check and record the run fingerprint
-(pipeline/runstate.py: a different pool, row order or part settings are refused); download the parts not
+they need; read the narrow columns in the driver with pyarrow (pipeline/source/metadata.py) and decide every row
+that can be decided before download (pipeline/source/row_checks.py); check and record the run fingerprint
+(pipeline/source/run_state.py: a different pool, row order or part settings are refused); download the parts not
 committed yet (or, with ``retry_failed``, re-fetch the transient rows of committed ones); then derive the
 status table, the shards and the subsets from the committed parts. Resume unit = a download *part*: the
 live rows in read order cut into consecutive ranges of ``part_size``, so the assignment depends only on
@@ -15,7 +15,7 @@ the metadata (and the fingerprint pins its order), and a resumed build ends with
 one would. The driver ships each part's row positions only; the download actors read the rows' columns
 from the files themselves, so there is no pass over the rows and no shuffle before the first part
 starts. A part is committed by the driver when it receives the part's rows, never by the actor that wrote
-it (pipeline/runstate.py explains why and how stale files are ignored).
+it (pipeline/source/run_state.py explains why and how stale files are ignored).
 """
 
 from __future__ import annotations
@@ -29,20 +29,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import filter_reuse as FR
-from pipeline import runstate as R
 from pipeline import schema as S
-from pipeline import storage
-from pipeline import subset_rows as SR
-from pipeline.build_download import PoolRows, download_parts
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import BuildConfig
-from pipeline.filtering import apply_filters, check_build_filters, needs_language, parse_filter_specs
-from pipeline.metadata import Metadata, MetadataError, open_metadata, read_columns
-from pipeline.reshard import ReshardResult, reshard
-from pipeline.rows import CAPTION_STATUS, ROW_KEY, pre_statuses
-from pipeline.status_table import decide_image_duplicates, status_table_of
-from pipeline.storage import LOCAL, Storage
-from pipeline.subset import arrow_u8pairs, write_subset
+from pipeline.download.phase import PoolRows, download_parts
+from pipeline.filters import rerun_cache as FR
+from pipeline.filters.specs import apply_filters, check_build_filters, needs_language, parse_filter_specs
+from pipeline.source import run_state as R
+from pipeline.source.metadata import Metadata, MetadataError, open_metadata, read_columns
+from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, pre_statuses
+from pipeline.source.status_table import decide_image_duplicates, status_table_of
+from pipeline.subsets import eligibility as SR
+from pipeline.subsets.reshard import ReshardResult, reshard
+from pipeline.subsets.uid_files import arrow_u8pairs, write_subset
 
 _FILTER_COLUMNS = [S.UID, S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT, S.CLIP_B32, S.CLIP_L14, ROW_KEY]
 _NARROW = [S.UID, S.URL, CAPTION_STATUS, ROW_KEY]
@@ -204,7 +204,7 @@ class _LangTag:
     """Ray Data UDF: fastText language label per caption, the model loaded once per actor."""
 
     def __init__(self, model_path: str = "") -> None:
-        from pipeline.langid import LanguageId
+        from pipeline.filters.language import LanguageId
 
         self.lid = LanguageId(model_path or None)
 
@@ -221,7 +221,7 @@ def run_filters(
     ``filters.subset_scope``, each once: all of them ("metadata", DataComp's filter outputs) or the downloaded
     ones; a repeated uid counts with one row only. Returns each subset's sizes in both scopes, and its path.
     When nothing the results derive from changed since the last run, that run's files are reused
-    (pipeline/filter_reuse.py)."""
+    (pipeline/filters/rerun_cache.py)."""
     specs = parse_filter_specs(list(cfg.filters.names), "filters.names")
     stamp = FR.filter_stamp(cfg, specs, status_table, store)
     earlier = FR.reusable(stamp, paths, store)
@@ -271,7 +271,7 @@ def _language_labels(cfg: BuildConfig, meta: pa.Table) -> pa.Array:
     import ray
     import ray.data
 
-    from pipeline.datasets import from_arrow_scoped
+    from pipeline.ingest.dataset import from_arrow_scoped
 
     captions = meta.select([S.UID, S.TEXT, ROW_KEY])
     # Blocks of _LANG_BLOCK rows: the actor streams through the pool instead of receiving it as one object.
@@ -302,7 +302,7 @@ def train_build_tokenizer(
     """Offline BPE tokenizer on the captions of successful rows, saved beside the shards for training."""
     import tempfile
 
-    from pipeline.tokenizer import train_tokenizer
+    from pipeline.ingest.tokenizer import train_tokenizer
 
     out = storage.join(cfg.output, "tokenizer")
     # A re-run with the same captions (metadata files and the status of every row) keeps the tokenizer:

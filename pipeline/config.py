@@ -302,7 +302,7 @@ class DownloadConfig:
         check_types(self)
         positive(self, "image_size", "timeout_s", "threads_per_actor", "max_bytes", "max_pixels")
         positive(self, "per_host_connections", "decode_pixel_budget")
-        from pipeline.netguard import parse_allow_entry  # the guard's own parser: one rule for both
+        from pipeline.download.netguard import parse_allow_entry  # the guard's own parser: one rule for both
 
         for entry in self.allow_hosts:
             try:
@@ -395,7 +395,7 @@ class BuildConfig:
     retry_failed: bool = False
     tokenizer_vocab: int = 0  # >0: train a BPE tokenizer on the successful captions into <output>/tokenizer
     # Node labels every Ray Data task/actor of the build must match, e.g. {prolip-role: data} on the
-    # clusters in cluster/ (pipeline/placement.py); empty = no constraint.
+    # clusters in cluster/ (pipeline/common/placement.py); empty = no constraint.
     data_label_selector: dict[str, str] = field(default_factory=dict)
     demo_n: int = 2000
     demo_seed: int = 0

@@ -63,7 +63,7 @@ STATUS_INVALID_URL = "invalid_url"
 STATUS_OPTED_OUT = "opted_out"
 DOWNLOAD_FAILED = "failed_to_download"
 RESIZE_FAILED = "failed_to_resize"
-# Decided before download from the caption alone (pipeline/rows.py): ``invalid_caption:<reason>``.
+# Decided before download from the caption alone (pipeline/source/row_checks.py): ``invalid_caption:<reason>``.
 INVALID_CAPTION = "invalid_caption"
 CAPTION_NULL, CAPTION_UTF8, CAPTION_TOO_LONG = "null", "invalid_utf8", "too_long"
 
@@ -121,7 +121,7 @@ def check_metadata_schema(schema: pa.Schema) -> list[SchemaProblem]:
             continue
         actual = schema.field(field.name).type
         # Captions may come as bytes (some writers store alt text undecoded): each row is then checked
-        # for UTF-8 before download (pipeline/rows.py) instead of failing the whole file.
+        # for UTF-8 before download (pipeline/source/row_checks.py) instead of failing the whole file.
         binary_text = field.name == TEXT and (pa.types.is_binary(actual) or pa.types.is_large_binary(actual))
         if not (binary_text or _compatible(actual, field.type)):
             problems.append(SchemaProblem(field.name, f"has type {actual}, expected {field.type}"))

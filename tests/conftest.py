@@ -9,8 +9,8 @@ import pytest
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from tests.fixtures_ray import ray_local  # noqa: E402,F401
-from tests.fixtures_s3 import s3_server  # noqa: E402,F401
+from tests.fixtures.local_ray import ray_local  # noqa: E402,F401
+from tests.fixtures.s3_server import s3_server  # noqa: E402,F401
 
 
 def pytest_collection_modifyitems(config, items):

@@ -31,11 +31,11 @@ ALLOWED = {"pipeline": {"pipeline"}, "training": {"training", "pipeline"}, "jobs
 # Everything else is plain Python/numpy/torch, testable without a cluster.
 RAY_MODULES = {
     "pipeline.build",
-    "pipeline.build_download",
-    "pipeline.datasets",
-    "training.inference",
-    "training.loop",
-    "training.trainer",
+    "pipeline.download.phase",
+    "pipeline.ingest.dataset",
+    "training.infer.batch_inference",
+    "training.train.loop",
+    "training.train.trainer",
 }
 
 

@@ -31,9 +31,9 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.config import ConfigError, check_seed, check_types, from_dict, non_negative, positive, require
-from training.losses import REDUCTIONS
-from training.model_config import MODEL_CONFIGS, VARIANTS, ModelConfig, model_config  # noqa: F401  re-exported
-from training.objectives import LOSS_SPECS
+from training.losses.contrastive import REDUCTIONS
+from training.losses.registry import LOSS_SPECS
+from training.model.config import MODEL_CONFIGS, VARIANTS, ModelConfig, model_config  # noqa: F401  re-exported
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -43,7 +43,7 @@ TEXT_MASK_MODES = ("mask", "drop", "salient")
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Training ingest (pipeline/ingest_train.py)."""
+    """Training ingest (pipeline/ingest/transforms.py)."""
 
     shards: str = ""  # directory, glob or comma-separated .tar paths; local or s3://
     s3_endpoint: str = ""
@@ -57,7 +57,7 @@ class DataConfig:
     std: tuple[float, float, float] = OPENAI_STD
     shuffle_window: int = 1024  # rows per windowed shuffle of raw samples (before decode); 0 = off
     # None: fresh entropy every epoch. Set: a repeatable order (Ray Data keeps its output order), and a
-    # one-worker run repeats bit for bit (tests/test_train.py); the track sets it to each model's seed.
+    # one-worker run repeats bit for bit (tests/training/train/test_train.py); the track sets it to each model's seed.
     shuffle_seed: int | None = None
     local_shuffle_buffer: int = 0  # extra per-worker buffer (decoded rows) in iter_torch_batches; 0 = off
     augment_seed: int | None = None  # None: fresh entropy per decode actor
@@ -78,20 +78,22 @@ class DataConfig:
     # "mask": the masked text tokens become [MASK] (§4.1); "drop": they are removed, so the masked caption is
     # a shorter caption (the text counterpart of the image side's patch drop; an experiment, docs/track.md);
     # "salient": removed too, but the model chooses which — up to text_mask_ratio of the words whose removal
-    # moves the caption's mean most (training/salience.py, docs/track.md "Round 9").
+    # moves the caption's mean most (training/train/salient_masking.py, docs/track.md "Round 9").
     text_mask_mode: str = "mask"
     # "salient" only: the share of each batch's masked captions the model chooses for; the others keep their
     # random drop (length still teaches σ² through them; docs/track.md "Round 9").
     salient_share: float = 1.0
     patch_keep_ratio: float = 0.25  # image patches kept (75% dropped, §4.1)
     mask_seed: int = 0
-    label_selector: dict[str, str] = field(default_factory=dict)  # ingest nodes (pipeline/placement.py)
+    label_selector: dict[str, str] = field(
+        default_factory=dict
+    )  # ingest nodes (pipeline/common/placement.py)
 
 
 @dataclass(frozen=True)
 class LossConfig:
     """Objective and its weights; which fields reach which loss is declared by its ``LossSpec``
-    (training/objectives.py)."""
+    (training/losses/registry.py)."""
 
     name: str = "prolip"
     # Sigmoid losses (prolip, siglip): initial logit bias b. SigLIP's −10 ≈ −log(32k), i.e. p ≈ 1/B at its
@@ -159,7 +161,7 @@ class RunSettings:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str = "tiny"  # training.model.MODEL_CONFIGS name
+    model: str = "tiny"  # training.model.two_tower.MODEL_CONFIGS name
     grad_checkpointing: bool = False
     # "clip" (CLIP's BPE from open_clip_torch), "clip:PATH" (its bpe_simple_vocab_16e6.txt.gz), a saved
     # tokenizer directory or any tokenizer.json (e.g. SigLIP's); empty = train a BPE on the captions

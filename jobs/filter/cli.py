@@ -14,12 +14,12 @@ import sys
 
 from jobs.common import config_parser, init_ray, print_table, resolve_config
 from jobs.filter.run import FILTER_PRESETS, check_checkpoint, run_filter_job, validate
-from pipeline import storage
+from pipeline.common import storage
+from pipeline.common.manifest import write_manifest
+from pipeline.common.storage import Storage
 from pipeline.config import ConfigError, merge, to_dict
-from pipeline.manifest import write_manifest
-from pipeline.storage import Storage
 from training.imports.load import import_checkpoint, is_import_source
-from training.model import CheckpointError
+from training.model.two_tower import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,16 +3,16 @@ DataComp subsets, optionally reshard each one.
 
 Run directory (local or ``s3://``), docs/formats.md:
 
-- ``<out>/scores/scores.parquet`` — one row per pool sample (``training.scoring.SCORE_COLUMNS``, by uid);
+- ``<out>/scores/scores.parquet`` — one row per pool sample (``training.infer.scoring.SCORE_COLUMNS``, by uid);
 - ``<out>/subsets/<label>.npy`` — DataComp's sorted ``u8,u8`` uid array per filter;
-- ``<out>/subsets/<label>/shards/`` — with ``reshard``, the subset materialised by ``pipeline.reshard``;
+- ``<out>/subsets/<label>/shards/`` — with ``reshard``, the subset materialised by ``pipeline.subsets.reshard``;
 - ``<out>/filters.json`` — per filter: spec, size, fraction of the scorable pool, counts per reason.
 
-Filters are spec strings of ``pipeline.filtering`` (the syntax the build uses too), e.g.
+Filters are spec strings of ``pipeline.filters.specs`` (the syntax the build uses too), e.g.
 ``csd_best:fraction=0.2`` (ProLIP App. C.8's 20%), ``clip_score_best:fraction=0.3`` (DataComp's best
 CLIP-score fraction on the small track), ``random_same_size:of=csd_best,seed=0`` (the control, sized
 like the filter labelled ``csd_best``); ``label=`` names the subset when a filter appears twice.
-Scores carry no metadata, so only score filters (``pipeline.filtering.SCORES``) apply here.
+Scores carry no metadata, so only score filters (``pipeline.filters.specs.SCORES``) apply here.
 ``reuse_scores`` skips scoring when ``scores.parquet`` already exists (re-running only the filters).
 """
 
@@ -22,19 +22,19 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from pipeline import storage
+from pipeline.common import storage
+from pipeline.common.storage import Storage
 from pipeline.config import ConfigError
-from pipeline.filtering import (
+from pipeline.filters.specs import (
     FilterSpec,
     parse_filter_specs,
     required_columns,
     reshard_subsets,
     run_filters,
 )
-from pipeline.storage import Storage
-from pipeline.subset import write_subsets
-from training.inference import score_shards
-from training.scoring import SCORE_COLUMNS, ScoreResult, verify_checkpoint
+from pipeline.subsets.uid_files import write_subsets
+from training.infer.batch_inference import score_shards
+from training.infer.scoring import SCORE_COLUMNS, ScoreResult, verify_checkpoint
 
 
 @dataclass(frozen=True)

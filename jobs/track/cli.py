@@ -14,9 +14,9 @@ from jobs.common import config_parser, init_ray, resolve_config
 from jobs.track.config import TRACK_PRESETS
 from jobs.track.report import markdown_table
 from jobs.track.run import ResumeMismatch, claim_output, run_track
+from pipeline.common.manifest import write_manifest
+from pipeline.common.storage import Storage, redact_text
 from pipeline.config import to_dict
-from pipeline.manifest import write_manifest
-from pipeline.storage import Storage, redact_text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline import storage
+from pipeline.common import storage
 from pipeline.config import BUILD_PRESETS, BuildConfig, ConfigError, check_types, merge
 from training.config import TRAIN_PRESETS, TrainConfig
 from training.eval.sets import EvalSetError, load_tasks

@@ -14,8 +14,8 @@ import statistics
 from typing import Any
 
 from jobs.track.config import BUILD_SUBSETS
-from pipeline import storage
-from pipeline.storage import Storage
+from pipeline.common import storage
+from pipeline.common.storage import Storage
 
 Row = dict[str, Any]
 
@@ -111,7 +111,7 @@ def _pool_truth(cfg: Any, store: Storage) -> dict[str, list] | None:
 
 def subset_purity(cfg: Any, subsets: dict[str, Any], store: Storage) -> dict[str, dict[str, float]] | None:
     """Share of clean / mismatched / non-English captions in each subset (demo pool ground truth)."""
-    from pipeline.subset import subset_uids
+    from pipeline.subsets.uid_files import subset_uids
 
     truth = _pool_truth(cfg, store)
     if truth is None or "uid" not in truth or "caption_noise" not in truth:

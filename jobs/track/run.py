@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.track.config import TrackConfig, paths
-from pipeline import storage
+from pipeline.common import storage
+from pipeline.common.storage import Storage
 from pipeline.config import ConfigError, to_dict
-from pipeline.runstate import RETRY_KNOBS, differences
-from pipeline.storage import Storage
+from pipeline.source.run_state import RETRY_KNOBS, differences
 
 # Keys that change where or how fast a step runs, not what it produces (resume_key leaves them out).
 _PLACEMENT = {

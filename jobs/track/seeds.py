@@ -19,8 +19,8 @@ from collections import Counter
 from typing import Any
 
 from jobs.track.report import _CLAIMS, _fmt, _get, _number
-from pipeline import storage
-from pipeline.storage import Storage, redact_text
+from pipeline.common import storage
+from pipeline.common.storage import Storage, redact_text
 
 # (label, where, test): ``where`` is "results:…" (track_results.json) or "scorer:…" (the scorer's analyses);
 # ``test`` names what holds on a run, counted over the runs.

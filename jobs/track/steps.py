@@ -2,7 +2,7 @@
 ``track_state.json`` keeps, so a resumed track skips it.
 
 Every step calls the same library function as its stand-alone job (``jobs.train``; ``jobs.filter``'s
-``pipeline.filtering`` specs, random control and resharding; ``jobs.evaluate``), so the track adds no
+``pipeline.filters.specs`` specs, random control and resharding; ``jobs.evaluate``), so the track adds no
 second implementation of any of them.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from jobs.track.config import TrackConfig, paths, train_config
-from pipeline import storage
-from pipeline.storage import Storage
+from pipeline.common import storage
+from pipeline.common.storage import Storage
 from training.config import TrainConfig
 
 Log = Callable[[str], None]
@@ -23,7 +23,7 @@ _SCORE_SUBSETS = ("csd", "csd_uncertainty", "clip_score", "random")  # the rest 
 def train_models(cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int]], log: Log) -> dict[str, Any]:
     """Train each ``name → (base config, shards, seed)`` in turn (``run_track`` runs ``train_parallel`` such
     calls side by side)."""
-    from training.trainer import train
+    from training.train.trainer import train
 
     out: dict[str, Any] = {}
     for name, (base, shards, seed) in runs.items():
@@ -49,7 +49,7 @@ def train_models(cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int]]
 
 
 def score_pool(cfg: TrackConfig, checkpoint: str, log: Log) -> dict[str, Any]:
-    from training.inference import score_shards
+    from training.infer.batch_inference import score_shards
 
     p = paths(cfg)
     res = score_shards(
@@ -70,7 +70,7 @@ def score_pool(cfg: TrackConfig, checkpoint: str, log: Log) -> dict[str, Any]:
 
 
 def subset_specs(cfg: TrackConfig) -> list[str]:
-    """The track's score-filter subsets as ``pipeline.filtering`` specs, labelled by subset kind; the random
+    """The track's score-filter subsets as ``pipeline.filters.specs`` specs, labelled by subset kind; the random
     control is the library's ``of=`` control, sized like ``cfg.random_of`` and seeded by the first seed."""
     specs = {  # keys: _SCORE_SUBSETS
         "csd": f"csd_best:fraction={cfg.csd_fraction}",
@@ -89,9 +89,9 @@ def make_subsets(
 ) -> dict[str, Any]:
     """One DataComp ``.npy`` per requested subset: the build's baselines as they are, the score filters
     (and the random control) run on ``scores.parquet`` the way ``jobs.filter`` runs them."""
-    from pipeline.filtering import parse_filter_specs, resolve_params, run_filters
+    from pipeline.filters.specs import parse_filter_specs, resolve_params, run_filters
     from pipeline.schema import u8pairs_to_uids
-    from pipeline.subset import read_subset, write_subsets
+    from pipeline.subsets.uid_files import read_subset, write_subsets
 
     p = paths(cfg)
     store = Storage.from_env(cfg.s3_endpoint)
@@ -136,7 +136,7 @@ def make_subsets(
 
 def reshard_subsets(cfg: TrackConfig, subsets: dict[str, Any], log: Log) -> dict[str, Any]:
     """Each subset materialised by the same library call the filter job makes."""
-    from pipeline.filtering import reshard_subsets as reshard_all
+    from pipeline.filters.specs import reshard_subsets as reshard_all
 
     p = paths(cfg)
     store = Storage.from_env(cfg.s3_endpoint)

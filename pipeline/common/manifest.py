@@ -14,8 +14,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pipeline import storage
-from pipeline.storage import LOCAL, Storage, redact_url
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage, redact_url
 
 _PACKAGES = ("ray", "torch", "pyarrow", "webdataset", "img2dataset", "numpy")
 

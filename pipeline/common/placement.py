@@ -8,10 +8,10 @@ configs in ``cluster/`` label their node types the same way):
   A derived dataset copies its parent's context, so scoping the source dataset scopes the whole plan.
 - Ray Train: ``ScalingConfig(label_selector=...)`` places the workers; the training ingest runs under
   ``ray.train.DataConfig(execution_options=...)``, which *replaces* the dataset's execution options, so
-  the selector has to travel there as well (``pipeline.datasets.train_dataset_config``).
+  the selector has to travel there as well (``pipeline.ingest.dataset.train_dataset_config``).
 
-Only plain values here (no Ray import): the Ray objects are built in pipeline/datasets.py and
-training/trainer.py.
+Only plain values here (no Ray import): the Ray objects are built in pipeline/ingest/dataset.py and
+training/train/trainer.py.
 
 An empty selector adds no constraint, so nothing changes on a laptop or a cluster without labels.
 Placement by label needs autoscaler v2 to scale up the right node type (v1 ignores labels).

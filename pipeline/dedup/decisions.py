@@ -23,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.phash import hamming
-from pipeline.urlnorm import normalize_urls
+from pipeline.dedup.phash import hamming
+from pipeline.dedup.urlnorm import normalize_urls
 
 # Candidate pairs compared per step: bounds the (pairs, 64) bit matrix ``hamming`` builds to ~64 MB.
 _PAIR_CHUNK = 1 << 20

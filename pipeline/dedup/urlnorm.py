@@ -1,6 +1,6 @@
 """URL normalisation for URL-level dedupe: which URLs count as "the same URL".
 
-One definition shared by the build's URL dedupe (pipeline/dedupe.py) and the demo pool generator, which
+One definition shared by the build's URL dedupe (pipeline/dedup/decisions.py) and the demo pool generator, which
 predicts the dedupe outcome for its truth table. The rule is deliberately conservative — only changes that
 never alter what a server returns:
 

@@ -1,7 +1,7 @@
 """Turning planned scenes into served JPEG bytes with the hash guarantees the demo truth relies on.
 
 The build decides near-duplicates by the perceptual hash of each downloaded picture after its resize step
-(pipeline/phash.py; longest side ≤ 512, downscale only; faces blurred first), with a Hamming threshold of 4
+(pipeline/dedup/phash.py; longest side ≤ 512, downscale only; faces blurred first), with a Hamming threshold of 4
 (DedupeConfig.phash_threshold). For the truth to predict that decision exactly the generator promises:
 
 - each near-duplicate copy is within ``MAX_NEAR_DUP_DISTANCE`` (2) of its source, and
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from pipeline.dedup.phash import phash64
 from pipeline.demo.faults import BOMB_SIDE, OVERSIZE_BYTES, bomb_png, corrupt_jpeg, html_page, oversize_body
 from pipeline.demo.render import Scene, approx_face_blur, decode, encode_jpeg, render
-from pipeline.phash import phash64
 
 MAX_NEAR_DUP_DISTANCE = 2
 MIN_UNRELATED_DISTANCE = 12

@@ -36,13 +36,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import schema as S
+from pipeline.dedup.urlnorm import normalize_url
 from pipeline.demo.captions import caption, english_mask, n_variants
 from pipeline.demo.eval_sets import EvalSizes, write_eval_sets
 from pipeline.demo.faults import BOMB_SIDE, OVERSIZE_BYTES
 from pipeline.demo.images import close_pairs, render_pool
 from pipeline.demo.plan import FAULT_STATUS, plan_pool
 from pipeline.demo.render import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES, TEXTURES
-from pipeline.urlnorm import normalize_url
 
 GENERATOR_VERSION = 1
 NEAR_DUP_THRESHOLD = 4  # DedupeConfig.phash_threshold
@@ -157,7 +157,7 @@ def code_fingerprint() -> str:
 
 _GENERATOR_MODULES = (
     "demo/pool", "demo/plan", "demo/images", "demo/render", "demo/captions", "demo/faults", "demo/eval_sets",
-    "urlnorm", "phash", "schema",
+    "dedup/urlnorm", "dedup/phash", "schema",
 )  # fmt: skip
 
 

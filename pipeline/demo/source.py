@@ -6,7 +6,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from pipeline import storage
+from pipeline.common import storage
 from pipeline.config import BuildConfig
 
 

@@ -18,7 +18,7 @@ Semantics:
   ``max_bytes + 1`` bytes. Fewer bytes than Content-Length, or a dropped connection, is ``truncated``.
 - Retries only for transient failures: timeout, 429, 5xx, connection errors and truncation. Other 4xx,
   opt-out, blocked/invalid URLs and oversize bodies are final. Before a retry we wait ``Retry-After`` (on
-  429/503, capped) or an exponential backoff with jitter (``pipeline/politeness.py``), never past the deadline.
+  429/503, capped) or an exponential backoff with jitter (``pipeline/download/politeness.py``), never past the deadline.
 - The X-Robots-Tag opt-out is decided on the headers: an opted-out body is never read.
 - ``DownloadWorker``: a hard deadline per call (one part), a connection cap per host and a decode pixel
   budget shared by the actor's threads, so its memory is a function of the config (``memory_bound``).
@@ -44,10 +44,15 @@ import pyarrow as pa
 
 from pipeline import schema as S
 from pipeline.config import DownloadConfig
-from pipeline.netguard import GuardDecision, UrlGuard
-from pipeline.pixel_budget import MMAP_THRESHOLD, PixelBudget, release_free_memory, return_large_buffers_to_os
-from pipeline.politeness import HostSlots, parse_retry_after, retry_wait
-from pipeline.resize import DECODE_BYTES_PER_PIXEL, STRIP_PIXELS, process_image
+from pipeline.download.netguard import GuardDecision, UrlGuard
+from pipeline.download.pixel_budget import (
+    MMAP_THRESHOLD,
+    PixelBudget,
+    release_free_memory,
+    return_large_buffers_to_os,
+)
+from pipeline.download.politeness import HostSlots, parse_retry_after, retry_wait
+from pipeline.download.resize import DECODE_BYTES_PER_PIXEL, STRIP_PIXELS, process_image
 
 MAX_REDIRECTS = 5
 REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
@@ -298,7 +303,7 @@ def part_deadline_s(cfg: DownloadConfig) -> float:
 
 
 # Strip temporaries, output-size copies, stack, and the freed buffers below the mmap threshold that a
-# thread's heap keeps for its next image (pipeline/pixel_budget.py).
+# thread's heap keeps for its next image (pipeline/download/pixel_budget.py).
 THREAD_OVERHEAD_BYTES = 40 * STRIP_PIXELS + 32 * 1024 * 1024 + MMAP_THRESHOLD
 
 
@@ -328,7 +333,7 @@ class DownloadWorker:
         import cv2
 
         cv2.setNumThreads(1)  # parallelism comes from threads and actors, not from OpenCV's own pool
-        return_large_buffers_to_os()  # idle size stays flat between large images (pipeline/pixel_budget.py)
+        return_large_buffers_to_os()  # idle size stays flat between large images (pipeline/download/pixel_budget.py)
         self.cfg = cfg
         self.guard = UrlGuard(cfg.allow_hosts)
         self.pool = ThreadPoolExecutor(cfg.threads_per_actor, thread_name_prefix="download")

@@ -1,11 +1,11 @@
 """One download part: read its rows, fetch them, write its tar and per-row parquet under the run's token.
 
-A part is a consecutive range of the pool's live rows in read order (pipeline/build_download.py cuts
+A part is a consecutive range of the pool's live rows in read order (pipeline/download/phase.py cuts
 them); the actor receives the part's row positions only and reads the rows' columns itself from the
-metadata files (pipeline/metadata.py ``read_rows``), so no row travels through the driver or a shuffle.
+metadata files (pipeline/source/metadata.py ``read_rows``), so no row travels through the driver or a shuffle.
 The files are ``part-{i:06d}.{token}.tar`` (successes only, keys = uids, sorted by uid) and ``.parquet``
 (one row per uid, sorted by uid). The driver commits the part once it receives the rows this call returns
-(pipeline/runstate.py). In a ``retry_failed`` run an already committed part's spec lists only its
+(pipeline/source/run_state.py). In a ``retry_failed`` run an already committed part's spec lists only its
 transient failures; they are downloaded again and merged with the rest of the committed part, so the new
 part holds exactly what a clean download would: the same uids, in the same order.
 """
@@ -20,13 +20,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
+from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import BuildConfig, DownloadConfig
-from pipeline.download import DownloadWorker
-from pipeline.metadata import read_rows
-from pipeline.rows import ROW_KEY
-from pipeline.runstate import part_file
-from pipeline.shards import ShardWriter, iter_shard, sample_members
-from pipeline.storage import LOCAL, Storage
+from pipeline.download.fetch import DownloadWorker
+from pipeline.shards.writer import ShardWriter, iter_shard, sample_members
+from pipeline.source.metadata import read_rows
+from pipeline.source.row_checks import ROW_KEY
+from pipeline.source.run_state import part_file
 
 PART_COLUMNS = [
     S.UID,
@@ -42,7 +42,7 @@ PART_COLUMNS = [
 
 
 class DownloadPart:
-    """The download actor (a plain Ray actor, pipeline/build_download.py), called on part specs (columns
+    """The download actor (a plain Ray actor, pipeline/download/phase.py), called on part specs (columns
     ``part``, ``file``, ``row``: one row per metadata row of the part, its file's index in ``files`` and its
     row in that file): reads each part's rows, downloads them, writes tar + parquet, returns the rows +
     ``part``.

@@ -1,11 +1,11 @@
 """The build's download phase: cut the download parts, run them on ``DownloadPart`` Ray actors, commit.
 
 Part k is the k-th range of ``part_size`` live rows (``status_pre == ""``) in read order (files in
-``Storage.list_files`` order, rows in file order; pipeline/metadata.py). The driver sends one small Arrow
+``Storage.list_files`` order, rows in file order; pipeline/source/metadata.py). The driver sends one small Arrow
 block per part holding only its rows' (file index, row index) positions; each actor reads those rows from
 the metadata files itself, so nothing passes over every row and nothing is shuffled before the first part
 starts. A ``retry_failed`` part's block lists only its transient rows. The driver commits a part when it
-receives the part's rows (pipeline/runstate.py), and the fingerprint pins the row order and the live rows,
+receives the part's rows (pipeline/source/run_state.py), and the fingerprint pins the row order and the live rows,
 so a resumed build cuts the same parts.
 """
 
@@ -20,12 +20,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import runstate as R
 from pipeline import schema as S
+from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
-from pipeline.metadata import Metadata
-from pipeline.parts import DownloadPart
-from pipeline.storage import Storage
+from pipeline.download.part import DownloadPart
+from pipeline.source import run_state as R
+from pipeline.source.metadata import Metadata
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def _run_parts(
 
     options: dict = {"num_cpus": cfg.download_cpus, "max_restarts": ACTOR_RESTARTS,
                      "max_task_retries": ACTOR_RESTARTS}  # fmt: skip
-    if cfg.data_label_selector:  # pipeline/placement.py: downloads run on the data nodes
+    if cfg.data_label_selector:  # pipeline/common/placement.py: downloads run on the data nodes
         options["label_selector"] = {str(k): str(v) for k, v in cfg.data_label_selector.items()}
     # The Storage object travels to the actors with its credentials: their processes need no AWS env.
     args = (cfg.download, paths["parts"], token, {p: _done_token(paths, p, store) for p in retry}, store,

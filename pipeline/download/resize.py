@@ -36,8 +36,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from pipeline.phash import phash64
-from pipeline.pixel_budget import PixelBudget
+from pipeline.dedup.phash import phash64
+from pipeline.download.pixel_budget import PixelBudget
 from pipeline.schema import STATUS_SUCCESS, failed_download, failed_resize
 
 # What Pillow may open. Excludes formats that shell out (EPS → Ghostscript) or are rarely images on the web.

@@ -7,7 +7,7 @@ to some ImageNet-1k training image as targets, and keeps pool images whose neare
 given. DataComp's centroids come from plain (L2) k-means and are not unit length, so this is neither
 cosine similarity nor Euclidean distance; normalising them would move assignments.
 
-Files (local or ``s3://``, read through the run's ``pipeline.storage.Storage``; nothing is unpickled):
+Files (local or ``s3://``, read through the run's ``pipeline.common.storage.Storage``; nothing is unpickled):
 
 - embeddings: ``.npz`` with arrays ``uid`` (32-hex strings or DataComp ``u8,u8`` pairs) and
   ``embedding`` (n, d); or ``.parquet`` with columns ``uid`` (string) and ``embedding`` (list of floats);
@@ -25,8 +25,8 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pipeline.common.storage import LOCAL, Storage
 from pipeline.schema import UID_DTYPE, u8pairs_to_uids
-from pipeline.storage import LOCAL, Storage
 
 
 @dataclass(frozen=True)

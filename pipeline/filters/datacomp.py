@@ -2,24 +2,24 @@
 
 Filters never drop rows: each returns ``FilterResult(keep, reason)`` over the rows of a metadata table
 (a ``pyarrow.Table`` or a dict of arrays), reason "" where kept; the score filters
-(``pipeline.score_filters``) return the same type, and ``pipeline.filtering`` holds the one registry and
+(``pipeline.filters.scores``) return the same type, and ``pipeline.filters.specs`` holds the one registry and
 spec syntax that the build, the filter job and the track run them through. Rules follow DataComp's baselines code
 (``baselines/apply_filter.py``) and paper (Gadre et al. 2023, §3.4, App. G):
 
-- ``english``: fastText lid.176 top-1 label == "en", no threshold (``pipeline.langid``).
+- ``english``: fastText lid.176 top-1 label == "en", no threshold (``pipeline.filters.language``).
 - ``basic``: english AND caption > 2 whitespace words AND > 5 characters AND min(original w, h) ≥ 200
   AND max/min ≤ 3.0, on the metadata sizes.
-- ``text_based`` (``pipeline.text_filters``): english AND, for some ``str.split()`` word, the first
-  WordNet synset (nltk's ``synsets(word)[0]``, ``pipeline.wordnet``) is an ImageNet-21k synset.
+- ``text_based`` (``pipeline.filters.text_based``): english AND, for some ``str.split()`` word, the first
+  WordNet synset (nltk's ``synsets(word)[0]``, ``pipeline.filters.wordnet``) is an ImageNet-21k synset.
 - ``clip_score``: score ≥ threshold, compared in the column's float type; for a fraction, the threshold
   is DataComp's ``get_threshold``: the ``int(N·f)``-th largest score over *all* N rows (nulls count in N
   and sort last; a cut among them keeps nothing).
 - ``laion2b``: B/32 score ≥ 0.28 AND english by the language model given (DataComp: CLD3).
 - ``image_based``: DataComp's caption pre-filter (english, > 1 fastText token, > 5 chars) AND the
-  pool centroid with the largest dot product lies in the target set (``pipeline.centroids``).
+  pool centroid with the largest dot product lies in the target set (``pipeline.filters.centroids``).
 - ``random``: exactly round(f·n) rows, the ones with the smallest hash of (seed, uid).
 
-The embedding, centroid and target-id file formats for ``image_based`` are in ``pipeline.centroids``.
+The embedding, centroid and target-id file formats for ``image_based`` are in ``pipeline.filters.centroids``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import centroids as C
 from pipeline import schema as S
-from pipeline.hashing import splitmix64
+from pipeline.common.hashing import splitmix64
+from pipeline.filters import centroids as C
 
 Table = pa.Table | Mapping[str, Any]
 LANG = "lang"  # optional precomputed column of fastText labels

@@ -1,8 +1,8 @@
 """The filter registry: every named filter, the parameters a spec may give it (with defaults that type
 them), the columns it reads, and the table it reads (the pool's metadata or model scores).
 
-Each entry adapts ``(table, ctx, **params)`` to a rule function of ``pipeline.filters``,
-``pipeline.text_filters`` or ``pipeline.score_filters``; ``pipeline.filtering`` parses spec strings against
+Each entry adapts ``(table, ctx, **params)`` to a rule function of ``pipeline.filters.datacomp``,
+``pipeline.filters.text_based`` or ``pipeline.filters.scores``; ``pipeline.filters.specs`` parses spec strings against
 this registry and runs them (its docstring has the spec syntax).
 """
 
@@ -13,18 +13,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline import centroids as C
-from pipeline import filters as F
 from pipeline import schema as S
-from pipeline import score_filters as SF
-from pipeline import text_filters as T
-from pipeline import wordnet as WN
+from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import FilterConfig
-from pipeline.filters import FilterError, FilterResult
-from pipeline.storage import LOCAL, Storage
+from pipeline.filters import centroids as C
+from pipeline.filters import datacomp as F
+from pipeline.filters import scores as SF
+from pipeline.filters import text_based as T
+from pipeline.filters import wordnet as WN
+from pipeline.filters.datacomp import FilterError, FilterResult
 
 METADATA, SCORES = "metadata", "scores"  # the table a filter reads: the pool's metadata, or model scores
-SCORE_KEYS = ("uid", "ok")  # every score filter reads these (``training.scoring.SCORE_COLUMNS``)
+SCORE_KEYS = ("uid", "ok")  # every score filter reads these (``training.infer.scoring.SCORE_COLUMNS``)
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def _image_based(
 
 def _laion2b(t: Any, ctx: Context, threshold: float, language_model: str) -> FilterResult:
     if language_model == "cld3":  # DataComp's laion2b rule used gcld3
-        from pipeline.langid import Cld3LanguageId
+        from pipeline.filters.language import Cld3LanguageId
 
         return F.laion2b(t, threshold, Cld3LanguageId())
     if language_model == "fasttext":
@@ -137,7 +137,7 @@ _CONFIG_KEYS = {
 }
 _SIZE = (S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT)
 FILTERS: dict[str, Filter] = {
-    # DataComp's baselines, over the pool's metadata (pipeline.filters).
+    # DataComp's baselines, over the pool's metadata (pipeline.filters.datacomp).
     "no_filter": Filter(lambda t, ctx: F.no_filter(t)),
     "random": Filter(lambda t, ctx, **p: F.random_subset(t, **p), {"fraction": 0.3, "seed": 0}, (S.UID,)),
     "english": Filter(lambda t, ctx: F.english(t, ctx.lang), {}, (S.TEXT,), language=True),
@@ -160,7 +160,7 @@ FILTERS: dict[str, Filter] = {
         (S.UID, S.TEXT),
         language=True,
     ),
-    # Our model's scores (pipeline.score_filters over training.scoring's table).
+    # Our model's scores (pipeline.filters.scores over training.infer.scoring's table).
     "csd_best": Filter(
         _on_scores(SF.csd_best), {"fraction": 0.2}, (*SCORE_KEYS, "csd"), SCORES, ("fraction",)
     ),

@@ -20,13 +20,13 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from pipeline import schema as S
-from pipeline import storage
+from pipeline.common import storage
+from pipeline.common.hashing import splitmix64
+from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig, to_dict
-from pipeline.filtering import FilterSpec, needs_language
-from pipeline.filters import uid_hash
-from pipeline.hashing import splitmix64
-from pipeline.langid import default_model_path
-from pipeline.storage import Storage
+from pipeline.filters.datacomp import uid_hash
+from pipeline.filters.language import default_model_path
+from pipeline.filters.specs import FilterSpec, needs_language
 
 VERSION = 1
 _BATCH_ROWS = 1 << 20

@@ -1,7 +1,7 @@
-"""Filters on model scores (the table ``training.scoring`` writes): masks with reasons, and a registry.
+"""Filters on model scores (the table ``training.infer.scoring`` writes): masks with reasons, and a registry.
 
 Every filter is a pure function over a scores table (``pyarrow.Table`` or a mapping of arrays with the
-columns of ``training.scoring.SCORE_COLUMNS``) returning ``(keep, reason)``: a bool mask and, per row, ""
+columns of ``training.infer.scoring.SCORE_COLUMNS``) returning ``(keep, reason)``: a bool mask and, per row, ""
 when kept or a short reason. Only *scorable* rows compete: ``ok`` (the image decoded) and a finite
 score; the others are dropped as ``image_failed`` / ``score_missing``. n_ok below counts scorable rows.
 
@@ -18,16 +18,16 @@ Rules (exact counts, so subsets of different filters compare at equal size):
   Needs a probabilistic checkpoint (text_unc is NaN for deterministic ones).
 - ``clip_score_best(fraction)``: the round(fraction·n_ok) rows with the largest cosine (DataComp's
   CLIP-score top-k%, with our model as the scorer), ties by uid. DataComp's own rule — keep every score
-  ≥ the int(N·f)-th largest over all N rows — is ``pipeline.filters.clip_score_fraction``; to run it and
+  ≥ the int(N·f)-th largest over all N rows — is ``pipeline.filters.datacomp.clip_score_fraction``; to run it and
   the other CLIP-score baselines (``laion2b``) with our scorer, ``with_clip_scores`` puts our cosine into
   a metadata table's CLIP-score column.
 - ``clip_score_threshold(threshold)``: cosine ≥ threshold (DataComp's rule).
 - ``random_same_size(n_keep, seed)``: n_keep scorable rows at random (the control for a filter of that
-  size, ``of=LABEL`` in a spec): the n_keep smallest seeded uid hashes (``pipeline.filters.uid_hash``, the
+  size, ``of=LABEL`` in a spec): the n_keep smallest seeded uid hashes (``pipeline.filters.datacomp.uid_hash``, the
   draw DataComp's ``random`` baseline uses too), so the choice depends on neither row order nor batching.
 
-Round is half-up. Each returns ``pipeline.filters.FilterResult``; the registry, the spec syntax
-(``csd_best:fraction=0.2``) and the random control's sizing live in ``pipeline.filtering``.
+Round is half-up. Each returns ``pipeline.filters.datacomp.FilterResult``; the registry, the spec syntax
+(``csd_best:fraction=0.2``) and the random control's sizing live in ``pipeline.filters.specs``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import schema as S
-from pipeline.filters import FilterResult, uid_hash
+from pipeline.filters.datacomp import FilterResult, uid_hash
 
 Scores = pa.Table | Mapping[str, Any]
 
@@ -164,7 +164,7 @@ def random_same_size(scores: Scores, n_keep: int, seed: int = 0) -> FilterResult
 
 def with_clip_scores(metadata: pa.Table, scores: Scores, column: str = S.CLIP_B32) -> pa.Table:
     """``metadata`` with ``column`` replaced by our cosine (null where a uid was not scored or failed),
-    so ``pipeline.filters``' CLIP-score baselines (clip_score, laion2b) run with our scorer."""
+    so ``pipeline.filters.datacomp``' CLIP-score baselines (clip_score, laion2b) run with our scorer."""
     uids = _column(scores, "uid").astype(str)
     cosine = np.where(_column(scores, "ok").astype(bool), _column(scores, "cosine"), np.nan)
     order = np.argsort(uids)

@@ -2,8 +2,8 @@
 into keep masks, subset files and resharded subsets. The build (DataComp's baselines over the pool's
 metadata), the filter job and the track (score filters over ``scores.parquet``) all go through it.
 
-Every filter returns ``pipeline.filters.FilterResult`` (a bool keep mask and a reason per row, "" where
-kept); the decision (a DataComp uid subset, ``pipeline.subset.write_subsets``) stays apart from
+Every filter returns ``pipeline.filters.datacomp.FilterResult`` (a bool keep mask and a reason per row, "" where
+kept); the decision (a DataComp uid subset, ``pipeline.subsets.uid_files.write_subsets``) stays apart from
 materialising it (``reshard_subsets``).
 
 Spec syntax (one string per subset)::
@@ -34,10 +34,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline import filters as F
 from pipeline import schema as S
+from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import ConfigError, FilterConfig
-from pipeline.filter_registry import (
+from pipeline.filters import datacomp as F
+from pipeline.filters.datacomp import FilterResult
+from pipeline.filters.registry import (
     FILTERS,
     METADATA,
     SCORE_KEYS,
@@ -47,9 +49,7 @@ from pipeline.filter_registry import (
     Required,
     config_params,
 )
-from pipeline.filters import FilterResult
-from pipeline.reshard import ReshardResult, reshard
-from pipeline.storage import LOCAL, Storage
+from pipeline.subsets.reshard import ReshardResult, reshard
 
 __all__ = [
     "FILTERS",
@@ -259,7 +259,7 @@ def apply(spec: str, table: pa.Table | Mapping[str, Any], **kwargs: Any) -> Filt
     return run_filters(table, [parsed], **kwargs)[parsed.label]
 
 
-# --- materialising the decision (the subset files: ``pipeline.subset.write_subsets``) ----------------------
+# --- materialising the decision (the subset files: ``pipeline.subsets.uid_files.write_subsets``) ----------------------
 
 
 def reshard_subsets(

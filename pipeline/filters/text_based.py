@@ -1,7 +1,7 @@
 """DataComp's ``text_based`` baseline, and a WordNet-free approximation of it.
 
 - ``text_based``: english AND, for some ``str.split()`` word of the caption, the first WordNet synset
-  (nltk's ``synsets(word)[0]``; ``pipeline.wordnet``) has an offset in the ImageNet-21k list — DataComp's
+  (nltk's ``synsets(word)[0]``; ``pipeline.filters.wordnet``) has an offset in the ImageNet-21k list — DataComp's
   ``does_contain_text_entity``.
 - ``text_based_lemmas`` (``text_based:method=lemmas``): english AND a lemma from a file as whole
   lower-cased words or phrases (``load_concepts``, ``concept_match``): no lemmatisation, no sense choice.
@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import filters as F
 from pipeline import schema as S
-from pipeline import wordnet as WN
+from pipeline.filters import datacomp as F
+from pipeline.filters import wordnet as WN
 
 Table = F.Table
 
@@ -88,7 +88,7 @@ def text_based_lemmas(table: Table, concepts: list[str], lang: Any = None) -> F.
 
 def synset_match(texts: pa.Array | list[str | None], wordnet: WN.WordNet, synset_ids: set[int]) -> np.ndarray:
     """DataComp's ``does_contain_text_entity``: some ``str.split()`` word's first WordNet synset has an
-    offset in ``synset_ids`` (``pipeline.wordnet``). Null text → False."""
+    offset in ``synset_ids`` (``pipeline.filters.wordnet``). Null text → False."""
     text = texts.to_pylist() if isinstance(texts, pa.Array) else list(texts)
     hit: dict[str, bool] = {}
 

@@ -28,7 +28,7 @@ import os
 import zipfile
 from collections.abc import Iterable
 
-from pipeline.storage import LOCAL, Storage
+from pipeline.common.storage import LOCAL, Storage
 
 POS_ORDER = ("n", "v", "a", "r")  # nltk's POS_LIST
 _FILES = {"n": "noun", "v": "verb", "a": "adj", "r": "adv"}

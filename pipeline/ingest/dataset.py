@@ -1,13 +1,13 @@
 """The data plane's Ray side: the Ray datasets built from our shards, and what the ingest shares in Ray.
 
-The stages are Ray-free callables elsewhere (pipeline/shard_source.py reads a shard, pipeline/ingest_train.py
+The stages are Ray-free callables elsewhere (pipeline/shards/reader.py reads a shard, pipeline/ingest/transforms.py
 shuffles, decodes, augments, masks and collates); this module only wires them into Ray:
 
 - ``read_shards``: Ray Data's file-based read (what ``read_webdataset(decoder=None)`` does: one read task
   per shard, ``FileShuffleConfig`` shard order, local or S3 through one ``Storage``) with
   ``ShardReader`` as the parser, so damaged shards are counted rather than silently cut short.
 - ``build_train_dataset``: read → windowed shuffle → decode/augment/tokenize, scoped to the data nodes
-  (pipeline/placement.py); ``train_dataset_config`` carries the same selector into Ray Train's ingest.
+  (pipeline/common/placement.py); ``train_dataset_config`` carries the same selector into Ray Train's ingest.
 - ``IngestCounters``: a small named actor shared by every ingest task (damaged shards, dropped images)
   and by the train loop's progress line (``ProgressPrinter`` on the driver).
 - ``RayTrainCollate``: ``TrainCollate`` as the ``NumpyBatchCollateFn`` that ``iter_torch_batches`` expects.
@@ -27,11 +27,11 @@ import ray
 from ray.data.collate_fn import NumpyBatchCollateFn
 from ray.data.datasource import FileBasedDatasource
 
-from pipeline import storage
-from pipeline.ingest_train import TrainCollate, decode_augment_batch, tokenizer_state, window_shuffle
-from pipeline.placement import scope_dataset
-from pipeline.shard_source import ShardReader, list_shards
-from pipeline.storage import LOCAL, Storage
+from pipeline.common import storage
+from pipeline.common.placement import scope_dataset
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.ingest.transforms import TrainCollate, decode_augment_batch, tokenizer_state, window_shuffle
+from pipeline.shards.reader import ShardReader, list_shards
 
 # --- the counters actor -------------------------------------------------------------------------------
 
@@ -174,7 +174,7 @@ class ProgressPrinter:
 
 
 class ShardDatasource(FileBasedDatasource):
-    """Raw samples (module docstring of pipeline/shard_source.py) read with ``ShardReader``."""
+    """Raw samples (module docstring of pipeline/shards/reader.py) read with ``ShardReader``."""
 
     _FILE_EXTENSIONS = ["tar"]
 
@@ -270,7 +270,7 @@ def build_train_dataset(
 
 
 def from_arrow_scoped(tables: list[pa.Table], selector: dict[str, str] | None):
-    """``ray.data.from_arrow(tables)`` scoped to ``selector`` (pipeline/placement.py), including the tasks
+    """``ray.data.from_arrow(tables)`` scoped to ``selector`` (pipeline/common/placement.py), including the tasks
     it starts itself: Ray 2.60 computes each block's metadata in a remote task that takes its label
     selector from the *current* DataContext, not from the dataset's."""
     current = ray.data.DataContext.get_current().execution_options
@@ -301,7 +301,7 @@ def train_dataset_config(selector: Mapping[str, str] | None, preserve_order: boo
 
 class RayTrainCollate(NumpyBatchCollateFn):
     """``iter_torch_batches``' ``collate_fn``: Ray Data takes a ``NumpyBatchCollateFn`` to hand it numpy
-    batches; the work is ``TrainCollate``'s (pipeline/ingest_train.py), which needs no Ray."""
+    batches; the work is ``TrainCollate``'s (pipeline/ingest/transforms.py), which needs no Ray."""
 
     def __init__(self, collate: TrainCollate) -> None:
         self.collate = collate

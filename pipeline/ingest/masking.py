@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.hashing import splitmix64
+from pipeline.common.hashing import splitmix64
 
 _HEX_LUT = np.full(256, -1, dtype=np.int64)
 for _i, _c in enumerate(b"0123456789abcdef"):

@@ -1,9 +1,9 @@
 """Training ingest: shards → shuffle → decode/augment/tokenize → masked variants.
 
-Every stage here is a Ray-free callable over a batch; ``pipeline.datasets.build_train_dataset`` wires
+Every stage here is a Ray-free callable over a batch; ``pipeline.ingest.dataset.build_train_dataset`` wires
 them into Ray Data.
 
-1. **Read** (pipeline/shard_source.py, the one shard reader): ``read_webdataset(decoder=None)``'s
+1. **Read** (pipeline/shards/reader.py, the one shard reader): ``read_webdataset(decoder=None)``'s
    file-based read with a strict tar parser — one task per shard, raw bytes (``key``, ``jpg``,
    ``txt``), shard order shuffled per epoch (``FileShuffleConfig(seed, reseed_after_execution=True)``;
    random without a seed); damaged shards are counted and skipped up to ``DataConfig.max_bad_shards``,
@@ -18,8 +18,8 @@ them into Ray Data.
    a dependency); without augmentation, resize the short side and centre-crop (open_clip's eval
    transform). Normalise with mean/std, tokenize with ``TextTokenizer.encode_batch``.
 4. **Masked variants** (``MaskedVariants``), run in ``iter_torch_batches``' collate step (``TrainCollate``,
-   wrapped as Ray Data's ``NumpyBatchCollateFn`` in pipeline/datasets.py) on the exact training batch:
-   12.5% of the batch selected by ``pipeline.masking.select_for_masking`` (hash of uid and epoch), 75%
+   wrapped as Ray Data's ``NumpyBatchCollateFn`` in pipeline/ingest/dataset.py) on the exact training batch:
+   12.5% of the batch selected by ``pipeline.ingest.masking.select_for_masking`` (hash of uid and epoch), 75%
    of their content tokens → [MASK], 25% of patches kept. Output: fixed-shape arrays ``images (B,3,H,W)
    f32, tokens (B,L) i64, masked_tokens (B,L) i64, keep_idx (B,K) i64, selected (B,) bool`` plus
    ``masked_index (M,)``, so the loop does no per-sample work. Why the collate step rather than a
@@ -39,14 +39,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline.augment import (
+from pipeline.ingest.augment import (
     center_resize,
     color_jitter,
     decode_for_size,
     random_grayscale,
     random_resized_crop_box,
 )
-from pipeline.masking import choose_kept_patches, mask_text_tokens, sample_hash, select_for_masking
+from pipeline.ingest.masking import choose_kept_patches, mask_text_tokens, sample_hash, select_for_masking
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class DecodeAugment:
     """Ray Data stage: {key, jpg, txt} → {key, image (B,3,S,S) f32 normalised, tokens (B,L) i64}.
 
     Undecodable images are dropped (the row disappears) and counted in ``self.bad_images`` and through
-    ``on_bad_images`` when given (in a Ray job, the shared counters actor: pipeline/datasets.py).
+    ``on_bad_images`` when given (in a Ray job, the shared counters actor: pipeline/ingest/dataset.py).
     """
 
     def __init__(
@@ -85,7 +85,7 @@ class DecodeAugment:
         on_bad_images: BadImageReport | None = None,
         seed: int | None = None,
     ) -> None:
-        from pipeline.tokenizer import TextTokenizer
+        from pipeline.ingest.tokenizer import TextTokenizer
 
         if isinstance(tokenizer, dict):  # {"json": str, "ids": {...}}: what travels to remote actors
             tokenizer = tokenizer_from_state(tokenizer)
@@ -103,7 +103,7 @@ class DecodeAugment:
         from PIL import Image
 
         if not self.cfg.augment:
-            return center_resize(arr, self.size)  # the encoders' preprocessing (training/encode.py)
+            return center_resize(arr, self.size)  # the encoders' preprocessing (training/infer/encode.py)
         box = random_resized_crop_box(*arr.shape[:2], self.cfg.crop_scale, self.cfg.crop_ratio, self.rng)
         return np.asarray(Image.fromarray(arr).resize((self.size, self.size), Image.BICUBIC, box=box))
 
@@ -169,7 +169,7 @@ def tokenizer_state(tokenizer: Any) -> dict[str, Any]:
 
 
 def tokenizer_from_state(state: dict[str, Any]) -> Any:
-    from pipeline.tokenizer import TextTokenizer
+    from pipeline.ingest.tokenizer import TextTokenizer
 
     return TextTokenizer.from_state(state)
 
@@ -227,7 +227,7 @@ class TrainCollate:
 
     With ``pad_id``, token columns that are padding in every row are cut off (the batch keeps its
     longest caption): the text tower encodes a trimmed batch exactly as the padded one (its UNC/CLS sit
-    at fixed positional rows and padding is never attended to, training/towers.py), and short captions
+    at fixed positional rows and padding is never attended to, training/model/towers.py), and short captions
     stop paying for the full context — for CLIP and ProLIP alike.
     """
 

@@ -1,13 +1,13 @@
 """The one reader of our webdataset shards: listing them, and one shard → columnar chunks (no Ray here).
 
-Training ingest, scoring and embedding all read shards through ``ShardReader``; pipeline/datasets.py
+Training ingest, scoring and embedding all read shards through ``ShardReader``; pipeline/ingest/dataset.py
 wraps it as Ray Data's file-based read (one read task per shard). Why not ``read_webdataset``: Ray's
 reader streams through ``tarfile`` in ``r|`` mode, which silently stops at a damaged header or at a shard
 cut on a member boundary (a 10-sample shard cut after 5 reads as 5 samples; tested), so a corrupt shard
-could never be counted. We parse with ``pipeline.shards.iter_shard``, which demands the end-of-archive
+could never be counted. We parse with ``pipeline.shards.writer.iter_shard``, which demands the end-of-archive
 block: the intact samples before the damage are kept, the rest of the shard is skipped with a warning,
 and the distinct damaged shards are counted by a ``report`` callable (in a Ray job, the shared counters
-actor of pipeline/datasets.py). Past ``max_bad_shards`` the read raises ``TooManyBadShards`` naming the
+actor of pipeline/ingest/dataset.py). Past ``max_bad_shards`` the read raises ``TooManyBadShards`` naming the
 shard, which stops the job.
 
 Output columns: ``key`` (string), ``jpg`` (binary: the sample's image, whichever of ``IMAGE_EXTS`` it
@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 
 import pyarrow as pa
 
-from pipeline import shards
-from pipeline.storage import LOCAL, Storage
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.shards import writer as shards
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pipeline import schema as S
-from pipeline import storage
-from pipeline.storage import LOCAL, Storage
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
 
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; archives are padded to it, as GNU tar and tarfile do
@@ -133,7 +133,7 @@ def _parse_header(buf: bytes) -> tuple[str, int, bytes]:
 
 
 class ShardWriter:
-    """Write one tar shard sample by sample; published atomically on ``close()`` (see pipeline.storage).
+    """Write one tar shard sample by sample; published atomically on ``close()`` (see pipeline.common.storage).
 
     ``with ShardWriter(path) as w: w.write(sample)``; an exception inside the block discards the shard.
     """

@@ -4,7 +4,7 @@ decides on, and the rows of one download part.
 The driver needs a few columns of every row whole (uid, url, caption status, row key; later the filter
 columns), so it reads them straight from the parquet files, file by file in ``Storage.list_files`` order,
 with pyarrow's threads: no Ray Data execution, and the schema check reads only the footers. That read
-order is the pool's *row order*, which defines the download parts (pipeline/build_download.py): a row is
+order is the pool's *row order*, which defines the download parts (pipeline/download/phase.py): a row is
 named by its position, ``(file index, row index in the file)``, and a download actor reads its part's
 rows back from the same files (the row groups that cover them, then ``take``). Every read goes through
 ``rows.prepare_batch``, so the driver and the actors see the same decoded strings and row keys.
@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import schema as S
-from pipeline.rows import CAPTION_STATUS, ROW_KEY, prepare_batch
-from pipeline.storage import LOCAL, Storage
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, prepare_batch
 
 DERIVED = (CAPTION_STATUS, ROW_KEY)  # added by prepare_batch, not in the files
 _RAW_NEEDED = (S.UID, S.URL, S.TEXT)  # what prepare_batch reads to make them

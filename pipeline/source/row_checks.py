@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
-from pipeline.dedupe import url_duplicates
+from pipeline.dedup.decisions import url_duplicates
 
 CAPTION_STATUS = "caption_status"
 ROW_KEY = "row_key"

@@ -2,7 +2,7 @@
 
 **Fingerprint** (``work/fingerprint.json``), written before any download: the row count, a digest of
 the uids in read order and one of the live-row mask (the rows that go on to download, which the parts
-cut into consecutive ranges: pipeline/build_download.py), so a pool whose rows were reordered, or whose
+cut into consecutive ranges: pipeline/download/phase.py), so a pool whose rows were reordered, or whose
 live rows changed, never resumes into parts cut from another order (URLs are not in it, so the demo pool
 served on a new port is the same pool); the settings that shape the download parts (``part_size``,
 ``max_caption_bytes``, every ``download.*`` field but the ``RETRY_KNOBS``, which only decide whether and
@@ -37,9 +37,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline import storage
+from pipeline.common import storage
+from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig, to_dict
-from pipeline.storage import Storage
 
 FINGERPRINT_VERSION = 2  # 2: parts are row ranges in read order (1: uid-hash buckets)
 _PART_FILE = re.compile(r"^part-(\d{6})\.([0-9a-f]+)\.(tar|parquet)$")

@@ -1,5 +1,5 @@
 """The status table: every input row's one status, from the decisions made before download
-(pipeline/rows.py) and the download parts' rows, with exact and near-duplicate images re-labelled.
+(pipeline/source/row_checks.py) and the download parts' rows, with exact and near-duplicate images re-labelled.
 
 Pure functions over Arrow tables, columnar throughout (no Python object per row: at DataComp scale the
 parts hold ~10⁷ rows); ``pipeline/build.py`` writes the result to ``metadata/status.parquet``.
@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.config import DedupeConfig
-from pipeline.dedupe import exact_duplicates, near_duplicates
+from pipeline.dedup.decisions import exact_duplicates, near_duplicates
 
 
 def _relabel(status: pa.Array, rows: np.ndarray, label: str) -> pa.Array:

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
-from pipeline.rows import ROW_KEY, one_array, valid_uids
+from pipeline.source.row_checks import ROW_KEY, one_array, valid_uids
 
 
 @dataclass

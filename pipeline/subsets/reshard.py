@@ -16,7 +16,7 @@ and image/caption bytes are copied as they are (no re-encode). Here:
   per-uid arrays, the first ones in ``reshard.json``), not an error. A uid met again in a later input is
   written once only (``n_input_duplicates``).
 - **Outputs** beside the shards: one img2dataset ``_stats.json`` per shard, open_clip's ``sizes.json``
-  (``pipeline/shards.py``) and the run summary ``reshard.json``.
+  (``pipeline/shards/writer.py``) and the run summary ``reshard.json``.
 - **Memory** is bounded by the subset, not the pool: 16 B per subset row while loading, then ~56 B per
   distinct uid (the sorted uids, multiplicity, copies written, first output index), plus one sample in
   flight — or, with ``workers > 1``, the *selected* samples of up to ``workers`` input tars being fetched
@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 
 from pipeline import schema as S
-from pipeline import storage
-from pipeline.shards import (
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.shards.writer import (
     SIZES_NAME,
     ShardError,
     ShardWriter,
@@ -50,8 +51,7 @@ from pipeline.shards import (
     write_sizes,
     write_stats,
 )
-from pipeline.storage import LOCAL, Storage
-from pipeline.subset import read_subset
+from pipeline.subsets.uid_files import read_subset
 
 SUMMARY_NAME = "reshard.json"
 _OUTPUT_FILE = re.compile(rf"^(\d{{8}}\.tar|\d{{8}}_stats\.json|reshard\.json|{re.escape(SIZES_NAME)})$")

@@ -8,8 +8,8 @@ copies of a sample it writes, so repeated uids mean up-sampling). Subsets writte
 orders by ``f0`` then ``f1``, i.e. by the 128-bit uid. Like the resharder, ``read_subset`` also accepts a
 raw headerless ``u8,u8`` memmap.
 
-Paths are local; for ``s3://`` the caller passes a binary file object (e.g. from ``pipeline.storage``).
-``write_subsets`` writes filter results (``pipeline.filters.FilterResult``) through a ``Storage``.
+Paths are local; for ``s3://`` the caller passes a binary file object (e.g. from ``pipeline.common.storage``).
+``write_subsets`` writes filter results (``pipeline.filters.datacomp.FilterResult``) through a ``Storage``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any, BinaryIO
 import numpy as np
 import pyarrow as pa
 
-from pipeline.filters import FilterResult
-from pipeline.rows import valid_uids
+from pipeline.common.storage import Storage
+from pipeline.filters.datacomp import FilterResult
 from pipeline.schema import UID, UID_DTYPE, u8pairs_to_uids, uids_to_u8pairs
-from pipeline.storage import Storage
+from pipeline.source.row_checks import valid_uids
 
 _NPY_MAGIC = b"\x93NUMPY"
 
@@ -87,7 +87,9 @@ def write_subset(
         np.save(dest, arr, allow_pickle=False)
         return len(arr)
     if _is_remote(dest):
-        raise SubsetError(f"{dest}: pass a binary file object for remote paths (pipeline.storage opens one)")
+        raise SubsetError(
+            f"{dest}: pass a binary file object for remote paths (pipeline.common.storage opens one)"
+        )
     path = os.fspath(dest)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from pipeline.schema import is_valid_uid
-from pipeline.shards import iter_shard, write_shard
-from training.scoring import sample_uid
+from pipeline.shards.writer import iter_shard, write_shard
+from training.infer.scoring import sample_uid
 
 _spec = importlib.util.spec_from_file_location(
-    "adapters_demo", Path(__file__).resolve().parents[1] / "bench" / "adapters_demo.py"
+    "adapters_demo", Path(__file__).resolve().parents[2] / "bench" / "adapters_demo.py"
 )
 adapters_demo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(adapters_demo)

@@ -18,10 +18,10 @@ import jsonschema
 import pytest
 import yaml
 
+from pipeline.common.placement import DATA_ROLE, LABEL_KEY, TRAIN_ROLE
 from pipeline.config import resolve
-from pipeline.placement import DATA_ROLE, LABEL_KEY, TRAIN_ROLE
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster"
 REQUIRED_JOBS = ("build_dataset", "train", "filter", "evaluate", "track")
 RAY_IMAGE = "rayproject/ray:2.60.0-py311-gpu"

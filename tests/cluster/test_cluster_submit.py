@@ -1,6 +1,6 @@
 """The jobs on real Ray clusters on 127.0.0.1: ``ray job submit``, autoscaling, placement by node labels.
 
-1. A head started with ``ray start --head --block`` (tests/fixtures_head.py): ``ray job submit
+1. A head started with ``ray start --head --block`` (tests/fixtures/ray_head.py): ``ray job submit
    --working-dir .`` of the demo build and of a tiny training run; exit code, job status, outputs.
 2. Autoscaling with Ray's fake multi-node provider and our cluster/fake_cluster.yaml: a head with no task
    CPUs and one worker type (min 0) — the tiny training job makes the autoscaler launch a worker node,
@@ -31,8 +31,8 @@ import yaml
 
 from pipeline.config import BUILD_PRESETS
 from pipeline.schema import is_valid_uid, u8pairs_to_uids
-from tests.fixtures_head import BIN, ROOT, base_env, free_ports, ray_head, start_head, stop_head  # noqa: F401
-from tests.fixtures_train import write_demo_shards
+from tests.fixtures.ray_head import BIN, ROOT, base_env, free_ports, ray_head, start_head, stop_head  # noqa: F401
+from tests.fixtures.train_shards import write_demo_shards
 
 TINY_STEPS, TINY_BATCH = 8, 32
 
@@ -224,9 +224,7 @@ def _placement_scenario(work: str) -> None:
 def test_build_and_train_stages_land_on_labelled_nodes(tmp_path) -> None:
     (tmp_path / "ray").mkdir()  # RAY_TMPDIR keeps the Cluster's address file out of the shared /tmp/ray
     env = {**base_env(), "RAY_TMPDIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    code = (
-        f"from tests.test_cluster_submit import _placement_scenario; _placement_scenario({str(tmp_path)!r})"
-    )
+    code = f"from tests.cluster.test_cluster_submit import _placement_scenario; _placement_scenario({str(tmp_path)!r})"
     log = tmp_path / "placement.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -245,7 +243,7 @@ def test_build_and_train_stages_land_on_labelled_nodes(tmp_path) -> None:
 
     # The data plane's work in this driver: every normal task, every task of a Ray Data map actor pool —
     # reads, maps, the language-ID actor, of the build and of the training ingest — and the calls of the
-    # build's download actors (plain Ray actors, pipeline/build_download.py).
+    # build's download actors (plain Ray actors, pipeline/download/phase.py).
     # Left out: Ray 2.60's hash-shuffle map and reduce tasks (its shuffle operators pass no label
     # selector) and its parquet footer-reader actors (scheduled SPREAD); Ray's, not ours to place.
     data_tasks = [

@@ -11,9 +11,9 @@ import pytest
 from scipy.stats import spearmanr
 
 from jobs.evaluate import main
-from pipeline.shards import iter_shard
-from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
-from tests.fixtures_demo import demo_pool  # noqa: F401
+from pipeline.shards.writer import iter_shard
+from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: F401
+from tests.fixtures.demo_pool import demo_pool  # noqa: F401
 from training.eval.uncertainty import NOT_APPLICABLE
 
 

@@ -11,12 +11,12 @@ import pytest
 
 from jobs import embed as embed_job
 from jobs import filter as filter_job
-from pipeline import storage
-from pipeline.shards import iter_shard
-from pipeline.storage import LOCAL, Storage
-from pipeline.subset import read_subset, subset_uids
-from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
-from tests.fixtures_train import write_demo_shards
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.shards.writer import iter_shard
+from pipeline.subsets.uid_files import read_subset, subset_uids
+from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: F401
+from tests.fixtures.train_shards import write_demo_shards
 
 pytestmark = pytest.mark.ray
 N_SHARDS, PER_SHARD = 2, 64
@@ -135,9 +135,9 @@ def test_filter_job_scores_with_an_imported_open_clip_model(ray_local, pool, tmp
     import torch
     from safetensors.torch import save_file
 
-    from tests import open_clip_src
-    from tests.test_imports import _open_clip_reference
-    from training.encode import Encoder
+    from tests.fixtures import open_clip_src
+    from tests.training.imports.test_imports import _open_clip_reference
+    from training.infer.encode import Encoder
 
     oc_model = open_clip_src.load_or_skip("model")
     ref = _open_clip_reference(oc_model, 32, quick_gelu=True, seed=3)

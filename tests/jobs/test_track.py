@@ -216,7 +216,7 @@ def test_noise_detection_groups_uninformative_and_non_english_captions(tmp_path)
     import pyarrow.parquet as pq
 
     from jobs.track.report import noise_detection
-    from pipeline.storage import LOCAL
+    from pipeline.common.storage import LOCAL
 
     (tmp_path / "pool").mkdir()
     noise = ["clean", "clean", "clean", "non_english", "mismatched", "clean"]
@@ -247,7 +247,7 @@ def test_baseline_subsets_must_be_built():
 
 def test_track_subsets_are_filter_specs_with_the_library_random_control():
     from jobs.track.steps import subset_specs
-    from pipeline.filtering import parse_filter_specs
+    from pipeline.filters.specs import parse_filter_specs
 
     subsets = ["no_filter", "basic", "csd", "csd_uncertainty", "clip_score", "random"]
     cfg = merge(TrackConfig(), {"subsets": subsets, "random_of": "basic", "seeds": [3]})

@@ -22,12 +22,12 @@ import pytest
 
 from pipeline import schema as S
 from pipeline.build import build
+from pipeline.common.storage import LOCAL
 from pipeline.config import BUILD_PRESETS, merge
-from pipeline.reshard import reshard
-from pipeline.shards import iter_shard
-from pipeline.storage import LOCAL
-from pipeline.subset import read_subset
-from tests.fixtures_demo import demo_pool  # noqa: F401
+from pipeline.shards.writer import iter_shard
+from pipeline.subsets.reshard import reshard
+from pipeline.subsets.uid_files import read_subset
+from tests.fixtures.demo_pool import demo_pool  # noqa: F401
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -70,7 +70,7 @@ def test_every_uid_gets_its_expected_status(built, demo_pool):
 
 
 def test_build_trains_a_tokenizer_on_the_captions(built):
-    from pipeline.tokenizer import TextTokenizer
+    from pipeline.ingest.tokenizer import TextTokenizer
 
     cfg, _ = built
     tok = TextTokenizer.load(os.path.join(cfg.output, "tokenizer"))
@@ -264,8 +264,8 @@ def test_resume_after_driver_killed(ray_local, demo_pool, built, tmp_path):
 
 def test_build_reads_and_writes_s3(ray_local, demo_pool, s3_server):
     """Metadata on s3://, run directory on s3:// (SeaweedFS on loopback): same accounting as local."""
-    from pipeline import storage
-    from pipeline.storage import Storage
+    from pipeline.common import storage
+    from pipeline.common.storage import Storage
 
     store = Storage.from_env(s3_server.endpoint)
     meta = s3_server.url("meta", "part-00000.parquet")

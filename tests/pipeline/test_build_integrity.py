@@ -2,8 +2,8 @@
 empty and all-rejected pools. Every input row ends with exactly one status; every subset holds each uid
 at most once; a retried or resumed build equals a clean one uid for uid, status for status, shards included.
 
-Pools are tens of rows served by the loopback test server (tests/fixtures_http.py); all builds share the
-session's local Ray. The SIGKILL test is in tests/test_build_kill.py (slow).
+Pools are tens of rows served by the loopback test server (tests/fixtures/http_server.py); all builds share the
+session's local Ray. The SIGKILL test is in tests/pipeline/test_build_kill.py (slow).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from PIL import Image
 from pipeline import schema as S
 from pipeline.build import build
 from pipeline.config import BuildConfig, DownloadConfig, FilterConfig, merge
-from pipeline.runstate import FingerprintMismatch
-from tests.fixtures_build import check_invariants, snapshot
-from tests.fixtures_http import Route, http_server  # noqa: F401
+from pipeline.source.run_state import FingerprintMismatch
+from tests.fixtures.build_runs import check_invariants, snapshot
+from tests.fixtures.http_server import Route, http_server  # noqa: F401
 
 pytestmark = pytest.mark.ray
 

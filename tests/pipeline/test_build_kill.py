@@ -25,7 +25,7 @@ from pipeline.config import BUILD_PRESETS, merge, parse_set
 from pipeline.demo.eval_sets import EvalSizes
 from pipeline.demo.pool import generate_pool, write_metadata
 from pipeline.demo.server import serve_pool
-from tests.fixtures_build import check_invariants, snapshot
+from tests.fixtures.build_runs import check_invariants, snapshot
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

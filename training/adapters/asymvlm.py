@@ -9,7 +9,7 @@ the (unit-norm) image embedding stays a point. Everything is a log-likelihood of
   like CLIP's logit scale so one step cannot blow it up;
 - uncertainty ``u = 1/κ`` (§4.3); retrieval by maximum likelihood (App. A.2).
 
-Normalisers (checked against scipy in tests/test_adapters.py):
+Normalisers (checked against scipy in tests/training/adapters/test_adapters.py):
 
 - vMF: ``log C_d(κ) = (d/2−1) log κ − (d/2) log 2π − log I_{d/2−1}(κ)``. ``F_d`` (Eq. 4, docs/math.md) integrates
   the midpoint of the Ruiz-Antolín–Segura bounds on ``I_{d/2}/I_{d/2−1} = −d log C_d/dκ``, so it equals
@@ -146,7 +146,7 @@ class AsymVLM(nn.Module):
     @property
     def tau(self) -> Tensor:
         # A plain scalar, as the authors' code: an exp-parametrised τ grows multiplicatively and soaks up
-        # the scale κ should carry (measured on the toy of tests/test_adapters.py: κ stops separating).
+        # the scale κ should carry (measured on the toy of tests/training/adapters/test_adapters.py: κ stops separating).
         return self.tau_raw.clamp(TAU_MIN, TAU_MAX)
 
     def forward(self, z_text: Tensor) -> tuple[Tensor, Tensor]:

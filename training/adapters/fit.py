@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from pipeline.storage import LOCAL, Storage
+from pipeline.common.storage import LOCAL, Storage
 from training.adapters.asymvlm import AsymVLM, asymvlm_loss
 from training.adapters.probvlm import LAMBDA_CROSS, ProbVLM, probvlm_loss
 

@@ -5,7 +5,7 @@ Which set serves which analysis: σ² per modality and image ⊂ own caption on 
 hierarchy task; BPRW on the first classification task; each class's prompt σ² against its zero-shot recall
 on every classification task. Original ⊂ masked needs fresh encodings of masked inputs: the driver's
 ``Encoder`` encodes the first ``MASKED_SAMPLES`` images/captions of the retrieval task (text: 75% of
-content tokens → [MASK] with ``pipeline.masking.mask_text_tokens``, never pad/end, and removed from the
+content tokens → [MASK] with ``pipeline.ingest.masking.mask_text_tokens``, never pad/end, and removed from the
 caption when the checkpoint trained with ``data.text_mask_mode`` "drop" or "salient"; image: 25% of
 patches kept with ``choose_kept_patches`` — the §4.1 masking of training).
 Deterministic checkpoints get ``uncertainty.NOT_APPLICABLE`` for every analysis.
@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.masking import choose_kept_patches, drop_masked_tokens, mask_text_tokens
-from pipeline.storage import LOCAL, Storage
-from training.encode import Encoder
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.ingest.masking import choose_kept_patches, drop_masked_tokens, mask_text_tokens
 from training.eval import hf_sets, uncertainty
 from training.eval import sets as eval_sets
 from training.eval.metrics import zero_shot_scores
+from training.infer.encode import Encoder
 
 MASKED_SAMPLES = 128
 ANALYSES = (

@@ -28,8 +28,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline import storage
-from pipeline.storage import LOCAL, Storage
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
 from training.eval.sets import EvalSetError, Task
 
 CHUNK_ROWS = 256

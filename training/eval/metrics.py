@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from training.losses import csd_matrix
+from training.losses.contrastive import csd_matrix
 
 # ---------------------------------------------------------------- scores
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import storage
-from pipeline.storage import Storage
+from pipeline.common import storage
+from pipeline.common.storage import Storage
 from training.eval.sets import EvalSetError, Task
 
 AGGREGATES = {  # our key -> (DataComp's printed name, Task.group; None = every task of the list)

@@ -1,8 +1,8 @@
 """Evaluation runner: validates a checkpoint and a task list, encodes every eval set with Ray Data batch
 inference, then scores the gathered embeddings with the pure metrics of ``training/eval/metrics.py``.
 
-One Ray Data pipeline serves all tasks at once (``training.inference.encode_items``: one actor pool of
-the one batch encoder, ``training.encode.Encoder``, so a model is loaded ``num_actors`` times per run,
+One Ray Data pipeline serves all tasks at once (``training.infer.batch_inference.encode_items``: one actor pool of
+the one batch encoder, ``training.infer.encode.Encoder``, so a model is loaded ``num_actors`` times per run,
 not per task): one read task per eval shard or prompt list (``read_item``, Ray-free) yields image rows
 and text rows (captions, prompts), which the encoder's image or text tower encodes (``has_image`` /
 ``has_text``). Eval sets are small, so embeddings are gathered into the driver.
@@ -26,9 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import storage
-from pipeline.storage import LOCAL, Storage
-from training.encode import Encoder
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
 from training.eval import hf_sets
 from training.eval import sets as eval_sets
 from training.eval.metrics import (
@@ -40,6 +39,7 @@ from training.eval.metrics import (
 )
 from training.eval.results import aggregates, datacomp_names, previous_results, result_line
 from training.eval.sets import EvalSetError, Task
+from training.infer.encode import Encoder
 
 
 @dataclass
@@ -136,7 +136,7 @@ def encode_all(
 ) -> dict[str, np.ndarray]:
     """Images, captions and prompts of every task in one Ray Data pipeline (one actor pool); returns
     the gathered columns sorted by (task, shard, pos, sub)."""
-    from training.inference import encode_items
+    from training.infer.batch_inference import encode_items
 
     items = [
         {"task": t, "shard": s, "path": p, "prompts": ""}

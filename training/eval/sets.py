@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 import yaml
 
-from pipeline import storage
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import yaml_problem
-from pipeline.shard_source import IMAGE_EXTS
-from pipeline.shards import ShardError, iter_shard
-from pipeline.storage import LOCAL, Storage
+from pipeline.shards.reader import IMAGE_EXTS
+from pipeline.shards.writer import ShardError, iter_shard
 
 KINDS = ("zeroshot_classification", "retrieval", "hierarchy", "association")
 GROUPS = ("", "imagenet", "imagenet_dist_shift", "vtab", "retrieval")

@@ -4,7 +4,7 @@ turning a converted state dict into one of our checkpoint directories.
 Both open_clip and the official ProLIP code store their transformer blocks in open_clip's layout:
 ``<prefix>resblocks.N.{ln_1, attn.in_proj_weight/bias, attn.out_proj, ln_2, mlp.c_fc, mlp.c_proj}``. The
 fused ``in_proj_weight`` stacks the q, k and v rows in that order, each split into heads contiguously —
-exactly how ``training/towers.py::Block.qkv`` is read, so it is copied as it is.
+exactly how ``training/model/towers.py::Block.qkv`` is read, so it is copied as it is.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from training.model import CheckpointError, ProLIP, save_checkpoint
+from training.model.two_tower import CheckpointError, ProLIP, save_checkpoint
 
-# open_clip block name → ours (``Block`` in training/towers.py)
+# open_clip block name → ours (``Block`` in training/model/towers.py)
 _BLOCK_MAP = {
     "ln_1.weight": "ln_1.weight",
     "ln_1.bias": "ln_1.bias",
@@ -141,5 +141,5 @@ def build_and_check(config: Any, ours: dict[str, torch.Tensor], used: set[str], 
 
 
 def write_imported(out: str | Path, model: ProLIP, tokenizer: Any, extra: Mapping[str, Any]) -> Path:
-    """Save as one of our checkpoint directories (``training/model.py``), usable by every job."""
+    """Save as one of our checkpoint directories (``training/model/two_tower.py``), usable by every job."""
     return save_checkpoint(out, model, model.config, tokenizer, extra)

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline import storage
-from pipeline.storage import LOCAL, Storage
-from pipeline.tokenizer import TextTokenizer, tokenizer_from_spec
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.ingest.tokenizer import TextTokenizer, tokenizer_from_spec
 from training.config import OPENAI_MEAN, OPENAI_STD
 from training.imports import open_clip as oc
 from training.imports import prolip_official as po
 from training.imports.common import read_weights, write_imported
-from training.model import CheckpointError
+from training.model.two_tower import CheckpointError
 
 HUB = "hf-hub:"
 KINDS = ("openclip", "prolip")

@@ -31,7 +31,7 @@ from training.imports.common import (
     take,
     tower_shapes,
 )
-from training.model import ProLIP
+from training.model.two_tower import ProLIP
 
 HUB_FILE = "open_clip_model.safetensors"  # open_clip's file name on the Hugging Face hub
 

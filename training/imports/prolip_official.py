@@ -12,7 +12,7 @@ Key layout read (``visual.`` and ``text.`` towers, open_clip-style blocks):
   ``text.text_uncertainty_projection.{weight,bias}``; ``logit_scale``/``logit_bias`` go to ``extra.json``.
 
 The released models' arithmetic differs from the paper's description in three places, reproduced by
-``head_variant="prolip_official"`` (training/towers.py): the image CLS state passes ``ln_post`` twice; the
+``head_variant="prolip_official"`` (training/model/towers.py): the image CLS state passes ``ln_post`` twice; the
 text σ head reads the projected text mean; text attention is bidirectional over the padded row (no key
 mask). Their text LayerNorms use eps 1e-6 (``norm_kwargs`` of the released configs); their tokenizer is
 SigLIP's (context 64, ``canonicalize`` cleaning), which the caller passes in.
@@ -34,7 +34,7 @@ from training.imports.common import (
     take,
     tower_shapes,
 )
-from training.model import ProLIP
+from training.model.two_tower import ProLIP
 
 HUB_FILE = "model.safetensors"  # what the official ``ProLIPHF`` (a hub mixin) writes
 HUB_CONFIG = "config.json"

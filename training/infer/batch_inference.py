@@ -1,12 +1,12 @@
-"""Ray batch inference with the one encoder (``training.encode.Encoder``): scoring, embedding extraction
+"""Ray batch inference with the one encoder (``training.infer.encode.Encoder``): scoring, embedding extraction
 and the evaluation's encoding pass. The model plane's only Ray builder; the stages it maps are Ray-free.
 
 Every pipeline is ``map_batches(Encoder, compute=ActorPoolStrategy(size=num_actors), num_gpus=...)``
 (one model per actor, loaded from the checkpoint through the ``Storage`` each actor receives) with a
 per-use ``output`` function:
 
-- ``score_shards``: the shards (``pipeline.datasets.read_shards``, the one shard reader; damaged shards
-  keep their intact samples and are logged) → ``training.scoring.score_columns`` → ONE parquet file
+- ``score_shards``: the shards (``pipeline.ingest.dataset.read_shards``, the one shard reader; damaged shards
+  keep their intact samples and are logged) → ``training.infer.scoring.score_columns`` → ONE parquet file
   sorted by uid (≈60 B per row in driver memory).
 - ``embed_shards``: the same read → ``embedding_columns`` → ONE parquet written batch by batch in
   arrival order (memory: one batch); its schema is in jobs/embed.py.
@@ -25,10 +25,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
-from pipeline.datasets import read_shards
-from pipeline.storage import LOCAL, Storage
-from training.encode import BatchOutput, Encoder
-from training.scoring import (
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.ingest.dataset import read_shards
+from training.infer.encode import BatchOutput, Encoder
+from training.infer.scoring import (
     SCORE_COLUMNS,
     ScoreResult,
     embedding_columns,

@@ -1,11 +1,11 @@
 """The one batch encoder: a trained checkpoint turning image bytes and captions into (μ, logvar).
 
-Scoring and embedding extraction (training/scoring.py), evaluation (training/eval/run.py) and the
+Scoring and embedding extraction (training/infer/scoring.py), evaluation (training/eval/run.py) and the
 adapters' zero-shot check all hold an ``Encoder``, so a checkpoint is preprocessed exactly one way. It is
-a callable class for Ray Data's ``map_batches`` (training/inference.py builds the actor pools): the model
+a callable class for Ray Data's ``map_batches`` (training/infer/batch_inference.py builds the actor pools): the model
 is loaded once in ``__init__`` (once per actor), and ``__call__`` encodes one columnar batch. No Ray here.
 
-- Checkpoint: a directory written by ``training.model.save_checkpoint`` (a Ray Train checkpoint of
+- Checkpoint: a directory written by ``training.model.two_tower.save_checkpoint`` (a Ray Train checkpoint of
   ``jobs.train``), local or ``s3://`` through a ``Storage`` (copied once to a private temporary
   directory). Loading never unpickles (``weights_only=True``); a missing, corrupt or wrong-kind
   checkpoint raises ``CheckpointError`` naming the file.
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline import storage
-from pipeline.storage import LOCAL, Storage
-from training.model import CONFIG_FILE, CheckpointError, load_checkpoint, load_extra
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
+from training.model.two_tower import CONFIG_FILE, CheckpointError, load_checkpoint, load_extra
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -126,14 +126,14 @@ class Encoder:
     # --- images ---------------------------------------------------------------------------------------
 
     def _preprocess_chunk(self, data: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        from pipeline.augment import center_resize, decode_for_size
+        from pipeline.ingest.augment import center_resize, decode_for_size
 
         size = self.config.image_size
         out = np.zeros((len(data), size, size, 3), np.float32)
         ok = np.zeros(len(data), bool)
         for i, item in enumerate(data):
             try:
-                # Training's preprocessing with augmentation off, to the pixel (pipeline/augment.py).
+                # Training's preprocessing with augmentation off, to the pixel (pipeline/ingest/augment.py).
                 arr = decode_for_size(bytes(item), size)
                 if arr.ndim != 3 or arr.shape[2] != 3:
                     raise ValueError(f"decoded shape {arr.shape}")

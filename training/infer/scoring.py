@@ -1,6 +1,6 @@
 """Scoring pool pairs with a trained checkpoint (CSD / cosine per uid) and embedding extraction: the
-per-use post-processing of the one batch encoder (``training.encode.Encoder``). No Ray here: the Ray
-builders (``score_shards``, ``embed_shards``) are in training/inference.py.
+per-use post-processing of the one batch encoder (``training.infer.encode.Encoder``). No Ray here: the Ray
+builders (``score_shards``, ``embed_shards``) are in training/infer/batch_inference.py.
 
 - ``pair_scores(mu_v, logvar_v, mu_t, logvar_t)``: the per-pair numbers, in float64 —
   ``dot`` = μ_v·μ_t, ``image_unc`` = Σ_d σ²_v,d, ``text_unc`` = Σ_d σ²_t,d (tr Σ, the uncertainty of an
@@ -30,9 +30,9 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import schema as S
-from pipeline.storage import LOCAL, Storage
-from training.encode import as_text, localize_checkpoint
-from training.model import ModelConfig, load_checkpoint
+from pipeline.common.storage import LOCAL, Storage
+from training.infer.encode import as_text, localize_checkpoint
+from training.model.two_tower import ModelConfig, load_checkpoint
 
 SCORE_COLUMNS = ("uid", "ok", "dot", "image_unc", "text_unc", "csd", "cosine", "text_len")
 EMBED_COLUMNS = ("uid", "ok", "text", "image_mu", "text_mu", "image_logvar", "text_logvar")

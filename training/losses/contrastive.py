@@ -4,10 +4,10 @@ An embedding is a diagonal Gaussian Z = N(mu, diag(exp(logvar))) with L2-normali
 baselines use `mu` alone. Equation numbers refer to ProLIP (Chun et al., ICLR 2025):
 Eq. 1 CSD, Eq. 2 / A.4 PPCL, Eq. 3 / A.5 inclusion measure, Eq. 4 inclusion hypothesis, Eq. 5 inclusion
 loss, Eq. A.2 VIB, Eq. 6 full objective. SigLIP is Zhai et al. (2023), CLIP InfoNCE Radford et al. (2021).
-The per-sample terms (inclusion, VIB) live in `training/inclusion.py`, PPCL's loss and the full objective
-in `training/prolip_objective.py`, all re-exported here; the fused forward/backward kernels in
-`training/loss_kernels.py` and `training/sample_kernels.py`. PCME++ lives in `training/pcmepp.py`;
-`training/objectives.py` is the registry of both modules' losses. Slips in the papers are resolved as in
+The per-sample terms (inclusion, VIB) live in `training/losses/inclusion.py`, PPCL's loss and the full objective
+in `training/losses/prolip.py`, all re-exported here; the fused forward/backward kernels in
+`training/losses/fused/pairwise.py` and `training/losses/fused/per_sample.py`. PCME++ lives in `training/losses/pcmepp.py`;
+`training/losses/registry.py` is the registry of both modules' losses. Slips in the papers are resolved as in
 docs/math.md and docs/fidelity.md.
 
 Distributed contract (the train loop relies on it)
@@ -37,9 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.inclusion import REDUCTIONS, inclusion_hypothesis, inclusion_log_measure, inclusion_loss, vib_kl
-from training.loss_kernels import full_precision, pair_sigmoid_loss
-from training.prolip_objective import ppcl_loss, prolip_objective
+from training.losses.fused.pairwise import full_precision, pair_sigmoid_loss
+from training.losses.inclusion import (
+    REDUCTIONS,
+    inclusion_hypothesis,
+    inclusion_log_measure,
+    inclusion_loss,
+    vib_kl,
+)
+from training.losses.prolip import ppcl_loss, prolip_objective
 
 # The per-sample terms and the precision wrapper are part of this module's public surface (re-exported).
 __all__ = [

@@ -2,7 +2,7 @@
 
 Equation numbers refer to ProLIP (Chun et al., ICLR 2025); the paper's slips are resolved as in
 docs/math.md and docs/fidelity.md. Each function takes (B, D) Gaussians (mean, log-variance) and returns
-one value per sample, so memory is O(BD); `training/losses.py` combines them into the objective (Eq. 6)
+one value per sample, so memory is O(BD); `training/losses/contrastive.py` combines them into the objective (Eq. 6)
 and re-exports every public name here.
 """
 
@@ -13,8 +13,8 @@ import math
 import torch
 from torch import Tensor
 
-from training.loss_kernels import full_precision, gaussian_kl
-from training.sample_kernels import inclusion_terms
+from training.losses.fused.pairwise import full_precision, gaussian_kl
+from training.losses.fused.per_sample import inclusion_terms
 
 _LOG2 = math.log(2.0)
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -84,7 +84,7 @@ def inclusion_loss(
     ``official`` (the official code's reduction): mean_d softplus(-c H_d), one sigmoid per dimension, so a
     caller's mean over samples is the mean over B x D (docs/fidelity.md).
     H_d is `inclusion_hypothesis`'s per-dimension value; the loss and its gradient are computed together
-    by `training.sample_kernels.inclusion_terms` (one pass over the inputs, no autograd graph of H).
+    by `training.losses.fused.per_sample.inclusion_terms` (one pass over the inputs, no autograd graph of H).
     Shapes: (B, D) each -> (B,). Callers divide the local sum by the global count (see losses' module doc).
     """
     if reduction not in REDUCTIONS:
@@ -98,7 +98,7 @@ def vib_kl(mu: Tensor, logvar: Tensor, reduction: str = "joint") -> Tensor:
 
     ``official``: the same per-dimension KL averaged over d instead of summed (a caller's mean over samples
     is then the official B x D mean); sigma^2 stays sigma^2 (docs/fidelity.md). Shapes: (B, D) -> (B,).
-    Computed by `training.loss_kernels.gaussian_kl` from the sums over d (hand-derived gradient).
+    Computed by `training.losses.fused.pairwise.gaussian_kl` from the sums over d (hand-derived gradient).
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")

@@ -10,7 +10,7 @@ methods per batch; the mixed image's own caption gets label lambda and its partn
 
 Normalisation follows the paper's pseudo-code, for which alpha and beta were tuned: both BCE terms are
 means over the N x N pairs of the global batch and VIB is a mean over samples and dimensions. The shares
-obey the distributed contract of `training/losses.py` (local rows x global columns, sums of shares equal
+obey the distributed contract of `training/losses/contrastive.py` (local rows x global columns, sums of shares equal
 the single-process loss); mixing partners are drawn inside each worker's local batch.
 """
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.losses import LossSpec, csd_matrix, full_precision, vib_kl
+from training.losses.contrastive import LossSpec, csd_matrix, full_precision, vib_kl
 
 
 @full_precision
@@ -148,7 +148,7 @@ class PCMEppLoss(nn.Module):
         self, mu_v: Tensor, logvar_v: Tensor, mu_t: Tensor, logvar_t: Tensor, **inputs: Any
     ) -> dict[str, Tensor]:
         """Weighted terms of `pcmepp_loss` plus `total`; `inputs`: `mu_t_all`, `logvar_t_all`, `offset`,
-        `soft_labels` (image columns are accepted and ignored, see training/losses.py)."""
+        `soft_labels` (image columns are accepted and ignored, see training/losses/contrastive.py)."""
         inputs = {k: v for k, v in inputs.items() if k not in ("mu_v_all", "logvar_v_all")}
         return pcmepp_loss(
             mu_v, logvar_v, mu_t, logvar_t, self.scale, self.shift, alpha=self.alpha, beta=self.beta, **inputs

@@ -1,20 +1,20 @@
 """ProLIP's probabilistic pairwise loss (PPCL, Eq. 2) and full objective (Eq. 6), as pure tensor functions.
 
-Re-exported by `training/losses.py`, whose module doc states the distributed contract these follow (local
+Re-exported by `training/losses/contrastive.py`, whose module doc states the distributed contract these follow (local
 rows, optional global text columns `*_all` and `offset`; each returns this worker's share) and the
-precision rule. The logits are `training.losses.ppcl_logits`, never built as a matrix of their own:
-`pair_sigmoid_loss` (training/loss_kernels.py) takes the mean product and the σ² sums as row and column
+precision rule. The logits are `training.losses.contrastive.ppcl_logits`, never built as a matrix of their own:
+`pair_sigmoid_loss` (training/losses/fused/pairwise.py) takes the mean product and the σ² sums as row and column
 vectors. The objective's per-sample terms come from one fused kernel, `sample_terms`
-(training/sample_kernels.py), whose sums over d serve PPCL's variance terms and VIB alike.
+(training/losses/fused/per_sample.py), whose sums over d serve PPCL's variance terms and VIB alike.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from training.inclusion import REDUCTIONS
-from training.loss_kernels import exp_row_sum, full_precision, kl_from_sums, pair_sigmoid_loss
-from training.sample_kernels import sample_terms
+from training.losses.fused.pairwise import exp_row_sum, full_precision, kl_from_sums, pair_sigmoid_loss
+from training.losses.fused.per_sample import sample_terms
+from training.losses.inclusion import REDUCTIONS
 
 
 @full_precision
@@ -133,7 +133,7 @@ def prolip_objective(
             else (masked_index, mu_m, logvar_m)
         )
 
-    # Every O(B D) term from one fused kernel (training/sample_kernels.py); the sums over d it returns
+    # Every O(B D) term from one fused kernel (training/losses/fused/per_sample.py); the sums over d it returns
     # serve PPCL's row (and, in one process, column) variance terms and VIB alike.
     s = sample_terms(
         mu_v, logvar_v, mu_t, logvar_t, masked(mu_v_masked, logvar_v_masked),

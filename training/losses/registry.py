@@ -1,7 +1,7 @@
 """The registry of training objectives: every loss's ``LossSpec``, collected from the modules that define them.
 
-A loss is written once, in its own module (``training/losses.py`` for ProLIP, SigLIP and CLIP;
-``training/pcmepp.py`` for PCME++): the pure tensor function with its formula, the ``nn.Module`` holding its
+A loss is written once, in its own module (``training/losses/contrastive.py`` for ProLIP, SigLIP and CLIP;
+``training/losses/pcmepp.py`` for PCME++): the pure tensor function with its formula, the ``nn.Module`` holding its
 learnable scalars, and a ``LossSpec`` in that module's ``SPECS``. Everything else — the config's list of
 names and constructor arguments, which columns the train loop gathers across workers, whether it builds
 masked variants or mixed images, which scalars it logs — is read from the spec here. Adding a loss to one
@@ -15,8 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from training import losses, pcmepp
-from training.losses import LossSpec
+from training.losses import contrastive as losses
+from training.losses import pcmepp
+from training.losses.contrastive import LossSpec
 
 _MODULES = (losses, pcmepp)
 LOSS_SPECS: dict[str, LossSpec] = {spec.name: spec for module in _MODULES for spec in module.SPECS}

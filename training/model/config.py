@@ -45,7 +45,7 @@ class ModelConfig:
     pad_id: int = 0
     grad_checkpointing: bool = False
     # Variants for imported weights (training/imports/): OpenAI CLIP's MLP activation, CLIP's end-token text
-    # pooling (deterministic only), and the official ProLIP code's text tower and heads (training/towers.py).
+    # pooling (deterministic only), and the official ProLIP code's text tower and heads (training/model/towers.py).
     activation: str = "gelu"  # gelu | quick_gelu
     text_pool: str = "cls"  # cls (appended CLS token) | eot (the end token's position, as CLIP)
     text_mask_padding: bool = True  # False: padding keys are attended, as the official ProLIP code does
@@ -53,7 +53,7 @@ class ModelConfig:
     text_ln_eps: float = 1e-5
     head_variant: str = "paper"  # paper | prolip_official
     # How pixels become tokens: "patch" (ViT's linear patch projection) or "conv" (3×3 convolutions down to
-    # the same grid, training/towers.py ConvStem). docs/track.md "Recipes tried" has what they did for shapes.
+    # the same grid, training/model/towers.py ConvStem). docs/track.md "Recipes tried" has what they did for shapes.
     vision_stem: str = "patch"
     # The image state the heads read: the CLS token's output, or the mean of the patch tokens' ("mean",
     # which also allows vision_layers=0: the stem alone, a small CNN with global average pooling).

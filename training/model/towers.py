@@ -365,7 +365,7 @@ class TextTower(_Tower):
         x = self.transformer(x, self.attention_mask(tokens))  # (B, L + S0, D)
         x = self.ln_post(x)  # (B, L + S0, D)
         if self.eot_pool:
-            # The end token is the last non-pad position (pipeline/tokenizer.py's layout).
+            # The end token is the last non-pad position (pipeline/ingest/tokenizer.py's layout).
             last = ((tokens != self.pad_id).sum(dim=1) - 1).clamp(min=0)  # (B,)
             return self.head(x[torch.arange(b, device=x.device), last], None)
         h_unc = x[:, -2] if self.unc_token is not None else None  # (B, D)

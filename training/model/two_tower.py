@@ -3,7 +3,7 @@
 Presets (``MODEL_CONFIGS``):
 
 - ``tiny``: CPU tests and ``jobs.train --preset demo`` (64 px, patch 8, 4×128 per tower, context 32, vocab
-  4096 = the default of ``pipeline.tokenizer.train_tokenizer``); ≈2.2M parameters.
+  4096 = the default of ``pipeline.ingest.tokenizer.train_tokenizer``); ≈2.2M parameters.
 - ``demo-32px``: the track demo's (``make demo``) — ``tiny`` at 32 px with 2 layers per tower; ``demo-32px-cnn`` the
   same with a small CNN (convolutional stem, mean-pooled, no transformer) as the image tower (CLIP only).
 - ``ViT-B-32``: the DataComp small-track architecture (CLIP ViT-B/32 with a 12×512 causal text tower,
@@ -37,10 +37,10 @@ import torch
 from torch import nn
 
 from training.config import MODEL_CONFIGS, ModelConfig, model_config  # noqa: F401 (re-exported)
-from training.towers import TextTower, VisionTower
+from training.model.towers import TextTower, VisionTower
 
 if TYPE_CHECKING:
-    from pipeline.tokenizer import TextTokenizer
+    from pipeline.ingest.tokenizer import TextTokenizer
 
 WEIGHTS_FILE = "weights.pt"
 SAFETENSORS_FILE = "model.safetensors"
@@ -231,7 +231,7 @@ def load_checkpoint(directory: str | Path) -> tuple[ProLIP, ModelConfig, TextTok
         raise CheckpointError(f"weights in {weights_path} do not match {config_path}: {e}") from e
     tokenizer = None
     if (directory / "tokenizer.json").is_file():
-        from pipeline.tokenizer import TextTokenizer
+        from pipeline.ingest.tokenizer import TextTokenizer
 
         tokenizer = TextTokenizer.load(directory)
     return model, config, tokenizer

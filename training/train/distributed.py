@@ -1,6 +1,6 @@
 """Cross-worker exchange for the exact global-batch loss: gather features WITH gradients, and the bookkeeping.
 
-The losses (training/losses.py) take this worker's local rows, the global columns and ``offset`` and
+The losses (training/losses/contrastive.py) take this worker's local rows, the global columns and ``offset`` and
 return this worker's *share*; the shares sum to the single-process loss on the global batch of N rows.
 Why gathering with gradients makes the gradients exact too: ``torch.distributed.nn.functional.all_gather``
 is differentiable — its backward sends each slot's gradient back to the rank that owns the slot and sums
@@ -9,7 +9,7 @@ back-propagates its own share S_r, rank r holds ∂(Σ_q S_q)/∂f_r for its fea
 global loss's gradient restricted to the parameters' use on rank r's samples. The full gradient is the
 SUM of those over ranks, while DDP AVERAGES them: multiply the share by ``world_size`` before backward
 (``ddp_loss_scale``) and DDP's average is the single-process gradient — no approximation, no skipped
-negatives (unlike the official ring exchange; docs/fidelity.md), verified in tests/test_distributed.py.
+negatives (unlike the official ring exchange; docs/fidelity.md), verified in tests/training/train/test_distributed.py.
 
 Every function is the identity when no process group is initialised (or the world is one process), so
 the train loop runs unchanged in a single process. No loss math lives here.

@@ -1,8 +1,8 @@
 """The per-worker training loop run by Ray Train's ``TorchTrainer`` (``train_loop_per_worker(config)``).
 
-The Ray shell around the pure parts of training/step.py: the worker's context (rank, device, threads), the
+The Ray shell around the pure parts of training/train/step.py: the worker's context (rank, device, threads), the
 epoch iterator over this worker's Ray Data shard (``get_dataset_shard("train").iter_torch_batches``,
-masked variants added in its collate step, pipeline/ingest_train.py), and reports/checkpoints.
+masked variants added in its collate step, pipeline/ingest/transforms.py), and reports/checkpoints.
 
 CPU precision: subnormals are flushed to zero (``torch.set_flush_denormal``): saturated inclusion terms
 (ProLIP Eq. 5, c = 1000) send gradients of ~1e-39 through the masked forward, and subnormal arithmetic
@@ -37,11 +37,11 @@ import ray.train
 import ray.train.torch
 import torch
 
-from pipeline.datasets import RayTrainCollate, publish_progress, read_counters
-from pipeline.ingest_train import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
-from pipeline.masking import drop_masked_tokens
+from pipeline.ingest.dataset import RayTrainCollate, publish_progress, read_counters
+from pipeline.ingest.masking import drop_masked_tokens
+from pipeline.ingest.transforms import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
 from training.config import from_plain
-from training.step import (
+from training.train.step import (
     TrainState,
     Window,
     restore_with_fallback,
@@ -154,7 +154,7 @@ def _masker(state: TrainState, tokenizer: Any) -> MaskedVariants | DroppedTextVa
         protected_ids=() if tokenizer.start_id is None else (tokenizer.start_id,),
     )
     if data.text_mask_mode in ("drop", "salient"):
-        # "salient": the train step replaces these captions with the model's choice (training/salience.py);
+        # "salient": the train step replaces these captions with the model's choice (training/train/salient_masking.py);
         # which samples are masked, and their image variants, still come from here.
         return DroppedTextVariants(masker, tokenizer.mask_id, tokenizer.pad_id)
     return masker

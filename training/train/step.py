@@ -1,16 +1,16 @@
 """One optimizer step and the state it runs on, without Ray: the train loop's pure core.
 
-``train_loop_per_worker`` (training/loop.py) only adds Ray Train around these parts: the worker's device
+``train_loop_per_worker`` (training/train/loop.py) only adds Ray Train around these parts: the worker's device
 and dataset shard, reports and checkpoints. Everything here runs in a plain process (one worker = the
-identity gather of training/distributed.py), so tests and benchmarks drive the real step directly.
+identity gather of training/train/distributed.py), so tests and benchmarks drive the real step directly.
 
 One step (``train_step``): batch → ``TrainModule`` forward (both towers, plus the masked image/text variants
 of the selected samples — ProLIP Eq. 6) → gather the loss's columns from every worker WITH gradients
-(training/distributed.py) → this worker's loss share × world size (DDP averages gradients; the sum of
+(training/train/distributed.py) → this worker's loss share × world size (DDP averages gradients; the sum of
 shares is the global-batch loss, so the average of the scaled gradients is its exact gradient) → backward,
 optional clipping, AdamW (ProLIP App. B.1 parameter groups via ``param_groups``), LR warmup then cosine.
 Which columns are gathered, and whether masked variants or PCME++'s mixed images are used, is read from
-the objective's ``LossSpec`` (training/objectives.py).
+the objective's ``LossSpec`` (training/losses/registry.py).
 
 Precision: bf16 autocast on CUDA (the losses run in float32 inside), fp32 on CPU.
 
@@ -35,10 +35,11 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from pipeline.masking import round_half_up
-from training.distributed import all_reduce_sum, ddp_loss_scale, gather_with_grad, rank_and_world
-from training.losses import LossSpec
-from training.model import (
+from pipeline.ingest.masking import round_half_up
+from training.losses.contrastive import LossSpec
+from training.losses.pcmepp import mix_images, pcmepp_soft_labels
+from training.losses.registry import build_loss_from_config, logit_scalars
+from training.model.two_tower import (
     CheckpointError,
     ProLIP,
     load_checkpoint,
@@ -47,9 +48,8 @@ from training.model import (
     param_groups,
     save_checkpoint,
 )
-from training.objectives import build_loss_from_config, logit_scalars
-from training.pcmepp import mix_images, pcmepp_soft_labels
-from training.salience import SalientDrop
+from training.train.distributed import all_reduce_sum, ddp_loss_scale, gather_with_grad, rank_and_world
+from training.train.salient_masking import SalientDrop
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ class TrainState:
     start_step: int = 0
     restored: bool = False  # resumed from a checkpoint (a restarted attempt)
     # data.text_mask_mode="salient": rewrites the collated masked captions with the model's own choice of
-    # words to remove (training/salience.py); None for every other mode.
+    # words to remove (training/train/salient_masking.py); None for every other mode.
     salient: SalientDrop | None = None
 
 
@@ -352,14 +352,14 @@ def checkpoint_extra(state: TrainState) -> dict[str, Any]:
         "loss": cfg.loss.name,
         # How masked captions were made ("mask" | "drop"): the eval's original ⊂ masked analysis masks alike.
         "text_mask_mode": cfg.data.text_mask_mode,
-        # Inference (training/encode.py) must normalise pixels as this run did.
+        # Inference (training/infer/encode.py) must normalise pixels as this run did.
         "pixel_mean": list(cfg.data.mean),
         "pixel_std": list(cfg.data.std),
     }
 
 
 def save_state(directory: str, state: TrainState, tokenizer: Any) -> None:
-    """Weights, model config, tokenizer and extra (training/model.py) plus optimizer/scheduler/loss state."""
+    """Weights, model config, tokenizer and extra (training/model/two_tower.py) plus optimizer/scheduler/loss state."""
     module = state.module
     loss_values = {k: float(v) for k, v in module.loss.state_dict().items() if v.numel() == 1}
     extra = {**checkpoint_extra(state), "loss_state": loss_values}

@@ -31,8 +31,10 @@ import time
 from itertools import islice
 from typing import Any
 
-from pipeline import storage
-from pipeline.datasets import (
+from pipeline.common import storage
+from pipeline.common.placement import worker_label_selector
+from pipeline.common.storage import Storage
+from pipeline.ingest.dataset import (
     ProgressPrinter,
     build_train_dataset,
     read_counters,
@@ -40,19 +42,17 @@ from pipeline.datasets import (
     stop_counters,
     train_dataset_config,
 )
-from pipeline.ingest_train import tokenizer_state
-from pipeline.placement import worker_label_selector
-from pipeline.shard_source import list_shards
-from pipeline.storage import Storage
-from pipeline.tokenizer import (
+from pipeline.ingest.tokenizer import (
     SPECIAL_IDS_FILE,
     TOKENIZER_FILE,
     TextTokenizer,
     tokenizer_from_spec,
     train_tokenizer,
 )
+from pipeline.ingest.transforms import tokenizer_state
+from pipeline.shards.reader import list_shards
 from training.config import TrainConfig, to_plain
-from training.loop import train_loop_per_worker
+from training.train.loop import train_loop_per_worker
 
 TOKENIZER_CAPTIONS = 200_000  # captions read to train a BPE when none is given
 
@@ -108,7 +108,7 @@ def prepare_tokenizer(cfg: TrainConfig, run_store: Storage, data_store: Storage)
 
 
 def _captions(cfg: TrainConfig, store: Storage):
-    from pipeline.shards import ShardError, iter_shard
+    from pipeline.shards.writer import ShardError, iter_shard
 
     def gen():
         for path in list_shards(cfg.data.shards, store):
@@ -192,7 +192,7 @@ def interrupt_reported(name: str):
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) training to ``cfg.total_steps``; needs Ray initialised (jobs.common.init_ray)."""
-    from training.model import model_config
+    from training.model.two_tower import model_config
 
     t0 = time.perf_counter()
     # Run directory and shards may sit behind different endpoints: each is resolved once, here.

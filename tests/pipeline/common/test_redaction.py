@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.manifest import write_manifest
-from pipeline.storage import Storage, redact_text, redact_url
+from pipeline.common.manifest import write_manifest
+from pipeline.common.storage import Storage, redact_text, redact_url
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SECRET = "S3CR3TxYz"
 
 

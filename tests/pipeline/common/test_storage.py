@@ -1,4 +1,4 @@
-"""pipeline.storage: one ``Storage`` object over local disk and S3 (a real SeaweedFS on 127.0.0.1)."""
+"""pipeline.common.storage: one ``Storage`` object over local disk and S3 (a real SeaweedFS on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 
-from pipeline import storage
-from pipeline.manifest import write_manifest
-from pipeline.storage import LOCAL, Storage
-from tests.fixtures_s3 import s3_server  # noqa: F401
+from pipeline.common import storage
+from pipeline.common.manifest import write_manifest
+from pipeline.common.storage import LOCAL, Storage
+from tests.fixtures.s3_server import s3_server  # noqa: F401
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 _AWS_ENV = (
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",

@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline import dedupe as D
-from pipeline.dedupe import exact_duplicates, near_duplicates, url_duplicates
+from pipeline.dedup import decisions as D
+from pipeline.dedup.decisions import exact_duplicates, near_duplicates, url_duplicates
 
 U = [f"{i:032x}" for i in range(8)]
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.phash import hamming, phash64
-from pipeline.resize import process_image
+from pipeline.dedup.phash import hamming, phash64
+from pipeline.download.resize import process_image
 
 THRESHOLD = 4  # DedupeConfig.phash_threshold
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.urlnorm import normalize_url
+from pipeline.dedup.urlnorm import normalize_url
 
 
 @pytest.mark.parametrize(

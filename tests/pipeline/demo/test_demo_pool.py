@@ -22,6 +22,8 @@ import pytest
 from PIL import Image
 
 from pipeline import schema as S
+from pipeline.dedup.phash import hamming
+from pipeline.dedup.urlnorm import normalize_url
 from pipeline.demo.captions import english_mask
 from pipeline.demo.eval_sets import EvalSizes
 from pipeline.demo.faults import BOMB_SIDE, OVERSIZE_BYTES
@@ -37,9 +39,7 @@ from pipeline.demo.images import (
 from pipeline.demo.plan import CAPTION_NOISE_RATES, FAULT_STATUS, LEVEL_P, NOISE_RATES, noise_count, plan_pool
 from pipeline.demo.pool import expected_statuses, generate_pool
 from pipeline.demo.render import Scene, decode, encode_jpeg
-from pipeline.phash import hamming
-from pipeline.urlnorm import normalize_url
-from tests.fixtures_demo import demo_pool  # noqa: F401
+from tests.fixtures.demo_pool import demo_pool  # noqa: F401
 
 DEMO_CLIENT_TIMEOUT_S = 1.0  # BUILD_PRESETS["demo"].download.timeout_s
 

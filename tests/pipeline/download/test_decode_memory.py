@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import resize
-from pipeline.resize import process_image
+from pipeline.download import resize
+from pipeline.download.resize import process_image
 
 
 def _float_reference(im: Image.Image) -> np.ndarray:

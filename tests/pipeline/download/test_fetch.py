@@ -1,6 +1,6 @@
-"""fetch() and DownloadWorker against a real HTTP server on 127.0.0.1 (tests/fixtures_http.py)."""
+"""fetch() and DownloadWorker against a real HTTP server on 127.0.0.1 (tests/fixtures/http_server.py)."""
 # ruff: noqa: F811
-# (pytest fixtures imported from tests/fixtures_http.py are re-bound as test arguments)
+# (pytest fixtures imported from tests/fixtures/http_server.py are re-bound as test arguments)
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import pytest
 from PIL import Image
 
 from pipeline.config import DownloadConfig
-from pipeline.download import OUTPUT_SCHEMA, DownloadWorker, fetch, is_opted_out
-from pipeline.netguard import UrlGuard
-from tests.fixtures_http import Route, canary_listener, http_server, https_server, was_contacted  # noqa: F401
+from pipeline.download.fetch import OUTPUT_SCHEMA, DownloadWorker, fetch, is_opted_out
+from pipeline.download.netguard import UrlGuard
+from tests.fixtures.http_server import Route, canary_listener, http_server, https_server, was_contacted  # noqa: F401
 
 GUARD = UrlGuard(["127.0.0.1"])
 
@@ -253,7 +253,7 @@ def test_worker_decodes_at_the_configured_jpeg_dct_margin(http_server) -> None:
 
 
 def test_https_with_pinned_address_sni_and_verification(https_server, monkeypatch) -> None:
-    from pipeline import download
+    from pipeline.download import fetch as download
 
     url = https_server.route("/a.jpg", Route(body=JPEG))
     assert _fetch(url).status == "failed_to_download:connection_error"  # untrusted self-signed cert

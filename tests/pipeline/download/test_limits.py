@@ -1,7 +1,7 @@
 """The download stage's limits against a real HTTP server on 127.0.0.1: the part deadline, the per-host
 connection cap, Retry-After and backoff on 429/503, and an opted-out body never read."""
 # ruff: noqa: F811
-# (pytest fixtures imported from tests/fixtures_http.py are re-bound as test arguments)
+# (pytest fixtures imported from tests/fixtures/http_server.py are re-bound as test arguments)
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import pytest
 from PIL import Image
 
 from pipeline.config import ConfigError, DownloadConfig
-from pipeline.download import DownloadWorker, fetch, memory_bound, part_deadline_s
-from pipeline.netguard import UrlGuard
-from pipeline.politeness import HostSlots, parse_retry_after, retry_wait
-from tests.fixtures_http import Route, http_server  # noqa: F401
+from pipeline.download.fetch import DownloadWorker, fetch, memory_bound, part_deadline_s
+from pipeline.download.netguard import UrlGuard
+from pipeline.download.politeness import HostSlots, parse_retry_after, retry_wait
+from tests.fixtures.http_server import Route, http_server  # noqa: F401
 
 GUARD = UrlGuard(["127.0.0.1"])
 
@@ -189,7 +189,7 @@ def test_memory_bound_is_a_function_of_the_config() -> None:
 
 
 def test_pixel_budget_fifo_big_image_alone_and_deadline() -> None:
-    from pipeline.pixel_budget import PixelBudget
+    from pipeline.download.pixel_budget import PixelBudget
 
     budget = PixelBudget(100)
     events: list[str] = []

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from pipeline.netguard import UrlGuard, is_forbidden_ip
+from pipeline.download.netguard import UrlGuard, is_forbidden_ip
 
 BLOCKED = [
     "http://10.0.0.1/a.jpg",

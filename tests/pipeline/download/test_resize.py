@@ -16,8 +16,8 @@ import pytest
 from PIL import Image, ImageOps
 from scipy import ndimage
 
-from pipeline.phash import hamming, phash64
-from pipeline.resize import blur_boxes, dct_factor, output_size, process_image
+from pipeline.dedup.phash import hamming, phash64
+from pipeline.download.resize import blur_boxes, dct_factor, output_size, process_image
 
 
 def _textured(w: int, h: int, seed: int = 0) -> np.ndarray:

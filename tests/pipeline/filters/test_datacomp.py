@@ -9,14 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import centroids as C
-from pipeline import filtering as P
-from pipeline import filters as F
-from pipeline import text_filters as T
+from pipeline.common.storage import LOCAL
 from pipeline.config import ConfigError, FilterConfig
+from pipeline.filters import centroids as C
+from pipeline.filters import datacomp as F
+from pipeline.filters import specs as P
+from pipeline.filters import text_based as T
 from pipeline.schema import uids_to_u8pairs
-from pipeline.storage import LOCAL
-from pipeline.subset import write_subsets
+from pipeline.subsets.uid_files import write_subsets
 
 U = [f"{i:032x}" for i in range(8)]
 
@@ -100,7 +100,7 @@ def test_basic_takes_a_dict_of_numpy_arrays():
 
 
 def test_english_with_the_real_model():
-    from pipeline.langid import LanguageId
+    from pipeline.filters.language import LanguageId
 
     t = pa.table(
         {

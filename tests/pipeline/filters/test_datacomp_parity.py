@@ -1,6 +1,6 @@
 """Each DataComp baseline on hand-built rows that pin one rule each; the expected uid sets are written out
 from DataComp's rules (baselines/apply_filter.py, nltk 3.8.1's WordNet reader, fastText's tokenizer),
-not computed by our code. Face blur parity against img2dataset's own blurrer is in tests/test_resize.py.
+not computed by our code. Face blur parity against img2dataset's own blurrer is in tests/pipeline/download/test_resize.py.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline import filtering as P
-from pipeline import filters as F
-from pipeline import wordnet as WN
 from pipeline.config import ConfigError, FilterConfig
+from pipeline.filters import datacomp as F
+from pipeline.filters import specs as P
+from pipeline.filters import wordnet as WN
 
 # --- text_based: a WordNet in WordNet's own file format ------------------------------------------------
 # index.<pos> lines: lemma pos synset_cnt p_cnt [ptr...] sense_cnt tagsense_cnt offset... (sense order).

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline.langid import Cld3LanguageId, LanguageId
+from pipeline.filters.language import Cld3LanguageId, LanguageId
 
 
 @pytest.fixture(scope="module")

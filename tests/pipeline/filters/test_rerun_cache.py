@@ -7,13 +7,13 @@ import os
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import filter_reuse as FR
 from pipeline import schema as S
 from pipeline.build import run_paths
+from pipeline.common.storage import LOCAL
 from pipeline.config import BuildConfig, merge
-from pipeline.filtering import parse_filter_specs
-from pipeline.langid import default_model_path
-from pipeline.storage import LOCAL
+from pipeline.filters import rerun_cache as FR
+from pipeline.filters.language import default_model_path
+from pipeline.filters.specs import parse_filter_specs
 
 
 def _setup(tmp_path, **filters):

@@ -6,10 +6,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline import filtering as P
-from pipeline import score_filters as F
 from pipeline.config import ConfigError
-from pipeline.subset import kept_uids
+from pipeline.filters import scores as F
+from pipeline.filters import specs as P
+from pipeline.subsets.uid_files import kept_uids
 
 
 def _uid(i: int) -> str:

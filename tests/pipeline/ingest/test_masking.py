@@ -1,4 +1,4 @@
-"""Tests for pipeline/masking.py: exact counts, reproducibility, and what may never be masked."""
+"""Tests for pipeline/ingest/masking.py: exact counts, reproducibility, and what may never be masked."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import uuid
 import numpy as np
 import pytest
 
-from pipeline.masking import (
+from pipeline.ingest.masking import (
     choose_kept_patches,
     mask_text_tokens,
     round_half_up,

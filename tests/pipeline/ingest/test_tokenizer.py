@@ -1,4 +1,4 @@
-"""Tests for pipeline/tokenizer.py: training, encoding layout, save/load, wrapping foreign tokenizer.json."""
+"""Tests for pipeline/ingest/tokenizer.py: training, encoding layout, save/load, wrapping foreign tokenizer.json."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from pipeline.tokenizer import TextTokenizer, train_tokenizer
+from pipeline.ingest.tokenizer import TextTokenizer, train_tokenizer
 
 CAPTIONS = [
     f"a {size} {colour} {shape} on a {bg} background"

@@ -1,5 +1,5 @@
 """CLIP's BPE built with HF ``tokenizers`` against open_clip's own ``SimpleTokenizer`` (run from the wheel's
-files, tests/open_clip_src.py), and a SigLIP-style ``tokenizer.json`` pointed at by the train config."""
+files, tests/fixtures/open_clip_src.py), and a SigLIP-style ``tokenizer.json`` pointed at by the train config."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
-from pipeline.masking import mask_text_tokens
-from pipeline.tokenizer import CLEANERS, TextTokenizer, clip_bpe_tokenizer
-from tests import open_clip_src
+from pipeline.ingest.masking import mask_text_tokens
+from pipeline.ingest.tokenizer import CLEANERS, TextTokenizer, clip_bpe_tokenizer
+from tests.fixtures import open_clip_src
 
 CORPUS = [
     "A photo of a DOG &amp; a cat",
@@ -80,7 +80,7 @@ def test_cleaning_and_ids_survive_save_load_and_state(clip_tok: TextTokenizer, t
 
 
 def _mask(tok: TextTokenizer, ids: np.ndarray, ratio: float, seed: int) -> np.ndarray:
-    """The training collate's call (training/loop.py): the start token is protected like pad and end."""
+    """The training collate's call (training/train/loop.py): the start token is protected like pad and end."""
     return mask_text_tokens(
         ids, tok.pad_id, tok.end_id, tok.mask_id, ratio, rng=seed, protected_ids=(tok.start_id,)
     )
@@ -125,10 +125,10 @@ def test_siglip_style_file_with_canonicalize(tmp_path, reference) -> None:
 def test_spec_resolution_and_one_tokenizer_per_track(clip_tok: TextTokenizer, tmp_path) -> None:
     from jobs.track.config import TRACK_PRESETS, train_config
     from pipeline.config import ConfigError, merge
-    from pipeline.tokenizer import tokenizer_from_spec
+    from pipeline.ingest.tokenizer import tokenizer_from_spec
 
     assert tokenizer_from_spec("clip").to_state() == clip_tok.to_state()
-    from pipeline.tokenizer import clip_vocab_path
+    from pipeline.ingest.tokenizer import clip_vocab_path
 
     assert tokenizer_from_spec(f"clip:{clip_vocab_path()}").to_state() == clip_tok.to_state()
     assert tokenizer_from_spec(str(clip_tok.save(tmp_path / "saved"))).to_state() == clip_tok.to_state()
@@ -155,7 +155,7 @@ def test_masked_clip_tokens_run_through_a_prolip_text_tower(clip_tok: TextTokeni
     log σ² from the UNC token, and padding does not change the result (pad keys are masked)."""
     import torch
 
-    from training.model import ProLIP, model_config
+    from training.model.two_tower import ProLIP, model_config
 
     cfg = model_config("tiny", vocab_size=clip_tok.vocab_size, pad_id=clip_tok.pad_id, context_length=77)
     model = ProLIP(cfg).eval()

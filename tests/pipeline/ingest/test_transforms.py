@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from pipeline import augment as A
-from pipeline.ingest_train import DecodeAugment, MaskedVariants, TrainCollate, window_shuffle
-from pipeline.masking import round_half_up
-from pipeline.tokenizer import train_tokenizer
-from tests.fixtures_train import demo_samples, write_demo_shards
+from pipeline.ingest import augment as A
+from pipeline.ingest.masking import round_half_up
+from pipeline.ingest.tokenizer import train_tokenizer
+from pipeline.ingest.transforms import DecodeAugment, MaskedVariants, TrainCollate, window_shuffle
+from tests.fixtures.train_shards import demo_samples, write_demo_shards
 from training.config import DataConfig
 
 SAMPLES = demo_samples(64, size=48)
@@ -147,7 +147,7 @@ def test_masking_is_reproducible_and_order_free(tokenizer) -> None:
 
 
 def test_dropped_text_variants_remove_the_masked_tokens(tokenizer) -> None:
-    from training.loop import DroppedTextVariants
+    from training.train.loop import DroppedTextVariants
 
     batch = masked_batch(tokenizer)
     masked = masker(tokenizer, seed=3)(batch, epoch=1)
@@ -180,7 +180,7 @@ def test_train_collate_emits_fixed_shape_tensors(tokenizer) -> None:
 def test_trimmed_padding_encodes_exactly_like_the_full_context(tokenizer) -> None:
     import torch
 
-    from training.model import ProLIP, model_config
+    from training.model.two_tower import ProLIP, model_config
 
     batch = masked_batch(tokenizer, n=16)
     batch["tokens"] = tokenizer.encode_batch([f"a {c} square" for c in "ab" * 8], 24)
@@ -215,7 +215,7 @@ def _damage(path: str, out: str, how: str) -> None:
 
 
 def test_shard_reader_keeps_intact_samples_and_counts_damaged_shards(tmp_path) -> None:
-    from pipeline.shard_source import ShardReader, TooManyBadShards, list_shards
+    from pipeline.shards.reader import ShardReader, TooManyBadShards, list_shards
 
     good = write_demo_shards(tmp_path / "src", n_shards=3, per_shard=20, size=48)
     _damage(good[1], good[1], "truncate")  # cut at a member boundary: tarfile reads it as complete
@@ -245,9 +245,9 @@ def test_shard_reader_keeps_intact_samples_and_counts_damaged_shards(tmp_path) -
 def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_path, tokenizer) -> None:
     import ray
 
-    from pipeline.datasets import build_train_dataset, read_counters, start_counters, stop_counters
-    from pipeline.shard_source import TooManyBadShards
-    from pipeline.storage import LOCAL
+    from pipeline.common.storage import LOCAL
+    from pipeline.ingest.dataset import build_train_dataset, read_counters, start_counters, stop_counters
+    from pipeline.shards.reader import TooManyBadShards
 
     good = write_demo_shards(tmp_path / "src", n_shards=3, per_shard=20, size=48)
     _damage(good[1], good[1], "truncate")  # cut at a member boundary: tarfile reads it as complete
@@ -283,7 +283,7 @@ def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_p
 
 
 def test_decoded_cache_serves_every_kept_row_in_a_fresh_order(tokenizer) -> None:
-    from pipeline.ingest_train import DecodedCache
+    from pipeline.ingest.transforms import DecodedCache
 
     cache = DecodedCache()
     collate = TrainCollate(None, epoch=0, cache=cache)

@@ -1,4 +1,4 @@
-"""pipeline.shards: webdataset tar round trip, member contiguity/order, damage detection, stats."""
+"""pipeline.shards.writer: webdataset tar round trip, member contiguity/order, damage detection, stats."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import tarfile
 
 import pytest
 
-from pipeline import shards
-from pipeline.shards import PartWriter, ShardError, iter_shard, shard_stats, write_shard
-from tests.fixtures_s3 import s3_server  # noqa: F401
+from pipeline.shards import writer as shards
+from pipeline.shards.writer import PartWriter, ShardError, iter_shard, shard_stats, write_shard
+from tests.fixtures.s3_server import s3_server  # noqa: F401
 
 
 def _samples(n: int = 4) -> list[tuple]:
@@ -165,7 +165,7 @@ def test_stats_like_img2dataset():
 
 
 def test_shard_on_s3(s3_server, tmp_path):
-    from pipeline.storage import LOCAL, Storage
+    from pipeline.common.storage import LOCAL, Storage
 
     store = Storage.from_env(s3_server.endpoint)
     path = s3_server.url("shards", shards.shard_name(0))

@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline import schema as S
-from pipeline.build_download import PoolRows, part_specs
-from pipeline.metadata import MetadataError, open_metadata, read_columns, read_rows
-from pipeline.rows import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch
-from pipeline.storage import LOCAL
+from pipeline.common.storage import LOCAL
+from pipeline.download.phase import PoolRows, part_specs
+from pipeline.source.metadata import MetadataError, open_metadata, read_columns, read_rows
+from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch
 
 
 def _uid(i: int) -> str:

@@ -9,13 +9,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline import runstate as R
 from pipeline import schema as S
+from pipeline.common.storage import LOCAL
 from pipeline.config import BuildConfig, ConfigError, DedupeConfig, DownloadConfig, FilterConfig, merge
-from pipeline.filtering import check_build_filters
-from pipeline.rows import CAPTION_STATUS, ROW_KEY, caption_status, pre_statuses, prepare_batch
-from pipeline.storage import LOCAL
-from pipeline.subset import kept_uids, to_subset_array
+from pipeline.filters.specs import check_build_filters
+from pipeline.source import run_state as R
+from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, caption_status, pre_statuses, prepare_batch
+from pipeline.subsets.uid_files import kept_uids, to_subset_array
 
 GOOD = "0123456789abcdef0123456789abcdef"
 # Every way ``int(x, 16)`` would have read a uid that is not DataComp's spelling.

@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline import schema as S
-from pipeline import subset_rows as SR
-from pipeline.dedupe import _dropped_within_groups
-from pipeline.rows import CAPTION_STATUS, ROW_KEY, _decode, pre_statuses, prepare_batch, row_key
-from pipeline.subset import arrow_u8pairs, to_subset_array
-from pipeline.urlnorm import normalize_url, normalize_urls
+from pipeline.dedup.decisions import _dropped_within_groups
+from pipeline.dedup.urlnorm import normalize_url, normalize_urls
+from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, _decode, pre_statuses, prepare_batch, row_key
+from pipeline.subsets import eligibility as SR
+from pipeline.subsets.uid_files import arrow_u8pairs, to_subset_array
 
 # --- the per-row references ---------------------------------------------------------------------------
 
@@ -311,7 +311,7 @@ def test_large_string_columns_give_the_same_keys_and_statuses():
 
 
 def test_url_normalisation_in_chunks_equals_one_pass(monkeypatch):
-    import pipeline.urlnorm as U
+    import pipeline.dedup.urlnorm as U
 
     monkeypatch.setattr(U, "_CHUNK", 4)  # a long column goes through in slices of bounded memory
     urls = URLS + [None] + URLS[:3]

@@ -1,4 +1,4 @@
-"""pipeline.reshard and jobs.reshard: DataComp semi-join semantics on hand-built shards."""
+"""pipeline.subsets.reshard and jobs.reshard: DataComp semi-join semantics on hand-built shards."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import tarfile
 import numpy as np
 import pytest
 
-from pipeline import storage
-from pipeline.reshard import output_key, reshard
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
 from pipeline.schema import uids_to_u8pairs
-from pipeline.shards import PartWriter, ShardError, iter_shard, write_shard
-from pipeline.storage import LOCAL, Storage
-from pipeline.subset import write_subset
-from tests.fixtures_s3 import s3_server  # noqa: F401
+from pipeline.shards.writer import PartWriter, ShardError, iter_shard, write_shard
+from pipeline.subsets.reshard import output_key, reshard
+from pipeline.subsets.uid_files import write_subset
+from tests.fixtures.s3_server import s3_server  # noqa: F401
 
 
 def _uid(rng: random.Random) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipeline.schema import UID_DTYPE, uids_to_u8pairs
-from pipeline.subset import SubsetError, read_subset, subset_uids, to_subset_array, write_subset
+from pipeline.subsets.uid_files import SubsetError, read_subset, subset_uids, to_subset_array, write_subset
 
 UIDS = [
     "ffffffffffffffff0000000000000001",

@@ -15,12 +15,12 @@ from datasets import Dataset, Features, Image, List, Value
 from datasets.arrow_writer import ArrowWriter
 from PIL import Image as PILImage
 
-from tests.fixtures_ckpt import clip_checkpoint  # noqa: F401
-from training.encode import Encoder
+from tests.fixtures.checkpoints import clip_checkpoint  # noqa: F401
 from training.eval import hf_sets
 from training.eval.metrics import association_metrics
 from training.eval.run import evaluate
 from training.eval.sets import EvalSetError, load_tasks
+from training.infer.encode import Encoder
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "yellow": (230, 220, 20)}
 COLOURS |= {"purple": (140, 30, 160), "orange": (240, 140, 20), "white": (245, 245, 245)}

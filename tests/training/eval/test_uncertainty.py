@@ -184,13 +184,13 @@ def test_original_in_masked_masks_as_the_checkpoint_trained(tmp_path, mode):
     # encode captions with the masked words removed, and a [MASK]-trained one with [MASK] in their place.
     import torch
 
-    from pipeline.masking import drop_masked_tokens, mask_text_tokens
-    from pipeline.tokenizer import train_tokenizer
-    from tests.fixtures_ckpt import DEMO_CAPTIONS
-    from tests.fixtures_train import demo_samples
-    from training.encode import Encoder
+    from pipeline.ingest.masking import drop_masked_tokens, mask_text_tokens
+    from pipeline.ingest.tokenizer import train_tokenizer
+    from tests.fixtures.checkpoints import DEMO_CAPTIONS
+    from tests.fixtures.train_shards import demo_samples
     from training.eval.analyses import masked_inclusion
-    from training.model import ProLIP, model_config, save_checkpoint
+    from training.infer.encode import Encoder
+    from training.model.two_tower import ProLIP, model_config, save_checkpoint
 
     tok = train_tokenizer(DEMO_CAPTIONS * 4, vocab_size=512)
     cfg = model_config("tiny", vocab_size=tok.vocab_size, pad_id=tok.pad_id)

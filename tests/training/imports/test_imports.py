@@ -1,5 +1,5 @@
 """Checkpoint import: open_clip CLIP and official-ProLIP state dicts into our model, checked against the
-source library's own forward (open_clip's ``model.py`` run from the installed wheel, tests/open_clip_src.py).
+source library's own forward (open_clip's ``model.py`` run from the installed wheel, tests/fixtures/open_clip_src.py).
 
 The state dicts are written here in each library's naming at small widths and depths (no weights can be
 downloaded in tests), with every parameter randomised so no term can hide behind a zero or identity init.
@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipeline.tokenizer import TextTokenizer, clip_bpe_tokenizer
-from tests import open_clip_src
-from tests.test_tokenizer_clip import CORPUS
+from pipeline.ingest.tokenizer import TextTokenizer, clip_bpe_tokenizer
+from tests.fixtures import open_clip_src
+from tests.pipeline.ingest.test_tokenizer_clip import CORPUS
 from training.imports.common import read_weights
 from training.imports.open_clip import convert_open_clip
-from training.model import CheckpointError, load_checkpoint, save_checkpoint
+from training.model.two_tower import CheckpointError, load_checkpoint, save_checkpoint
 
 TOL = 1e-5
 
@@ -165,7 +165,7 @@ class _OfficialLayout(torch.nn.Module):
 
 @pytest.mark.parametrize("patch", [16, 32])
 def test_official_prolip_embeddings_equal(tmp_path, patch: int) -> None:
-    from tests.test_tokenizer_clip import _siglip_style_file
+    from tests.pipeline.ingest.test_tokenizer_clip import _siglip_style_file
     from training.imports.prolip_official import convert_prolip
 
     T = open_clip_src.load_or_skip("transformer")
@@ -202,7 +202,7 @@ def test_import_job_prolip_with_released_config(tmp_path, capsys) -> None:
     """``prolip:DIR`` reads ``model.safetensors`` and the released ``config.json`` beside it (text LN eps,
     tokenizer cleaning); the result is a checkpoint directory every job loads."""
     from jobs import import_checkpoint as job
-    from tests.test_tokenizer_clip import _siglip_style_file
+    from tests.pipeline.ingest.test_tokenizer_clip import _siglip_style_file
 
     T = open_clip_src.load_or_skip("transformer")
     ref = _OfficialLayout(T, 32).eval()

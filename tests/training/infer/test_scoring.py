@@ -9,11 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures_ckpt import clip_checkpoint, tiny_checkpoint  # noqa: F401
-from tests.fixtures_train import demo_samples
-from training import losses
-from training.encode import Encoder
-from training.scoring import SCORE_COLUMNS, embedding_columns, embedding_table, pair_scores, score_columns
+from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: F401
+from tests.fixtures.train_shards import demo_samples
+from training.infer.encode import Encoder
+from training.infer.scoring import (
+    SCORE_COLUMNS,
+    embedding_columns,
+    embedding_table,
+    pair_scores,
+    score_columns,
+)
+from training.losses import contrastive as losses
 
 
 def _batch(n: int = 8, corrupt: int | None = 3, with_json: bool = False) -> dict[str, np.ndarray]:
@@ -164,7 +170,7 @@ def test_encoder_sees_the_pixels_training_sees(tiny_checkpoint):
 
     from PIL import Image
 
-    from pipeline.ingest_train import DecodeAugment
+    from pipeline.ingest.transforms import DecodeAugment
     from training.config import DataConfig
 
     enc = Encoder(tiny_checkpoint)

@@ -1,9 +1,9 @@
-"""The fused kernels' hand-written gradients (training/loss_kernels.py, training/sample_kernels.py),
+"""The fused kernels' hand-written gradients (training/losses/fused/pairwise.py, training/losses/fused/per_sample.py),
 checked independently.
 
 `torch.autograd.gradcheck` compares each kernel's backward with finite differences in float64; the full
 ProLIP objective's gradients (both reductions, every input and both learnable scalars) must equal autograd
-through the float64 references of tests/test_losses.py and tests/test_loss_reduction.py, which build the
+through the float64 references of tests/training/losses/test_losses.py and tests/training/losses/test_reduction.py, which build the
 B x B x D variance sums and the per-dimension paper-form measure with no shared code. The kernels work in
 blocks of rows; a small block size makes every test cross block boundaries, with a short last block.
 """
@@ -15,8 +15,7 @@ import math
 import pytest
 import torch
 
-from tests.test_loss_reduction import ref_official_inclusion, ref_official_vib
-from tests.test_losses import (
+from tests.training.losses.test_losses import (
     MASKED_KEYS,
     close,
     gaussians,
@@ -27,9 +26,10 @@ from tests.test_losses import (
     ref_vib,
     scalar,
 )
-from training import loss_kernels as K
-from training import losses as L
-from training import sample_kernels as S
+from tests.training.losses.test_reduction import ref_official_inclusion, ref_official_vib
+from training.losses import contrastive as L
+from training.losses.fused import pairwise as K
+from training.losses.fused import per_sample as S
 
 F64 = torch.float64
 

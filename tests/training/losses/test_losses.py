@@ -1,4 +1,4 @@
-"""Losses against float64 references written here from the formulas (training/losses.py, pcmepp.py).
+"""Losses against float64 references written here from the formulas (training/losses/contrastive.py, pcmepp.py).
 
 The references deliberately use the naive forms (B x B x D broadcasts, the paper's A, B, C expression,
 numerical quadrature) rather than the implementation's helpers.
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from scipy import integrate
 
-from tests import open_clip_src
-from training import losses as L
-from training import pcmepp as P
-from training.objectives import LOSS_SPECS, build_loss
+from tests.fixtures import open_clip_src
+from training.losses import contrastive as L
+from training.losses import pcmepp as P
+from training.losses.registry import LOSS_SPECS, build_loss
 
 F64 = torch.float64
 
@@ -562,7 +562,7 @@ def test_float64_inputs_stay_float64_and_bf16_inputs_promote():
 def test_loss_spec_declares_what_its_module_does(name):
     """The spec is the one place the loop and config read: its terms, scalars and kwargs must be the module's."""
     from training.config import LossConfig
-    from training.objectives import build_loss_from_config, logit_scalars
+    from training.losses.registry import build_loss_from_config, logit_scalars
 
     spec = LOSS_SPECS[name]
     loss, got = build_loss_from_config(LossConfig(name=name, init_bias=-3.0, pcme_alpha=0.2, beta=2e-4))

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.test_losses import (
+from tests.training.losses.test_losses import (
     MASKED_KEYS,
     close,
     gaussians,
@@ -19,9 +19,9 @@ from tests.test_losses import (
     ref_softplus,
     scalar,
 )
-from training import losses as L
 from training.config import ConfigError, LossConfig, TrainConfig
-from training.objectives import build_loss_from_config
+from training.losses import contrastive as L
+from training.losses.registry import build_loss_from_config
 
 
 def ref_h_per_dim(mu1, lv1, mu2, lv2, log_eps):

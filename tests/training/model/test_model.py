@@ -1,4 +1,4 @@
-"""Tests for training/model.py and training/towers.py (tiny config on CPU; big configs on the meta device)."""
+"""Tests for training/model/two_tower.py and training/model/towers.py (tiny config on CPU; big configs on the meta device)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from pipeline.config import ConfigError
-from pipeline.masking import choose_kept_patches
-from pipeline.tokenizer import train_tokenizer
+from pipeline.ingest.masking import choose_kept_patches
+from pipeline.ingest.tokenizer import train_tokenizer
 from training.config import OptimConfig, TrainConfig
-from training.model import (
+from training.model.two_tower import (
     CONFIG_FILE,
     MODEL_CONFIGS,
     WEIGHTS_FILE,

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pipeline.config import merge
-from pipeline.tokenizer import train_tokenizer
-from tests.fixtures_ckpt import DEMO_CAPTIONS
+from pipeline.ingest.tokenizer import train_tokenizer
+from tests.fixtures.checkpoints import DEMO_CAPTIONS
 from training.config import TRAIN_PRESETS
-from training.loop import checkpoint_candidates
-from training.model import CheckpointError
-from training.step import restore_with_fallback, save_state, setup_state
+from training.model.two_tower import CheckpointError
+from training.train.loop import checkpoint_candidates
+from training.train.step import restore_with_fallback, save_state, setup_state
 
 CPU = torch.device("cpu")
 

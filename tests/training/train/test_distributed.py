@@ -1,7 +1,7 @@
 """Two gloo processes vs one process on the same global batch: loss and every parameter gradient agree.
 
 This exercises the real path of the train loop: ``TrainModule`` forward under DDP (masked variants
-included), ``loss_shares`` (the differentiable all-gather of training/distributed.py), the share scaled by
+included), ``loss_shares`` (the differentiable all-gather of training/train/distributed.py), the share scaled by
 the world size, DDP's gradient averaging. Rank 1 gets no masked sample (M = 0) to cover the skipped pass.
 One pair of processes computes all four objectives; the per-objective tests compare the saved results.
 """
@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from training import distributed as D
 from training.config import LossConfig
-from training.model import ProLIP, model_config
-from training.objectives import LOSS_SPECS, build_loss_from_config, loss_spec
-from training.step import TrainModule, loss_shares
+from training.losses.registry import LOSS_SPECS, build_loss_from_config, loss_spec
+from training.model.two_tower import ProLIP, model_config
+from training.train import distributed as D
+from training.train.step import TrainModule, loss_shares
 
 OBJECTIVES = tuple(LOSS_SPECS)  # every registered loss
 WORLD, N, PAD, END, MASK = 2, 8, 0, 1, 2

@@ -1,9 +1,9 @@
 """bf16 autocast through the real forward and loss: on CPU always, on CUDA when a GPU is present.
 
-The train step runs bf16 autocast on CUDA (training/step.py ``autocast``); no GPU exists where the suite
+The train step runs bf16 autocast on CUDA (training/train/step.py ``autocast``); no GPU exists where the suite
 usually runs, so the same path is exercised under CPU autocast, and the ``gpu``-marked test repeats it on
 CUDA when one is available (skipped otherwise, see tests/conftest.py). A whole optimizer step
-(``training.step.train_step``) also runs under CPU bf16 autocast with both loss reductions.
+(``training.train.step.train_step``) also runs under CPU bf16 autocast with both loss reductions.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.test_distributed import PAD, global_batch, tiny_module
+from tests.training.train.test_distributed import PAD, global_batch, tiny_module
 from training.config import LossConfig, OptimConfig, TrainConfig
-from training.model import is_unc_param
-from training.step import autocast, loss_shares, setup_state, train_step
+from training.model.two_tower import is_unc_param
+from training.train.step import autocast, loss_shares, setup_state, train_step
 
 
 def _loss_and_grads(name: str, device: str, precision: str) -> tuple[float, list[torch.Tensor]]:
@@ -57,7 +57,7 @@ def test_bf16_autocast_step_on_cuda_matches_fp32(name: str) -> None:
 
 
 def _one_train_step(precision: str, reduction: str) -> tuple[dict[str, float], list[torch.Tensor], Any]:
-    """``training.step.train_step`` (forward, loss, backward, clipping, AdamW, schedule) on the ``tiny``
+    """``training.train.step.train_step`` (forward, loss, backward, clipping, AdamW, schedule) on the ``tiny``
     model, from the same initial weights whatever the precision."""
     cfg = TrainConfig(
         model="tiny",

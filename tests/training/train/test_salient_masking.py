@@ -1,4 +1,4 @@
-"""``data.text_mask_mode="salient"`` (training/salience.py): the model chooses which words a masked caption loses.
+"""``data.text_mask_mode="salient"`` (training/train/salient_masking.py): the model chooses which words a masked caption loses.
 
 Checked against a one-caption-at-a-time reference on the real ``tiny`` text tower, on an encoder whose
 salient words are known by construction, and through ``train_step``: the masked captions the step encodes
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.masking import drop_masked_tokens
-from tests.test_distributed import END, MASK, PAD, global_batch, tiny_module
+from pipeline.ingest.masking import drop_masked_tokens
+from tests.training.train.test_distributed import END, MASK, PAD, global_batch, tiny_module
 from training.config import ConfigError, DataConfig, TrainConfig
-from training.salience import SalientDrop, leave_one_out, remove_positions
-from training.step import setup_state, train_step
+from training.train.salient_masking import SalientDrop, leave_one_out, remove_positions
+from training.train.step import setup_state, train_step
 
 
 def test_leave_one_out_removes_each_position_once() -> None:
@@ -43,7 +43,7 @@ def test_remove_positions_matches_the_collates_drop() -> None:
 def _reference(
     encode_text, tokens: torch.Tensor, rows: list[int], ratio: float, protected=()
 ) -> list[list[int]]:
-    """One caption and one removed word at a time, in Python: the rule of training/salience.py's docstring."""
+    """One caption and one removed word at a time, in Python: the rule of training/train/salient_masking.py's docstring."""
     shifts: dict[tuple[int, int], float] = {}
     with torch.no_grad():
         for r in rows:

@@ -8,7 +8,7 @@ driver is SIGKILLed (its whole process group); a second driver with the same sto
 resumes and finishes; a fresh process loads the final checkpoint with weights_only=True.
 
 "No step repeated or skipped" is checked on the COMMITTED step sequence: each checkpoint carries the
-run-length ranges of the optimizer steps that led to it (training/loop.py ``history``). Steps run after
+run-length ranges of the optimizer steps that led to it (training/train/loop.py ``history``). Steps run after
 the last checkpoint by an attempt that then died are lost and run again — expected — and do not appear;
 the final history must be exactly [[1, 40]]. ``attempts`` lists the step each (re)start resumed from; the
 driver is killed once Ray Train has *committed* checkpoint 20 (its snapshot file lists it — an uploaded
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures_s3 import s3_server  # noqa: F401
-from tests.fixtures_train import write_demo_shards
-from training.step import extend_history, lr_lambda
+from tests.fixtures.s3_server import s3_server  # noqa: F401
+from tests.fixtures.train_shards import write_demo_shards
+from training.train.step import extend_history, lr_lambda
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 TOTAL, EVERY, FAIL_AT = 40, 10, 15
 METRIC_KEYS = {
     "loss/total", "loss/ppcl", "loss/inc_vt", "loss/inc_masked_v", "loss/inc_masked_t", "loss/vib_v",
@@ -148,9 +148,9 @@ def test_demo_run_survives_worker_failure_and_driver_kill_on_s3(ray_local, s3_se
     # A fresh process downloads the final checkpoint and loads it without unpickling anything.
     code = f"""
 import json, os, tempfile, torch
-from pipeline import storage
-from pipeline.storage import Storage
-from training.model import load_checkpoint
+from pipeline.common import storage
+from pipeline.common.storage import Storage
+from training.model.two_tower import load_checkpoint
 src = "{s3.url("train", name, final)}"
 with tempfile.TemporaryDirectory() as d:
     for f in ("weights.pt", "model_config.json", "extra.json", "tokenizer.json", "special_tokens.json",
@@ -170,7 +170,7 @@ with tempfile.TemporaryDirectory() as d:
 
 
 def test_tensorboard_writer_writes_event_files(tmp_path) -> None:
-    from training.loop import _tensorboard
+    from training.train.loop import _tensorboard
 
     writer = _tensorboard(str(tmp_path))
     if writer is None:
@@ -183,10 +183,10 @@ def test_tensorboard_writer_writes_event_files(tmp_path) -> None:
 @pytest.mark.ray
 def test_cached_epochs_on_two_workers_commit_every_step(ray_local, tmp_path) -> None:
     """``data.cache_decoded``: epoch 0 from Ray Data (remainder kept), later epochs from each worker's rows;
-    with salient masked captions (training/salience.py) under DDP."""
+    with salient masked captions (training/train/salient_masking.py) under DDP."""
     from pipeline.config import merge
     from training.config import TRAIN_PRESETS
-    from training.trainer import train
+    from training.train.trainer import train
 
     write_demo_shards(tmp_path / "shards", n_shards=2, per_shard=40, size=48)
     cfg = merge(
@@ -214,7 +214,7 @@ def test_seeded_run_repeats_exactly(ray_local, tmp_path) -> None:
     """One seed, one worker, two runs: the same loss at every step (Ray Data's output order preserved)."""
     from pipeline.config import merge
     from training.config import TRAIN_PRESETS
-    from training.trainer import train
+    from training.train.trainer import train
 
     write_demo_shards(tmp_path / "shards", n_shards=4, per_shard=20, size=48)
     losses = []

@@ -5,7 +5,7 @@ elementwise step as its own pass over memory. At B = 4096 a (B, B) float32 matri
 temporary costs a pass through main memory and page faults on a fresh allocation, and the pairwise loss's
 softplus, its backward, the label diagonal's scatter and the gradient sum made four of them. The
 `autograd.Function`s here
-compute the same formulas (written out in `training/losses.py` and `training/inclusion.py`) with
+compute the same formulas (written out in `training/losses/contrastive.py` and `training/losses/inclusion.py`) with
 hand-derived gradients, on CPU in blocks of rows small enough to stay in the cache (one block elsewhere):
 
 - `pair_sigmoid_loss`: one (B, N) buffer in all. The forward turns the logits into sigmoids in place,
@@ -15,9 +15,9 @@ hand-derived gradients, on CPU in blocks of rows small enough to stay in the cac
 - `gaussian_sums` (sum_d σ² and sum_d (μ² − log σ²), from which `gaussian_kl` is VIB) and `exp_row_sum`
   (PPCL's σ² sums): each sum over d taken block by block, the exp recomputed in the backward.
 - The inclusion loss and the fused per-sample terms of the ProLIP objective are in
-  `training/sample_kernels.py`.
+  `training/losses/fused/per_sample.py`.
 
-Every result equals autograd on the plain formulas to float rounding; tests/test_loss_kernels.py checks
+Every result equals autograd on the plain formulas to float rounding; tests/training/losses/test_fused.py checks
 every kernel with `torch.autograd.gradcheck` in float64 and against autograd on the references.
 """
 

@@ -6,10 +6,10 @@ Autograd on the objective's per-sample terms would give each input a separate (B
 buffer and a pass over memory for each, and a zero-filled (B, D) buffer per indexed masked term. At B = 4096
 such buffers are 8 MiB each, freshly mapped pages included. `sample_terms` instead computes the inclusion
 losses (with their gradients for a unit upstream gradient, as `inclusion_terms` does) and the sums over d
-that PPCL and VIB need (`training.loss_kernels.row_sums`) in the forward, and its backward writes each
+that PPCL and VIB need (`training.losses.fused.pairwise.row_sums`) in the forward, and its backward writes each
 input's whole gradient into one buffer: the scaled inclusion gradient, then the σ² and VIB parts, then
-the masked rows added at their indices. Formulas: `_inclusion_block` and `training/inclusion.py`;
-tests/test_loss_kernels.py checks both kernels with `gradcheck` and the objective against autograd on
+the masked rows added at their indices. Formulas: `_inclusion_block` and `training/losses/inclusion.py`;
+tests/training/losses/test_fused.py checks both kernels with `gradcheck` and the objective against autograd on
 float64 references.
 """
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from training.loss_kernels import _block_rows, add_row_sums_grad, full_precision, row_sums
+from training.losses.fused.pairwise import _block_rows, add_row_sums_grad, full_precision, row_sums
 
 
 def _inclusion_block(
@@ -36,7 +36,7 @@ def _inclusion_block(
     variance sums of H are s2 + 2 s1 = S (1 + t) and s1 + 2 s2 = S (2 - t). With i1 = 1 / (1 + t),
     i2 = 1 / (2 - t), w = eps / S = exp(log_eps - max(l1, l2)) max(t, 1 - t) (finite for any l) and
     k = w (i1 - i2) = eps / (s2 + 2 s1) - eps / (s1 + 2 s2):
-        2 h      = log(i2 / i1) - x + 2 (mu1 - mu2)^2 k                    (training/inclusion.py's H_d)
+        2 h      = log(i2 / i1) - x + 2 (mu1 - mu2)^2 k                    (training/losses/inclusion.py's H_d)
         2 dh/dl1 = 2 t i1 - t i2 - 1 - 2 (mu1 - mu2)^2 w t (2 i1^2 - i2^2)  = G_l1
         -2 dh/dl2 = 2 dh/dl1 + 2 (mu1 - mu2)^2 k = G_l2,   dh/dmu1 = 2 (mu1 - mu2) k = 2 G_mu.
     One sigmoid, one exp and one log per element: the log-sum-exp form of the same H takes two softplus,
