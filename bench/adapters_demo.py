@@ -70,7 +70,8 @@ def write_retrieval_pairs(eval_dir: Path, out_dir: Path) -> tuple[list[str], int
     """Write ``retrieval_pairs`` of ``eval_dir/test/*.tar`` as shards under ``out_dir``.
 
     Returns (shard paths, images, pairs)."""
-    from pipeline.shards.writer import iter_shard, write_shard
+    from pipeline.shards.reader import iter_shard
+    from pipeline.shards.writer import write_shard
 
     tars = sorted((eval_dir / "test").glob("*.tar"))
     if not tars:

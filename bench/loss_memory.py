@@ -42,7 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratios, results_path, times  # noqa: E402
-from training.losses.contrastive import inclusion_loss, ppcl_loss, prolip_objective, siglip_loss, vib_kl  # noqa: E402
+from training.losses.contrastive import siglip_loss  # noqa: E402
+from training.losses.inclusion import inclusion_loss, vib_kl  # noqa: E402
+from training.losses.prolip import ppcl_loss, prolip_objective  # noqa: E402
 
 CASES = ("prolip", "ppcl", "naive", "siglip")
 MASKED_KEYS = ("mu_v_masked", "logvar_v_masked", "mu_t_masked", "logvar_t_masked")

@@ -38,7 +38,9 @@ from tests.fixtures.checkpoints import DEMO_CAPTIONS, make_checkpoint  # noqa: E
 from tests.fixtures.train_shards import demo_samples  # noqa: E402
 from training.infer.encode import Encoder  # noqa: E402
 from training.infer.scoring import score_columns  # noqa: E402
-from training.model.two_tower import ProLIP, model_config, save_checkpoint  # noqa: E402
+from training.model.checkpoint import save_checkpoint  # noqa: E402
+from training.model.config import model_config  # noqa: E402
+from training.model.two_tower import ProLIP  # noqa: E402
 
 
 def _batches(n: int, size: int) -> list[slice]:

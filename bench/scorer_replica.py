@@ -37,11 +37,11 @@ from jobs.track.config import TRACK_PRESETS  # noqa: E402
 from pipeline.config import merge, parse_set  # noqa: E402
 from pipeline.ingest.tokenizer import TextTokenizer  # noqa: E402
 from pipeline.ingest.transforms import DecodeAugment, TrainCollate  # noqa: E402
-from pipeline.shards.writer import iter_shard  # noqa: E402
+from pipeline.shards.reader import iter_shard  # noqa: E402
 from training.eval import uncertainty as U  # noqa: E402
 from training.eval.metrics import gaussian_mean, score_matrix  # noqa: E402
 from training.infer.encode import Encoder  # noqa: E402
-from training.model.two_tower import save_checkpoint  # noqa: E402
+from training.model.checkpoint import save_checkpoint  # noqa: E402
 from training.train.loop import _masker  # noqa: E402
 from training.train.step import setup_state, train_step  # noqa: E402
 

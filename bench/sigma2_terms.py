@@ -35,7 +35,7 @@ from jobs.track.config import TRACK_PRESETS  # noqa: E402
 from pipeline.ingest.tokenizer import TextTokenizer  # noqa: E402
 from pipeline.ingest.transforms import TrainCollate  # noqa: E402
 from training.losses.contrastive import ppcl_logits  # noqa: E402
-from training.model.two_tower import load_checkpoint  # noqa: E402
+from training.model.checkpoint import load_checkpoint  # noqa: E402
 from training.train.loop import _masker  # noqa: E402
 from training.train.step import forward_terms, setup_state  # noqa: E402
 

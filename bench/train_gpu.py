@@ -43,7 +43,9 @@ def make_case(objective: str, batch: int, device: torch.device, compile_model: b
     from pipeline.ingest.masking import choose_kept_patches, mask_text_tokens
     from training.config import LossConfig
     from training.losses.registry import build_loss_from_config, loss_spec
-    from training.model.two_tower import ProLIP, model_config, param_groups
+    from training.model.config import model_config
+    from training.model.param_groups import param_groups
+    from training.model.two_tower import ProLIP
     from training.train.step import TrainModule, loss_shares
 
     torch.manual_seed(0)

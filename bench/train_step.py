@@ -45,7 +45,9 @@ from pipeline.ingest.transforms import DecodeAugment, MaskedVariants, TrainColla
 from tests.fixtures.train_shards import demo_samples, write_demo_shards  # noqa: E402
 from training.config import DataConfig, LossConfig  # noqa: E402
 from training.losses.registry import build_loss_from_config, loss_spec  # noqa: E402
-from training.model.two_tower import ProLIP, model_config, param_groups  # noqa: E402
+from training.model.config import model_config  # noqa: E402
+from training.model.param_groups import param_groups  # noqa: E402
+from training.model.two_tower import ProLIP  # noqa: E402
 from training.train.salient_masking import SalientDrop  # noqa: E402
 from training.train.step import TrainModule, loss_shares  # noqa: E402
 

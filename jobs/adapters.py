@@ -71,7 +71,7 @@ FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(AdaptersConfig)
 def _read_classification_set(
     root: str, store: Storage
 ) -> tuple[list[bytes], np.ndarray, list[str], list[str]]:
-    from pipeline.shards.writer import iter_shard
+    from pipeline.shards.reader import iter_shard
 
     classes = store.read_bytes(storage.join(root, "classnames.txt")).decode().split("\n")
     templates = store.read_bytes(storage.join(root, "zeroshot_classification_templates.txt")).decode()

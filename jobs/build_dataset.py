@@ -9,13 +9,14 @@ from __future__ import annotations
 import sys
 
 from jobs.common import config_parser, init_ray, print_table, resolve_config
-from pipeline.build import MetadataError, build
+from pipeline.build import build
 from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import Storage
 from pipeline.config import BUILD_PRESETS, ConfigError, to_dict
 from pipeline.demo.source import demo_source
 from pipeline.filters.specs import check_build_filters
 from pipeline.schema import METADATA_SCHEMA, SchemaError
+from pipeline.source.metadata import MetadataError
 from pipeline.source.run_state import FingerprintMismatch
 
 

@@ -32,7 +32,7 @@ from pipeline.common.storage import Storage
 from pipeline.config import check_types, non_negative, positive
 from training.infer.batch_inference import embed_shards
 from training.infer.scoring import verify_checkpoint
-from training.model.two_tower import CheckpointError
+from training.model.checkpoint import CheckpointError
 
 
 @dataclass(frozen=True)

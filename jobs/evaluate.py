@@ -25,7 +25,7 @@ from training.config import EVAL_PRESETS
 from training.eval.results import AGGREGATES, datacomp_names, main_value
 from training.eval.run import evaluate
 from training.eval.sets import EvalSetError, load_tasks
-from training.model.two_tower import CheckpointError
+from training.model.checkpoint import CheckpointError
 
 _FLAGS = (
     "checkpoint",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from jobs.common import parse_job_config, print_table
 from pipeline.common.storage import Storage
 from pipeline.config import ConfigError, check_types
-from training.model.two_tower import CheckpointError, load_checkpoint
+from training.model.checkpoint import CheckpointError, load_checkpoint
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from jobs.common import parse_job_config, print_table
 from pipeline.common.storage import Storage
 from pipeline.config import check_types, positive
-from pipeline.shards.writer import ShardError
+from pipeline.shards.tar_format import ShardError
 from pipeline.subsets.reshard import ReshardError, reshard
 from pipeline.subsets.uid_files import SubsetError
 

@@ -37,7 +37,7 @@ from pipeline.download.phase import PoolRows, download_parts
 from pipeline.filters import rerun_cache as FR
 from pipeline.filters.specs import apply_filters, check_build_filters, needs_language, parse_filter_specs
 from pipeline.source import run_state as R
-from pipeline.source.metadata import Metadata, MetadataError, open_metadata, read_columns
+from pipeline.source.metadata import Metadata, open_metadata, read_columns
 from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, pre_statuses
 from pipeline.source.status_table import decide_image_duplicates, status_table_of
 from pipeline.subsets import eligibility as SR
@@ -47,7 +47,6 @@ from pipeline.subsets.uid_files import arrow_u8pairs, write_subset
 _FILTER_COLUMNS = [S.UID, S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT, S.CLIP_B32, S.CLIP_L14, ROW_KEY]
 _NARROW = [S.UID, S.URL, CAPTION_STATUS, ROW_KEY]
 _LANG_BLOCK = 200_000
-__all__ = ["BuildResult", "MetadataError", "build", "run_filters", "run_paths", "train_build_tokenizer"]
 
 
 @dataclass
@@ -271,7 +270,7 @@ def _language_labels(cfg: BuildConfig, meta: pa.Table) -> pa.Array:
     import ray
     import ray.data
 
-    from pipeline.ingest.dataset import from_arrow_scoped
+    from pipeline.shards.ray_reader import from_arrow_scoped
 
     captions = meta.select([S.UID, S.TEXT, ROW_KEY])
     # Blocks of _LANG_BLOCK rows: the actor streams through the pool instead of receiving it as one object.

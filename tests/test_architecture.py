@@ -33,6 +33,7 @@ RAY_MODULES = {
     "pipeline.build",
     "pipeline.download.phase",
     "pipeline.ingest.dataset",
+    "pipeline.shards.ray_reader",
     "training.infer.batch_inference",
     "training.train.loop",
     "training.train.trainer",

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from pipeline.config import ConfigError, check_seed, check_types, from_dict, non_negative, positive, require
-from training.losses.contrastive import REDUCTIONS
+from training.losses.inclusion import REDUCTIONS
 from training.losses.registry import LOSS_SPECS
 from training.model.config import MODEL_CONFIGS, VARIANTS, ModelConfig, model_config  # noqa: F401  re-exported
 

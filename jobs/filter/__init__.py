@@ -1,5 +1,1 @@
 """``python -m jobs.filter``: see ``jobs/filter/cli.py``."""
-
-from jobs.filter.cli import main
-
-__all__ = ["main"]

@@ -19,7 +19,7 @@ from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import Storage
 from pipeline.config import ConfigError, merge, to_dict
 from training.imports.load import import_checkpoint, is_import_source
-from training.model.two_tower import CheckpointError
+from training.model.checkpoint import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,8 @@ from pipeline import schema as S
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import BuildConfig, DownloadConfig
 from pipeline.download.fetch import DownloadWorker
-from pipeline.shards.writer import ShardWriter, iter_shard, sample_members
+from pipeline.shards.reader import iter_shard
+from pipeline.shards.writer import ShardWriter, sample_members
 from pipeline.source.metadata import read_rows
 from pipeline.source.row_checks import ROW_KEY
 from pipeline.source.run_state import part_file

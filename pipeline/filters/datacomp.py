@@ -1,4 +1,4 @@
-"""The filter result type and DataComp's baseline filters as pure mask functions with drop reasons.
+"""DataComp's baseline filters as pure mask functions with drop reasons (``pipeline.filters.base``).
 
 Filters never drop rows: each returns ``FilterResult(keep, reason)`` over the rows of a metadata table
 (a ``pyarrow.Table`` or a dict of arrays), reason "" where kept; the score filters
@@ -24,8 +24,7 @@ The embedding, centroid and target-id file formats for ``image_based`` are in ``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -34,80 +33,17 @@ import pyarrow.compute as pc
 from pipeline import schema as S
 from pipeline.common.hashing import splitmix64
 from pipeline.filters import centroids as C
-
-Table = pa.Table | Mapping[str, Any]
-LANG = "lang"  # optional precomputed column of fastText labels
-
-
-class FilterError(ValueError):
-    """A filter cannot run: unknown name, missing column or missing input file; the message names it."""
-
-
-class FilterResult(NamedTuple):
-    """What every filter returns (DataComp's contract: a filter decides, it never drops rows itself)."""
-
-    keep: np.ndarray  # (n,) bool
-    reason: np.ndarray  # (n,) object: "" where kept, else why dropped
-
-    def counts(self) -> dict[str, int]:
-        """Rows per reason, "kept" for the kept ones: the one group-by the stats come from."""
-        values, counts = np.unique(np.asarray(self.reason, dtype=str), return_counts=True)
-        return {("kept" if v == "" else v): int(c) for v, c in zip(values, counts, strict=True)}
-
-
-def from_drops(n: int, drops: list[tuple[np.ndarray, str]]) -> FilterResult:
-    """Reason = the first failing rule, in the order given."""
-    reason = np.full(n, "", dtype=object)
-    dropped = np.zeros(n, dtype=bool)
-    for mask, why in drops:
-        take = np.asarray(mask, dtype=bool) & ~dropped
-        reason[take] = why
-        dropped |= take
-    return FilterResult(keep=~dropped, reason=reason)
-
-
-def intersect(*results: FilterResult) -> FilterResult:
-    """Keep = AND of all; reason = the first failing result's reason, in argument order."""
-    if not results:
-        raise ValueError("intersect needs at least one FilterResult")
-    n = len(results[0].keep)
-    if any(len(r.keep) != n for r in results):
-        raise ValueError("intersect: results cover different numbers of rows")
-    reason = np.full(n, "", dtype=object)
-    dropped = np.zeros(n, dtype=bool)
-    for r in results:
-        take = ~np.asarray(r.keep, dtype=bool) & ~dropped
-        reason[take] = r.reason[take]
-        dropped |= take
-    return FilterResult(keep=~dropped, reason=reason)
-
-
-# --- column access ------------------------------------------------------------------------------------
-
-
-def _num_rows(table: Table) -> int:
-    if isinstance(table, pa.Table):
-        return table.num_rows
-    return len(next(iter(table.values()))) if table else 0
-
-
-def table_column(table: Table, name: str, filt: str) -> pa.Array:
-    names = table.column_names if isinstance(table, pa.Table) else list(table)
-    if name not in names:
-        raise FilterError(f"filter {filt!r} needs column {name!r}; the table has {sorted(names)}")
-    col = table.column(name) if isinstance(table, pa.Table) else table[name]
-    if isinstance(col, pa.ChunkedArray):
-        return col.combine_chunks()
-    if isinstance(col, pa.Array):
-        return col
-    arr = np.asarray(col)
-    return pa.array(arr.tolist() if arr.dtype.kind in "OUS" else arr, from_pandas=True)
-
-
-def _floats(table: Table, name: str, filt: str) -> np.ndarray:
-    """Float column with NaN for nulls (an all-null column arrives as Arrow type null)."""
-    col = table_column(table, name, filt)
-    return pc.fill_null(col.cast(pa.float64()), np.nan).to_numpy(zero_copy_only=False)
+from pipeline.filters.base import (
+    LANG,
+    FilterError,
+    FilterResult,
+    Table,
+    float_column,
+    from_drops,
+    intersect,
+    num_rows,
+    table_column,
+)
 
 
 def language_labels(table: Table, lang: Any, filt: str) -> np.ndarray:
@@ -125,8 +61,8 @@ def language_labels(table: Table, lang: Any, filt: str) -> np.ndarray:
         labels = lang
     else:
         labels = [None if v is None else str(v) for v in lang]
-    if len(labels) != _num_rows(table):
-        raise FilterError(f"filter {filt!r}: {len(labels)} language labels for {_num_rows(table)} rows")
+    if len(labels) != num_rows(table):
+        raise FilterError(f"filter {filt!r}: {len(labels)} language labels for {num_rows(table)} rows")
     if isinstance(labels, pa.ChunkedArray):
         labels = labels.combine_chunks()
     labels = labels.cast(pa.string()) if isinstance(labels, pa.Array) else pa.array(labels, pa.string())
@@ -163,7 +99,7 @@ def fasttext_token_counts(texts: pa.Array | list[str | None]) -> np.ndarray:
 
 
 def no_filter(table: Table) -> FilterResult:
-    return from_drops(_num_rows(table), [])
+    return from_drops(num_rows(table), [])
 
 
 def _byte_words(strings: pa.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -221,8 +157,8 @@ def english(table: Table, lang: Any = None) -> FilterResult:
 def basic(table: Table, lang: Any = None) -> FilterResult:
     labels = language_labels(table, lang, "basic")
     words, chars = _words_and_chars(table, "basic")
-    w = _floats(table, S.ORIGINAL_WIDTH, "basic")
-    h = _floats(table, S.ORIGINAL_HEIGHT, "basic")
+    w = float_column(table, S.ORIGINAL_WIDTH, "basic")
+    h = float_column(table, S.ORIGINAL_HEIGHT, "basic")
     short, long = np.fmin(w, h), np.fmax(w, h)
     with np.errstate(divide="ignore", invalid="ignore"):
         aspect = long / short
@@ -253,7 +189,7 @@ def column_threshold(table: Table, column: str, threshold: float, filt: str) -> 
 def clip_score_threshold(
     table: Table, column: str, threshold: float, filt: str = "clip_score"
 ) -> FilterResult:
-    s = _floats(table, column, filt)
+    s = float_column(table, column, filt)
     t = column_threshold(table, column, threshold, filt)
     below = "clip_score_cut_among_missing" if np.isnan(t) else "clip_score_below_threshold"
     return from_drops(len(s), [(np.isnan(s), "missing_clip_score"), (~(s >= t), below)])
@@ -298,7 +234,7 @@ def clip_score_fraction(
 ) -> FilterResult:
     """Top ``fraction`` by score; the threshold comes from ``pool_scores`` (all metadata rows) when the
     table is only part of the pool, else from the table itself."""
-    scores = _floats(table, column, "clip_score") if pool_scores is None else pool_scores
+    scores = float_column(table, column, "clip_score") if pool_scores is None else pool_scores
     return clip_score_threshold(table, column, clip_fraction_threshold(scores, fraction, nan_cut))
 
 
@@ -312,7 +248,7 @@ def laion2b(table: Table, threshold: float = 0.28, lang: Any = None) -> FilterRe
 def centroid_membership(
     table: Table, embeddings: C.Embeddings | np.ndarray, centroids: np.ndarray, target_ids: np.ndarray
 ) -> FilterResult:
-    n = _num_rows(table)
+    n = num_rows(table)
     if isinstance(embeddings, C.Embeddings):
         idx = pc.index_in(
             table_column(table, S.UID, "image_based").cast(pa.string()), value_set=pa.array(embeddings.uids)

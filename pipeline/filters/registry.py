@@ -21,7 +21,7 @@ from pipeline.filters import datacomp as F
 from pipeline.filters import scores as SF
 from pipeline.filters import text_based as T
 from pipeline.filters import wordnet as WN
-from pipeline.filters.datacomp import FilterError, FilterResult
+from pipeline.filters.base import FilterError, FilterResult
 
 METADATA, SCORES = "metadata", "scores"  # the table a filter reads: the pool's metadata, or model scores
 SCORE_KEYS = ("uid", "ok")  # every score filter reads these (``training.infer.scoring.SCORE_COLUMNS``)

@@ -40,7 +40,8 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import schema as S
-from pipeline.filters.datacomp import FilterResult, uid_hash
+from pipeline.filters.base import FilterResult
+from pipeline.filters.datacomp import uid_hash
 
 Scores = pa.Table | Mapping[str, Any]
 

@@ -37,32 +37,18 @@ import pyarrow as pa
 from pipeline import schema as S
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import ConfigError, FilterConfig
+from pipeline.filters import base
 from pipeline.filters import datacomp as F
-from pipeline.filters.datacomp import FilterResult
+from pipeline.filters.base import FilterResult
 from pipeline.filters.registry import (
     FILTERS,
     METADATA,
-    SCORE_KEYS,
-    SCORES,
     Context,
     Filter,
     Required,
     config_params,
 )
 from pipeline.subsets.reshard import ReshardResult, reshard
-
-__all__ = [
-    "FILTERS",
-    "METADATA",
-    "SCORES",
-    "SCORE_KEYS",
-    "Context",
-    "Filter",
-    "FilterSpec",
-    "Required",
-    "config_params",
-]
-
 
 # --- spec strings -------------------------------------------------------------------------------------
 
@@ -240,7 +226,7 @@ def run_filters(
             if cache_key not in cache:
                 cache[cache_key] = FILTERS[name].run(table, ctx, **params)
             parts.append(cache[cache_key])
-        results[spec.label] = F.intersect(*parts)
+        results[spec.label] = base.intersect(*parts)
         sizes[spec.label] = int(np.count_nonzero(results[spec.label].keep))
     return {s.label: results[s.label] for s in specs}
 

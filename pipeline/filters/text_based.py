@@ -17,10 +17,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
+from pipeline.filters import base
 from pipeline.filters import datacomp as F
 from pipeline.filters import wordnet as WN
 
-Table = F.Table
+Table = base.Table
 
 
 def load_concepts(source: str | list[str] | BinaryIO) -> list[str]:
@@ -71,16 +72,16 @@ def concept_match(texts: pa.Array | list[str | None], concepts: list[str]) -> np
 
 def _english_and(
     table: Table, lang: Any, match: Callable[[pa.Array], np.ndarray], why: str
-) -> F.FilterResult:
+) -> base.FilterResult:
     """english AND ``match`` over the captions; only English rows can pass, so only they are matched."""
     labels = F.language_labels(table, lang, "text_based")
     english_rows = np.flatnonzero(labels == "en")
     hit = np.zeros(len(labels), dtype=bool)
-    hit[english_rows] = match(F.table_column(table, S.TEXT, "text_based").take(english_rows))
-    return F.from_drops(len(labels), [(labels != "en", "not_english"), (~hit, why)])
+    hit[english_rows] = match(base.table_column(table, S.TEXT, "text_based").take(english_rows))
+    return base.from_drops(len(labels), [(labels != "en", "not_english"), (~hit, why)])
 
 
-def text_based_lemmas(table: Table, concepts: list[str], lang: Any = None) -> F.FilterResult:
+def text_based_lemmas(table: Table, concepts: list[str], lang: Any = None) -> base.FilterResult:
     """english AND a concept lemma as whole lower-cased words (``concept_match``): no WordNet needed,
     not DataComp's rule (``text_based:method=lemmas``)."""
     return _english_and(table, lang, lambda text: concept_match(text, concepts), "no_concept_match")
@@ -100,6 +101,8 @@ def synset_match(texts: pa.Array | list[str | None], wordnet: WN.WordNet, synset
     return np.array([isinstance(t, str) and any(word_hits(w) for w in t.split()) for t in text], dtype=bool)
 
 
-def text_based(table: Table, wordnet: WN.WordNet, synset_ids: set[int], lang: Any = None) -> F.FilterResult:
+def text_based(
+    table: Table, wordnet: WN.WordNet, synset_ids: set[int], lang: Any = None
+) -> base.FilterResult:
     """DataComp's text_based: english AND some word's first WordNet sense is an ImageNet-21k synset."""
     return _english_and(table, lang, lambda text: synset_match(text, wordnet, synset_ids), "no_in21k_synset")

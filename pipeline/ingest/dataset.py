@@ -1,11 +1,8 @@
-"""The data plane's Ray side: the Ray datasets built from our shards, and what the ingest shares in Ray.
+"""The training ingest's Ray side: the training dataset built from our shards, and what its tasks share.
 
 The stages are Ray-free callables elsewhere (pipeline/shards/reader.py reads a shard, pipeline/ingest/transforms.py
 shuffles, decodes, augments, masks and collates); this module only wires them into Ray:
 
-- ``read_shards``: Ray Data's file-based read (what ``read_webdataset(decoder=None)`` does: one read task
-  per shard, ``FileShuffleConfig`` shard order, local or S3 through one ``Storage``) with
-  ``ShardReader`` as the parser, so damaged shards are counted rather than silently cut short.
 - ``build_train_dataset``: read → windowed shuffle → decode/augment/tokenize, scoped to the data nodes
   (pipeline/common/placement.py); ``train_dataset_config`` carries the same selector into Ray Train's ingest.
 - ``IngestCounters``: a small named actor shared by every ingest task (damaged shards, dropped images)
@@ -18,20 +15,17 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import ray
 from ray.data.collate_fn import NumpyBatchCollateFn
-from ray.data.datasource import FileBasedDatasource
 
-from pipeline.common import storage
 from pipeline.common.placement import scope_dataset
-from pipeline.common.storage import LOCAL, Storage
+from pipeline.common.storage import Storage
 from pipeline.ingest.transforms import TrainCollate, decode_augment_batch, tokenizer_state, window_shuffle
-from pipeline.shards.reader import ShardReader, list_shards
+from pipeline.shards.ray_reader import read_shards
 
 # --- the counters actor -------------------------------------------------------------------------------
 
@@ -170,50 +164,6 @@ class ProgressPrinter:
             )
 
 
-# --- reading shards -----------------------------------------------------------------------------------
-
-
-class ShardDatasource(FileBasedDatasource):
-    """Raw samples (module docstring of pipeline/shards/reader.py) read with ``ShardReader``."""
-
-    _FILE_EXTENSIONS = ["tar"]
-
-    def __init__(self, paths: list[str], reader: ShardReader, **kw: Any) -> None:
-        self._s3 = storage.is_s3(paths[0])
-        fs, resolved = reader.store.filesystem_for(paths)
-        super().__init__(resolved, filesystem=fs, **kw)
-        self._reader = reader
-
-    def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> Any:
-        # The strict parser opens the shard itself (through the Storage); nothing to open twice.
-        return pa.BufferReader(b"")
-
-    def _read_stream(self, f: Any, path: str) -> Iterator[pa.Table]:
-        yield from self._reader(storage.S3_PREFIX + path if self._s3 else path)
-
-
-def read_shards(
-    shards: str | Sequence[str],
-    store: Storage = LOCAL,
-    *,
-    counters: str | None = None,
-    max_bad_shards: int | None = None,
-    with_json: bool = False,
-    shuffle: Any = None,
-    num_cpus: float | None = None,
-) -> Any:
-    """A ``ray.data.Dataset`` of raw samples, one read task per shard (directory, glob, list).
-
-    ``counters`` names a running ``IngestCounters`` actor that counts damaged shards across tasks;
-    ``max_bad_shards`` (None: no limit) and ``with_json`` as in ``ShardReader``.
-    """
-    spec = shards if isinstance(shards, str) else ",".join(shards)
-    report = BadShardCounter(counters) if counters else None
-    reader = ShardReader(store, max_bad_shards=max_bad_shards, report=report, with_json=with_json)
-    source = ShardDatasource(list_shards(spec, store), reader, shuffle=shuffle)
-    return ray.data.read_datasource(source, **({} if num_cpus is None else {"num_cpus": num_cpus}))
-
-
 # --- training ingest ----------------------------------------------------------------------------------
 
 
@@ -238,7 +188,7 @@ def build_train_dataset(
     ds = read_shards(
         data.shards,
         store,
-        counters=counters,
+        report=BadShardCounter(counters) if counters else None,
         max_bad_shards=data.max_bad_shards,
         shuffle=shuffle,
         num_cpus=data.read_cpus,
@@ -267,21 +217,6 @@ def build_train_dataset(
         compute=ray.data.TaskPoolStrategy(size=max(1, data.decode_tasks)),
         num_cpus=data.decode_cpus,
     )
-
-
-def from_arrow_scoped(tables: list[pa.Table], selector: dict[str, str] | None):
-    """``ray.data.from_arrow(tables)`` scoped to ``selector`` (pipeline/common/placement.py), including the tasks
-    it starts itself: Ray 2.60 computes each block's metadata in a remote task that takes its label
-    selector from the *current* DataContext, not from the dataset's."""
-    current = ray.data.DataContext.get_current().execution_options
-    before = current.label_selector
-    if selector:
-        current.label_selector = {str(k): str(v) for k, v in selector.items()}
-    try:
-        ds = ray.data.from_arrow(tables)  # its context is a deep copy of the current one
-    finally:
-        current.label_selector = before
-    return scope_dataset(ds, selector)
 
 
 def train_dataset_config(selector: Mapping[str, str] | None, preserve_order: bool = False) -> Any:

@@ -4,7 +4,7 @@ Training ingest, scoring and embedding all read shards through ``ShardReader``; 
 wraps it as Ray Data's file-based read (one read task per shard). Why not ``read_webdataset``: Ray's
 reader streams through ``tarfile`` in ``r|`` mode, which silently stops at a damaged header or at a shard
 cut on a member boundary (a 10-sample shard cut after 5 reads as 5 samples; tested), so a corrupt shard
-could never be counted. We parse with ``pipeline.shards.writer.iter_shard``, which demands the end-of-archive
+could never be counted. We parse with ``iter_shard`` below, which demands the end-of-archive
 block: the intact samples before the damage are kept, the rest of the shard is skipped with a warning,
 and the distinct damaged shards are counted by a ``report`` callable (in a Ray job, the shared counters
 actor of pipeline/ingest/dataset.py). Past ``max_bad_shards`` the read raises ``TooManyBadShards`` naming the
@@ -17,13 +17,16 @@ sample without an image is skipped, as webdataset does: it can neither train nor
 
 from __future__ import annotations
 
+import json
 import logging
+import tarfile
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pyarrow as pa
 
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.shards import writer as shards
+from pipeline.shards.tar_format import BLOCK, NAME_HEADERS, REGULAR, ShardError, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,147 @@ BadShardReport = Callable[[str, str], int]  # (shard path, error) → distinct d
 
 class TooManyBadShards(RuntimeError):
     """More distinct corrupt/truncated shards than ``max_bad_shards``; names the last one."""
+
+
+# --- the streaming tar parser ------------------------------------------------------------------------------------------
+
+
+def _read_exact(f: Any, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = f.read(n - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _skip(f: Any, n: int) -> int:
+    """Skip ``n`` bytes of a sequential stream (no seek on buffered S3 streams); returns bytes skipped."""
+    left = n
+    while left:
+        chunk = f.read(min(left, 1 << 20))
+        if not chunk:
+            break
+        left -= len(chunk)
+    return n - left
+
+
+def _pax_path(data: bytes) -> str | None:
+    """The ``path`` record of a PAX extended header ("<len> key=value\\n" records)."""
+    pos, path = 0, None
+    while pos < len(data):
+        space = data.find(b" ", pos)
+        if space < 0:
+            break
+        length = int(data[pos:space])
+        record = data[space + 1 : pos + length - 1]
+        k, _, v = record.partition(b"=")
+        if k == b"path":
+            path = v.decode("utf-8", "surrogateescape")
+        pos += length
+    return path
+
+
+def iter_members(
+    path: str, store: Storage = LOCAL, extensions: set[str] | None = None
+) -> Iterator[tuple[str, bytes]]:
+    """Stream ``(member name, data)`` of the regular files in a tar, in archive order.
+
+    Members whose extension is not in ``extensions`` (when given) are skipped without being kept.
+    Raises ``ShardError`` naming ``path`` on a bad header checksum, a short header or data, or a missing
+    end-of-archive block — after yielding every member read intact before the damage.
+    """
+    with store.open_input(path, seekable=False) as f:
+        offset = 0
+        long_name: str | None = None
+        while True:
+            buf = _read_exact(f, BLOCK)
+            if len(buf) < BLOCK:
+                what = "end-of-archive block missing" if not buf else "header cut short"
+                raise ShardError(f"{path}: truncated at byte {offset + len(buf)} ({what})")
+            if buf.count(0) == BLOCK:
+                return  # end of archive (the second zero block and record padding need not be read)
+            try:
+                name, size, kind = parse_header(buf)
+            except (tarfile.HeaderError, ValueError) as exc:
+                raise ShardError(f"{path}: corrupt tar header at byte {offset} ({exc})") from None
+            offset += BLOCK
+            padded = size + (-size % BLOCK)
+            name = long_name or name
+            meta_member = kind in NAME_HEADERS
+            keep = kind in REGULAR and (extensions is None or _split(name)[1] in extensions)
+            data = b""
+            if meta_member or keep:
+                data = _read_exact(f, size)
+                got = len(data) + (_skip(f, padded - size) if len(data) == size else 0)
+            else:
+                got = _skip(f, padded)
+            if got < padded:
+                raise ShardError(f"{path}: truncated inside member {name!r} (byte {offset + got})")
+            offset += padded
+            if kind in (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE):
+                long_name = _pax_path(data)
+                continue
+            if kind == tarfile.GNUTYPE_LONGNAME:
+                long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+                continue
+            long_name = None
+            if keep:
+                yield name, data
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``dir/key.ext.more`` → (``dir/key``, ``ext.more``): webdataset splits at the first dot of the basename."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return name, ""
+    return name[:dot], name[dot + 1 :]
+
+
+def iter_shard(
+    path: str, store: Storage = LOCAL, decode: bool = True, extensions: set[str] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Samples of one shard, in order: ``{"__key__", "__url__", ext: value, ...}``.
+
+    Contiguous members with one key form a sample. ``decode=True`` turns ``txt`` into str and ``json``
+    into a dict; ``decode=False`` leaves every member as raw bytes (what resharding copies). On damage
+    (see ``iter_members``) every complete sample before it is yielded, the one in progress is dropped, and
+    ``ShardError`` is raised. A key that reappears later, or an extension repeated within a sample, is
+    also a ``ShardError``: samples must be contiguous.
+    """
+    current: dict[str, Any] | None = None
+    seen: set[str] = set()
+    for name, data in iter_members(path, store, extensions):
+        key, ext = _split(name)
+        if not ext:
+            continue  # not a sample member (webdataset ignores these too)
+        if current is None or key != current["__key__"]:
+            if current is not None:
+                yield _decoded(current, path) if decode else current
+            if key in seen:
+                raise ShardError(f"{path}: members of sample {key!r} are not contiguous")
+            seen.add(key)
+            current = {"__key__": key, "__url__": path}
+        if ext in current:
+            raise ShardError(f"{path}: sample {key!r} has two {ext!r} members")
+        current[ext] = data
+    if current is not None:
+        yield _decoded(current, path) if decode else current
+
+
+def _decoded(sample: dict[str, Any], path: str) -> dict[str, Any]:
+    out = dict(sample)
+    if "txt" in out:
+        out["txt"] = out["txt"].decode("utf-8", "replace")
+    if "json" in out:
+        try:
+            out["json"] = json.loads(out["json"])
+        except ValueError as exc:
+            raise ShardError(f"{path}: sample {sample['__key__']!r} has invalid json ({exc})") from None
+    return out
 
 
 def list_shards(spec: str, store: Storage = LOCAL) -> list[str]:
@@ -80,7 +224,7 @@ class ShardReader:
     def __call__(self, path: str) -> Iterator[pa.Table]:
         rows: list[dict[str, bytes | None]] = []
         try:
-            for s in shards.iter_shard(path, self.store, decode=False, extensions=self.extensions):
+            for s in iter_shard(path, self.store, decode=False, extensions=self.extensions):
                 image = next((s[e] for e in IMAGE_EXTS if e in s), None)
                 if image is None:
                     continue  # a sample without an image cannot train or be scored; webdataset skips it
@@ -88,7 +232,7 @@ class ShardReader:
                 if len(rows) >= self.chunk_rows:
                     yield self._table(rows)
                     rows = []
-        except (shards.ShardError, OSError) as exc:
+        except (ShardError, OSError) as exc:
             self._bad_shard(path, exc)
         if rows:
             yield self._table(rows)

@@ -40,17 +40,9 @@ import numpy as np
 from pipeline import schema as S
 from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.shards.writer import (
-    SIZES_NAME,
-    ShardError,
-    ShardWriter,
-    iter_shard,
-    shard_name,
-    shard_stats,
-    stats_name,
-    write_sizes,
-    write_stats,
-)
+from pipeline.shards.reader import iter_shard
+from pipeline.shards.tar_format import ShardError, shard_name, stats_name
+from pipeline.shards.writer import SIZES_NAME, ShardWriter, shard_stats, write_sizes, write_stats
 from pipeline.subsets.uid_files import read_subset
 
 SUMMARY_NAME = "reshard.json"

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.common.storage import Storage
-from pipeline.filters.datacomp import FilterResult
+from pipeline.filters.base import FilterResult
 from pipeline.schema import UID, UID_DTYPE, u8pairs_to_uids, uids_to_u8pairs
 from pipeline.source.row_checks import valid_uids
 

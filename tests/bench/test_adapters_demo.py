@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.schema import is_valid_uid
-from pipeline.shards.writer import iter_shard, write_shard
+from pipeline.shards.reader import iter_shard
+from pipeline.shards.writer import write_shard
 from training.infer.scoring import sample_uid
 
 _spec = importlib.util.spec_from_file_location(

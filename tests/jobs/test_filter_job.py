@@ -13,7 +13,7 @@ from jobs import embed as embed_job
 from jobs import filter as filter_job
 from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.shards.writer import iter_shard
+from pipeline.shards.reader import iter_shard
 from pipeline.subsets.uid_files import read_subset, subset_uids
 from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures.train_shards import write_demo_shards

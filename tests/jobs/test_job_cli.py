@@ -12,6 +12,12 @@ JOBS = (
 )  # fmt: skip
 
 
+def _main(job):
+    """A job's ``main``: ``jobs/<job>.py``, or ``jobs/<job>/cli.py`` for a job that is a package."""
+    module = importlib.import_module(f"jobs.{job}")
+    return (module if hasattr(module, "main") else importlib.import_module(f"jobs.{job}.cli")).main
+
+
 def _run(main, argv):
     try:
         return main(argv)
@@ -21,7 +27,7 @@ def _run(main, argv):
 
 @pytest.mark.parametrize("job", JOBS)
 def test_help_lists_preset_config_and_set(job, capsys):
-    main = importlib.import_module(f"jobs.{job}").main
+    main = _main(job)
     assert _run(main, ["--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--preset", "--config", "--set"):
@@ -30,7 +36,7 @@ def test_help_lists_preset_config_and_set(job, capsys):
 
 @pytest.mark.parametrize("job", JOBS)
 def test_unknown_set_key_is_one_line_naming_it(job, capsys):
-    main = importlib.import_module(f"jobs.{job}").main
+    main = _main(job)
     assert _run(main, ["--set", "no_such_key=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no_such_key" in err[0] and "Traceback" not in err[0], err
@@ -38,17 +44,17 @@ def test_unknown_set_key_is_one_line_naming_it(job, capsys):
 
 @pytest.mark.parametrize("job", JOBS)
 def test_bad_yaml_value_names_field_and_file(job, tmp_path, capsys):
-    module = importlib.import_module(f"jobs.{job}")
+    main = _main(job)
     path = tmp_path / "bad.yaml"
     path.write_text("no_such_key: 3\n")
-    assert _run(module.main, ["--config", str(path)]) == 2
+    assert _run(main, ["--config", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.yaml" in err[0] and "no_such_key" in err[0], err
 
 
 @pytest.mark.parametrize("job", JOBS)
 def test_unreadable_or_malformed_config_is_one_line_naming_the_file(job, tmp_path, capsys):
-    main = importlib.import_module(f"jobs.{job}").main
+    main = _main(job)
     broken = tmp_path / "broken.yaml"
     broken.write_text("download:\n  retries: [1, 2\n")
     binary = tmp_path / "binary.yaml"

@@ -117,7 +117,7 @@ def test_verdict_and_table_are_computed_per_seed():
 @pytest.mark.ray
 @pytest.mark.slow
 def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
-    from jobs.track import main
+    from jobs.track.cli import main
 
     out = tmp_path / "track"
     args = ["--preset", "tiny", "--set", f"output={out}"]

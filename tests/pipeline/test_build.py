@@ -24,7 +24,7 @@ from pipeline import schema as S
 from pipeline.build import build
 from pipeline.common.storage import LOCAL
 from pipeline.config import BUILD_PRESETS, merge
-from pipeline.shards.writer import iter_shard
+from pipeline.shards.reader import iter_shard
 from pipeline.subsets.reshard import reshard
 from pipeline.subsets.uid_files import read_subset
 from tests.fixtures.demo_pool import demo_pool  # noqa: F401

@@ -34,8 +34,8 @@ import yaml
 from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import yaml_problem
-from pipeline.shards.reader import IMAGE_EXTS
-from pipeline.shards.writer import ShardError, iter_shard
+from pipeline.shards.reader import IMAGE_EXTS, iter_shard
+from pipeline.shards.tar_format import ShardError
 
 KINDS = ("zeroshot_classification", "retrieval", "hierarchy", "association")
 GROUPS = ("", "imagenet", "imagenet_dist_shift", "vtab", "retrieval")

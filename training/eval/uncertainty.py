@@ -37,7 +37,7 @@ import torch
 from training.eval import bprw
 from training.eval.calibration import spearman
 from training.eval.metrics import classification_metrics, score_matrix, topk, zero_shot_scores
-from training.losses.contrastive import inclusion_hypothesis
+from training.losses.inclusion import inclusion_hypothesis
 
 NOT_APPLICABLE = "not applicable: deterministic checkpoint (no σ²)"
 BOOTSTRAP_ROUNDS = 1000

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from training.model.two_tower import CheckpointError, ProLIP, save_checkpoint
+from training.model.checkpoint import CheckpointError, save_checkpoint
+from training.model.two_tower import ProLIP
 
 # open_clip block name → ours (``Block`` in training/model/towers.py)
 _BLOCK_MAP = {

@@ -31,7 +31,7 @@ from training.config import OPENAI_MEAN, OPENAI_STD
 from training.imports import open_clip as oc
 from training.imports import prolip_official as po
 from training.imports.common import read_weights, write_imported
-from training.model.two_tower import CheckpointError
+from training.model.checkpoint import CheckpointError
 
 HUB = "hf-hub:"
 KINDS = ("openclip", "prolip")

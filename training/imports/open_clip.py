@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from training.config import ModelConfig
 from training.imports.common import (
     block_keys,
     build_and_check,
@@ -31,6 +30,7 @@ from training.imports.common import (
     take,
     tower_shapes,
 )
+from training.model.config import ModelConfig
 from training.model.two_tower import ProLIP
 
 HUB_FILE = "open_clip_model.safetensors"  # open_clip's file name on the Hugging Face hub

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from training.config import ModelConfig
 from training.imports.common import (
     block_keys,
     build_and_check,
@@ -34,6 +33,7 @@ from training.imports.common import (
     take,
     tower_shapes,
 )
+from training.model.config import ModelConfig
 from training.model.two_tower import ProLIP
 
 HUB_FILE = "model.safetensors"  # what the official ``ProLIPHF`` (a hub mixin) writes

@@ -5,7 +5,7 @@ Every pipeline is ``map_batches(Encoder, compute=ActorPoolStrategy(size=num_acto
 (one model per actor, loaded from the checkpoint through the ``Storage`` each actor receives) with a
 per-use ``output`` function:
 
-- ``score_shards``: the shards (``pipeline.ingest.dataset.read_shards``, the one shard reader; damaged shards
+- ``score_shards``: the shards (``pipeline.shards.ray_reader.read_shards``, the one shard reader; damaged shards
   keep their intact samples and are logged) → ``training.infer.scoring.score_columns`` → ONE parquet file
   sorted by uid (≈60 B per row in driver memory).
 - ``embed_shards``: the same read → ``embedding_columns`` → ONE parquet written batch by batch in
@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 import ray
 
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.ingest.dataset import read_shards
+from pipeline.shards.ray_reader import read_shards
 from training.infer.encode import BatchOutput, Encoder
 from training.infer.scoring import (
     SCORE_COLUMNS,

@@ -33,7 +33,7 @@ import torch
 
 from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
-from training.model.two_tower import CONFIG_FILE, CheckpointError, load_checkpoint, load_extra
+from training.model.checkpoint import CONFIG_FILE, CheckpointError, load_checkpoint, load_extra
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)

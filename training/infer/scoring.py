@@ -32,7 +32,8 @@ import pyarrow as pa
 from pipeline import schema as S
 from pipeline.common.storage import LOCAL, Storage
 from training.infer.encode import as_text, localize_checkpoint
-from training.model.two_tower import ModelConfig, load_checkpoint
+from training.model.checkpoint import load_checkpoint
+from training.model.config import ModelConfig
 
 SCORE_COLUMNS = ("uid", "ok", "dot", "image_unc", "text_unc", "csd", "cosine", "text_len")
 EMBED_COLUMNS = ("uid", "ok", "text", "image_mu", "text_mu", "image_logvar", "text_logvar")

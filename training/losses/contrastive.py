@@ -30,7 +30,6 @@ least (float64 stays float64), so bf16 activations never reach exp/log-sigmoid o
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,19 +39,9 @@ from torch import Tensor, nn
 from training.losses.fused.pairwise import full_precision, pair_sigmoid_loss
 from training.losses.inclusion import (
     REDUCTIONS,
-    inclusion_hypothesis,
-    inclusion_log_measure,
-    inclusion_loss,
-    vib_kl,
 )
-from training.losses.prolip import ppcl_loss, prolip_objective
-
-# The per-sample terms and the precision wrapper are part of this module's public surface (re-exported).
-__all__ = [
-    "MAX_LOG_SCALE", "REDUCTIONS", "SPECS", "CLIPLoss", "LossSpec", "ProLIPLoss", "SigLIPLoss", "clip_loss",
-    "csd", "csd_matrix", "full_precision", "inclusion_hypothesis", "inclusion_log_measure", "inclusion_loss",
-    "ppcl_logits", "ppcl_loss", "prolip_objective", "sigmoid_pair_loss", "siglip_loss", "vib_kl",
-]  # fmt: skip
+from training.losses.prolip import prolip_objective
+from training.losses.spec import LossSpec
 
 
 def _columns(local: Tensor, gathered: Tensor | None) -> Tensor:
@@ -169,35 +158,6 @@ def clip_loss(
 # column tensors (`mu_v_all`, `logvar_v_all`, `mu_t_all`, `logvar_t_all`) and `offset`, ignoring the ones
 # its loss does not use, so the train loop calls every loss alike; any other unknown key is an error.
 # Deterministic losses accept logvar = None. Flags tell the loop which extra inputs a loss consumes.
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """Everything the train loop and the config need to know about one objective, declared beside it.
-
-    ``columns``: the features gathered from every worker (with gradients) as the global columns each local
-    row is scored against; ``uses_masked``: takes the masked image/text variants (ProLIP Eq. 6);
-    ``uses_soft_labels``: takes PCME++'s mixed-image soft labels; ``probabilistic``: needs the σ² heads;
-    ``config_kwargs``: (``LossConfig`` field, constructor argument) pairs; ``scale``/``bias``: the names of
-    the learnable logit scale and bias parameters (``scale_is_log``: the parameter holds log a), logged as
-    ``logit_scale``/``logit_bias``; ``terms``: the named terms ``forward`` returns besides ``total``.
-    """
-
-    name: str
-    module: type[nn.Module]
-    columns: tuple[str, ...]
-    terms: tuple[str, ...]
-    probabilistic: bool = False
-    uses_masked: bool = False
-    uses_soft_labels: bool = False
-    config_kwargs: tuple[tuple[str, str], ...] = ()
-    scale: str = "log_scale"
-    scale_is_log: bool = True
-    bias: str | None = "bias"
-
-    def kwargs(self, loss_cfg: Any) -> dict[str, Any]:
-        """Constructor arguments taken from a ``training.config.LossConfig``."""
-        return {arg: getattr(loss_cfg, field) for field, arg in self.config_kwargs}
 
 
 # open_clip clamps the logit scale at 100 after every step; clamping in forward has the same effect.

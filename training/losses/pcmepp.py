@@ -24,7 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.losses.contrastive import LossSpec, csd_matrix, full_precision, vib_kl
+from training.losses.contrastive import csd_matrix
+from training.losses.fused.pairwise import full_precision
+from training.losses.inclusion import vib_kl
+from training.losses.spec import LossSpec
 
 
 @full_precision

@@ -17,7 +17,7 @@ from torch import nn
 
 from training.losses import contrastive as losses
 from training.losses import pcmepp
-from training.losses.contrastive import LossSpec
+from training.losses.spec import LossSpec
 
 _MODULES = (losses, pcmepp)
 LOSS_SPECS: dict[str, LossSpec] = {spec.name: spec for module in _MODULES for spec in module.SPECS}

@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
-    from training.config import ModelConfig
+    from training.model.config import ModelConfig
 
 # Init scales: ViT/GPT-2 style (std 0.02 for weights and token rows, 0.01 for positional rows).
 _INIT_STD = 0.02

@@ -36,18 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.ingest.masking import round_half_up
-from training.losses.contrastive import LossSpec
 from training.losses.pcmepp import mix_images, pcmepp_soft_labels
 from training.losses.registry import build_loss_from_config, logit_scalars
-from training.model.two_tower import (
-    CheckpointError,
-    ProLIP,
-    load_checkpoint,
-    load_extra,
-    model_config,
-    param_groups,
-    save_checkpoint,
-)
+from training.losses.spec import LossSpec
+from training.model.checkpoint import CheckpointError, load_checkpoint, load_extra, save_checkpoint
+from training.model.config import model_config
+from training.model.param_groups import param_groups
+from training.model.two_tower import ProLIP
 from training.train.distributed import all_reduce_sum, ddp_loss_scale, gather_with_grad, rank_and_world
 from training.train.salient_masking import SalientDrop
 

@@ -108,7 +108,8 @@ def prepare_tokenizer(cfg: TrainConfig, run_store: Storage, data_store: Storage)
 
 
 def _captions(cfg: TrainConfig, store: Storage):
-    from pipeline.shards.writer import ShardError, iter_shard
+    from pipeline.shards.reader import iter_shard
+    from pipeline.shards.tar_format import ShardError
 
     def gen():
         for path in list_shards(cfg.data.shards, store):
@@ -192,7 +193,7 @@ def interrupt_reported(name: str):
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) training to ``cfg.total_steps``; needs Ray initialised (jobs.common.init_ray)."""
-    from training.model.two_tower import model_config
+    from training.model.config import model_config
 
     t0 = time.perf_counter()
     # Run directory and shards may sit behind different endpoints: each is resolved once, here.

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 from pipeline.config import ConfigError, FilterConfig
+from pipeline.filters import base
 from pipeline.filters import datacomp as F
 from pipeline.filters import specs as P
 from pipeline.filters import wordnet as WN
@@ -202,7 +203,7 @@ def test_fraction_cut_among_nulls_keeps_nothing_and_fraction_one_is_refused():
         False,
         False,
     ]
-    with pytest.raises(F.FilterError, match="no threshold"):
+    with pytest.raises(base.FilterError, match="no threshold"):
         P.apply("clip_score:fraction=1.0", t)
     with pytest.raises(ConfigError, match="clip_fraction must be < 1"):
         FilterConfig(clip_fraction=1.0)

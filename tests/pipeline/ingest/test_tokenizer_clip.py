@@ -155,7 +155,8 @@ def test_masked_clip_tokens_run_through_a_prolip_text_tower(clip_tok: TextTokeni
     log σ² from the UNC token, and padding does not change the result (pad keys are masked)."""
     import torch
 
-    from training.model.two_tower import ProLIP, model_config
+    from training.model.config import model_config
+    from training.model.two_tower import ProLIP
 
     cfg = model_config("tiny", vocab_size=clip_tok.vocab_size, pad_id=clip_tok.pad_id, context_length=77)
     model = ProLIP(cfg).eval()

@@ -180,7 +180,8 @@ def test_train_collate_emits_fixed_shape_tensors(tokenizer) -> None:
 def test_trimmed_padding_encodes_exactly_like_the_full_context(tokenizer) -> None:
     import torch
 
-    from training.model.two_tower import ProLIP, model_config
+    from training.model.config import model_config
+    from training.model.two_tower import ProLIP
 
     batch = masked_batch(tokenizer, n=16)
     batch["tokens"] = tokenizer.encode_batch([f"a {c} square" for c in "ab" * 8], 24)

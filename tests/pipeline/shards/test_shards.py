@@ -7,8 +7,11 @@ import tarfile
 
 import pytest
 
+from pipeline.shards import tar_format
 from pipeline.shards import writer as shards
-from pipeline.shards.writer import PartWriter, ShardError, iter_shard, shard_stats, write_shard
+from pipeline.shards.reader import iter_shard
+from pipeline.shards.tar_format import ShardError
+from pipeline.shards.writer import PartWriter, shard_stats, write_shard
 from tests.fixtures.s3_server import s3_server  # noqa: F401
 
 
@@ -26,8 +29,8 @@ def _samples(n: int = 4) -> list[tuple]:
 
 
 def test_round_trip_order_and_bytes(tmp_path):
-    path = str(tmp_path / shards.shard_name(3))
-    assert path.endswith("00000003.tar") and shards.stats_name(3) == "00000003_stats.json"
+    path = str(tmp_path / tar_format.shard_name(3))
+    assert path.endswith("00000003.tar") and tar_format.stats_name(3) == "00000003_stats.json"
     samples = _samples()
     assert write_shard(path, samples) == 4
     names = tarfile.open(path).getnames()
@@ -59,8 +62,8 @@ def test_shards_are_reproducible_and_webdataset_readable(tmp_path):
     write_shard(a, _samples())
     write_shard(b, _samples())
     assert open(a, "rb").read() == open(b, "rb").read()
-    assert {m.mtime for m in tarfile.open(a).getmembers()} == {shards.MTIME}
-    assert os.path.getsize(a) % shards.RECORD == 0
+    assert {m.mtime for m in tarfile.open(a).getmembers()} == {tar_format.MTIME}
+    assert os.path.getsize(a) % tar_format.RECORD == 0
     got = list(wds.WebDataset(a, shardshuffle=False))
     assert [g["jpg"] for g in got] == [s[1] for s in _samples()]
 
@@ -130,7 +133,7 @@ def test_non_contiguous_sample_raises(tmp_path):
 
 
 def test_part_writer_keys_are_uids(tmp_path):
-    path = str(tmp_path / shards.part_name(7))
+    path = str(tmp_path / tar_format.part_name(7))
     assert path.endswith("part-000007.tar")
     uid = "0123456789abcdef" * 2
     with PartWriter(path) as w:
@@ -168,7 +171,7 @@ def test_shard_on_s3(s3_server, tmp_path):
     from pipeline.common.storage import LOCAL, Storage
 
     store = Storage.from_env(s3_server.endpoint)
-    path = s3_server.url("shards", shards.shard_name(0))
+    path = s3_server.url("shards", tar_format.shard_name(0))
     write_shard(path, _samples(), store)
     got = list(iter_shard(path, store))
     assert [g["jpg"] for g in got] == [s[1] for s in _samples()]
@@ -185,4 +188,4 @@ def test_fast_header_matches_tarfile():
         ("é.txt", 3),
         ("k" * 120, 1),
     ]:
-        assert shards._header(name, size) == shards._header_slow(name, size)
+        assert tar_format.member_header(name, size) == tar_format._header_slow(name, size)

@@ -13,7 +13,9 @@ import pytest
 from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.schema import uids_to_u8pairs
-from pipeline.shards.writer import PartWriter, ShardError, iter_shard, write_shard
+from pipeline.shards.reader import iter_shard
+from pipeline.shards.tar_format import ShardError
+from pipeline.shards.writer import PartWriter, write_shard
 from pipeline.subsets.reshard import output_key, reshard
 from pipeline.subsets.uid_files import write_subset
 from tests.fixtures.s3_server import s3_server  # noqa: F401

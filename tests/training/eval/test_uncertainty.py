@@ -190,7 +190,9 @@ def test_original_in_masked_masks_as_the_checkpoint_trained(tmp_path, mode):
     from tests.fixtures.train_shards import demo_samples
     from training.eval.analyses import masked_inclusion
     from training.infer.encode import Encoder
-    from training.model.two_tower import ProLIP, model_config, save_checkpoint
+    from training.model.checkpoint import save_checkpoint
+    from training.model.config import model_config
+    from training.model.two_tower import ProLIP
 
     tok = train_tokenizer(DEMO_CAPTIONS * 4, vocab_size=512)
     cfg = model_config("tiny", vocab_size=tok.vocab_size, pad_id=tok.pad_id)

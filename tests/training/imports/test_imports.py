@@ -20,7 +20,7 @@ from tests.fixtures import open_clip_src
 from tests.pipeline.ingest.test_tokenizer_clip import CORPUS
 from training.imports.common import read_weights
 from training.imports.open_clip import convert_open_clip
-from training.model.two_tower import CheckpointError, load_checkpoint, save_checkpoint
+from training.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 TOL = 1e-5
 

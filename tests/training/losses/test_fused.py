@@ -28,6 +28,7 @@ from tests.training.losses.test_losses import (
 )
 from tests.training.losses.test_reduction import ref_official_inclusion, ref_official_vib
 from training.losses import contrastive as L
+from training.losses import inclusion as INC
 from training.losses.fused import pairwise as K
 from training.losses.fused import per_sample as S
 
@@ -78,7 +79,7 @@ def test_inclusion_kernel_gradcheck(reduction, c, log_eps, logvar_range):
     leaves = _leaves(mu1, lv1, mu2, lv2)
 
     def kernel(*t):
-        return L.inclusion_loss(*t, c=c, log_eps=log_eps, reduction=reduction)
+        return INC.inclusion_loss(*t, c=c, log_eps=log_eps, reduction=reduction)
 
     assert torch.autograd.gradcheck(kernel, leaves)
 
@@ -145,7 +146,7 @@ def test_inputs_that_need_no_gradient_get_none_and_the_others_match():
     mu1, lv1 = gaussians(6, 5, 56)
     mu2, lv2 = gaussians(6, 5, 57)
     only_lv1 = lv1.clone().requires_grad_()
-    loss = L.inclusion_loss(mu1, only_lv1, mu2, lv2, c=10.0, log_eps=-2.0).sum()
+    loss = INC.inclusion_loss(mu1, only_lv1, mu2, lv2, c=10.0, log_eps=-2.0).sum()
     (grad,) = torch.autograd.grad(loss, [only_lv1])
     ref_lv1 = lv1.clone().requires_grad_()
     (ref,) = torch.autograd.grad(ref_inclusion_loss(mu1, ref_lv1, mu2, lv2, 10.0, -2.0).sum(), [ref_lv1])
@@ -176,7 +177,7 @@ def test_sample_terms_gradcheck_with_one_tower_masked(reduction):
 
     assert torch.autograd.gradcheck(kernel, leaves)
     terms = kernel(*leaves)
-    inc = lambda *t: L.inclusion_loss(*t, c=10.0, log_eps=-2.0, reduction=reduction)  # noqa: E731
+    inc = lambda *t: INC.inclusion_loss(*t, c=10.0, log_eps=-2.0, reduction=reduction)  # noqa: E731
     close(terms[0], inc(mu_v, lv_v, mu_t, lv_t), rtol=1e-14, atol=0)
     close(terms[1], inc(mu_v[index], lv_v[index], mu_vm, lv_vm), rtol=1e-14, atol=0)
     close(terms[3], lv_v.exp().sum(-1), rtol=1e-14, atol=0)

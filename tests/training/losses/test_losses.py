@@ -16,7 +16,9 @@ from scipy import integrate
 
 from tests.fixtures import open_clip_src
 from training.losses import contrastive as L
+from training.losses import inclusion as INC
 from training.losses import pcmepp as P
+from training.losses import prolip as PPCL
 from training.losses.registry import LOSS_SPECS, build_loss
 
 F64 = torch.float64
@@ -146,7 +148,7 @@ def test_siglip_and_ppcl_match_reference():
     ref_sig = ref_sigmoid_loss(a * mu_v @ mu_t.T + b, 6)
     close(L.siglip_loss(mu_v, mu_t, log_a, bias), ref_sig, rtol=0, atol=1e-10)
     ref = ref_ppcl(mu_v, lv_v, mu_t, lv_t, a, b)
-    close(L.ppcl_loss(mu_v, lv_v, mu_t, lv_t, log_a, bias), ref, rtol=0, atol=1e-10)
+    close(PPCL.ppcl_loss(mu_v, lv_v, mu_t, lv_t, log_a, bias), ref, rtol=0, atol=1e-10)
 
 
 def test_ppcl_with_vanishing_variance_equals_siglip():
@@ -154,7 +156,7 @@ def test_ppcl_with_vanishing_variance_equals_siglip():
     mu_t, _ = gaussians(6, 8, 8)
     tiny = torch.full_like(mu_v, -60.0)
     log_a, bias = scalar(math.log(10.0)), scalar(-10.0)
-    ppcl = L.ppcl_loss(mu_v, tiny, mu_t, tiny, log_a, bias)
+    ppcl = PPCL.ppcl_loss(mu_v, tiny, mu_t, tiny, log_a, bias)
     close(ppcl, L.siglip_loss(mu_v, mu_t, log_a, bias), rtol=1e-12, atol=0)
 
 
@@ -196,12 +198,12 @@ def test_inclusion_measure_matches_quadrature():
         for s2 in (0.1, 0.6, 2.0)
     ]
     m1, s1, m2, s2 = (torch.tensor([g[i] for g in grid], dtype=F64)[:, None] for i in range(4))
-    out = L.inclusion_log_measure(m1, s1.log(), m2, s2.log(), log_eps=0.0)
+    out = INC.inclusion_log_measure(m1, s1.log(), m2, s2.log(), log_eps=0.0)
     ref = torch.tensor([quad_log_inclusion(*g) for g in grid], dtype=F64)
     close(out, ref, rtol=0, atol=1e-8)
     # With eps != 1 the measure is the log-integral of the Gaussians with variances sigma^2 / eps.
     log_eps = -1.5
-    out_eps = L.inclusion_log_measure(m1, s1.log(), m2, s2.log(), log_eps=log_eps)
+    out_eps = INC.inclusion_log_measure(m1, s1.log(), m2, s2.log(), log_eps=log_eps)
     ref_eps = [quad_log_inclusion(a, b / math.exp(log_eps), c, d / math.exp(log_eps)) for a, b, c, d in grid]
     close(out_eps, torch.tensor(ref_eps, dtype=F64), rtol=0, atol=1e-8)
 
@@ -213,11 +215,11 @@ def test_inclusion_measure_sums_dimensions_and_matches_paper_form():
         quad_log_inclusion(mu1[0, d].item(), lv1[0, d].exp().item(), mu2[0, d].item(), lv2[0, d].exp().item())
         for d in range(5)
     ]
-    out = L.inclusion_log_measure(mu1, lv1, mu2, lv2)
+    out = INC.inclusion_log_measure(mu1, lv1, mu2, lv2)
     assert abs(out[0].item() - sum(per_dim)) < 1e-7
     for log_eps in (0.0, -2.0, -5.0):
         close(
-            L.inclusion_log_measure(mu1, lv1, mu2, lv2, log_eps),
+            INC.inclusion_log_measure(mu1, lv1, mu2, lv2, log_eps),
             ref_inc(mu1, lv1, mu2, lv2, log_eps),
             rtol=1e-10,
             atol=1e-8,
@@ -228,25 +230,25 @@ def test_inclusion_hypothesis_is_antisymmetric_difference_of_measures():
     mu1, lv1 = gaussians(6, 5, 15, logvar_range=(-4, 1))
     mu2, lv2 = gaussians(6, 5, 16, logvar_range=(-4, 1))
     for log_eps in (0.0, -3.0):
-        h = L.inclusion_hypothesis(mu1, lv1, mu2, lv2, log_eps)
+        h = INC.inclusion_hypothesis(mu1, lv1, mu2, lv2, log_eps)
         ref = ref_inc(mu1, lv1, mu2, lv2, log_eps) - ref_inc(mu2, lv2, mu1, lv1, log_eps)
         close(h, ref, rtol=1e-10, atol=1e-8)
-        close(L.inclusion_hypothesis(mu2, lv2, mu1, lv1, log_eps), -h, rtol=0, atol=1e-12)
+        close(INC.inclusion_hypothesis(mu2, lv2, mu1, lv1, log_eps), -h, rtol=0, atol=1e-12)
 
 
 def test_inclusion_hypothesis_signs():
     zero, one = torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=F64)
     narrow, wide = torch.full((1, 1), math.log(0.1), dtype=F64), torch.full((1, 1), math.log(2.0), dtype=F64)
-    assert L.inclusion_hypothesis(zero, narrow, zero, wide).item() > 0  # narrow inside wide
-    assert L.inclusion_hypothesis(zero, wide, zero, narrow).item() < 0
-    assert L.inclusion_hypothesis(zero, wide, zero, wide).item() == 0
+    assert INC.inclusion_hypothesis(zero, narrow, zero, wide).item() > 0  # narrow inside wide
+    assert INC.inclusion_hypothesis(zero, wide, zero, narrow).item() < 0
+    assert INC.inclusion_hypothesis(zero, wide, zero, wide).item() == 0
     # Eq. 4 is antisymmetric, so "negative both ways" cannot hold for any pair; what separates disjoint
     # Gaussians is that the inclusion measure (Eq. 3) is far lower in both directions than when they overlap.
     far = 6 * one
     for lv1, lv2 in ((narrow, narrow), (narrow, wide)):
         for a, la, b, lb in ((zero, lv1, far, lv2), (far, lv2, zero, lv1)):
-            overlapping = L.inclusion_log_measure(a, la, a, lb).item()
-            assert L.inclusion_log_measure(a, la, b, lb).item() < overlapping - 5
+            overlapping = INC.inclusion_log_measure(a, la, a, lb).item()
+            assert INC.inclusion_log_measure(a, la, b, lb).item() < overlapping - 5
 
 
 def test_inclusion_hypothesis_sign_is_set_by_the_variances_alone():
@@ -257,14 +259,14 @@ def test_inclusion_hypothesis_sign_is_set_by_the_variances_alone():
     mu1, mu2 = (torch.randn(400, 1, generator=g, dtype=F64) * 5 for _ in range(2))
     lv1, lv2 = (torch.rand(400, 1, generator=g, dtype=F64) * 8 - 6 for _ in range(2))
     for log_eps in (0.0, -20.0):
-        h = L.inclusion_hypothesis(mu1, lv1, mu2, lv2, log_eps, per_dim=True)
+        h = INC.inclusion_hypothesis(mu1, lv1, mu2, lv2, log_eps, per_dim=True)
         ref = ref_inc(mu1, lv1, mu2, lv2, log_eps) - ref_inc(mu2, lv2, mu1, lv1, log_eps)
         assert torch.equal(torch.sign(h), torch.sign(lv2 - lv1))
         assert torch.equal(torch.sign(ref), torch.sign(lv2 - lv1)[:, 0])
     # ... and with sigma2 > sigma1 a larger mean distance makes the inclusion stronger, not weaker.
     lv_narrow, lv_wide = torch.full((5, 1), -2.0, dtype=F64), torch.full((5, 1), -1.0, dtype=F64)
     far = torch.tensor([[0.0], [0.1], [0.3], [1.0], [3.0]], dtype=F64)
-    h = L.inclusion_hypothesis(torch.zeros_like(far), lv_narrow, far, lv_wide)
+    h = INC.inclusion_hypothesis(torch.zeros_like(far), lv_narrow, far, lv_wide)
     assert bool((h.diff() > 0).all())
 
 
@@ -273,8 +275,8 @@ def test_inclusion_loss_finite_and_ordered_at_paper_settings(c, log_eps):
     mu, _ = gaussians(4, 512, 17, dtype=torch.float32)
     mu2 = F.normalize(mu + 0.05 * torch.randn_like(mu), dim=-1)
     small, large = torch.full_like(mu, -12.0), torch.full_like(mu, -8.0)
-    included = L.inclusion_loss(mu, small, mu2, large, c=c, log_eps=log_eps)
-    not_included = L.inclusion_loss(mu, large, mu2, small, c=c, log_eps=log_eps)
+    included = INC.inclusion_loss(mu, small, mu2, large, c=c, log_eps=log_eps)
+    not_included = INC.inclusion_loss(mu, large, mu2, small, c=c, log_eps=log_eps)
     assert torch.isfinite(included).all() and torch.isfinite(not_included).all()
     assert (included < math.log(2)).all() and (not_included > math.log(2)).all()
 
@@ -285,8 +287,8 @@ def test_vib_matches_torch_kl_divergence():
     q = torch.distributions.Normal(mu, (0.5 * lv).exp())
     p = torch.distributions.Normal(torch.zeros_like(mu), torch.ones_like(mu))
     ref = torch.distributions.kl_divergence(q, p).sum(-1)
-    close(L.vib_kl(mu, lv), ref, rtol=1e-12, atol=1e-12)
-    close(L.vib_kl(mu, lv), ref_vib(mu, lv), rtol=1e-12, atol=1e-12)
+    close(INC.vib_kl(mu, lv), ref, rtol=1e-12, atol=1e-12)
+    close(INC.vib_kl(mu, lv), ref_vib(mu, lv), rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------- ProLIP objective
@@ -542,9 +544,9 @@ def test_build_loss_initial_scalars_and_names():
 
 def test_float64_inputs_stay_float64_and_bf16_inputs_promote():
     mu, lv = gaussians(4, 6, 42)
-    assert L.vib_kl(mu, lv).dtype == F64
+    assert INC.vib_kl(mu, lv).dtype == F64
     assert (
-        L.inclusion_hypothesis(mu.bfloat16(), lv.bfloat16(), mu.bfloat16(), lv.bfloat16()).dtype
+        INC.inclusion_hypothesis(mu.bfloat16(), lv.bfloat16(), mu.bfloat16(), lv.bfloat16()).dtype
         == torch.float32
     )
     assert np.isfinite(L.csd_matrix(mu, lv, mu, lv).numpy()).all()

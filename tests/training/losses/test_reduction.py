@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from pipeline.config import ConfigError
 from tests.training.losses.test_losses import (
     MASKED_KEYS,
     close,
@@ -19,8 +20,9 @@ from tests.training.losses.test_losses import (
     ref_softplus,
     scalar,
 )
-from training.config import ConfigError, LossConfig, TrainConfig
+from training.config import LossConfig, TrainConfig
 from training.losses import contrastive as L
+from training.losses import inclusion as INC
 from training.losses.registry import build_loss_from_config
 
 
@@ -50,10 +52,10 @@ def test_official_inclusion_and_vib_match_references():
     mu1, lv1 = gaussians(7, 5, 31, logvar_range=(-4.0, 0.5))
     mu2, lv2 = gaussians(7, 5, 32, logvar_range=(-4.0, 0.5))
     for c, log_eps in ((1.0, 0.0), (10.0, -2.0), (1000.0, -20.0)):
-        got = L.inclusion_loss(mu1, lv1, mu2, lv2, c=c, log_eps=log_eps, reduction="official")
+        got = INC.inclusion_loss(mu1, lv1, mu2, lv2, c=c, log_eps=log_eps, reduction="official")
         assert got.shape == (7,)
         close(got.mean(), ref_official_inclusion(mu1, lv1, mu2, lv2, c, log_eps), rtol=1e-9, atol=1e-12)
-    close(L.vib_kl(mu1, lv1, "official").mean(), ref_official_vib(mu1, lv1), rtol=1e-9, atol=1e-12)
+    close(INC.vib_kl(mu1, lv1, "official").mean(), ref_official_vib(mu1, lv1), rtol=1e-9, atol=1e-12)
 
 
 def test_reductions_agree_in_one_dimension_and_differ_beyond():
@@ -63,15 +65,15 @@ def test_reductions_agree_in_one_dimension_and_differ_beyond():
     mu2, lv2 = gaussians(6, 1, 34, logvar_range=(-3.0, 0.0))
     kw = dict(c=5.0, log_eps=-1.0)
     close(
-        L.inclusion_loss(mu1, lv1, mu2, lv2, **kw, reduction="official"),
-        L.inclusion_loss(mu1, lv1, mu2, lv2, **kw),
+        INC.inclusion_loss(mu1, lv1, mu2, lv2, **kw, reduction="official"),
+        INC.inclusion_loss(mu1, lv1, mu2, lv2, **kw),
     )
-    close(L.vib_kl(mu1, lv1, "official"), L.vib_kl(mu1, lv1))
+    close(INC.vib_kl(mu1, lv1, "official"), INC.vib_kl(mu1, lv1))
     mu1, lv1 = gaussians(6, 8, 35)
     mu2, lv2 = gaussians(6, 8, 36)
-    close(L.vib_kl(mu1, lv1, "official") * 8, L.vib_kl(mu1, lv1), rtol=1e-12, atol=0)
-    joint = L.inclusion_loss(mu1, lv1, mu2, lv2, **kw)
-    official = L.inclusion_loss(mu1, lv1, mu2, lv2, **kw, reduction="official")
+    close(INC.vib_kl(mu1, lv1, "official") * 8, INC.vib_kl(mu1, lv1), rtol=1e-12, atol=0)
+    joint = INC.inclusion_loss(mu1, lv1, mu2, lv2, **kw)
+    official = INC.inclusion_loss(mu1, lv1, mu2, lv2, **kw, reduction="official")
     assert not torch.allclose(joint, official)
 
 
@@ -103,7 +105,7 @@ def test_official_gradients_wrt_logvar_match_reference():
     mu1, lv1 = gaussians(5, 4, 40)
     mu2, lv2 = gaussians(5, 4, 41)
     a = lv1.clone().requires_grad_()
-    L.inclusion_loss(mu1, a, mu2, lv2, c=10.0, log_eps=-2.0, reduction="official").mean().backward()
+    INC.inclusion_loss(mu1, a, mu2, lv2, c=10.0, log_eps=-2.0, reduction="official").mean().backward()
     b = lv1.clone().requires_grad_()
     ref_official_inclusion(mu1, b, mu2, lv2, 10.0, -2.0).backward()
     close(a.grad, b.grad, rtol=1e-7, atol=1e-12)
@@ -115,4 +117,4 @@ def test_reduction_is_a_validated_config_option():
     with pytest.raises(ConfigError, match="loss.reduction"):
         TrainConfig(loss=LossConfig(reduction="mean"))
     with pytest.raises(ValueError, match="reduction"):
-        L.vib_kl(*gaussians(2, 3, 42), "mean")
+        INC.vib_kl(*gaussians(2, 3, 42), "mean")

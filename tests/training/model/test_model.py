@@ -13,22 +13,17 @@ from pipeline.config import ConfigError
 from pipeline.ingest.masking import choose_kept_patches
 from pipeline.ingest.tokenizer import train_tokenizer
 from training.config import OptimConfig, TrainConfig
-from training.model.two_tower import (
+from training.model.checkpoint import (
     CONFIG_FILE,
-    MODEL_CONFIGS,
     WEIGHTS_FILE,
     CheckpointError,
-    ModelConfig,
-    ProLIP,
-    decay_split,
-    is_unc_param,
     load_checkpoint,
     load_extra,
-    model_config,
-    num_params,
-    param_groups,
     save_checkpoint,
 )
+from training.model.config import MODEL_CONFIGS, ModelConfig, model_config
+from training.model.param_groups import decay_split, is_unc_param, param_groups
+from training.model.two_tower import ProLIP, num_params
 
 B = 4
 PAD, END = 0, 1

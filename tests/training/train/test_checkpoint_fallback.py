@@ -14,7 +14,7 @@ from pipeline.config import merge
 from pipeline.ingest.tokenizer import train_tokenizer
 from tests.fixtures.checkpoints import DEMO_CAPTIONS
 from training.config import TRAIN_PRESETS
-from training.model.two_tower import CheckpointError
+from training.model.checkpoint import CheckpointError
 from training.train.loop import checkpoint_candidates
 from training.train.step import restore_with_fallback, save_state, setup_state
 

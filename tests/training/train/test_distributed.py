@@ -17,7 +17,8 @@ import torch.multiprocessing as mp
 
 from training.config import LossConfig
 from training.losses.registry import LOSS_SPECS, build_loss_from_config, loss_spec
-from training.model.two_tower import ProLIP, model_config
+from training.model.config import model_config
+from training.model.two_tower import ProLIP
 from training.train import distributed as D
 from training.train.step import TrainModule, loss_shares
 

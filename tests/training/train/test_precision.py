@@ -17,7 +17,7 @@ import torch
 
 from tests.training.train.test_distributed import PAD, global_batch, tiny_module
 from training.config import LossConfig, OptimConfig, TrainConfig
-from training.model.two_tower import is_unc_param
+from training.model.param_groups import is_unc_param
 from training.train.step import autocast, loss_shares, setup_state, train_step
 
 

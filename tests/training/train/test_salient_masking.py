@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.config import ConfigError
 from pipeline.ingest.masking import drop_masked_tokens
 from tests.training.train.test_distributed import END, MASK, PAD, global_batch, tiny_module
-from training.config import ConfigError, DataConfig, TrainConfig
+from training.config import DataConfig, TrainConfig
 from training.train.salient_masking import SalientDrop, leave_one_out, remove_positions
 from training.train.step import setup_state, train_step
 

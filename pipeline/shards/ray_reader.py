@@ -1,0 +1,78 @@
+"""Our shards as a Ray dataset: Ray Data's file-based read with ``ShardReader`` as the parser.
+
+What ``read_webdataset(decoder=None)`` does — one read task per shard, ``FileShuffleConfig`` shard order,
+local or S3 through one ``Storage`` — but parsed strictly (pipeline/shards/reader.py), so damaged shards
+are counted rather than silently cut short. ``from_arrow_scoped`` is the in-memory counterpart the build
+uses for its own blocks, kept on the data nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pyarrow as pa
+import ray
+from ray.data.datasource import FileBasedDatasource
+
+from pipeline.common import storage
+from pipeline.common.placement import scope_dataset
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.shards.reader import BadShardReport, ShardReader, list_shards
+
+# --- the read -----------------------------------------------------------------------------------
+
+
+class ShardDatasource(FileBasedDatasource):
+    """Raw samples (module docstring of pipeline/shards/reader.py) read with ``ShardReader``."""
+
+    _FILE_EXTENSIONS = ["tar"]
+
+    def __init__(self, paths: list[str], reader: ShardReader, **kw: Any) -> None:
+        self._s3 = storage.is_s3(paths[0])
+        fs, resolved = reader.store.filesystem_for(paths)
+        super().__init__(resolved, filesystem=fs, **kw)
+        self._reader = reader
+
+    def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> Any:
+        # The strict parser opens the shard itself (through the Storage); nothing to open twice.
+        return pa.BufferReader(b"")
+
+    def _read_stream(self, f: Any, path: str) -> Iterator[pa.Table]:
+        yield from self._reader(storage.S3_PREFIX + path if self._s3 else path)
+
+
+def read_shards(
+    shards: str | Sequence[str],
+    store: Storage = LOCAL,
+    *,
+    report: BadShardReport | None = None,
+    max_bad_shards: int | None = None,
+    with_json: bool = False,
+    shuffle: Any = None,
+    num_cpus: float | None = None,
+) -> Any:
+    """A ``ray.data.Dataset`` of raw samples, one read task per shard (directory, glob, list).
+
+    ``report`` counts damaged shards across tasks (the ingest's counters actor, pipeline/ingest/dataset.py);
+    ``max_bad_shards`` (None: no limit) and ``with_json`` as in ``ShardReader``.
+    """
+    spec = shards if isinstance(shards, str) else ",".join(shards)
+    reader = ShardReader(store, max_bad_shards=max_bad_shards, report=report, with_json=with_json)
+    source = ShardDatasource(list_shards(spec, store), reader, shuffle=shuffle)
+    return ray.data.read_datasource(source, **({} if num_cpus is None else {"num_cpus": num_cpus}))
+
+
+def from_arrow_scoped(tables: list[pa.Table], selector: dict[str, str] | None):
+    """``ray.data.from_arrow(tables)`` scoped to ``selector`` (pipeline/common/placement.py), including the tasks
+    it starts itself: Ray 2.60 computes each block's metadata in a remote task that takes its label
+    selector from the *current* DataContext, not from the dataset's."""
+    current = ray.data.DataContext.get_current().execution_options
+    before = current.label_selector
+    if selector:
+        current.label_selector = {str(k): str(v) for k, v in selector.items()}
+    try:
+        ds = ray.data.from_arrow(tables)  # its context is a deep copy of the current one
+    finally:
+        current.label_selector = before
+    return scope_dataset(ds, selector)
