@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs import embed as embed_job
-from jobs import filter as filter_job
+from jobs.filter import cli as filter_job
 from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.shards.reader import iter_shard

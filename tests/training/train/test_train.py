@@ -150,7 +150,7 @@ def test_demo_run_survives_worker_failure_and_driver_kill_on_s3(ray_local, s3_se
 import json, os, tempfile, torch
 from pipeline.common import storage
 from pipeline.common.storage import Storage
-from training.model.two_tower import load_checkpoint
+from training.model.checkpoint import load_checkpoint
 src = "{s3.url("train", name, final)}"
 with tempfile.TemporaryDirectory() as d:
     for f in ("weights.pt", "model_config.json", "extra.json", "tokenizer.json", "special_tokens.json",
