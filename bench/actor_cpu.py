@@ -59,7 +59,8 @@ def child(case: str, meta: str, lo: int, hi: int, threads: int, overrides: dict,
     import cv2
     import pyarrow.parquet as pq
 
-    from pipeline.config import DownloadConfig, merge
+    from pipeline.common.config import merge
+    from pipeline.config import DownloadConfig
 
     cv2.setNumThreads(1)
     rows = pq.read_table(meta).slice(lo, hi - lo)
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import build_throughput as BT
 
-    from pipeline.config import parse_set
+    from pipeline.common.config import parse_set
 
     args.overrides = parse_set(args.set) if args.set else {}
     cores = os.cpu_count() or 1

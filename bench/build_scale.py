@@ -148,8 +148,9 @@ def meta_stages(n: int, min_free_gb: float, child_out: str = "") -> dict:
 
     from jobs.common import init_ray
     from pipeline import build as B
+    from pipeline.common.config import merge
     from pipeline.common.storage import LOCAL
-    from pipeline.config import BuildConfig, merge
+    from pipeline.config import BuildConfig
     from pipeline.filters.specs import check_build_filters
     from pipeline.source.row_checks import pre_statuses
 

@@ -57,7 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.alternate import load_note, spread  # noqa: E402
-from pipeline.config import BuildConfig, merge, parse_set  # noqa: E402
+from pipeline.common.config import merge, parse_set  # noqa: E402
+from pipeline.config import BuildConfig  # noqa: E402
 
 CACHE = Path(tempfile.gettempdir()) / "prolip-bench-build-throughput"
 DEFAULT_OUT = ROOT / "bench" / "results" / "build_throughput.json"

@@ -237,7 +237,8 @@ def compare_fetch(urls: list[str], cfg) -> dict:
 def profile_driver(tmp: Path, demo_n: int) -> dict:
     from jobs.common import init_ray
     from pipeline.build import build
-    from pipeline.config import BUILD_PRESETS, merge
+    from pipeline.common.config import merge
+    from pipeline.config import BUILD_PRESETS
     from pipeline.demo.source import demo_source
 
     cfg = merge(BUILD_PRESETS["demo"], {"output": str(tmp / "demo"), "demo_n": demo_n})

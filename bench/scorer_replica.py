@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jobs.track.config import TRACK_PRESETS  # noqa: E402
-from pipeline.config import merge, parse_set  # noqa: E402
+from pipeline.common.config import merge, parse_set  # noqa: E402
 from pipeline.ingest.tokenizer import TextTokenizer  # noqa: E402
 from pipeline.ingest.transforms import DecodeAugment, TrainCollate  # noqa: E402
 from pipeline.shards.reader import iter_shard  # noqa: E402

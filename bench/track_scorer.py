@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from jobs import evaluate  # noqa: E402
 from jobs.common import init_ray  # noqa: E402
 from jobs.track.config import TRACK_PRESETS, paths, train_config  # noqa: E402
-from pipeline.config import merge, parse_set  # noqa: E402
+from pipeline.common.config import merge, parse_set  # noqa: E402
 
 
 def claims(analyses: dict) -> dict:

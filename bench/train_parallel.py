@@ -27,7 +27,7 @@ from bench.alternate import alternate, fmt_spread, loads_note, ratios, times  # 
 from jobs.common import init_ray  # noqa: E402
 from jobs.track.config import TRACK_PRESETS, train_config  # noqa: E402
 from jobs.track.run import in_parallel  # noqa: E402
-from pipeline.config import merge  # noqa: E402
+from pipeline.common.config import merge  # noqa: E402
 
 IN_TURN = {"torch_threads": -1, "cpus_per_worker": 1.0}
 SIDE_BY_SIDE = {"torch_threads": 1, "cpus_per_worker": 0.5}

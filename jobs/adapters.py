@@ -18,7 +18,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import field, fields
 from typing import Any
 
 import numpy as np
@@ -26,40 +26,36 @@ import torch
 
 from jobs.common import parse_job_config, print_table
 from pipeline.common import storage
+from pipeline.common.config import Names, NonNegative, Positive, PositiveFloat, Seed, config_class, require
 from pipeline.common.manifest import redacted
 from pipeline.common.storage import Storage
-from pipeline.config import check_types, non_negative, positive, require
 from training.adapters.compare import evaluate_methods, markdown_table, none_of_the_above, nota_scores
 from training.adapters.fit import describe, fit_asymvlm, fit_probvlm, load_embeddings
 
 
-@dataclass(frozen=True)
+@config_class
 class AdaptersConfig:
     train: str = ""  # embedding parquet (file, dir or glob) to fit on
     eval: str = ""  # embedding parquet of the eval pairs
     out: str = ""  # output directory (local or s3://)
-    native: list[str] = field(default_factory=list)  # NAME=PARQUET: a model's own Σσ²
+    native: Names = field(default_factory=list)  # NAME=PARQUET: a model's own Σσ²
     heads: str = "vmf,ps"  # AsymVLM families to fit (vmf, ps)
-    probvlm_epochs: int = 100  # ProbVLM §4: 100
-    probvlm_lr: float = 1e-4  # ProbVLM §4: 1e-4
-    probvlm_batch: int = 256
-    asymvlm_epochs: int = 200  # AsymVLM App. B.4: 200
-    asymvlm_lr: float = 1e-2  # AsymVLM Table A.1: 1e-2
-    asymvlm_batch: int = 2048  # AsymVLM Table A.1: 2048
-    mc_passes: int = 10  # MC-dropout passes for ProbVLM's epistemic term
-    seed: int = 0
-    threads: int = 0  # torch CPU threads (0: torch's default)
+    probvlm_epochs: Positive = 100  # ProbVLM §4: 100
+    probvlm_lr: PositiveFloat = 1e-4  # ProbVLM §4: 1e-4
+    probvlm_batch: Positive = 256
+    asymvlm_epochs: Positive = 200  # AsymVLM App. B.4: 200
+    asymvlm_lr: PositiveFloat = 1e-2  # AsymVLM Table A.1: 1e-2
+    asymvlm_batch: Positive = 2048  # AsymVLM Table A.1: 2048
+    mc_passes: Positive = 10  # MC-dropout passes for ProbVLM's epistemic term
+    seed: Seed = 0
+    threads: NonNegative = 0  # torch CPU threads (0: torch's default)
     checkpoint: str = ""  # the frozen model, for the none-of-the-above test
     zeroshot: str = ""  # clip_benchmark classification set dir (e.g. eval/shapes)
-    unseen: int = 2  # last N classes are held out as unseen
+    unseen: NonNegative = 2  # last N classes are held out as unseen
     dummy: str = "a photo"  # the none-of-the-above prompt (AsymVLM Table 2)
     s3_endpoint: str = ""
 
     def __post_init__(self) -> None:
-        check_types(self)
-        positive(self, "probvlm_epochs", "probvlm_lr", "probvlm_batch", "asymvlm_epochs", "asymvlm_lr")
-        positive(self, "asymvlm_batch", "mc_passes")
-        non_negative(self, "threads", "unseen")
         bad = [h for h in self.heads.split(",") if h and h not in ("vmf", "ps")]
         require(not bad, "heads", "must list AsymVLM families from vmf, ps", self.heads)
 

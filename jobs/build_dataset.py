@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import sys
 
-from jobs.common import config_parser, init_ray, print_table, resolve_config
+from jobs.common import init_ray, parse_job_config, print_table
 from pipeline.build import build
+from pipeline.common.config import ConfigError, to_dict
 from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import Storage
-from pipeline.config import BUILD_PRESETS, ConfigError, to_dict
+from pipeline.config import BUILD_PRESETS
 from pipeline.demo.source import demo_source
 from pipeline.filters.specs import check_build_filters
 from pipeline.schema import METADATA_SCHEMA, SchemaError
 from pipeline.source.metadata import MetadataError
 from pipeline.source.run_state import FingerprintMismatch
 
+FLAGS = {"--metadata": "metadata", "--output": "output", "--s3-endpoint": "s3_endpoint"}
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = config_parser(__doc__.splitlines()[0], BUILD_PRESETS)
-    args = parser.parse_args(argv)
-    cfg = resolve_config(args, BUILD_PRESETS)
+    cfg = parse_job_config(argv, __doc__.splitlines()[0], BUILD_PRESETS, FLAGS)
     try:
         check_build_filters(cfg.filters, _ALL_COLUMNS, "filters")  # names and parameters, before Ray starts
     except ConfigError as exc:

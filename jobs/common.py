@@ -1,4 +1,4 @@
-"""What every job shares: argument parsing (preset / config file / --set), starting Ray, printing tables.
+"""What every job shares: the one config parser (preset → file → flags → --set), starting Ray, tables.
 
 Jobs stay thin: parse → resolve config → call one library function → write the manifest → print a summary.
 """
@@ -13,76 +13,82 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from pipeline.common.config import ConfigError, field_type, resolve
 from pipeline.common.storage import redact_text
-from pipeline.config import ConfigError, merge, resolve
 
 T = TypeVar("T")
 LOOPBACK = "127.0.0.1"
-
-
-def config_parser(
-    description: str, presets: Mapping[str, Any], default: str = "demo"
-) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--preset", default=default, choices=sorted(presets), help="named configuration")
-    parser.add_argument("--config", default=None, help="YAML file layered over the preset")
-    parser.add_argument(
-        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. a.b=1"
-    )
-    return parser
-
-
-def resolve_config(args: argparse.Namespace, presets: Mapping[str, T]) -> T:
-    try:
-        return resolve(presets, args.preset, args.config, args.sets)
-    except ConfigError as exc:
-        print(f"config error: {redact_text(str(exc))}", file=sys.stderr)
-        raise SystemExit(2) from exc
 
 
 def parse_job_config(
     argv: Sequence[str] | None,
     description: str,
     presets: Mapping[str, T],
-    flags: Mapping[str, str] | None = None,
+    flags: Mapping[str, str | tuple[str, Any]] | None = None,
     default: str = "demo",
     required: Sequence[str] = (),
 ) -> T:
-    """The one way a job reads its config: ``--preset`` → ``--config FILE.yaml`` → flags → ``--set k=v``.
+    """The one way every job reads its config: ``--preset`` → ``--config FILE.yaml`` → flags → ``--set k=v``.
 
-    ``flags`` maps a convenience flag (``"--shards"``) to the config key it sets (``"shards"``); its type
-    follows the field: a bool is a switch, a list takes one or more values (repeatable), anything else one
-    value coerced like ``--set``. ``--set`` is applied last, so it wins. A config error prints one line
-    naming the field (and the YAML file) and exits 2.
+    ``flags`` maps a shorthand flag (``"--shards"``) to the dotted config key it sets (``"data.shards"``),
+    or to ``(key, value)`` for a switch that sets a fixed value (``"--no-analyses": ("analyses", False)``).
+    A flag's form follows the key's type: a bool is a switch, a list takes one or more values (repeatable),
+    anything else one value, read like ``--set`` values are. ``required`` keys must be non-empty after
+    every layer. A config error prints one line naming the key (and the YAML file) and exits 2.
     """
-    parser = config_parser(description, presets, default)
-    hints = typing.get_type_hints(type(next(iter(presets.values()))))
-    for flag, key in (flags or {}).items():
-        tp = hints[key]
-        if tp is bool:
-            parser.add_argument(
-                flag, dest=key, action="store_const", const=True, default=None, help=f"sets {key}"
-            )
-        elif typing.get_origin(tp) in (list, tuple):
-            parser.add_argument(flag, dest=key, action="extend", nargs="+", default=None, help=f"sets {key}")
-        else:
-            parser.add_argument(flag, dest=key, default=None, help=f"sets {key}")
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--preset", default=default, choices=sorted(presets), help="named configuration")
+    parser.add_argument("--config", default=None, help="YAML file layered over the preset")
+    parser.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. a.b=1"
+    )
+    cls = type(next(iter(presets.values())))
+    dests: dict[str, tuple[str, Any]] = {}
+    for flag, target in (flags or {}).items():
+        key, const = target if isinstance(target, tuple) else (target, _NO_CONST)
+        dest = "flag_" + flag.lstrip("-").replace("-", "_")
+        dests[dest] = (key, const)
+        _add_flag(parser, flag, dest, key, const, field_type(cls, key))
     args = parser.parse_args(argv)
-    sets = list(args.sets)
-    args.sets = []
-    cfg = resolve_config(args, presets)
-    given = {key: getattr(args, key) for key in (flags or {}).values() if getattr(args, key) is not None}
+    given = {key: (getattr(args, d) if const is _NO_CONST else const) for d, (key, const) in dests.items()}
+    given = {key: value for key, value in given.items() if value is not None}
     try:
-        cfg = merge(cfg, given)
-        cfg = resolve({"given": cfg}, "given", None, sets) if sets else cfg
-        missing = [key for key in required if not getattr(cfg, key)]
+        cfg = resolve(presets, args.preset, args.config, args.sets, given)
+        missing = [key for key in required if not _value(cfg, key)]
         if missing:
-            how = ", ".join(next((f for f, k in (flags or {}).items() if k == key), key) for key in missing)
-            raise ConfigError(f"{', '.join(missing)} required (give {how} or --set KEY=VALUE)")
+            how = ", ".join(
+                next((f for f, t in (flags or {}).items() if t == key), f"--set {key}=…") for key in missing
+            )
+            raise ConfigError(f"{', '.join(missing)} required (give {how})")
         return cfg
     except ConfigError as exc:
         print(f"config error: {redact_text(str(exc))}", file=sys.stderr)
         raise SystemExit(2) from exc
+
+
+_NO_CONST = object()
+
+
+def _add_flag(parser: argparse.ArgumentParser, flag: str, dest: str, key: str, const: Any, tp: Any) -> None:
+    if const is not _NO_CONST:
+        parser.add_argument(flag, dest=dest, action="store_true", help=f"sets {key}={const}")
+        return
+    while typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    if tp is bool:
+        parser.add_argument(
+            flag, dest=dest, action="store_const", const=True, default=None, help=f"sets {key}"
+        )
+    elif typing.get_origin(tp) in (list, tuple):
+        parser.add_argument(flag, dest=dest, action="extend", nargs="+", default=None, help=f"sets {key}")
+    else:
+        parser.add_argument(flag, dest=dest, default=None, help=f"sets {key}")
+
+
+def _value(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def init_ray(num_cpus: int = 0, **kwargs: Any) -> None:

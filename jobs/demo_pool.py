@@ -9,27 +9,25 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import fields
+from typing import Annotated
+
+from pydantic import Field
 
 from jobs.common import parse_job_config, print_table
-from pipeline.config import check_types, non_negative, positive
+from pipeline.common.config import Positive, PositiveFloat, Seed, config_class
 from pipeline.demo.pool import generate_pool, write_metadata
 from pipeline.demo.server import serve_pool
 
 
-@dataclass(frozen=True)
+@config_class
 class DemoPoolConfig:
     out: str = ""  # pool directory (reused when n and seed match)
-    n: int = 2000  # metadata rows
-    seed: int = 0
+    n: Positive = 2000  # metadata rows
+    seed: Seed = 0
     serve: bool = False  # serve on 127.0.0.1 until Ctrl-C
-    port: int = 0  # with serve: port (0 = any free port)
-    slow_s: float = 3.0  # with serve: delay of the 'slow' routes
-
-    def __post_init__(self) -> None:
-        check_types(self)
-        positive(self, "n", "slow_s")
-        non_negative(self, "port")
+    port: Annotated[int, Field(ge=0, le=65535)] = 0  # with serve: port (0 = any free port)
+    slow_s: PositiveFloat = 3.0  # with serve: delay of the 'slow' routes
 
 
 PRESETS = {"demo": DemoPoolConfig()}

@@ -25,31 +25,26 @@ or ``table.column("image_mu").combine_chunks().flatten().to_numpy().reshape(-1, 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from jobs.common import init_ray, parse_job_config, print_table
+from pipeline.common.config import NonNegativeFloat, Positive, PositiveFloat, config_class
 from pipeline.common.storage import Storage
-from pipeline.config import check_types, non_negative, positive
 from training.infer.batch_inference import embed_shards
 from training.infer.scoring import verify_checkpoint
 from training.model.checkpoint import CheckpointError
 
 
-@dataclass(frozen=True)
+@config_class
 class EmbedJobConfig:
     checkpoint: str = ""  # checkpoint directory (local or s3://)
     shards: str = ""  # shard directory, glob or comma list (local or s3://)
     out: str = ""  # output .parquet (local or s3://)
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
-    num_actors: int = 1  # encoding actors, one model each
-    num_gpus: float = 0.0  # GPUs per actor (0 on CPU)
-    cpus_per_actor: float = 1.0
-    batch_size: int = 256
-
-    def __post_init__(self) -> None:
-        check_types(self)
-        positive(self, "num_actors", "cpus_per_actor", "batch_size")
-        non_negative(self, "num_gpus")
+    num_actors: Positive = 1  # encoding actors, one model each
+    num_gpus: NonNegativeFloat = 0.0  # GPUs per actor (0 on CPU)
+    cpus_per_actor: PositiveFloat = 1.0
+    batch_size: Positive = 256
 
 
 PRESETS = {"demo": EmbedJobConfig()}

@@ -17,27 +17,19 @@ import dataclasses
 import sys
 import time
 
-from jobs.common import config_parser, init_ray, print_table, resolve_config
+from jobs.common import init_ray, parse_job_config, print_table
+from pipeline.common.config import ConfigError, to_dict
 from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import Storage
-from pipeline.config import ConfigError, merge, to_dict
-from training.config import EVAL_PRESETS
+from training.eval.config import EVAL_PRESETS
 from training.eval.results import AGGREGATES, datacomp_names, main_value
 from training.eval.run import evaluate
 from training.eval.sets import EvalSetError, load_tasks
 from training.model.checkpoint import CheckpointError
 
-_FLAGS = (
-    "checkpoint",
-    "tasks",
-    "eval_root",
-    "out",
-    "s3_endpoint",
-    "num_actors",
-    "num_gpus",
-    "batch_size",
-    "max_samples",
-)
+_KEYS = ("checkpoint", "tasks", "eval_root", "out", "s3_endpoint", "num_actors", "num_gpus", "batch_size")
+FLAGS: dict[str, str | tuple[str, bool]] = {"--" + k.replace("_", "-"): k for k in (*_KEYS, "max_samples")}
+FLAGS["--no-analyses"] = ("analyses", False)
 
 
 def _fmt(v: object) -> str:
@@ -45,20 +37,8 @@ def _fmt(v: object) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = config_parser(__doc__.splitlines()[0], EVAL_PRESETS)
-    for name in _FLAGS:
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
-    parser.add_argument("--no-analyses", action="store_true", help="skip the uncertainty analyses")
-    args = parser.parse_args(argv)
-    cfg = resolve_config(args, EVAL_PRESETS)
-    updates = {k: getattr(args, k) for k in _FLAGS if getattr(args, k) is not None}
-    if args.no_analyses:
-        updates["analyses"] = False
+    cfg = parse_job_config(argv, __doc__.splitlines()[0], EVAL_PRESETS, FLAGS, required=("checkpoint", "out"))
     try:
-        cfg = merge(cfg, updates)
-        for key in ("checkpoint", "out"):
-            if not getattr(cfg, key):
-                raise ConfigError(f"{key} is required (--{key})")
         tasks = load_tasks(cfg.tasks, root=cfg.eval_root or None)
     except (ConfigError, EvalSetError) as exc:
         print(f"config error: {exc}", file=sys.stderr)

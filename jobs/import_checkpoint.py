@@ -11,28 +11,22 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Literal
 
 from jobs.common import parse_job_config, print_table
+from pipeline.common.config import config_class
 from pipeline.common.storage import Storage
-from pipeline.config import ConfigError, check_types
 from training.model.checkpoint import CheckpointError, load_checkpoint
 
 
-@dataclass(frozen=True)
+@config_class
 class ImportJobConfig:
     source: str = ""  # openclip:MODEL:LOCATION | prolip:LOCATION
     out: str = ""  # our checkpoint directory (local or s3://)
     tokenizer: str = ""  # "" = the source's own (CLIP's BPE; ProLIP: its config's SigLIP tokenizer.json)
-    tokenizer_clean: str = ""  # for a tokenizer.json: lower | canonicalize ("" = the source's own)
+    # for a tokenizer.json: lower | canonicalize ("" = the source's own)
+    tokenizer_clean: Literal["", "lower", "canonicalize"] = ""
     s3_endpoint: str = ""
-
-    def __post_init__(self) -> None:
-        check_types(self)
-        if self.tokenizer_clean not in ("", "lower", "canonicalize"):
-            raise ConfigError(
-                f"tokenizer_clean: {self.tokenizer_clean!r} not in ('', 'lower', 'canonicalize')"
-            )
 
 
 PRESETS = {"demo": ImportJobConfig()}

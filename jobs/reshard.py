@@ -11,30 +11,26 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from jobs.common import parse_job_config, print_table
+from pipeline.common.config import Names, Positive, config_class
 from pipeline.common.storage import Storage
-from pipeline.config import check_types, positive
 from pipeline.shards.tar_format import ShardError
 from pipeline.subsets.reshard import ReshardError, reshard
 from pipeline.subsets.uid_files import SubsetError
 
 
-@dataclass(frozen=True)
+@config_class
 class ReshardJobConfig:
-    shards: list[str] = field(default_factory=list)  # input tars, directories or globs (local or s3://)
+    shards: Names = field(default_factory=list)  # input tars, directories or globs (local or s3://)
     subset: str = ""  # DataComp subset .npy (u8,u8 uids), local or s3://
     out: str = ""  # output directory (local or s3://)
-    samples_per_shard: int = 10_000  # DataComp's default
+    samples_per_shard: Positive = 10_000  # DataComp's default
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL / AWS)
-    workers: int = 1  # input tars read ahead in parallel
+    workers: Positive = 1  # input tars read ahead in parallel
     overwrite: bool = False  # replace shards already in out
     skip_corrupt: bool = False  # keep going past a damaged input tar
-
-    def __post_init__(self) -> None:
-        check_types(self)
-        positive(self, "samples_per_shard", "workers")
 
 
 PRESETS = {"demo": ReshardJobConfig()}

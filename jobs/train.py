@@ -13,30 +13,18 @@ from __future__ import annotations
 
 import sys
 
-from jobs.common import config_parser, init_ray, print_table, resolve_config
+from jobs.common import init_ray, parse_job_config, print_table
 from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import Storage
-from pipeline.config import ConfigError, merge
 from training.config import TRAIN_PRESETS, to_plain
 from training.train.trainer import train
 
+# clip, clip:VOCAB, a tokenizer directory or tokenizer.json; a shard directory, glob or list
+FLAGS = {"--shards": "data.shards", "--tokenizer": "tokenizer"}
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = config_parser(__doc__.splitlines()[0], TRAIN_PRESETS)
-    parser.add_argument("--shards", default=None, help="shard directory, glob or list (sets data.shards)")
-    parser.add_argument(
-        "--tokenizer", default=None, help="clip, clip:VOCAB, a tokenizer directory or tokenizer.json"
-    )
-    args = parser.parse_args(argv)
-    cfg = resolve_config(args, TRAIN_PRESETS)
-    updates = {k: v for k, v in (("tokenizer", args.tokenizer),) if v}
-    if args.shards:
-        updates["data"] = {"shards": args.shards}
-    try:
-        cfg = merge(cfg, updates)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    cfg = parse_job_config(argv, __doc__.splitlines()[0], TRAIN_PRESETS, FLAGS)
     init_ray()
     out = train(cfg)
     final = out.metrics[-1] if out.metrics else {}

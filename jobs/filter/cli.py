@@ -12,31 +12,23 @@ from __future__ import annotations
 
 import sys
 
-from jobs.common import config_parser, init_ray, print_table, resolve_config
+from jobs.common import init_ray, parse_job_config, print_table
 from jobs.filter.run import FILTER_PRESETS, check_checkpoint, run_filter_job, validate
 from pipeline.common import storage
+from pipeline.common.config import ConfigError, merge, to_dict
 from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import Storage
-from pipeline.config import ConfigError, merge, to_dict
 from training.imports.load import import_checkpoint, is_import_source
 from training.model.checkpoint import CheckpointError
 
+# a checkpoint directory or an openclip:/prolip: source; pool shards (directory, glob or list); run directory
+FLAGS = {"--checkpoint": "checkpoint", "--shards": "shards", "--out": "out", "--s3-endpoint": "s3_endpoint"}
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = config_parser(__doc__.splitlines()[0], FILTER_PRESETS)
-    parser.add_argument(
-        "--checkpoint",
-        default=None,
-        help="checkpoint directory or openclip:/prolip: source (sets checkpoint)",
-    )
-    parser.add_argument("--shards", default=None, help="pool shards: directory, glob or list (sets shards)")
-    parser.add_argument("--out", default=None, help="run directory, local or s3:// (sets out)")
-    args = parser.parse_args(argv)
-    cfg = resolve_config(args, FILTER_PRESETS)
-    updates = {k: v for k, v in vars(args).items() if k in ("checkpoint", "shards", "out") and v}
+    cfg = parse_job_config(argv, __doc__.splitlines()[0], FILTER_PRESETS, FLAGS)
     imported_from = None
     try:
-        cfg = merge(cfg, updates)
         specs = validate(cfg)
         if is_import_source(cfg.checkpoint):
             imported_from, target = cfg.checkpoint, storage.join(cfg.out, "checkpoint")

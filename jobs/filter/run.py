@@ -21,10 +21,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import BeforeValidator
 
 from pipeline.common import storage
+from pipeline.common.config import (
+    ConfigError,
+    NonNegativeFloat,
+    Positive,
+    config_class,
+    names_from_text,
+)
 from pipeline.common.storage import Storage
-from pipeline.config import ConfigError
 from pipeline.filters.specs import (
     FilterSpec,
     parse_filter_specs,
@@ -37,7 +46,7 @@ from training.infer.batch_inference import score_shards
 from training.infer.scoring import SCORE_COLUMNS, ScoreResult, verify_checkpoint
 
 
-@dataclass(frozen=True)
+@config_class
 class FilterJobConfig:
     shards: str = ""  # directory, glob or comma list of pool shards (local or s3://)
     # our checkpoint directory (local or s3://), or a source to import first into <out>/checkpoint:
@@ -46,19 +55,21 @@ class FilterJobConfig:
     checkpoint_tokenizer: str = ""  # for an imported source: a tokenizer other than its own
     out: str = "runs/demo/filter"  # run directory (local or s3://)
     s3_endpoint: str = ""
-    num_actors: int = 1  # scoring actors, each holding one model
-    num_gpus: float = 0.0  # per actor; 0 on CPU (a GPU request on a CPU-only cluster waits forever)
-    cpus_per_actor: float = 1.0
-    batch_size: int = 256
-    filters: tuple[str, ...] = (
+    num_actors: Positive = 1  # scoring actors, each holding one model
+    num_gpus: NonNegativeFloat = (
+        0.0  # per actor; 0 on CPU (a GPU request on a CPU-only cluster waits forever)
+    )
+    cpus_per_actor: NonNegativeFloat = 1.0
+    batch_size: Positive = 256
+    filters: Annotated[tuple[str, ...], BeforeValidator(names_from_text)] = (
         "csd_best:fraction=0.2",
         "csd_uncertainty_aware:fraction=0.2",
         "clip_score_best:fraction=0.3",
         "random_same_size:of=csd_best,seed=0",
     )
     reshard: bool = False
-    samples_per_shard: int = 10_000  # DataComp's resharder default
-    reshard_workers: int = 1  # input shards read ahead in parallel while resharding (hides S3 latency)
+    samples_per_shard: Positive = 10_000  # DataComp's resharder default
+    reshard_workers: Positive = 1  # input shards read ahead in parallel while resharding (hides S3 latency)
     reuse_scores: bool = False
 
 
@@ -106,12 +117,6 @@ def validate(cfg: FilterJobConfig) -> list[FilterSpec]:
         raise ConfigError("checkpoint: give a checkpoint directory (--checkpoint)")
     if not cfg.out:
         raise ConfigError("out: give a run directory")
-    for name in ("num_actors", "batch_size", "samples_per_shard", "reshard_workers"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"{name}: must be ≥ 1, got {getattr(cfg, name)}")
-    for name in ("num_gpus", "cpus_per_actor"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"{name}: must be ≥ 0, got {getattr(cfg, name)}")
     specs = parse_filter_specs(list(cfg.filters))
     for i, spec in enumerate(specs):
         missing = sorted(required_columns([spec]) - set(SCORE_COLUMNS))

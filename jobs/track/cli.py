@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import sys
 
-from jobs.common import config_parser, init_ray, resolve_config
+from jobs.common import init_ray, parse_job_config
 from jobs.track.config import TRACK_PRESETS
 from jobs.track.report import markdown_table
 from jobs.track.run import ResumeMismatch, claim_output, run_track
+from pipeline.common.config import to_dict
 from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import Storage, redact_text
-from pipeline.config import to_dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = config_parser(__doc__.splitlines()[0], TRACK_PRESETS)
-    args = parser.parse_args(argv)
-    cfg = resolve_config(args, TRACK_PRESETS)  # validated on construction; errors exit 2 with one line
+    cfg = parse_job_config(argv, __doc__.splitlines()[0], TRACK_PRESETS, {"--output": "output"})
     try:  # before Ray starts: a resumed run's config must match the steps it recorded
         claim_output(cfg)
     except ResumeMismatch as exc:

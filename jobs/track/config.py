@@ -7,58 +7,75 @@ without importing each other.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+import typing
+from dataclasses import field
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
 
 from pipeline.common import storage
-from pipeline.config import BUILD_PRESETS, BuildConfig, ConfigError, check_types, merge
+from pipeline.common.config import (
+    ConfigError,
+    Fraction,
+    NonNegative,
+    NonNegativeFloat,
+    OpenFraction,
+    Positive,
+    Seed,
+    config_class,
+    merge,
+    names_from_text,
+)
+from pipeline.config import BUILD_PRESETS, BuildConfig
 from training.config import TRAIN_PRESETS, TrainConfig
 from training.eval.sets import EvalSetError, load_tasks
 
 BUILD_SUBSETS = ("no_filter", "basic", "english")  # written by the build's own filters
-SUBSET_KINDS = ("no_filter", "basic", "english", "csd", "csd_uncertainty", "clip_score", "random")
+SubsetKind = Literal["no_filter", "basic", "english", "csd", "csd_uncertainty", "clip_score", "random"]
+SUBSET_KINDS = typing.get_args(SubsetKind)
 
 
-@dataclass(frozen=True)
+@config_class
 class TrackConfig:
     output: str = "runs/demo"  # the run directory, local or s3://
     s3_endpoint: str = ""
-    num_cpus: int = 0  # local Ray: 0 = all cores
+    num_cpus: NonNegative = 0  # local Ray: 0 = all cores
     # the build also trains the BPE that every model shares (share_tokenizer)
     build: BuildConfig = field(
         default_factory=lambda: merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096})
     )
     scorer: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])
     train: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])  # one per subset and seed
-    subsets: tuple[str, ...] = ("no_filter", "basic", "csd", "csd_uncertainty", "random")
-    csd_fraction: float = 0.5  # of the scored (successful) pairs; App. C.8 keeps 20% of DataComp
-    clip_fraction: float = 0.3  # DataComp's CLIP-score top-30% baseline (``clip_score`` subset)
-    text_unc_quantile: float = 0.9  # csd_uncertainty: captions above this Σσ²_t quantile go first (1 = none)
-    text_unc_low_quantile: float = 0.0  # … and those below this one (0 = none; docs/track.md "Round 15")
+    subsets: Annotated[tuple[SubsetKind, ...], BeforeValidator(names_from_text)] = (
+        "no_filter",
+        "basic",
+        "csd",
+        "csd_uncertainty",
+        "random",
+    )
+    csd_fraction: OpenFraction = 0.5  # of the scored (successful) pairs; App. C.8 keeps 20% of DataComp
+    clip_fraction: OpenFraction = 0.3  # DataComp's CLIP-score top-30% baseline (``clip_score`` subset)
+    # csd_uncertainty: captions above this Σσ²_t quantile go first (1 = none)
+    text_unc_quantile: OpenFraction = 0.9
+    text_unc_low_quantile: Fraction = 0.0  # … and those below this one (0 = none; docs/track.md "Round 15")
     random_of: str = "csd"  # the random control matches this subset's size
-    seeds: tuple[int, ...] = (0,)
+    seeds: Annotated[tuple[Seed, ...], Field(min_length=1)] = (0,)
     eval_tasks: str = "demo"  # a task-list name (training/eval/tasks/<name>.yaml) or a YAML path
     eval_root: str = ""  # where the task paths resolve; empty = <output>/pool/eval (the demo pool's)
-    eval_max_samples: int = 0  # 0 = whole sets
-    score_actors: int = 1
-    score_gpus: float = 0.0  # per scoring actor; 0 on CPU-only clusters (a GPU ask there waits forever)
-    eval_gpus: float = 0.0
+    eval_max_samples: NonNegative = 0  # 0 = whole sets
+    score_actors: Positive = 1
+    score_gpus: NonNegativeFloat = (
+        0.0  # per scoring actor; 0 on CPU-only clusters (a GPU ask there waits forever)
+    )
+    eval_gpus: NonNegativeFloat = 0.0
     # Subset models trained at once (each with train.scaling's workers and threads). On a 2-core machine two
     # one-thread models side by side finish ~30% sooner than two two-thread models in turn (docs/track.md).
-    train_parallel: int = 1
+    train_parallel: Positive = 1
     # A BPE trained by the build for every model whose config names no tokenizer (local output only)
     share_tokenizer: bool = True
 
     def __post_init__(self) -> None:
         """Checks on construction; ``ConfigError`` names the key."""
-        check_types(self)
-        unknown = [s for s in self.subsets if s not in SUBSET_KINDS]
-        if unknown:
-            raise ConfigError(f"subsets: unknown {unknown} (known: {', '.join(SUBSET_KINDS)})")
-        if not self.seeds:
-            raise ConfigError("seeds: need at least one seed")
-        if self.train_parallel < 1:
-            raise ConfigError(f"train_parallel must be >= 1, got {self.train_parallel}")
         try:  # the task list is read at the end, after the build and every training: check it now
             load_tasks(self.eval_tasks)
         except EvalSetError as exc:
@@ -70,10 +87,7 @@ class TrackConfig:
             repeated = sorted({v for v in values if values.count(v) > 1}, key=values.index)
             if repeated:
                 raise ConfigError(f"{name}: repeated {repeated} (each may appear once)")
-        for name in ("csd_fraction", "clip_fraction", "text_unc_quantile"):
-            if not 0.0 < getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        if not 0.0 <= self.text_unc_low_quantile < self.text_unc_quantile:
+        if not self.text_unc_low_quantile < self.text_unc_quantile:
             raise ConfigError(
                 f"text_unc_low_quantile must be in [0, text_unc_quantile={self.text_unc_quantile}), "
                 f"got {self.text_unc_low_quantile}"

@@ -37,8 +37,8 @@ from typing import Any
 
 from jobs.track.config import TrackConfig, paths
 from pipeline.common import storage
+from pipeline.common.config import ConfigError, to_dict
 from pipeline.common.storage import Storage
-from pipeline.config import ConfigError, to_dict
 from pipeline.source.run_state import RETRY_KNOBS, differences
 
 # Keys that change where or how fast a step runs, not what it produces (resume_key leaves them out).

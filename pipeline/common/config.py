@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, TypeVar
 
 import yaml
@@ -48,8 +47,8 @@ def config_class(cls: type[T]) -> type[T]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         try:
             init(self, *args, **kwargs)
-        except ValidationError as exc:
-            raise ConfigError(describe(exc, cls)) from None
+        except ValidationError as exc:  # built in code: name the class, e.g. DataConfig.text_mask_mode
+            raise ConfigError(describe(exc, cls, f"{cls.__name__}.")) from None
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
@@ -58,14 +57,14 @@ def config_class(cls: type[T]) -> type[T]:
 # --- field types: the ranges every config shares ------------------------------------------------------
 
 
-def _names_from_text(value: Any, info: ValidationInfo) -> Any:
+def names_from_text(value: Any, info: ValidationInfo) -> Any:
     """In text (``--set filters.names=basic,english``) a comma-separated string is a list."""
     if isinstance(value, str) and info.context and info.context.get("lax"):
         return [s.strip() for s in value.split(",") if s.strip()]
     return value
 
 
-Names = Annotated[list[str], BeforeValidator(_names_from_text)]
+Names = Annotated[list[str], BeforeValidator(names_from_text)]
 Positive = Annotated[int, Field(gt=0)]
 NonNegative = Annotated[int, Field(ge=0)]
 Seed = Annotated[int, Field(ge=0)]  # numpy's generators take no negative seed
@@ -112,15 +111,19 @@ def _key(loc: Sequence[Any]) -> str:
     return out
 
 
-_BRANCH = re.compile(r"^(int|float|str|bool|none|list\[.*\]|tuple\[.*\]|dict\[.*\]|function-\w+\[.*\]|.*\[.*\])$")
+_BRANCH = re.compile(
+    r"^(int|float|str|bool|none|list\[.*\]|tuple\[.*\]|dict\[.*\]|function-\w+\[.*\]|.*\[.*\])$"
+)
 
 
-def describe(exc: ValidationError, root: type) -> str:
-    """The first error of ``exc`` as one line naming its key; ``root`` is the class validated."""
+def describe(exc: ValidationError, root: type, prefix: str = "") -> str:
+    """The first error of ``exc`` as one line naming its key (after ``prefix``); ``root`` is the class
+    validated."""
     err = exc.errors(include_url=False)[0]
     loc = [p for p in err["loc"] if isinstance(p, int) or not _BRANCH.match(str(p))]
     names = [p for p in loc if isinstance(p, str)]
     key = _key(loc)
+    key = prefix + key if key else prefix.rstrip(".")
     more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
     kind, msg = err["type"], err["msg"]
     if kind in ("unexpected_keyword_argument", "extra_forbidden"):
@@ -134,7 +137,7 @@ def describe(exc: ValidationError, root: type) -> str:
         return (f"{key}.{text}" if key and re.match(r"^[a-z_][\w.\[\]]* ", text) else
                 f"{key}: {text}" if key else text) + more  # fmt: skip
     value = err.get("input")
-    shown = "" if isinstance(value, Mapping) else f", got {value!r}"
+    shown = "" if isinstance(value, Mapping) or " got " in msg else f", got {value!r}"
     return f"{key}: {msg[0].lower()}{msg[1:]}{shown}{more}"
 
 
@@ -146,14 +149,15 @@ def _adapter(cls: type) -> TypeAdapter:
     return TypeAdapter(cls)
 
 
-def load(cls: type[T], data: Mapping[str, Any]) -> T:
-    """``cls`` from a (partial) mapping of values read from text: lax types, unknown keys refused."""
+def load(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
+    """``cls`` from a (partial) mapping of values read from text: lax types, unknown keys refused; an error
+    names the key after ``prefix``."""
     if not isinstance(data, Mapping):
-        raise ConfigError(f"expected a mapping for {cls.__name__}, got {data!r}")
+        raise ConfigError(f"{prefix}expected a mapping for {cls.__name__}, got {data!r}")
     try:
         return _adapter(cls).validate_python(data, strict=False, context=_LAX)
     except ValidationError as exc:
-        raise ConfigError(describe(exc, cls)) from None
+        raise ConfigError(describe(exc, cls, prefix)) from None
 
 
 def _overlay(cfg: Any, updates: Mapping[str, Any]) -> dict[str, Any]:
@@ -284,7 +288,9 @@ def resolve(
             cfg = merge(cfg, read_yaml(config_file))
         except ConfigError as exc:
             text = str(exc)
-            raise ConfigError(text if text.startswith(f"{config_file}:") else f"{config_file}: {text}") from None
+            raise ConfigError(
+                text if text.startswith(f"{config_file}:") else f"{config_file}: {text}"
+            ) from None
     if flags:
         layer: dict[str, Any] = {}
         for key, value in flags.items():
@@ -293,10 +299,3 @@ def resolve(
     if sets:
         cfg = merge(cfg, parse_set(sets))
     return cfg
-
-
-def is_finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-Check = Callable[[Any], None]

@@ -8,12 +8,16 @@ this registry and runs them (its docstring has the spec syntax).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from pipeline import schema as S
+from pipeline.common.config import Finite, Fraction, OpenFraction, Positive, Seed, config_class
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import FilterConfig
 from pipeline.filters import centroids as C
@@ -28,13 +32,6 @@ SCORE_KEYS = ("uid", "ok")  # every score filter reads these (``training.infer.s
 
 
 @dataclass(frozen=True)
-class Required:
-    """A parameter without a default: the spec must give it (``n_keep`` may come from ``of=``)."""
-
-    kind: type
-
-
-@dataclass(frozen=True)
 class Context:
     """What some filters need beyond the table: fastText labels aligned with the rows (or a
     ``LanguageId``; else a ``lang`` column is read) and the storage their input files live on."""
@@ -46,14 +43,86 @@ class Context:
 @dataclass(frozen=True)
 class Filter:
     run: Callable[..., FilterResult]  # run(table, ctx, **params)
-    params: Mapping[str, Any] = field(default_factory=dict)  # name → default (its type types the spec)
+    settings: type | None = None  # the parameters a spec may give: a config class (types, ranges, defaults)
     columns: tuple[str, ...] = ()  # columns read, besides a ``column`` parameter's value
     table: str = METADATA
-    unit: tuple[str, ...] = ()  # parameters checked to lie in (0, 1] when the spec is parsed
     language: bool = False  # needs fastText labels
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """Parameter name → default (None for one the spec must give)."""
+        if self.settings is None:
+            return {}
+        return {f.name: f.default for f in dataclasses.fields(self.settings)}
 
     def needs(self, params: Mapping[str, Any]) -> tuple[str, ...]:
         return self.columns + ((params["column"],) if "column" in params else ())
+
+
+# --- each filter's parameters, declared once (a spec's ``key=value`` is validated against these) --------
+
+
+@config_class
+class RandomParams:
+    fraction: OpenFraction = 0.3
+    seed: Seed = 0
+
+
+@config_class
+class TextBasedParams:
+    method: Literal["wordnet", "lemmas"] = "wordnet"
+    wordnet: str = ""
+    synsets_file: str = ""
+    concepts_file: str = ""
+
+
+@config_class
+class ClipScoreParams:
+    column: str = S.CLIP_L14
+    fraction: Annotated[float, Field(ge=0, lt=1)] = 0.3  # 0 = by threshold
+    threshold: Finite = 0.3
+    nan_cut: Literal["datacomp", "all_scored"] = "datacomp"
+
+
+@config_class
+class Laion2bParams:
+    threshold: Finite = 0.28
+    language_model: Literal["cld3", "fasttext"] = "cld3"
+
+
+@config_class
+class ImageBasedParams:
+    embeddings_file: str = ""
+    centroids_file: str = ""
+    centroid_ids_file: str = ""
+
+
+@config_class
+class CsdBestParams:
+    fraction: OpenFraction = 0.2
+
+
+@config_class
+class CsdUncertaintyParams:
+    fraction: OpenFraction = 0.2
+    text_unc_quantile: OpenFraction = 0.9
+    text_unc_low_quantile: Fraction = 0.0  # may be 0; below text_unc_quantile, checked by the rule
+
+
+@config_class
+class ClipScoreBestParams:
+    fraction: OpenFraction = 0.3
+
+
+@config_class
+class ThresholdParams:
+    threshold: Finite = 0.3
+
+
+@config_class
+class SameSizeParams:
+    n_keep: Positive | None = None  # required, unless the spec gives of=LABEL
+    seed: Seed = 0
 
 
 # --- adapters from (table, ctx, **params) to the rule functions -----------------------------------------
@@ -87,8 +156,6 @@ def _text_based(
     if method == "lemmas":
         concepts = T.load_concepts(io.BytesIO(_read("text_based", "concepts_file", concepts_file, ctx.store)))
         return T.text_based_lemmas(t, concepts, ctx.lang)
-    if method != "wordnet":
-        raise FilterError(f"filter 'text_based': method must be wordnet or lemmas, got {method!r}")
     ids = _read("text_based", "synsets_file", synsets_file, ctx.store).decode("utf-8").splitlines()
     try:
         wn = WN.WordNet.load(_file("text_based", "wordnet", wordnet), ctx.store)
@@ -118,9 +185,7 @@ def _laion2b(t: Any, ctx: Context, threshold: float, language_model: str) -> Fil
         from pipeline.filters.language import Cld3LanguageId
 
         return F.laion2b(t, threshold, Cld3LanguageId())
-    if language_model == "fasttext":
-        return F.laion2b(t, threshold, ctx.lang)
-    raise FilterError(f"filter 'laion2b': language_model must be cld3 or fasttext, got {language_model!r}")
+    return F.laion2b(t, threshold, ctx.lang)
 
 
 def _on_scores(rule: Callable[..., FilterResult]) -> Callable[..., FilterResult]:
@@ -139,47 +204,25 @@ _SIZE = (S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT)
 FILTERS: dict[str, Filter] = {
     # DataComp's baselines, over the pool's metadata (pipeline.filters.datacomp).
     "no_filter": Filter(lambda t, ctx: F.no_filter(t)),
-    "random": Filter(lambda t, ctx, **p: F.random_subset(t, **p), {"fraction": 0.3, "seed": 0}, (S.UID,)),
-    "english": Filter(lambda t, ctx: F.english(t, ctx.lang), {}, (S.TEXT,), language=True),
-    "basic": Filter(lambda t, ctx: F.basic(t, ctx.lang), {}, _SIZE, language=True),
-    "text_based": Filter(
-        _text_based,
-        {"method": "wordnet", "wordnet": "", "synsets_file": "", "concepts_file": ""},
-        (S.TEXT,),
-        language=True,
-    ),
-    "clip_score": Filter(
-        _clip_score, {"column": S.CLIP_L14, "fraction": 0.3, "threshold": 0.3, "nan_cut": "datacomp"}
-    ),
-    "laion2b": Filter(
-        _laion2b, {"threshold": 0.28, "language_model": "cld3"}, (S.CLIP_B32, S.TEXT), language=True
-    ),
-    "image_based": Filter(
-        _image_based,
-        dict.fromkeys(("embeddings_file", "centroids_file", "centroid_ids_file"), ""),
-        (S.UID, S.TEXT),
-        language=True,
-    ),
+    "random": Filter(lambda t, ctx, **p: F.random_subset(t, **p), RandomParams, (S.UID,)),
+    "english": Filter(lambda t, ctx: F.english(t, ctx.lang), None, (S.TEXT,), language=True),
+    "basic": Filter(lambda t, ctx: F.basic(t, ctx.lang), None, _SIZE, language=True),
+    "text_based": Filter(_text_based, TextBasedParams, (S.TEXT,), language=True),
+    "clip_score": Filter(_clip_score, ClipScoreParams),
+    "laion2b": Filter(_laion2b, Laion2bParams, (S.CLIP_B32, S.TEXT), language=True),
+    "image_based": Filter(_image_based, ImageBasedParams, (S.UID, S.TEXT), language=True),
     # Our model's scores (pipeline.filters.scores over training.infer.scoring's table).
-    "csd_best": Filter(
-        _on_scores(SF.csd_best), {"fraction": 0.2}, (*SCORE_KEYS, "csd"), SCORES, ("fraction",)
-    ),
+    "csd_best": Filter(_on_scores(SF.csd_best), CsdBestParams, (*SCORE_KEYS, "csd"), SCORES),
     "csd_uncertainty_aware": Filter(
-        _on_scores(SF.csd_uncertainty_aware),
-        {"fraction": 0.2, "text_unc_quantile": 0.9, "text_unc_low_quantile": 0.0},
-        (*SCORE_KEYS, "csd", "text_unc"),
-        SCORES,
-        ("fraction", "text_unc_quantile"),  # text_unc_low_quantile may be 0: checked by the rule
+        _on_scores(SF.csd_uncertainty_aware), CsdUncertaintyParams, (*SCORE_KEYS, "csd", "text_unc"), SCORES
     ),
     "clip_score_best": Filter(
-        _on_scores(SF.clip_score_best), {"fraction": 0.3}, (*SCORE_KEYS, "cosine"), SCORES, ("fraction",)
+        _on_scores(SF.clip_score_best), ClipScoreBestParams, (*SCORE_KEYS, "cosine"), SCORES
     ),
     "clip_score_threshold": Filter(
-        _on_scores(SF.clip_score_threshold), {"threshold": 0.3}, (*SCORE_KEYS, "cosine"), SCORES
+        _on_scores(SF.clip_score_threshold), ThresholdParams, (*SCORE_KEYS, "cosine"), SCORES
     ),
-    "random_same_size": Filter(
-        _on_scores(SF.random_same_size), {"n_keep": Required(int), "seed": 0}, SCORE_KEYS, SCORES
-    ),
+    "random_same_size": Filter(_on_scores(SF.random_same_size), SameSizeParams, SCORE_KEYS, SCORES),
 }
 
 

@@ -21,9 +21,10 @@ import pyarrow.fs as pafs
 
 from pipeline import schema as S
 from pipeline.common import storage
+from pipeline.common.config import to_dict
 from pipeline.common.hashing import splitmix64
 from pipeline.common.storage import Storage
-from pipeline.config import BuildConfig, to_dict
+from pipeline.config import BuildConfig
 from pipeline.filters.datacomp import uid_hash
 from pipeline.filters.language import default_model_path
 from pipeline.filters.specs import FilterSpec, needs_language

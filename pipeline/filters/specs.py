@@ -27,16 +27,20 @@ Parameters resolve as: the registry's default, then the build's ``FilterConfig``
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import yaml
+from pydantic import TypeAdapter, ValidationError
 
 from pipeline import schema as S
+from pipeline.common.config import ConfigError, parse_value
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.config import ConfigError, FilterConfig
+from pipeline.config import FilterConfig
 from pipeline.filters import base
 from pipeline.filters import datacomp as F
 from pipeline.filters.base import FilterResult
@@ -45,7 +49,6 @@ from pipeline.filters.registry import (
     METADATA,
     Context,
     Filter,
-    Required,
     config_params,
 )
 from pipeline.subsets.reshard import ReshardResult, reshard
@@ -73,12 +76,24 @@ class FilterSpec:
         return [FILTERS[name] for name, _ in self.parts]
 
 
-def _typed(value: str, default: Any, key: str) -> Any:
-    kind = default.kind if isinstance(default, Required) else type(default)
+def _typed(settings: type, name: str, text: str, key: str) -> Any:
+    """A spec's ``name=text`` as the type its filter declares, read like a ``--set`` value."""
+    tp = typing.get_type_hints(settings, include_extras=True)[name]
     try:
-        return kind(value)
-    except ValueError:
-        raise ConfigError(f"{key}: expected {kind.__name__}, got {value!r}") from None
+        return TypeAdapter(tp).validate_python(text if _is_text(tp) else parse_value(text), strict=False)
+    except (ValidationError, yaml.YAMLError) as exc:
+        msg = exc.errors(include_url=False)[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        shown = "" if "got" in msg else f", got {text!r}"
+        raise ConfigError(f"{key}: {msg[0].lower()}{msg[1:]}{shown}") from None
+
+
+def _is_text(tp: Any) -> bool:
+    """Whether a parameter type takes the text as it is (a string, or a choice of strings)."""
+    while typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp is str or (
+        typing.get_origin(tp) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(tp))
+    )
 
 
 def _parse_part(piece: str, text: str, key: str) -> tuple[str, dict[str, Any], dict[str, str]]:
@@ -102,13 +117,9 @@ def _parse_part(piece: str, text: str, key: str) -> tuple[str, dict[str, Any], d
             known = ", ".join(sorted([*allowed, "label", *(["of"] if "n_keep" in allowed else [])]))
             raise ConfigError(f"{key}.{k}: unknown parameter of {name} (known: {known})")
         else:
-            params[k] = _typed(v, allowed[k], f"{key}.{k}")
-    for k in FILTERS[name].unit:
-        if k in params and not 0.0 < params[k] <= 1.0:
-            raise ConfigError(f"{key}.{k}: must be in (0, 1], got {params[k]}")
-    for k, default in allowed.items():
-        if isinstance(default, Required) and k not in params and not (k == "n_keep" and "of" in spec_keys):
-            raise ConfigError(f"{key}.{k}: {name} needs {k}=… (or of=LABEL)")
+            params[k] = _typed(FILTERS[name].settings, k, v, f"{key}.{k}")
+    if "n_keep" in allowed and "n_keep" not in params and "of" not in spec_keys:
+        raise ConfigError(f"{key}.n_keep: {name} needs n_keep=… (or of=LABEL)")
     return name, params, spec_keys
 
 

@@ -38,8 +38,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.common import storage
+from pipeline.common.config import to_dict
 from pipeline.common.storage import Storage
-from pipeline.config import BuildConfig, to_dict
+from pipeline.config import BuildConfig
 
 FINGERPRINT_VERSION = 2  # 2: parts are row ranges in read order (1: uid-hash buckets)
 _PART_FILE = re.compile(r"^part-(\d{6})\.([0-9a-f]+)\.(tar|parquet)$")

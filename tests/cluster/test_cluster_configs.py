@@ -18,8 +18,8 @@ import jsonschema
 import pytest
 import yaml
 
+from pipeline.common.config import resolve
 from pipeline.common.placement import DATA_ROLE, LABEL_KEY, TRAIN_ROLE
-from pipeline.config import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster"
@@ -255,7 +255,7 @@ def _presets(verb: str):
     elif verb == "filter":
         from jobs.filter.run import FILTER_PRESETS as presets
     else:
-        from training.config import EVAL_PRESETS as presets
+        from training.eval.config import EVAL_PRESETS as presets
     return presets
 
 

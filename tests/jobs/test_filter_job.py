@@ -120,7 +120,7 @@ def test_filter_job_on_s3(ray_local, pool, tiny_checkpoint, s3_server):
 
 def test_metadata_filters_and_bad_specs_stop_the_filter_job_at_validation():
     from jobs.filter.run import FilterJobConfig, validate
-    from pipeline.config import ConfigError
+    from pipeline.common.config import ConfigError
 
     cfg = FilterJobConfig(shards="pool", checkpoint="ckpt", filters=("csd_best:fraction=0.2", "basic"))
     with pytest.raises(ConfigError, match=r"filters\[1\]: basic reads \['original_height', 'original_width'"):

@@ -10,7 +10,7 @@ import pytest
 
 from jobs.track.config import TRACK_PRESETS, TrackConfig
 from jobs.track.report import comparison_table, markdown_table, verdict
-from pipeline.config import ConfigError, merge, resolve
+from pipeline.common.config import ConfigError, merge, resolve
 
 
 def test_unknown_subset_is_named():
@@ -25,7 +25,7 @@ def test_a_repeated_seed_or_subset_is_named():
     with pytest.raises(ConfigError, match=r"subsets: repeated \['csd'\]"):
         merge(TrackConfig(), {"subsets": ["no_filter", "csd", "random", "csd"]})
     assert merge(TrackConfig(), {"seeds": [2, 0, 1]}).seeds == (2, 0, 1)
-    with pytest.raises(ConfigError, match="seeds must be a non-negative integer, got -1"):
+    with pytest.raises(ConfigError, match=r"seeds\[\d\]: input should be greater than or equal to 0, got -1"):
         merge(TrackConfig(), {"seeds": [0, -1]})
 
 
@@ -343,5 +343,5 @@ def test_in_parallel_keeps_order_lets_the_others_finish_and_raises_the_first_fai
     assert sorted(done) == list(range(6)) and peak[0] == 2  # every item ran, two at a time
     assert lines == ["[track] also failed: ValueError: item 3"]
     assert in_parallel(work, [0, 2], 1, lines.append) == [0, 20]  # one at a time: a plain loop
-    with pytest.raises(ConfigError, match="train_parallel must be >= 1"):
+    with pytest.raises(ConfigError, match="train_parallel: input should be greater than 0"):
         merge(TRACK_PRESETS["tiny"], {"train_parallel": 0})

@@ -22,8 +22,9 @@ import pytest
 
 from pipeline import schema as S
 from pipeline.build import build
+from pipeline.common.config import merge
 from pipeline.common.storage import LOCAL
-from pipeline.config import BUILD_PRESETS, merge
+from pipeline.config import BUILD_PRESETS
 from pipeline.shards.reader import iter_shard
 from pipeline.subsets.reshard import reshard
 from pipeline.subsets.uid_files import read_subset

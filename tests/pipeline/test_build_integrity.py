@@ -22,7 +22,8 @@ from PIL import Image
 
 from pipeline import schema as S
 from pipeline.build import build
-from pipeline.config import BuildConfig, DownloadConfig, FilterConfig, merge
+from pipeline.common.config import merge
+from pipeline.config import BuildConfig, DownloadConfig, FilterConfig
 from pipeline.source.run_state import FingerprintMismatch
 from tests.fixtures.build_runs import check_invariants, snapshot
 from tests.fixtures.http_server import Route, http_server  # noqa: F401

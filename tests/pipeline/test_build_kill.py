@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.build import build
-from pipeline.config import BUILD_PRESETS, merge, parse_set
+from pipeline.common.config import merge, parse_set
+from pipeline.config import BUILD_PRESETS
 from pipeline.demo.eval_sets import EvalSizes
 from pipeline.demo.pool import generate_pool, write_metadata
 from pipeline.demo.server import serve_pool

@@ -32,8 +32,8 @@ import numpy as np
 import yaml
 
 from pipeline.common import storage
+from pipeline.common.config import yaml_problem
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.config import yaml_problem
 from pipeline.shards.reader import IMAGE_EXTS, iter_shard
 from pipeline.shards.tar_format import ShardError
 

@@ -1,121 +1,124 @@
-"""Architecture configuration of both towers: ``ModelConfig``, its choice-valued fields (``VARIANTS``) and
-the named presets (``MODEL_CONFIGS``: ``tiny`` and ``demo-32px`` for CPUs, the ViT-B sizes of the papers).
+"""Architecture configuration of both towers: ``ModelConfig`` and the named presets (``MODEL_CONFIGS``:
+``tiny`` and ``demo-32px`` for CPUs, the ViT-B sizes of the papers).
 
-Part of the training config (``training/config.py`` re-exports every name here); kept apart because the
-model, the checkpoint importers and the FLOP counts read it without the rest of the training settings.
+Kept apart from the training config because the model, the checkpoint importers and the FLOP counts read it
+without the rest of the training settings (and without the losses).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from pipeline.config import ConfigError, from_dict
+from pipeline.common.config import (
+    ConfigError,
+    NonNegative,
+    Positive,
+    PositiveFloat,
+    config_class,
+    load,
+    require,
+    to_dict,
+)
 
-VARIANTS = {
-    "activation": ("gelu", "quick_gelu"),
-    "text_pool": ("cls", "eot"),
-    "head_variant": ("paper", "prolip_official"),
-    "vision_stem": ("patch", "conv"),
-    "vision_pool": ("cls", "mean"),
-}
 
-
-@dataclass(frozen=True)
+@config_class
 class ModelConfig:
     """Architecture of both towers. Widths/layers/heads per tower; ``embed_dim`` is the shared space."""
 
-    image_size: int
-    patch_size: int
-    vision_width: int
-    vision_layers: int
-    vision_heads: int
-    text_width: int
-    text_layers: int
-    text_heads: int
-    context_length: int
-    vocab_size: int
-    embed_dim: int
-    mlp_ratio: float = 4.0
+    image_size: Positive
+    patch_size: Positive
+    vision_width: Positive
+    vision_layers: NonNegative
+    vision_heads: Positive
+    text_width: Positive
+    text_layers: Positive
+    text_heads: Positive
+    context_length: Positive
+    vocab_size: Positive
+    embed_dim: Positive
+    mlp_ratio: PositiveFloat = 4.0
     probabilistic: bool = True
     unc_bias_init: float = -10.0  # §4.1: log σ² starts at −10, σ² ≈ 4.5e−5
     text_causal: bool = False
-    pad_id: int = 0
+    pad_id: NonNegative = 0
     grad_checkpointing: bool = False
     # Variants for imported weights (training/imports/): OpenAI CLIP's MLP activation, CLIP's end-token text
     # pooling (deterministic only), and the official ProLIP code's text tower and heads (training/model/towers.py).
-    activation: str = "gelu"  # gelu | quick_gelu
-    text_pool: str = "cls"  # cls (appended CLS token) | eot (the end token's position, as CLIP)
+    activation: Literal["gelu", "quick_gelu"] = "gelu"
+    text_pool: Literal["cls", "eot"] = (
+        "cls"  # cls (appended CLS token) | eot (the end token's position, as CLIP)
+    )
     text_mask_padding: bool = True  # False: padding keys are attended, as the official ProLIP code does
     text_proj_bias: bool = False
-    text_ln_eps: float = 1e-5
-    head_variant: str = "paper"  # paper | prolip_official
+    text_ln_eps: PositiveFloat = 1e-5
+    head_variant: Literal["paper", "prolip_official"] = "paper"
     # How pixels become tokens: "patch" (ViT's linear patch projection) or "conv" (3×3 convolutions down to
-    # the same grid, training/model/towers.py ConvStem). docs/track.md "Recipes tried" has what they did for shapes.
-    vision_stem: str = "patch"
+    # the same grid, training/model/towers.py ConvStem).
+    vision_stem: Literal["patch", "conv"] = "patch"
     # The image state the heads read: the CLS token's output, or the mean of the patch tokens' ("mean",
     # which also allows vision_layers=0: the stem alone, a small CNN with global average pooling).
-    vision_pool: str = "cls"
+    vision_pool: Literal["cls", "mean"] = "cls"
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[str(f.type)]
-            if isinstance(value, bool) and f.type != "bool" or not isinstance(value, expected):
-                raise ConfigError(f"ModelConfig.{f.name} must be {f.type}, got {value!r}")
-        for name in ("image_size", "patch_size", "context_length", "vocab_size", "embed_dim"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        """Rules across fields; each field's own range and choices are in its type."""
+        # A mean-pooled image tower may have no transformer layer (the stem alone) unless it is
+        # probabilistic: its UNC token would then see no image.
+        require(
+            self.vision_layers >= 1 or (self.vision_pool == "mean" and not self.probabilistic),
+            "vision_layers",
+            "must be >= 1 (0 only with vision_pool='mean' and probabilistic=false)",
+            self.vision_layers,
+        )
         for tower in ("vision", "text"):
-            width, layers, heads = (getattr(self, f"{tower}_{k}") for k in ("width", "layers", "heads"))
-            # A mean-pooled image tower may have no transformer layer (the stem alone) unless it is
-            # probabilistic: its UNC token would then see no image.
-            pooled_stem = tower == "vision" and self.vision_pool == "mean" and not self.probabilistic
-            if layers < (0 if pooled_stem else 1):
-                raise ConfigError(
-                    f"ModelConfig.{tower}_layers={layers} must be >= 1"
-                    + (
-                        " (0 only with vision_pool='mean' and probabilistic=false)"
-                        if tower == "vision"
-                        else ""
-                    )
-                )
-            if width <= 0 or heads <= 0 or width % heads:
-                raise ConfigError(
-                    f"ModelConfig.{tower}_width={width} must be a positive multiple of {tower}_heads={heads}"
-                )
-        for name, allowed in VARIANTS.items():
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"ModelConfig.{name}={getattr(self, name)!r} not in {allowed}")
-        if self.text_pool == "eot" and self.probabilistic:
-            raise ConfigError("ModelConfig.text_pool='eot' needs probabilistic=false (UNC/CLS are appended)")
-        if self.head_variant == "prolip_official" and self.text_width != self.embed_dim:
-            raise ConfigError("ModelConfig.head_variant='prolip_official' needs text_width == embed_dim")
-        if self.image_size % self.patch_size:
-            raise ConfigError(
-                f"ModelConfig.image_size={self.image_size} is not a multiple of patch_size={self.patch_size}"
+            width, heads = getattr(self, f"{tower}_width"), getattr(self, f"{tower}_heads")
+            require(
+                width % heads == 0, f"{tower}_width", f"must be a multiple of {tower}_heads={heads}", width
             )
-        if self.vision_stem == "conv" and (self.patch_size < 2 or self.patch_size & (self.patch_size - 1)):
-            raise ConfigError(
-                f"ModelConfig.patch_size={self.patch_size} must be a power of two >= 2 for vision_stem='conv'"
-            )
-        if not 0 <= self.pad_id < self.vocab_size:
-            raise ConfigError(
-                f"ModelConfig.pad_id={self.pad_id} is outside the vocabulary (vocab_size={self.vocab_size})"
-            )
+        require(
+            not (self.text_pool == "eot" and self.probabilistic),
+            "text_pool",
+            "'eot' needs probabilistic=false (UNC/CLS are appended)",
+            self.text_pool,
+        )
+        require(
+            self.head_variant != "prolip_official" or self.text_width == self.embed_dim,
+            "head_variant",
+            "'prolip_official' needs text_width == embed_dim",
+            self.head_variant,
+        )
+        require(
+            self.image_size % self.patch_size == 0,
+            "image_size",
+            f"must be a multiple of patch_size={self.patch_size}",
+            self.image_size,
+        )
+        p = self.patch_size
+        require(
+            self.vision_stem != "conv" or (p >= 2 and not p & (p - 1)),
+            "patch_size",
+            "must be a power of two >= 2 for vision_stem='conv'",
+            p,
+        )
+        require(
+            self.pad_id < self.vocab_size,
+            "pad_id",
+            f"must lie inside the vocabulary ({self.vocab_size})",
+            self.pad_id,
+        )
 
     @property
     def n_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return to_dict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
-        return from_dict(cls, data, prefix="ModelConfig.")
+        """From a checkpoint's ``model_config.json`` (lax types, unknown keys refused)."""
+        return load(cls, data, prefix="ModelConfig.")
 
 
 MODEL_CONFIGS: dict[str, ModelConfig] = {

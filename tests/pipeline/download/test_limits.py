@@ -15,7 +15,8 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from pipeline.config import ConfigError, DownloadConfig
+from pipeline.common.config import ConfigError
+from pipeline.config import DownloadConfig
 from pipeline.download.fetch import DownloadWorker, fetch, memory_bound, part_deadline_s
 from pipeline.download.netguard import UrlGuard
 from pipeline.download.politeness import HostSlots, parse_retry_after, retry_wait

@@ -137,7 +137,8 @@ def test_allow_list_entries_with_a_port_allow_that_port_only() -> None:
 
 @pytest.mark.parametrize("entry", ["127.0.0.1:0", "127.0.0.1:99999", "host:http", "[::1]x", "[::1]:"])
 def test_bad_allow_list_port_is_refused_naming_the_entry(entry: str) -> None:
-    from pipeline.config import ConfigError, DownloadConfig
+    from pipeline.common.config import ConfigError
+    from pipeline.config import DownloadConfig
 
     with pytest.raises(ValueError, match="allow_hosts entry"):
         UrlGuard([entry])

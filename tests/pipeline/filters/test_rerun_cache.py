@@ -9,8 +9,9 @@ import pyarrow.parquet as pq
 
 from pipeline import schema as S
 from pipeline.build import run_paths
+from pipeline.common.config import merge
 from pipeline.common.storage import LOCAL
-from pipeline.config import BuildConfig, merge
+from pipeline.config import BuildConfig
 from pipeline.filters import rerun_cache as FR
 from pipeline.filters.language import default_model_path
 from pipeline.filters.specs import parse_filter_specs

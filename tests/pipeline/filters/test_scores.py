@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline.config import ConfigError
+from pipeline.common.config import ConfigError
 from pipeline.filters import scores as F
 from pipeline.filters import specs as P
 from pipeline.subsets.uid_files import kept_uids
@@ -163,8 +163,8 @@ def test_filter_specs_parse_and_validate():
     bad = {
         "csd_bst:fraction=0.2": r"filters\[0\]: unknown filter 'csd_bst'",
         "csd_best:fracton=0.2": r"filters\[0\]\.fracton: unknown parameter",
-        "csd_best:fraction=abc": r"filters\[0\]\.fraction: expected float",
-        "csd_best:fraction=1.5": r"filters\[0\]\.fraction: must be in",
+        "csd_best:fraction=abc": r"filters\[0\]\.fraction: input should be a valid number",
+        "csd_best:fraction=1.5": r"filters\[0\]\.fraction: input should be less than or equal to 1",
         "random_same_size:seed=0": r"filters\[0\]\.n_keep",
         "random_same_size:of=nothing": r"filters\[0\]\.of: no filter labelled 'nothing'",
     }

@@ -124,7 +124,7 @@ def test_siglip_style_file_with_canonicalize(tmp_path, reference) -> None:
 
 def test_spec_resolution_and_one_tokenizer_per_track(clip_tok: TextTokenizer, tmp_path) -> None:
     from jobs.track.config import TRACK_PRESETS, train_config
-    from pipeline.config import ConfigError, merge
+    from pipeline.common.config import ConfigError, merge
     from pipeline.ingest.tokenizer import tokenizer_from_spec
 
     assert tokenizer_from_spec("clip").to_state() == clip_tok.to_state()

@@ -10,8 +10,9 @@ import pyarrow as pa
 import pytest
 
 from pipeline import schema as S
+from pipeline.common.config import ConfigError, merge
 from pipeline.common.storage import LOCAL
-from pipeline.config import BuildConfig, ConfigError, DedupeConfig, DownloadConfig, FilterConfig, merge
+from pipeline.config import BuildConfig, DedupeConfig, DownloadConfig, FilterConfig
 from pipeline.filters.specs import check_build_filters
 from pipeline.source import run_state as R
 from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, caption_status, pre_statuses, prepare_batch

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.config import ConfigError
+from pipeline.common.config import ConfigError
 from pipeline.ingest.masking import choose_kept_patches
 from pipeline.ingest.tokenizer import train_tokenizer
 from training.config import OptimConfig, TrainConfig
@@ -489,7 +489,7 @@ def test_param_groups_give_each_towers_sigma_head_its_own_lr(model: ProLIP) -> N
     assert lrs(param_groups(holder, 0.2, 1e-3, 10.0)) == expect(10.0, 10.0)  # None: the text multiplier
     assert lrs(param_groups(holder, 0.2, 1e-3, 1.0, 3.0)) == expect(1.0, 3.0)  # image alone still splits
     assert len(param_groups(holder, 0.2, 1e-3, 1.0, 1.0)) == 2  # nothing to split
-    with pytest.raises(ConfigError, match="optim.unc_lr_mult_image"):
+    with pytest.raises(ConfigError, match=r"OptimConfig\.unc_lr_mult_image: input should be greater than 0"):
         TrainConfig(model="tiny", optim=OptimConfig(unc_lr_mult_image=0.0))
 
 

@@ -10,7 +10,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from pipeline.config import merge
+from pipeline.common.config import merge
 from pipeline.ingest.tokenizer import train_tokenizer
 from tests.fixtures.checkpoints import DEMO_CAPTIONS
 from training.config import TRAIN_PRESETS

@@ -184,7 +184,7 @@ def test_tensorboard_writer_writes_event_files(tmp_path) -> None:
 def test_cached_epochs_on_two_workers_commit_every_step(ray_local, tmp_path) -> None:
     """``data.cache_decoded``: epoch 0 from Ray Data (remainder kept), later epochs from each worker's rows;
     with salient masked captions (training/train/salient_masking.py) under DDP."""
-    from pipeline.config import merge
+    from pipeline.common.config import merge
     from training.config import TRAIN_PRESETS
     from training.train.trainer import train
 
@@ -212,7 +212,7 @@ def test_cached_epochs_on_two_workers_commit_every_step(ray_local, tmp_path) -> 
 @pytest.mark.ray
 def test_seeded_run_repeats_exactly(ray_local, tmp_path) -> None:
     """One seed, one worker, two runs: the same loss at every step (Ray Data's output order preserved)."""
-    from pipeline.config import merge
+    from pipeline.common.config import merge
     from training.config import TRAIN_PRESETS
     from training.train.trainer import train
 

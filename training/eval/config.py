@@ -1,0 +1,30 @@
+"""What ``python -m jobs.evaluate`` resolves, and its presets (preset → YAML → flags → ``--set``)."""
+
+from __future__ import annotations
+
+from pipeline.common.config import NonNegativeFloat, Positive, Seed, config_class
+
+
+@config_class
+class EvalConfig:
+    """An evaluation run: the checkpoint, the task list and where results go (training/eval/run.py)."""
+
+    checkpoint: str = ""
+    tasks: str = "demo"  # a task-list name (training/eval/tasks/NAME.yaml) or a YAML file
+    eval_root: str = ""  # root of the task list's relative paths
+    out: str = ""
+    s3_endpoint: str = ""
+    num_actors: Positive = 1
+    num_gpus: NonNegativeFloat = 0.0  # per actor; 0 on CPU-only clusters (a GPU request there waits forever)
+    batch_size: Positive = 256
+    analyses: bool = True
+    max_samples: Positive | None = None  # per task, for quick checks
+    seed: Seed = 0
+    resume: bool = True  # keep the tasks already in --out's eval_results.jsonl (ours or DataComp's)
+
+
+EVAL_PRESETS = {
+    "demo": EvalConfig(batch_size=128),
+    "datacomp-small": EvalConfig(tasks="datacomp", num_actors=1, batch_size=256),
+    "prolip-b16": EvalConfig(tasks="datacomp", num_actors=4, num_gpus=1.0, batch_size=512),
+}
