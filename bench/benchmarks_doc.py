@@ -520,7 +520,7 @@ KNOWN: dict[str, tuple[str, Extractor]] = {
     "train_parallel.jsonl": ("Two subset models side by side", train_parallel),
     "score_throughput.json": ("CSD scoring throughput", score_throughput),
     "track_scorer.jsonl": ("The demo track's scorer, trained as the track trains it", track_scorer),
-    "sigma2_terms.jsonl": ("Which loss term pushes which captions' σ²", sigma2_terms),
+    "sigma2_terms.jsonl": ("Which loss term pushes which captions' variance", sigma2_terms),
 }
 # The order of the document: the demo first, then the build, then training; files not named here follow
 # in name order.
