@@ -537,6 +537,7 @@ ORDER = (
     "download_actor_cpu.json",
     "build_scale.json",
     "image_cpu.json",
+    "image_stages_img2dataset.json",
     "decode_memory.json",
     "loss_memory.json",
     "train_step.json",
