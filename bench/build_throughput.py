@@ -8,7 +8,7 @@ stops by PID.
 
 Measured, same URLs, DataComp's settings (longest side 512, downscale only, JPEG q95, timeout 10 s,
 2 retries):
-  (a) ours      ``pipeline.build.build``: metadata → URL dedupe → download parts (Ray Data actor pool) →
+  (a) ours      ``pipeline.build.build``: metadata → URL dedupe → download parts (plain Ray actors) →
                 exact-image dedupe → shards → the ``no_filter`` subset; wall time of the whole ``build()``
                 call (Ray already up; ``ray.init`` reported apart) and of its download phase alone
                 (``BuildResult.timings["download"]``). Run with the BuildConfig defaults, and with ``--tuned``

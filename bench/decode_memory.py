@@ -2,7 +2,8 @@
 
 A pool of small files with huge canvases (the hostile case: a few hundred kB that decode to 8000-9000 px
 on a side) is served from memory by a threaded HTTP server on 127.0.0.1 in its own process. One
-``DownloadWorker`` (the Ray Data UDF of the build, here without Ray) runs in a fresh subprocess and
+``DownloadWorker`` (the worker each download actor of the build runs, here without Ray) runs in a fresh
+subprocess and
 downloads the whole pool in one call; the subprocess reports its resident size before the call
 (imports done, worker built) and its peak during the call: the kernel's high-water mark ``VmHWM`` of
 /proc/self/status, reset just before the call (``clear_refs``). Not ``getrusage().ru_maxrss``: Linux carries

@@ -7,7 +7,8 @@ uncertainty section measures (training/eval/uncertainty.py) on the run's eval se
 image ⊂ own caption (retrieval set), Spearman(caption words, Σσ²_t) (retrieval and hierarchy captions),
 adjacent hierarchy levels ordered; also colour and shape zero-shot accuracy, ROC AUC on the pool's ground truth
 (CSD for mismatched captions, Σσ²_t for non-English and level-0 captions), and PPCL's push on each caption's
-σ²: Σ_v p_vt over random batches (> 1: PPCL raises that caption's σ², < 1: lowers it; docs/track.md).
+σ²: Σ_v p_vt over random batches (> 1: PPCL raises that caption's σ², < 1: lowers it).
+Recipe trials use it; the choices they led to are in docs/decisions/.
 Not a timing benchmark: the batches differ from a Ray run's, so figures match the track's in distribution,
 not digit for digit. Appends one JSON line per run to ``--out``.
 
@@ -143,8 +144,7 @@ def zero_shot(enc: Encoder, root: str, means_only: bool = False) -> tuple[float,
     """(zero-shot top-1 with the set's prompt ensemble, nearest-class-mean probe top-1) on one set.
 
     Classes are the prompts' Gaussian mean scored by CSD, as the report does; ``means_only`` scores the
-    cosine to the mean of the prompts' means instead (how this replica's colour figures were measured in
-    docs/track.md Rounds 1-8)."""
+    cosine to the mean of the prompts' means instead, leaving σ² out."""
     rows = read_tars(f"{root}/test/*.tar")
     names = [x for x in Path(f"{root}/classnames.txt").read_text().splitlines() if x.strip()]
     tpls = [x for x in Path(f"{root}/zeroshot_classification_templates.txt").read_text().splitlines() if x]

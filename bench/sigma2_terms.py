@@ -6,7 +6,9 @@ caption's text log σ² (summed over dimensions, times the batch size) and PPCL'
 match probabilities summed over the batch's images): positive gradient / Σp < 1 means gradient descent
 lowers that caption's σ². Averaged per kind of caption from the pool's ground truth: clean level 0
 ("a photo of an object"), clean levels 1–3, mismatched, non-English. A diagnostic, not a timing
-benchmark; docs/track.md "Round 15" has the figures. Appends one JSON line per run to ``--out``.
+benchmark: it shows why non-English captions get the lowest σ²
+(docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md); the recorded runs are in
+docs/benchmarks.md. Appends one JSON line per run to ``--out``.
 
 Usage: python bench/sigma2_terms.py --run runs/demo-seed1 --seed 1 [--batches 150]
 """

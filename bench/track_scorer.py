@@ -1,8 +1,9 @@
 """The demo track's scorer alone, trained and evaluated exactly as ``jobs.track`` does, for recipe trials.
 
 ``bench/scorer_replica.py`` drives the train step without Ray and draws its own batches, so a seed's
-figures there differ from the same seed's track run (seed 2 ordered 83.8% of the hierarchy levels in the
-replica and 74.7% in the track; docs/track.md "Round 19"). This script runs the track's own code instead:
+figures there differ from the same seed's track run by as much as seeds differ from each other (seed 2
+ordered 83.8% of the hierarchy levels in the replica and 74.7% in the track). This script runs the track's
+own code instead, which is how the scorer's budget was chosen (docs/decisions/0003-demo-pool-and-budgets.md):
 ``jobs.track.config.train_config`` on a finished track run's shards and tokenizer, Ray Train, then
 ``jobs.evaluate`` on the run's eval sets. With no ``--set`` it reproduces that run's scorer to the bit
 (``weights.pt``), in a separate storage path, so the run itself is never touched. Prints and appends one

@@ -3,8 +3,9 @@
 What ``train_parallel=2`` buys ``make demo``: the track's subset recipe (``TRACK_PRESETS["demo"].train``
 through ``jobs.track.config.train_config``) on two of a finished run's subset shard sets, timed as the
 track runs it. Contender ``in_turn``: one model after the other, one Train worker with every core as torch
-threads (the recipe before ``train_parallel``). Contender ``side_by_side``: both at once through the track's
-``in_parallel``, one thread and half a logical CPU each (the demo preset now). Rounds alternate the two
+threads (``train_parallel=1``). Contender ``side_by_side``: both at once through the track's
+``in_parallel``, one thread and half a logical CPU each (the demo preset's setting,
+docs/decisions/0007-subset-models-two-at-a-time.md). Rounds alternate the two
 (bench/alternate.py); each training writes to a fresh temporary directory, so nothing resumes. Ray starts
 once; its start-up is in neither figure. Appends one JSON line to ``bench/results/train_parallel.jsonl``.
 

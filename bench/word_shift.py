@@ -5,7 +5,8 @@ the word) − μ(caption)‖₂ that the salient masking ranks words by (``train
 word of "a photo of a {colour} {word}", averaged over the eight colours, for the generic words of the
 level-1 captions ("shape", "object") and for each shape's name; the same captions' mean tr(Σ_t); and the
 run's adjacent-level ordering from its ``eval/scorer/analyses.json``. A scorer that reads "shape" as "any
-shape" moves its mean little for it. A diagnostic (docs/track.md "Round 18"), not a timing benchmark;
+shape" moves its mean little for it: the seeds whose scorer moves it least order "a red shape" above "a
+red circle" most often (docs/decisions/0001-demo-scorer-model.md). A diagnostic, not a timing benchmark;
 appends one JSON line per run to ``--out``.
 
 Usage: python bench/word_shift.py runs/demo runs/demo-seed1 runs/demo-seed2 [--threads 1]

@@ -15,46 +15,65 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
-# (x, y, width, height, title, body lines, face colour)
+# (y, height, title, left column, right column, face colour); a * marks the modules that import Ray.
 PACKAGES = [
     (
-        0.3,
-        6.6,
-        13.4,
-        2.0,
+        7.9,
+        2.35,
         "jobs/  — entry points (python -m jobs.<verb>) and multi-step workflows",
         [
-            "build_dataset · train · embed · reshard · evaluate · adapters · demo_pool   (one file each: parse config, call one library function)",
-            "track/ {cli, config, run, steps, report}: build → scorer → score → filters → reshard → train per subset → evaluate → report",
-            "filter/ {cli, run}: score a pool with a checkpoint → filters → subset .npy → reshard        common: --preset → --config → --set, Ray start",
+            "build_dataset · train · embed · reshard",
+            "evaluate · adapters · demo_pool · import_checkpoint",
+            "  one module each: parse the config, call one library function",
+        ],
+        [
+            "track/ {cli, config, run, steps, report, seeds}",
+            "  build → scorer → score → filters → reshard → train → evaluate → report",
+            "filter/ {cli, run}: score → filters → subset .npy → reshard",
+            "common.py: --preset → --config → flags → --set; Ray start",
         ],
         "#fde9c9",
     ),
     (
-        0.3,
-        3.45,
-        13.4,
-        2.55,
+        4.35,
+        2.95,
         "training/  — model plane (torch)",
         [
-            "config (TrainConfig, ModelConfig, presets) · model, towers · losses, pcmepp → objectives (LossSpec registry)",
-            "step (TrainState, train_step: no Ray) · loop (Ray Train worker loop) · trainer (TorchTrainer) · distributed (gathers)",
-            "encode (the one batch Encoder) · scoring (CSD / cosine columns) · inference (Ray batch inference: score, embed, eval)",
-            "eval/ {metrics, sets, run, analyses, uncertainty, bprw, calibration}      adapters/ {probvlm, asymvlm, fit, compare}",
+            "config.py (TrainConfig)",
+            "model/ {config, towers, two_tower, param_groups, checkpoint}",
+            "losses/ {registry, spec, contrastive, prolip, inclusion, pcmepp}",
+            "losses/fused/ {pairwise, per_sample}: hand-derived CPU kernels",
+            "train/ {step (no Ray), loop*, trainer*, distributed, salient_masking}",
+        ],
+        [
+            "infer/ {encode, scoring, batch_inference*}",
+            "eval/ {sets, hf_sets, metrics, results, run,",
+            "       analyses, uncertainty, bprw, calibration}",
+            "adapters/ {probvlm, asymvlm, fit, compare}",
+            "imports/ {open_clip, prolip_official, load, common}",
         ],
         "#dbe9f7",
     ),
     (
-        0.3,
-        0.3,
-        13.4,
-        2.55,
-        "pipeline/  — data plane (Ray Data stages, storage, config machinery)",
+        0.2,
+        3.55,
+        "pipeline/  — data plane (the build, storage, config machinery, ingest)",
         [
-            "storage (Storage: one filesystem object) · config (machinery + BuildConfig) · schema · manifest · tokenizer",
-            "build (Ray builder) · download, netguard, resize, urlnorm, dedupe, phash, langid · shards (writer) · reshard · subset",
-            "filters, score_filters → filtering (one registry, one spec syntax) · centroids · shard_source (the one shard reader)",
-            "datasets (Ray builders: shard reads, train ingest, counters) · ingest_train, augment, masking · demo/ (pool generator)",
+            "build.py* · config.py (BuildConfig) · schema.py",
+            "common/ {storage, config machinery, manifest, placement, hashing}",
+            "source/ {metadata, row_checks, run_state, status_table}",
+            "download/ {fetch, part, phase*, resize, netguard,",
+            "           politeness, pixel_budget}",
+            "dedup/ {decisions, phash, urlnorm}",
+        ],
+        [
+            "filters/ {base, datacomp, text_based, wordnet, language,",
+            "          centroids, scores, registry, specs, rerun_cache}",
+            "subsets/ {uid_files, eligibility, reshard}",
+            "shards/ {tar_format, writer, reader, ray_reader*}",
+            "ingest/ {transforms, augment, masking, tokenizer, dataset*}",
+            "demo/ {plan, images, render, captions, faults,",
+            "       eval_sets, pool, server, source}",
         ],
         "#e3f1de",
     ),
@@ -64,34 +83,38 @@ DATA_FLOW = (
     "metadata parquet → build → shards (tar + stats + status) + subsets (.npy) → ingest → Ray Train → checkpoint"
     " → score → filters → subset → reshard → train → evaluate → report.md"
 )
+RAY_NOTE = (
+    "Direction: jobs → training → pipeline; nothing imports jobs; no file cycles (tests/test_architecture.py).\n"
+    "Ray only in jobs and the modules marked *: pipeline.build, pipeline.download.phase, pipeline.shards.ray_reader,\n"
+    "pipeline.ingest.dataset, training.infer.batch_inference, training.train.loop, training.train.trainer"
+)
+BOX_X, BOX_W = 0.3, 14.6  # the import arrows run to the right of the boxes, clear of their text
 
 
 def draw(out_stem: Path) -> None:
-    fig, ax = plt.subplots(figsize=(14, 10))
-    ax.set_xlim(0, 14)
-    ax.set_ylim(-1.2, 8.9)
+    fig, ax = plt.subplots(figsize=(16, 12.4))
+    fig.subplots_adjust(left=0, right=1, bottom=0, top=1)
+    ax.set_xlim(0, 16)
+    ax.set_ylim(-2.0, 10.4)
     ax.axis("off")
-    for x, y, w, h, title, lines, colour in PACKAGES:
-        ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", fc=colour, ec="#333333"))
-        ax.text(x + 0.15, y + h - 0.3, title, fontsize=12.5, weight="bold", va="top")
-        for i, line in enumerate(lines):
-            ax.text(x + 0.3, y + h - 0.85 - 0.45 * i, line, fontsize=9.2, va="top", family="monospace")
-    for y0, y1, label in ((6.6, 6.0, "imports"), (3.45, 2.85, "imports")):
-        ax.add_patch(FancyArrowPatch((12.6, y0), (12.6, y1), arrowstyle="-|>", mutation_scale=22, lw=2))
-        ax.text(12.75, (y0 + y1) / 2, label, fontsize=10, va="center")
-    ax.add_patch(FancyArrowPatch((13.2, 6.6), (13.2, 2.85), arrowstyle="-|>", mutation_scale=22, lw=2))
-    ax.text(
-        7.0,
-        -0.35,
-        "Direction: jobs → training → pipeline; nothing imports jobs; no file cycles; Ray only in named modules\n"
-        "(pipeline.build, pipeline.ingest.dataset, training.infer.batch_inference, training.train.loop, training.train.trainer) and jobs — "
-        "tests/test_architecture.py",
-        fontsize=10,
-        ha="center",
-        va="top",
+    for y, h, title, left, right, colour in PACKAGES:
+        ax.add_patch(FancyBboxPatch((BOX_X, y), BOX_W, h, boxstyle="round,pad=0.05", fc=colour, ec="#333333"))
+        ax.text(BOX_X + 0.2, y + h - 0.25, title, fontsize=14, weight="bold", va="top")
+        for column, lines in ((BOX_X + 0.35, left), (BOX_X + 0.35 + BOX_W / 2, right)):
+            for i, line in enumerate(lines):
+                ax.text(column, y + h - 0.85 - 0.4 * i, line, fontsize=10.5, va="top", family="monospace")
+    (jobs_y, _, *_), (train_y, train_h, *_), (pipe_y, pipe_h, *_) = PACKAGES
+    arrows = (
+        (15.2, jobs_y, train_y + train_h, "imports"),
+        (15.2, train_y, pipe_y + pipe_h, "imports"),
+        (15.65, jobs_y, pipe_y + pipe_h, ""),
     )
-    ax.text(7.0, -1.05, "Data flow: " + DATA_FLOW, fontsize=8.6, ha="center", va="top", style="italic")
-    fig.tight_layout()
+    for x, y0, y1, label in arrows:
+        ax.add_patch(FancyArrowPatch((x, y0), (x, y1), arrowstyle="-|>", mutation_scale=22, lw=2))
+        if label:
+            ax.text(x - 0.1, (y0 + y1) / 2, label, fontsize=10, va="center", ha="right")
+    ax.text(8.0, -0.2, RAY_NOTE, fontsize=11, ha="center", va="top", linespacing=1.5)
+    ax.text(8.0, -1.45, "Data flow: " + DATA_FLOW, fontsize=10, ha="center", va="top", style="italic")
     for ext in ("png", "svg"):
         fig.savefig(out_stem.with_suffix(f".{ext}"), dpi=110)
     plt.close(fig)

@@ -3,7 +3,7 @@ their seed.
 
 A track run trains one scorer; ``--set seeds=[k]`` with its own ``--set output=…`` is one scorer seed. The
 scorer's σ² figures move more between training seeds than their eval-sample intervals say (docs/track.md,
-"Round 14"), so a claim about the scorer is a claim over seeds. This reads each run's ``track_results.json``
+"Reading the report"), so a claim about the scorer is a claim over seeds. This reads each run's ``track_results.json``
 and ``track_state.json`` (local or ``s3://``) and prints, per run and over the runs, the filter's verdicts,
 the scorer's CSD AUC and the paper's σ² observations with their intervals: mean, standard deviation, range
 and, for the signed figures, on how many runs they hold. A run that lacks a figure shows "–" and leaves it

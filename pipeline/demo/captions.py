@@ -4,7 +4,7 @@ Level 0 names nothing ("a photo of an object"), 1 the colour ("a red shape"), 2 
 ("a red circle"), 3 adds the size ("the small red circle"). Position, texture and background vary in the
 pictures but no caption names them, as most alt-text leaves the setting unsaid: when level 3 also named
 the background, a contrastive model matched those captions by background and colour and never needed the
-shape (zero-shot shapes 0.23 against 0.33 of an 800-step subset model; docs/track.md "Round 4").
+shape (zero-shot shapes 0.23 against 0.33; docs/decisions/0008-demo-captions-and-eval-sets.md).
 The non-English captions (German, French, Spanish, Italian) are real sentences with gender agreement,
 so fastText's lid.176 — the model DataComp's English filter uses — labels them non-English.
 
@@ -217,8 +217,8 @@ def paraphrases(
     """Three English descriptions of one picture for the retrieval eval set: a short level-2 wording and two
     longer level-3 ones ("the red circle", "a photo of a small red circle", "a simple photo that shows one
     small red circle"). As in natural caption sets, the description that names less is the shortest
-    (docs/track.md "Round 11"); the hierarchy set, whose levels overlap in length, is the test of
-    specificity against length."""
+    (docs/decisions/0008-demo-captions-and-eval-sets.md); the hierarchy set, whose levels overlap in
+    length, is the test of specificity against length."""
     attrs = (shape, colour, size, position, texture, background)
     return [caption("en", 2, 3, *attrs), caption("en", 3, 0, *attrs), caption("en", 3, 5, *attrs)]
 

@@ -69,7 +69,7 @@ COLOUR_TEMPLATES = (
 @dataclass(frozen=True)
 class EvalSizes:
     # Images per class in shapes/ and colours/: 800 per set, so a top-1 near 0.25 carries a binomial
-    # standard error of ±0.015 (±0.024 with the 40 per class used before; docs/track.md "Round 4").
+    # standard error of ±0.015 (±0.024 at 40 per class; docs/decisions/0008-demo-captions-and-eval-sets.md).
     per_class: int = 100
     retrieval: int = 200
     hierarchy: int = 200

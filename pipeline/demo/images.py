@@ -168,8 +168,8 @@ def map_threads(fn, jobs: list, workers: int | None = None) -> list:
 def map_processes(fn, jobs: list, workers: int | None = None, chunksize: int = 64) -> list:
     """``[fn(j) for j in jobs]`` for a module-level ``fn``, on ``workers`` spawned processes (default: one
     per core) when worth it. Rendering holds the GIL for much of a picture: on 2 cores two threads rendered
-    2,000 pictures only 1.2–1.6× as fast as one (docs/track.md "Round 22"). Spawn, not fork, because the
-    caller may be a Ray driver or serve HTTP."""
+    2,000 pictures only 1.2–1.6× as fast as one (docs/decisions/0018-demo-pool-on-processes.md). Spawn, not
+    fork, because the caller may be a Ray driver or serve HTTP."""
     workers = workers or os.cpu_count() or 1
     if workers <= 1 or len(jobs) < 4 * chunksize:
         return [fn(j) for j in jobs]

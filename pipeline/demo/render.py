@@ -5,7 +5,8 @@ colours. Captions (pipeline/demo/captions.py) name the first three; position and
 The zero-shot eval sets classify shapes and colours. Choices that matter:
 
 - Shapes are large (radius ≈ 0.19 or 0.33 of the short side) with distinct silhouettes, because the demo
-  model sees 64 px images and, as measured on the demo, learns shapes much later than colours.
+  models see 32 px images and learn shapes much later than colours
+  (docs/decisions/0002-demo-subset-model.md).
 - Every picture gets a random smooth lighting ramp and a random texture phase: the low DCT frequencies
   that the perceptual hash (pipeline/dedup/phash.py) looks at then differ between unrelated pictures, which the
   generator needs to promise "unrelated images are ≥ 12 bits apart".

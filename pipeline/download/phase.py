@@ -123,7 +123,8 @@ def _run_parts(
     """Each part's spec on a pool of ``DownloadPart`` Ray actors; yields (part, its rows) as each finishes.
 
     Plain actors rather than a Ray Data actor pool: a download part is one call, and Ray Data's executor,
-    stats and autoscaling actors cost ~9% of a build's CPU on 2 cores (docs/download.md).
+    stats and autoscaling actors and idle workers cost 14% of a build's CPU on 2 cores
+    (docs/decisions/0014-download-parts-on-plain-ray-actors.md).
     """
     import ray
 

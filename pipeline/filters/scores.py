@@ -13,7 +13,8 @@ Rules (exact counts, so subsets of different filters compare at equal size):
   round((1 − q)·n_ok) rows with the largest text uncertainty Σ_d σ²_t (the top decile for q = 0.9: the
   least informative captions, ProLIP §4.3 — short/general captions have large σ²; q = 1 drops none), and
   the round(q_low·n_ok) rows with the smallest (q_low = 0: none; the demo scorer gives non-English
-  captions its lowest σ², docs/track.md "Round 15"), ties by uid; then keep the round(fraction·n_ok)
+  captions its lowest σ², docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md), ties by uid;
+  then keep the round(fraction·n_ok)
   smallest-CSD rows among the rest — the same size as ``csd_best`` (all the rest when fewer remain).
   Needs a probabilistic checkpoint (text_unc is NaN for deterministic ones).
 - ``clip_score_best(fraction)``: the round(fraction·n_ok) rows with the largest cosine (DataComp's

@@ -18,9 +18,10 @@ matplotlib's Agg backend. The claims measured in miniature (ProLIP §4.3–4.4):
 Each claim's figure comes with ``ci95``: a 95% percentile bootstrap interval that resamples the eval set's
 images (every caption or pair of a resampled image comes along, since they share it). It is the error of
 having measured on this sample of pictures, not the spread between training seeds, which on the demo is
-larger (docs/track.md "Round 14").
+larger (docs/track.md, "Reading the report").
 
-Not a paper claim, measured here (docs/track.md "Round 13"): per class of a zero-shot set, the mean tr(Σ)
+Not a paper claim, a diagnostic of the report (docs/track.md, "Reading the report"): per class of a
+zero-shot set, the mean tr(Σ)
 of its prompts against the class's zero-shot recall. PPCL raises a caption's σ² with the negatives its
 mean cannot keep away, so a class name the model cannot tell apart from others should read more
 uncertain: Spearman(tr(Σ), recall) < 0. On the demo it explains which hierarchy pairs a scorer orders.

@@ -159,7 +159,8 @@ def encode_items(
     the encoded batches, gathered on the driver in arrival order."""
     # The read tasks only read bytes (the Encoder decodes), so they reserve a quarter CPU as the training
     # ingest's shard reads do (DataConfig.read_cpus): at Ray's default of one, an eval beside a half-CPU
-    # training on 2 CPUs had its encoder actor but no CPU left for a read task until the training ended.
+    # training on 2 CPUs would hold its encoder actor with no CPU left for a read task until the training
+    # ended (docs/decisions/0007-subset-models-two-at-a-time.md).
     ds = ray.data.from_items(items, override_num_blocks=len(items)).flat_map(reader, num_cpus=READ_CPUS)
     encoded = encode_dataset(ds, checkpoint, store, output=output, amp=amp, **pool)
     return list(encoded.iter_batches(batch_size=None, batch_format="numpy"))

@@ -161,7 +161,7 @@ class ConvStem(nn.Module):
     nothing depends on the batch) and GELU (channels doubling up to ``width``), then a 1×1 projection;
     ``(B, 3, H, W) → (B, N, width)`` in the patch projection's row-major token order. Xiao et al. 2021
     ("Early convolutions help transformers see better") replace the ViT's patchify with such a stem;
-    docs/track.md has the measurements behind the demo's use of one.
+    docs/decisions/0002-demo-subset-model.md has the measurements behind the demo's use of one.
     """
 
     def __init__(self, patch_size: int, width: int) -> None:
@@ -179,8 +179,8 @@ class ConvStem(nn.Module):
         self.layers = nn.Sequential(*layers)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        # Channels-last input: the stem's oneDNN convolutions and GroupNorm ran faster on the demo's CPU step
-        # (30–32 ms against 34–40 ms in a scratch timing; docs/track.md "Round 7"), and the (B, H, W, C)
+        # Channels-last input: the stem's oneDNN convolutions and GroupNorm run faster on the demo's CPU step
+        # (30–32 ms against 34–40 ms; docs/decisions/0002-demo-subset-model.md), and the (B, H, W, C)
         # result flattens to the token grid without a copy.
         x = self.layers(images.contiguous(memory_format=torch.channels_last))  # (B, width, H/p, W/p)
         return x.flatten(2).transpose(1, 2)  # (B, N, width)

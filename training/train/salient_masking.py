@@ -1,4 +1,4 @@
-"""Salience-driven masked captions: ``data.text_mask_mode="salient"`` (docs/track.md "Round 9").
+"""Salience-driven masked captions: ``data.text_mask_mode="salient"``, the demo scorer's masking.
 
 The masked-inclusion term L_inc(t ⊂ t_masked) (ProLIP §4.1, Eq. 6) asks a masked caption to be the more
 uncertain one. With random words removed, a masked caption mostly loses filler ("a", "photo", "of") and
@@ -16,8 +16,8 @@ For each selected caption with n content tokens (not pad, not end, not protected
 
 The median is over this worker's batch, so the choice does not depend on other workers. Cost: one
 no-grad text forward over Σ n sequences (~ the selected captions × their length): +14–15% of the ViT
-scorer's training time in the replica (docs/track.md "Round 8"), within the spread of
-``bench/train_step.py``'s ``prolip_salient`` case.
+scorer's training time in the replica, within the spread of ``bench/train_step.py``'s ``prolip_salient``
+case (docs/decisions/0004-salient-masked-captions.md).
 """
 
 from __future__ import annotations

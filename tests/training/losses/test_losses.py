@@ -252,8 +252,8 @@ def test_inclusion_hypothesis_signs():
 
 
 def test_inclusion_hypothesis_sign_is_set_by_the_variances_alone():
-    # Per dimension H(Z1 in Z2) has the sign of sigma2^2 - sigma1^2 whatever the means (docs/track.md
-    # "Round 8"): a caption far from its image includes it no less than a near one with the same variances,
+    # Per dimension H(Z1 in Z2) has the sign of sigma2^2 - sigma1^2 whatever the means (docs/fidelity.md,
+    # section 3): a caption far from its image includes it no less than a near one with the same variances,
     # so no inclusion term can ask a distant (general) caption for a larger sigma^2 than a near one.
     g = torch.Generator().manual_seed(7)
     mu1, mu2 = (torch.randn(400, 1, generator=g, dtype=F64) * 5 for _ in range(2))
