@@ -35,7 +35,7 @@ demo: $(STAMP)
 	$(BIN)/python -m jobs.track --preset demo
 
 # Three scorer seeds of the demo (seed 0 is `make demo`'s run, resumed if it finished) and one table over
-# them: the σ² figures move more between training seeds than within one eval set (docs/track.md).
+# them: the σ² figures move more between training seeds than within one eval set (docs/track.md, "Over seeds").
 demo-seeds: $(STAMP)
 	$(BIN)/python -m jobs.track --preset demo
 	for k in 1 2; do \

@@ -57,19 +57,19 @@ class TrackConfig:
     clip_fraction: OpenFraction = 0.3  # DataComp's CLIP-score top-30% baseline (``clip_score`` subset)
     # csd_uncertainty: captions above this Σσ²_t quantile go first (1 = none)
     text_unc_quantile: OpenFraction = 0.9
-    text_unc_low_quantile: Fraction = 0.0  # … and those below this one (0 = none; docs/track.md "Round 15")
+    # … and those below this one (0 = none; docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md)
+    text_unc_low_quantile: Fraction = 0.0
     random_of: str = "csd"  # the random control matches this subset's size
     seeds: Annotated[tuple[Seed, ...], Field(min_length=1)] = (0,)
     eval_tasks: str = "demo"  # a task-list name (training/eval/tasks/<name>.yaml) or a YAML path
     eval_root: str = ""  # where the task paths resolve; empty = <output>/pool/eval (the demo pool's)
     eval_max_samples: NonNegative = 0  # 0 = whole sets
     score_actors: Positive = 1
-    score_gpus: NonNegativeFloat = (
-        0.0  # per scoring actor; 0 on CPU-only clusters (a GPU ask there waits forever)
-    )
+    # per scoring actor; 0 on CPU-only clusters (a GPU ask there waits forever)
+    score_gpus: NonNegativeFloat = 0.0
     eval_gpus: NonNegativeFloat = 0.0
-    # Subset models trained at once (each with train.scaling's workers and threads). On a 2-core machine two
-    # one-thread models side by side finish ~30% sooner than two two-thread models in turn (docs/track.md).
+    # Subset models trained at once, each with train.scaling's workers and threads
+    # (docs/decisions/0007-subset-models-two-at-a-time.md).
     train_parallel: Positive = 1
     # A BPE trained by the build for every model whose config names no tokenizer (local output only)
     share_tokenizer: bool = True
@@ -119,14 +119,8 @@ class TrackConfig:
 
 
 def _demo_train(samples_seen: int, name: str) -> TrainConfig:
-    """The demo training preset for the track. Colour is half of what demo captions say, so colour jitter and
-    grayscale (label-destroying here) are off, and the sigmoid bias starts at −log(B) (docs/track.md).
-
-    Sized for a 2-core laptop: the 32-px, 2-layer ``demo-32px`` model (~4× the samples/s of ``tiny``); one
-    Train worker using every core (two half-core DDP workers ran at ~60% of its rate; the demo's subset models
-    override this with one thread each, two at a time: ``train_parallel``); and, with augmentation off, the
-    decoded rows kept in the worker after the first epoch (``data.cache_decoded``).
-    """
+    """The demo training preset for the track: ``demo-32px``, no augmentation, bias −log B, decoded rows
+    cached, one worker on every core (docs/decisions/0009-demo-training-settings.md)."""
     return merge(
         TRAIN_PRESETS["demo"],
         {
@@ -142,43 +136,23 @@ def _demo_train(samples_seen: int, name: str) -> TrainConfig:
 
 TRACK_PRESETS: dict[str, TrackConfig] = {
     "demo": TrackConfig(
-        # 8,000 rows, and the scorer sees each pair ~14 times (96,000 samples): ~23 times memorised the
-        # pool's mismatched pairs (CSD AUC 0.78–0.85; docs/track.md), and on the 4,000-row pool
-        # the 800-step subset models reached the no_filter model's colours from its 30% noise.
+        # The pool's size and each model's samples: docs/decisions/0003-demo-pool-and-budgets.md.
         build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096, "demo_n": 8000}),
-        # Sized for ~13 minutes on 2 cores (13 min 7 s in Round 22; docs/track.md "Measured"). Gradient
-        # clipping and a longer warmup: without them one of two otherwise identical runs spiked at the LR
-        # peak and never left the sigmoid plateau. The σ heads at 10× the LR (a demo-only deviation,
-        # docs/track.md): at the base LR ~300 steps leave log σ² at its initialisation.
+        # The scorer: docs/decisions/0001-demo-scorer-model.md; its σ heads at 10× the LR:
+        # docs/decisions/0005-sigma-head-lr-multiplier.md; its masked captions:
+        # docs/decisions/0004-salient-masked-captions.md.
         scorer=merge(
-            # 1,500 steps rather than the subset models' 1,200: on the track's own scorers of seeds 0–2
-            # the extra 25% lifted the hierarchy levels ordered from 78.8/88.5/74.7% to 80.3/93.2/85.5%
-            # for ~40 s more (docs/track.md "Round 19").
             _demo_train(96_000, "scorer"),
             {
-                # The CNN image tower with a [UNC] token, at the subset models' batch of 64: the ViT scorer
-                # never saw shapes, so nothing could make "a red circle" more specific to it than "a red
-                # shape" (docs/track.md "Round 9").
                 "model": "demo-32px-cnn-unc",
                 "global_batch_size": 64,
-                # LR 2e-4 rather than 5e-4: in the replica the slower scorer memorised fewer of the pool's
-                # mismatched pairs (CSD AUC 0.917–0.926 against 0.875–0.891 over three seeds) and ordered the
-                # hierarchy levels as well or better (docs/track.md "Round 10").
                 "optim": {"lr": 2e-4, "grad_clip": 1.0, "warmup_steps": 80, "unc_lr_mult": 10.0},
                 "loss": {"reduction": "joint", "init_bias": -math.log(64)},
-                # Masked captions lose words (a shorter caption) rather than carry [MASK] ("Round 4"), up to
-                # half of them ("Round 5"), and the model chooses which: the words whose removal moves the
-                # caption's mean most, so a masked caption says less rather than only fewer words ("Round 9").
                 "data": {"text_mask_mode": "salient", "text_mask_ratio": 0.5},
             },
         ),
-        # DataComp's protocol: one fixed CLIP recipe per subset, so only the data differs between rows. A
-        # batch of 64 gives a tiny model twice the updates for the same samples seen. The image tower is the
-        # small CNN (``demo-32px-cnn``) and each model sees 76,800 samples (1,200 steps): the ViT stayed at
-        # chance on shapes at any budget tried, the CNN needs ~800 steps (docs/track.md "Round 4"), and 1,200
-        # at LR 3e-4 lifted the csd models' shapes from 0.21 to 0.26–0.32 on three seeds, in the time 800 took
-        # with two text layers ("Round 7"). At 5e-4 the extra epochs also learn more of a subset's wrong
-        # captions (seed 1: shapes 0.244, colours 0.81 against 0.293 and 0.83).
+        # DataComp's protocol: one fixed CLIP recipe for every subset, so only the data differs between rows
+        # (docs/decisions/0002-demo-subset-model.md).
         train=merge(
             _demo_train(76_800, "subset"),
             {
@@ -186,16 +160,11 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
                 "loss": {"name": "clip"},
                 "global_batch_size": 64,
                 "optim": {"warmup_steps": 10, "lr": 3e-4},
-                # Two at a time with one thread each (train_parallel below): a one-thread model also gives
-                # the same numbers on any number of cores, where "every core" changes them with the machine.
+                # One thread each, two at a time (train_parallel): the same numbers on any number of cores.
                 "scaling": {"cpus_per_worker": 0.5, "torch_threads": 1},
             },
         ),
-        # No ``basic`` model: on the demo pool basic keeps 89% of the downloaded rows (its language and size
-        # rules do not see mismatched captions, the pool's bad rows), so its model repeats no_filter's
-        # (0.005–0.016 below it on the average, seeds 0–2 of Round 19), and as the fifth model, trained
-        # alone, it cost ~2.5 of the 15 minutes (docs/track.md "Round 22"). The build still writes
-        # ``subsets/basic.npy``; ``--set subsets=[no_filter,basic,csd,csd_uncertainty,random]`` trains it too.
+        # No ``basic`` model (docs/decisions/0006-no-basic-model-in-demo.md); the build still writes its subset.
         subsets=("no_filter", "csd", "csd_uncertainty", "random"),
         train_parallel=2,
     ),

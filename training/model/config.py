@@ -144,11 +144,9 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
 MODEL_CONFIGS["demo-32px"] = dataclasses.replace(
     MODEL_CONFIGS["tiny"], image_size=32, vision_layers=2, text_layers=2
 )
-# ``demo-32px`` with a small CNN for the image tower (the convolutional stem, mean-pooled, no transformer
-# layer) and one text layer: with shape labels the CNN fits the demo pictures' shapes in 200 steps where the
-# ViT cannot, and it is the demo track's subset model (docs/track.md "Round 4"). The second text layer cost
-# ~40% of a step and bought no shape accuracy, so its time went into 1.5x the steps ("Round 7").
-# CLIP/SigLIP only: no [UNC] token.
+# The demo track's subset model: ``demo-32px`` with a small CNN image tower (the convolutional stem,
+# mean-pooled, no transformer layer) and one text layer; CLIP/SigLIP only, no [UNC] token
+# (docs/decisions/0002-demo-subset-model.md).
 MODEL_CONFIGS["demo-32px-cnn"] = dataclasses.replace(
     MODEL_CONFIGS["demo-32px"],
     vision_stem="conv",
@@ -158,11 +156,8 @@ MODEL_CONFIGS["demo-32px-cnn"] = dataclasses.replace(
     probabilistic=False,
 )
 
-# The demo track's scorer (docs/track.md "Round 9"): ``demo-32px`` with the convolutional stem, mean-pooled,
-# and one transformer layer so that the [UNC] token attends to the picture (a stem alone leaves UNC blind).
-# The ViT scorer stayed at chance on shapes (0.105–0.134), so "circle" said no more to it than "shape" and
-# no σ² could order those captions; this one reaches 0.14–0.19 at the same budget. It keeps demo-32px's two
-# text layers: with one, σ² read length more than content in a track run (levels ordered 59%).
+# The demo track's scorer: ``demo-32px`` with the convolutional stem, mean-pooled, and one transformer layer so
+# that the [UNC] token attends to the picture (docs/decisions/0001-demo-scorer-model.md).
 MODEL_CONFIGS["demo-32px-cnn-unc"] = dataclasses.replace(
     MODEL_CONFIGS["demo-32px"], vision_stem="conv", vision_pool="mean", vision_layers=1
 )
