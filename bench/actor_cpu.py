@@ -97,10 +97,11 @@ def child(case: str, meta: str, lo: int, hi: int, threads: int, overrides: dict,
 
 def _case(case: str, cfg, rows, urls: list[str], threads: int, tmp: str):
     """A callable ``run(warm)``: the warm call does a few rows so lazy imports and first connections are paid."""
-    from pipeline.download.fetch import DownloadWorker, fetch
+    from pipeline.download.fetch import fetch
     from pipeline.download.netguard import UrlGuard
     from pipeline.download.part import DownloadPart
     from pipeline.download.resize import process_image
+    from pipeline.download.worker import DownloadWorker
 
     warm_n = 8
     if case == "ceiling":

@@ -111,7 +111,7 @@ def _worker(port: int, paths: list[str], threads: int, budget: int, out: mp.Queu
     import pyarrow as pa
 
     from pipeline.config import DownloadConfig
-    from pipeline.download.fetch import DownloadWorker
+    from pipeline.download.worker import DownloadWorker
 
     kw = {"allow_hosts": ["127.0.0.1"], "threads_per_actor": threads, "verify_sha256": False}
     if budget and "decode_pixel_budget" in DownloadConfig.__dataclass_fields__:
@@ -129,7 +129,7 @@ def _worker(port: int, paths: list[str], threads: int, budget: int, out: mp.Queu
     secs = time.perf_counter() - t0
     peak = _hwm()
     try:
-        from pipeline.download.fetch import memory_bound
+        from pipeline.download.worker import memory_bound
 
         bound = memory_bound(cfg)
     except ImportError:

@@ -3,7 +3,7 @@
 Drives ``training.train.step.setup_state`` / ``train_step`` on the run's shards (decoded once, kept in memory and
 reshuffled every epoch like ``data.cache_decoded``; masked variants as the training loop makes them), with
 the track's ``demo`` scorer preset plus any ``--set key=value``, then measures what the report's
-uncertainty section measures (training/eval/uncertainty.py) on the run's eval sets: Σσ² text vs image and
+uncertainty section measures (training/eval/uncertainty/measures.py) on the run's eval sets: Σσ² text vs image and
 image ⊂ own caption (retrieval set), Spearman(caption words, Σσ²_t) (retrieval and hierarchy captions),
 adjacent hierarchy levels ordered; also colour and shape zero-shot accuracy, ROC AUC on the pool's ground truth
 (CSD for mismatched captions, Σσ²_t for non-English and level-0 captions), and PPCL's push on each caption's
@@ -39,8 +39,8 @@ from pipeline.common.config import merge, parse_set  # noqa: E402
 from pipeline.ingest.tokenizer import TextTokenizer  # noqa: E402
 from pipeline.ingest.transforms import DecodeAugment, TrainCollate  # noqa: E402
 from pipeline.shards.reader import iter_shard  # noqa: E402
-from training.eval import uncertainty as U  # noqa: E402
 from training.eval.metrics import gaussian_mean, score_matrix  # noqa: E402
+from training.eval.uncertainty import measures as U  # noqa: E402
 from training.infer.encode import Encoder  # noqa: E402
 from training.model.checkpoint import save_checkpoint  # noqa: E402
 from training.train.loop import _masker  # noqa: E402

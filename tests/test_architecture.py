@@ -8,13 +8,22 @@ local imports included, which is where an upward import would hide), so nothing 
 - ``jobs`` (entry points and multi-step workflows) imports anything, but a job package imports only its own
   package, ``jobs.common`` and the libraries — never another job; nothing outside ``jobs`` imports ``jobs``;
 - no cycle between files;
-- ``ray`` is imported only by the modules in ``RAY_MODULES`` and by ``jobs``.
+- inside a package, each concern's folder imports only what ``LAYER_RULES`` lets it (the shared layer
+  ``pipeline.common`` imports nothing else of the project; filters and dedup never reach download, shards
+  or ingest; the model never imports the losses);
+- ``ray`` is imported only by the modules in ``RAY_MODULES`` and by ``jobs``;
+- size: no function over ``MAX_FUNCTION_LINES``, no module over ``MAX_MODULE_LINES``, no folder holding
+  more than ``MAX_FOLDER_MODULES`` modules; ``__all__`` only in an ``__init__.py``.
+
+Every violation is reported with the rule it breaks.
 """
 
 from __future__ import annotations
 
 import ast
 import textwrap
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +33,30 @@ PACKAGES = ("pipeline", "training", "jobs")
 
 # Which top-level packages each package may import (besides itself).
 ALLOWED = {"pipeline": {"pipeline"}, "training": {"training", "pipeline"}, "jobs": set(PACKAGES)}
+
+# (folder, rule, which project modules it may import besides itself). A rule names what it forbids.
+_DATA_STAGES = ("pipeline.download", "pipeline.shards", "pipeline.ingest")
+_ABOVE_MODEL = ("training.losses", "training.train", "training.infer", "training.eval", "training.config")
+LAYER_RULES: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
+    ("pipeline.common", "the shared layer imports nothing else of the project",
+     lambda dep: dep.startswith("pipeline.common")),
+    ("pipeline.filters", "filters never import download, shards or ingest",
+     lambda dep: not dep.startswith(_DATA_STAGES)),
+    ("pipeline.dedup", "dedup never imports download, shards or ingest",
+     lambda dep: not dep.startswith(_DATA_STAGES)),
+    ("pipeline.source", "the row source never imports download, shards or ingest",
+     lambda dep: not dep.startswith(_DATA_STAGES)),
+    ("pipeline.shards", "shards never import download, filters, subsets, source or ingest",
+     lambda dep: not dep.startswith((*_DATA_STAGES[:1], "pipeline.filters", "pipeline.subsets",
+                                     "pipeline.source", "pipeline.ingest"))),
+    ("training.model", "the model never imports the losses, training, inference or evaluation",
+     lambda dep: not dep.startswith(_ABOVE_MODEL)),
+    ("training.losses", "the losses import no other part of training (pure tensor functions)",
+     lambda dep: not dep.startswith("training.") or dep.startswith("training.losses")),
+)  # fmt: skip
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 400
+MAX_FOLDER_MODULES = 10
 
 # Library modules allowed to import Ray: the builders of Ray datasets (the build and its download phase;
 # the shard reads, training ingest and its counters actor), the Ray Train loop and trainer, and the one
@@ -136,12 +169,59 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        for folder, rule, allowed in LAYER_RULES:
+            if mod == folder or mod.startswith(folder + "."):
+                bad += [f"{mod} imports {dep} ({rule})" for dep in sorted(deps) if not allowed(dep)]
+    return bad
+
+
+def _sources(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))}
+
+
+def size_violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for mod, path in _sources(root).items():
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > MAX_MODULE_LINES:
+            bad.append(f"{mod}: {lines} lines (no module over {MAX_MODULE_LINES} lines)")
+        tree = ast.parse(text)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    bad.append(f"{mod}.{node.name}: {n} lines (no function over {MAX_FUNCTION_LINES} lines)")
+        if path.name != "__init__.py" and any(
+            isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+            for node in tree.body
+        ):
+            bad.append(f"{mod}: defines __all__ (__all__ only in an __init__.py: no re-export facades)")
+    folders = Counter(p.parent for p in _sources(root).values() if p.name != "__init__.py")
+    for folder, n in sorted(folders.items()):
+        if n > MAX_FOLDER_MODULES:
+            rel = folder.relative_to(root)
+            bad.append(f"{rel}/: {n} modules (no folder over {MAX_FOLDER_MODULES} modules)")
+    return bad
+
+
 def test_import_direction() -> None:
     assert direction_violations(project_graph()) == []
 
 
 def test_no_file_cycles() -> None:
     assert cycles(project_graph()) == []
+
+
+def test_each_concern_imports_only_what_its_rule_allows() -> None:
+    assert layer_violations(project_graph()) == []
+
+
+def test_sizes_and_no_reexport_facades() -> None:
+    assert size_violations() == []
 
 
 def test_ray_only_in_named_modules() -> None:
@@ -197,3 +277,36 @@ def test_cycles_and_ray_are_caught(tmp_path: Path) -> None:
     )
     assert cycles(project_graph(root)) == [["training.a", "training.b"]]
     assert ray_importers(root) == {"pipeline.c"}
+
+
+@pytest.mark.parametrize(
+    "files, rule",
+    [
+        ({"pipeline/common/__init__.py": "", "pipeline/common/a.py": "from pipeline.schema import X\n",
+          "pipeline/schema.py": ""}, "the shared layer imports nothing else"),
+        ({"pipeline/filters/__init__.py": "", "pipeline/download/__init__.py": "",
+          "pipeline/filters/a.py": "def f():\n    from pipeline.download import fetch\n",
+          "pipeline/download/fetch.py": ""}, "filters never import download"),
+        ({"training/model/__init__.py": "", "training/losses/__init__.py": "",
+          "training/model/a.py": "from training.losses import registry\n",
+          "training/losses/registry.py": ""}, "the model never imports the losses"),
+    ],
+)  # fmt: skip
+def test_layer_rules_are_caught(tmp_path: Path, files: dict[str, str], rule: str) -> None:
+    bad = layer_violations(project_graph(_tree(tmp_path, files)))
+    assert bad and all(rule in b for b in bad), bad
+
+
+def test_size_rules_are_caught(tmp_path: Path) -> None:
+    long_function = "def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES
+    files = {
+        "pipeline/a.py": long_function,
+        "pipeline/b.py": "x = 1\n" * (MAX_MODULE_LINES + 1),
+        "pipeline/c.py": "__all__ = ['x']\nx = 1\n",
+        **{f"training/many/m{i}.py": "" for i in range(MAX_FOLDER_MODULES + 1)},
+    }
+    bad = size_violations(_tree(tmp_path, files))
+    assert any("pipeline.a.f: 81 lines (no function over 80" in b for b in bad), bad
+    assert any("pipeline.b: 401 lines (no module over 400" in b for b in bad), bad
+    assert any("pipeline.c: defines __all__" in b for b in bad), bad
+    assert any("training/many/: 11 modules (no folder over 10" in b for b in bad), bad

@@ -34,13 +34,8 @@ from pipeline.common.config import (
     names_from_text,
 )
 from pipeline.common.storage import Storage
-from pipeline.filters.specs import (
-    FilterSpec,
-    parse_filter_specs,
-    required_columns,
-    reshard_subsets,
-    run_filters,
-)
+from pipeline.filters.specs import FilterSpec, parse_filter_specs, required_columns, run_filters
+from pipeline.subsets.materialize import reshard_subsets
 from pipeline.subsets.uid_files import write_subsets
 from training.infer.batch_inference import score_shards
 from training.infer.scoring import SCORE_COLUMNS, ScoreResult, verify_checkpoint

@@ -136,7 +136,7 @@ def make_subsets(
 
 def reshard_subsets(cfg: TrackConfig, subsets: dict[str, Any], log: Log) -> dict[str, Any]:
     """Each subset materialised by the same library call the filter job makes."""
-    from pipeline.filters.specs import reshard_subsets as reshard_all
+    from pipeline.subsets.materialize import reshard_subsets as reshard_all
 
     p = paths(cfg)
     store = Storage.from_env(cfg.s3_endpoint)

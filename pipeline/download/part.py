@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from pipeline import schema as S
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import BuildConfig, DownloadConfig
-from pipeline.download.fetch import DownloadWorker
+from pipeline.download.worker import DownloadWorker
 from pipeline.shards.reader import iter_shard
 from pipeline.shards.writer import ShardWriter, sample_members
 from pipeline.source.metadata import read_rows

@@ -4,7 +4,7 @@ metadata), the filter job and the track (score filters over ``scores.parquet``) 
 
 Every filter returns ``pipeline.filters.datacomp.FilterResult`` (a bool keep mask and a reason per row, "" where
 kept); the decision (a DataComp uid subset, ``pipeline.subsets.uid_files.write_subsets``) stays apart from
-materialising it (``reshard_subsets``).
+materialising it (``pipeline.subsets.materialize.reshard_subsets``).
 
 Spec syntax (one string per subset)::
 
@@ -51,7 +51,6 @@ from pipeline.filters.registry import (
     Filter,
     config_params,
 )
-from pipeline.subsets.reshard import ReshardResult, reshard
 
 # --- spec strings -------------------------------------------------------------------------------------
 
@@ -257,29 +256,3 @@ def apply(spec: str, table: pa.Table | Mapping[str, Any], **kwargs: Any) -> Filt
 
 
 # --- materialising the decision (the subset files: ``pipeline.subsets.uid_files.write_subsets``) ----------------------
-
-
-def reshard_subsets(
-    store: Storage,
-    shards: str | Sequence[str],
-    subsets: Mapping[str, str],
-    outputs: Mapping[str, str],
-    samples_per_shard: int,
-    workers: int = 1,
-) -> dict[str, ReshardResult]:
-    """Materialise each subset ``.npy`` (``subsets[label]``) from ``shards`` into ``outputs[label]``.
-    Overwrites earlier output; a damaged input shard keeps the samples before the damage and is listed in
-    the result (``corrupt_inputs``) instead of stopping every subset."""
-    return {
-        label: reshard(
-            shards,
-            path,
-            outputs[label],
-            samples_per_shard=samples_per_shard,
-            store=store,
-            workers=workers,
-            overwrite=True,
-            skip_corrupt=True,
-        )
-        for label, path in subsets.items()
-    }

@@ -14,7 +14,7 @@ from jobs.evaluate import main
 from pipeline.shards.reader import iter_shard
 from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures.demo_pool import demo_pool  # noqa: F401
-from training.eval.uncertainty import NOT_APPLICABLE
+from training.eval.uncertainty.measures import NOT_APPLICABLE
 
 
 def test_corrupt_checkpoint_exits_2_naming_file(tmp_path, tiny_checkpoint, capsys):

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from jobs.track.config import TRACK_PRESETS, TrackConfig
-from jobs.track.report import comparison_table, markdown_table, verdict
+from jobs.track.report import markdown_table
+from jobs.track.results import comparison_table, verdict
 from pipeline.common.config import ConfigError, merge, resolve
 
 
@@ -205,7 +206,7 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
 
 
 def test_auroc_matches_hand_counts():
-    from jobs.track.report import _auroc
+    from jobs.track.results import _auroc
 
     # positives 0.9, 0.4; negatives 0.5, 0.1, 0.4 → pairs won: 0.9 beats 3, 0.4 beats 1 and ties 1 → 4.5/6
     assert _auroc([0.9, 0.4, 0.5, 0.1, 0.4], [True, True, False, False, False]) == pytest.approx(4.5 / 6)
@@ -215,7 +216,7 @@ def test_noise_detection_groups_uninformative_and_non_english_captions(tmp_path)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from jobs.track.report import noise_detection
+    from jobs.track.results import noise_detection
     from pipeline.common.storage import LOCAL
 
     (tmp_path / "pool").mkdir()
@@ -265,7 +266,7 @@ def test_track_subsets_are_filter_specs_with_the_library_random_control():
 
 def test_claims_table_skips_a_scorer_without_sigma2():
     from jobs.track.report import _claim_lines
-    from training.eval.uncertainty import NOT_APPLICABLE
+    from training.eval.uncertainty.measures import NOT_APPLICABLE
 
     assert _claim_lines({"sigma2_modality": NOT_APPLICABLE, "hierarchy_order": NOT_APPLICABLE}) == []
     only = _claim_lines({"hierarchy_order": {"ordered_fraction": 0.5, "ordered_fraction_ci95": [0.4, 0.6]}})

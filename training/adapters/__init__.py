@@ -2,5 +2,5 @@
 
 ``probvlm`` and ``asymvlm`` hold the models and losses (pure torch), ``fit`` the CPU training loops on
 cached embeddings, ``compare`` the per-method calibration table. The shared metrics are in
-``training/eval/calibration.py``.
+``training/eval/uncertainty/calibration.py``.
 """

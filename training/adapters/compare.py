@@ -1,7 +1,7 @@
 """One calibration table for every way of getting an uncertainty, on one set of image–caption pairs.
 
 A *method* is a retrieval rule plus a scalar uncertainty per query. Each method is reduced to
-``Method(image_u, text_u, correct_i2t, correct_t2i)`` and the shared metrics of ``training/eval/calibration.py``
+``Method(image_u, text_u, correct_i2t, correct_t2i)`` and the shared metrics of ``training/eval/uncertainty/calibration.py``
 are computed per direction, binning the queries by their own uncertainty (image queries for i2t, caption
 queries for t2i) — except AsymVLM, whose images have no uncertainty: its i2t bins use the uncertainty of
 the top-1 retrieved caption (AsymVLM §5; docs/math.md).
@@ -30,7 +30,7 @@ import torch
 
 from training.adapters.asymvlm import AsymVLM, loglik_matrix, text_distributions
 from training.adapters.probvlm import ProbVLM, head_uncertainty
-from training.eval.calibration import N_LEVELS, calibration_summary
+from training.eval.uncertainty.calibration import N_LEVELS, calibration_summary
 
 
 @dataclass(frozen=True)

@@ -352,7 +352,7 @@ def evaluate(
     ``CheckpointError`` / ``EvalSetError`` name the offending file. ``init`` (e.g. ``jobs.common.init_ray``)
     runs after those checks, so a bad input fails before a cluster is started or joined.
     """
-    from training.eval.analyses import run_analyses
+    from training.eval.uncertainty.analyses import run_analyses
 
     encoder = Encoder(checkpoint, store)  # validates the checkpoint; also serves the analyses
     task_list = eval_sets.load_tasks(tasks) if isinstance(tasks, str) else list(tasks)

@@ -41,15 +41,8 @@ from pipeline.ingest.dataset import RayTrainCollate, publish_progress, read_coun
 from pipeline.ingest.masking import drop_masked_tokens
 from pipeline.ingest.transforms import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
 from training.config import from_plain
-from training.train.step import (
-    TrainState,
-    Window,
-    restore_with_fallback,
-    save_state,
-    setup_state,
-    train_step,
-    window_metrics,
-)
+from training.train.checkpointing import restore_with_fallback, save_state
+from training.train.step import TrainState, Window, setup_state, train_step, window_metrics
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,9 @@ import pytest
 from PIL import Image
 
 from pipeline.config import DownloadConfig
-from pipeline.download.fetch import OUTPUT_SCHEMA, DownloadWorker, fetch, is_opted_out
+from pipeline.download.fetch import fetch, is_opted_out
 from pipeline.download.netguard import UrlGuard
+from pipeline.download.worker import OUTPUT_SCHEMA, DownloadWorker
 from tests.fixtures.http_server import Route, canary_listener, http_server, https_server, was_contacted  # noqa: F401
 
 GUARD = UrlGuard(["127.0.0.1"])

@@ -17,9 +17,10 @@ from PIL import Image
 
 from pipeline.common.config import ConfigError
 from pipeline.config import DownloadConfig
-from pipeline.download.fetch import DownloadWorker, fetch, memory_bound, part_deadline_s
+from pipeline.download.fetch import fetch
 from pipeline.download.netguard import UrlGuard
 from pipeline.download.politeness import HostSlots, parse_retry_after, retry_wait
+from pipeline.download.worker import DownloadWorker, memory_bound, part_deadline_s
 from tests.fixtures.http_server import Route, http_server  # noqa: F401
 
 GUARD = UrlGuard(["127.0.0.1"])

@@ -8,7 +8,12 @@ from scipy.optimize import minimize
 from scipy.special import log_softmax
 from scipy.stats import multivariate_normal
 
-from training.eval.bprw import bprw_weights, component_log_density, log_posterior, reweighted_class
+from training.eval.uncertainty.bprw import (
+    bprw_weights,
+    component_log_density,
+    log_posterior,
+    reweighted_class,
+)
 
 
 def _toy(seed: int = 0):

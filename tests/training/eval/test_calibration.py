@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from training.eval.calibration import (
+from training.eval.uncertainty.calibration import (
     calibration_summary,
     r_squared,
     recall_at_1_per_level,

@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from training.eval import uncertainty as U
+from training.eval.uncertainty import measures as U
+from training.eval.uncertainty.plots import plot_all
 
 
 def test_hierarchy_order_fraction():
@@ -64,7 +65,7 @@ def test_level_only_spearman_is_a_property_of_the_captions():
 def test_length_analysis_reports_each_task_and_both_together():
     from types import SimpleNamespace
 
-    from training.eval.analyses import _length_analysis
+    from training.eval.uncertainty.analyses import _length_analysis
 
     def task(name, caps, traces):
         lv = np.log(np.asarray(traces, np.float64))[:, None]
@@ -172,7 +173,7 @@ def test_plots_written(tmp_path):
         "class_uncertainty": {"shapes": classes},
     }
     arrays = {"image_trace": np.array([1.0, 2.0]), "text_trace": np.array([3.0, 4.0])}
-    paths = U.plot_all(analyses, arrays, str(tmp_path))
+    paths = plot_all(analyses, arrays, str(tmp_path))
     names = ["bprw.png", "class_uncertainty.png", "sigma2_modality.png"]
     assert sorted(p.rsplit("/", 1)[1] for p in paths) == names
     assert all((tmp_path / p.rsplit("/", 1)[1]).stat().st_size > 1000 for p in paths)
@@ -188,7 +189,7 @@ def test_original_in_masked_masks_as_the_checkpoint_trained(tmp_path, mode):
     from pipeline.ingest.tokenizer import train_tokenizer
     from tests.fixtures.checkpoints import DEMO_CAPTIONS
     from tests.fixtures.train_shards import demo_samples
-    from training.eval.analyses import masked_inclusion
+    from training.eval.uncertainty.analyses import masked_inclusion
     from training.infer.encode import Encoder
     from training.model.checkpoint import save_checkpoint
     from training.model.config import model_config

@@ -15,8 +15,9 @@ from pipeline.ingest.tokenizer import train_tokenizer
 from tests.fixtures.checkpoints import DEMO_CAPTIONS
 from training.config import TRAIN_PRESETS
 from training.model.checkpoint import CheckpointError
+from training.train.checkpointing import restore_with_fallback, save_state
 from training.train.loop import checkpoint_candidates
-from training.train.step import restore_with_fallback, save_state, setup_state
+from training.train.step import setup_state
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Runs the uncertainty analyses of ``training/eval/uncertainty.py`` on gathered eval embeddings.
+"""Runs the uncertainty analyses of ``training/eval/uncertainty/measures.py`` on gathered eval embeddings.
 
 Which set serves which analysis: σ² per modality and image ⊂ own caption on the first retrieval task;
 σ² vs caption length on every retrieval and hierarchy caption; level ordering and traversal on the first
@@ -20,9 +20,11 @@ import torch
 
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.ingest.masking import choose_kept_patches, drop_masked_tokens, mask_text_tokens
-from training.eval import hf_sets, uncertainty
+from training.eval import hf_sets
 from training.eval import sets as eval_sets
 from training.eval.metrics import zero_shot_scores
+from training.eval.uncertainty import measures as uncertainty
+from training.eval.uncertainty.plots import plot_all
 from training.infer.encode import Encoder
 
 MASKED_SAMPLES = 128
@@ -232,4 +234,4 @@ def run_analyses(
     found["class_uncertainty"] = (
         _class_analysis(classification) if classification else _MISSING.format("classification")
     )
-    return found, uncertainty.plot_all(found, arrays, plot_dir)
+    return found, plot_all(found, arrays, plot_dir)
