@@ -43,8 +43,10 @@ demo-seeds: $(STAMP)
 	done
 	$(BIN)/python -m jobs.track.seeds runs/demo runs/demo-seed1 runs/demo-seed2 --out runs/seeds.md
 
-test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -ra
+# Lint first, then every test; PROLIP_STRICT_SKIPS=1 turns a skip on a missing optional dependency into a
+# failure (only the GPU tests may skip here).
+test: lint
+	PROLIP_STRICT_SKIPS=1 $(BIN)/python -m pytest -q -ra
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not ray and not slow"

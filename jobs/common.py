@@ -13,7 +13,9 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from pipeline.common.config import ConfigError, field_type, resolve
+import yaml
+
+from pipeline.common.config import ConfigError, field_type, resolve, to_dict
 from pipeline.common.storage import redact_text
 
 T = TypeVar("T")
@@ -42,6 +44,11 @@ def parse_job_config(
     parser.add_argument(
         "--set", dest="sets", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. a.b=1"
     )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config as YAML (a --config file) and exit",
+    )
     cls = type(next(iter(presets.values())))
     dests: dict[str, tuple[str, Any]] = {}
     for flag, target in (flags or {}).items():
@@ -50,20 +57,28 @@ def parse_job_config(
         dests[dest] = (key, const)
         _add_flag(parser, flag, dest, key, const, field_type(cls, key))
     args = parser.parse_args(argv)
-    given = {key: (getattr(args, d) if const is _NO_CONST else const) for d, (key, const) in dests.items()}
-    given = {key: value for key, value in given.items() if value is not None}
+    given = {}
+    for dest, (key, const) in dests.items():
+        value = getattr(args, dest)
+        if const is not _NO_CONST:
+            value = const if value else None
+        if value is not None:
+            given[key] = value
     try:
         cfg = resolve(presets, args.preset, args.config, args.sets, given)
-        missing = [key for key in required if not _value(cfg, key)]
+        missing = [] if args.print_config else [key for key in required if not _value(cfg, key)]
         if missing:
             how = ", ".join(
                 next((f for f, t in (flags or {}).items() if t == key), f"--set {key}=…") for key in missing
             )
             raise ConfigError(f"{', '.join(missing)} required (give {how})")
-        return cfg
     except ConfigError as exc:
         print(f"config error: {redact_text(str(exc))}", file=sys.stderr)
         raise SystemExit(2) from exc
+    if args.print_config:
+        print(redact_text(yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)), end="")
+        raise SystemExit(0)
+    return cfg
 
 
 _NO_CONST = object()

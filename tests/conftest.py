@@ -13,6 +13,21 @@ from tests.fixtures.local_ray import ray_local  # noqa: E402,F401
 from tests.fixtures.s3_server import s3_server  # noqa: E402,F401
 
 
+# Set by `make test` (and so by CI): a test skipped for a missing optional dependency or tool fails instead,
+# so a broken install cannot pass as skips. Only the GPU tests may skip (no CUDA here).
+STRICT_SKIPS = os.environ.get("PROLIP_STRICT_SKIPS") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT_SKIPS and report.skipped and "gpu" not in item.keywords and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under PROLIP_STRICT_SKIPS=1 (make test): {reason}"
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import yaml
+
+from pipeline.common.config import nested
 
 JOBS = (
     "build_dataset", "train", "embed", "reshard", "demo_pool", "evaluate", "adapters", "filter", "track",
@@ -70,3 +73,55 @@ def test_unreadable_or_malformed_config_is_one_line_naming_the_file(job, tmp_pat
         assert _run(main, argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and all(w in err[0] for w in words), (argv, err)
+
+
+# One flag per job and the config key it is shorthand for.
+FLAG_KEYS = {
+    "build_dataset": ("--output", "output"),
+    "train": ("--shards", "data.shards"),
+    "embed": ("--out", "out"),
+    "reshard": ("--out", "out"),
+    "demo_pool": ("--out", "out"),
+    "evaluate": ("--out", "out"),
+    "adapters": ("--out", "out"),
+    "filter": ("--out", "out"),
+    "track": ("--output", "output"),
+    "import_checkpoint": ("--out", "out"),
+}
+
+
+def _resolved(job, argv, capsys):
+    assert _run(_main(job), [*argv, "--print-config"]) == 0
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def _get(tree, key):
+    for part in key.split("."):
+        tree = tree[part]
+    return tree
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_preset_then_config_then_flags_then_set(job, tmp_path, capsys):
+    """Each layer overrides the one before it: preset → --config → the job's flag → --set."""
+    flag, key = FLAG_KEYS[job]
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(nested(key, "from-config")))
+    preset = _resolved(job, [], capsys)
+    assert _get(preset, key) != "from-config"
+    assert _get(_resolved(job, ["--config", str(config)], capsys), key) == "from-config"
+    assert _get(_resolved(job, ["--config", str(config), flag, "from-flag"], capsys), key) == "from-flag"
+    final = _resolved(job, ["--config", str(config), flag, "from-flag", "--set", f"{key}=from-set"], capsys)
+    assert _get(final, key) == "from-set"
+    # the same order whatever the order on the command line
+    swapped = _resolved(job, ["--set", f"{key}=from-set", flag, "from-flag", "--config", str(config)], capsys)
+    assert swapped == final
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_print_config_round_trips_as_a_config_file(job, tmp_path, capsys):
+    flag, key = FLAG_KEYS[job]
+    first = _resolved(job, [flag, "somewhere", "--set", f"{key}=elsewhere"], capsys)
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(yaml.safe_dump(first))
+    assert _resolved(job, ["--config", str(saved)], capsys) == first
