@@ -5,7 +5,7 @@ baselines use `mu` alone. Equation numbers refer to ProLIP (Chun et al., ICLR 20
 Eq. 1 CSD, Eq. 2 / A.4 PPCL, Eq. 3 / A.5 inclusion measure, Eq. 4 inclusion hypothesis, Eq. 5 inclusion
 loss, Eq. A.2 VIB, Eq. 6 full objective. SigLIP is Zhai et al. (2023), CLIP InfoNCE Radford et al. (2021).
 The per-sample terms (inclusion, VIB) live in `training/losses/inclusion.py`, PPCL's loss and the full objective
-in `training/losses/prolip.py`, all re-exported here; the fused forward/backward kernels in
+in `training/losses/prolip.py`; the fused forward/backward kernels in
 `training/losses/fused/pairwise.py` and `training/losses/fused/per_sample.py`. PCME++ lives in `training/losses/pcmepp.py`;
 `training/losses/registry.py` is the registry of both modules' losses. Slips in the papers are resolved as in
 docs/math.md and docs/fidelity.md.
@@ -37,9 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training.losses.fused.pairwise import full_precision, pair_sigmoid_loss
-from training.losses.inclusion import (
-    REDUCTIONS,
-)
+from training.losses.inclusion import REDUCTIONS
 from training.losses.prolip import prolip_objective
 from training.losses.spec import LossSpec
 
