@@ -44,7 +44,7 @@ from pipeline.common.config import (
     require,
     to_dict,
 )
-from training.losses.registry import LOSS_SPECS
+from training.losses.names import LOSS_NAMES
 from training.model.config import MODEL_CONFIGS
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -123,7 +123,7 @@ class DataConfig:
 @config_class
 class LossConfig:
     """Objective and its weights; which fields reach which loss is declared by its ``LossSpec``
-    (training/losses/registry.py)."""
+    (training/losses/registry.py; the names in training/losses/names.py)."""
 
     name: str = "prolip"
     # Sigmoid losses (prolip, siglip): initial logit bias b. SigLIP's −10 ≈ −log(32k), i.e. p ≈ 1/B at its
@@ -144,7 +144,7 @@ class LossConfig:
     mix_fraction: float = 0.25  # PCME++ Mixup/CutMix share of a local batch
 
     def __post_init__(self) -> None:
-        require(self.name in LOSS_SPECS, "name", f"must be one of {', '.join(LOSS_SPECS)}", self.name)
+        require(self.name in LOSS_NAMES, "name", f"must be one of {', '.join(LOSS_NAMES)}", self.name)
 
 
 @config_class
@@ -249,7 +249,7 @@ class TrainConfig:
         )
 
     def _check_model_fits_loss(self) -> None:
-        if LOSS_SPECS[self.loss.name].probabilistic:  # e.g. demo-32px-cnn has no [UNC] token for σ²
+        if LOSS_NAMES[self.loss.name]:  # e.g. demo-32px-cnn has no [UNC] token for σ²
             try:
                 dataclasses.replace(MODEL_CONFIGS[self.model], probabilistic=True)
             except ConfigError as exc:
@@ -269,6 +269,8 @@ _DEMO = TrainConfig(
     run=RunOutputConfig(storage_path="runs/demo/train", name="demo", checkpoint_every=100, log_every=10),
 )
 
+# The cluster presets leave data.shards and run.storage_path empty: jobs.train asks for both, so a
+# forgotten flag neither reads nor writes a bucket nobody chose.
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     "demo": _DEMO,
     "datacomp-small": TrainConfig(
@@ -277,16 +279,14 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         global_batch_size=4096,
         samples_seen=12_800_000,
         data=DataConfig(
-            shards="s3://my-bucket/datacomp-small/shards",
+            shards="",  # required: jobs.train --shards
             decode_tasks=32,
             decode_batch_size=128,
             shuffle_window=4096,
         ),
         optim=OptimConfig(lr=5e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.2, warmup_steps=500),
         scaling=WorkersConfig(num_workers=8, use_gpu=True, cpus_per_worker=4),
-        run=RunOutputConfig(
-            storage_path="s3://my-bucket/datacomp-small/train", name="datacomp-small", checkpoint_every=500
-        ),
+        run=RunOutputConfig(storage_path="", name="datacomp-small", checkpoint_every=500),
     ),
     "prolip-b16": TrainConfig(
         model="ViT-B-16-ProLIP",
@@ -295,7 +295,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         samples_seen=1_280_000_000,
         precision="bf16",
         data=DataConfig(
-            shards="s3://my-bucket/datacomp-1b/shards",
+            shards="",  # required: jobs.train --shards
             decode_tasks=256,
             decode_batch_size=256,
             shuffle_window=8192,
@@ -304,7 +304,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         optim=OptimConfig(lr=5e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.2, warmup_steps=10_000),
         scaling=WorkersConfig(num_workers=32, use_gpu=True, cpus_per_worker=8),
         run=RunOutputConfig(
-            storage_path="s3://my-bucket/prolip-b16/train",
+            storage_path="",
             name="prolip-b16",
             checkpoint_every=2000,
             max_failures=3,

@@ -38,7 +38,7 @@ SUBSET_KINDS = typing.get_args(SubsetKind)
 @config_class
 class TrackConfig:
     output: str = "runs/demo"  # the run directory, local or s3://
-    s3_endpoint: str = ""
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
     num_cpus: NonNegative = 0  # local Ray: 0 = all cores
     # the build also trains the BPE that every model shares (share_tokenizer)
     build: BuildConfig = field(
@@ -192,8 +192,10 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         train_parallel=2,
         eval_max_samples=64,
     ),
+    # No output, metadata or eval root of its own: jobs.track asks for all three, so a forgotten flag
+    # writes to no bucket nobody chose.
     "datacomp-small": TrackConfig(
-        output="s3://my-bucket/datacomp-small-track",
+        output="",
         build=BUILD_PRESETS["datacomp-small"],
         scorer=merge(
             TRAIN_PRESETS["datacomp-small"], {"loss": {"name": "prolip"}, "run": {"name": "scorer"}}
@@ -202,7 +204,6 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         subsets=("no_filter", "basic", "csd", "csd_uncertainty", "clip_score", "random"),
         csd_fraction=0.2,
         eval_tasks="datacomp",
-        eval_root="s3://my-bucket/datacomp-eval",
         score_actors=8,
         score_gpus=1.0,
         eval_gpus=1.0,

@@ -37,7 +37,8 @@ from typing import Any
 
 from jobs.track.config import TrackConfig, paths
 from pipeline.common import storage
-from pipeline.common.config import ConfigError, to_dict
+from pipeline.common.config import to_dict
+from pipeline.common.errors import RefusedError
 from pipeline.common.storage import Storage
 from pipeline.source.run_state import RETRY_KNOBS, differences
 
@@ -58,7 +59,7 @@ _PLACEMENT = {
 }  # fmt: skip
 
 
-class ResumeMismatch(ConfigError):
+class ResumeMismatch(RefusedError, ValueError):
     """The output holds a track run made with another config; the message names the keys."""
 
 
@@ -83,7 +84,7 @@ def resume_key(cfg: TrackConfig) -> dict[str, Any]:
 
 def claim_output(cfg: TrackConfig, store: Storage | None = None) -> _State:
     """Check ``cfg`` against the steps already recorded in its output, record it and return the state;
-    raises ``ResumeMismatch`` (a ``ConfigError``) naming what differs."""
+    raises ``ResumeMismatch`` (a ``RefusedError``, exit 5) naming what differs."""
     store = store or Storage.from_env(cfg.s3_endpoint)
     state = _State(cfg.output, store)
     new = resume_key(cfg)
