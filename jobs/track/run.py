@@ -88,7 +88,7 @@ def claim_output(cfg: TrackConfig, store: Storage | None = None) -> _State:
     store = store or Storage.from_env(cfg.s3_endpoint)
     state = _State(cfg.output, store)
     new = resume_key(cfg)
-    steps = [k for k in state.data if k not in ("timings", "config")]
+    steps = [k for k in state.data if k not in NOT_STEPS]
     old = state.get("config")
     if steps and old is None:
         raise ResumeMismatch(
@@ -103,7 +103,20 @@ def claim_output(cfg: TrackConfig, store: Storage | None = None) -> _State:
             "config, or use a new output (--set output=DIR)"
         )
     state.done("config", new)
+    state.done("plan", planned_steps(cfg))  # what jobs.status compares the finished steps with
     return state
+
+
+NOT_STEPS = ("timings", "config", "plan")  # the state's entries that are not finished steps
+
+
+def planned_steps(cfg: TrackConfig) -> list[str]:
+    """Every step ``run_track`` records, in its order (one ``train/`` and ``evaluate/`` per model)."""
+    models = [f"{name}-seed{seed}" for name in cfg.subsets for seed in cfg.seeds]
+    return [
+        "build", "scorer", "score", "filters", "reshard", *[f"train/{m}" for m in models], "evaluate/scorer",
+        *[f"evaluate/{m}" for m in models],
+    ]  # fmt: skip
 
 
 @dataclass
