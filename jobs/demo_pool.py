@@ -16,8 +16,9 @@ from pydantic import Field
 
 from jobs.common import job_main, parse_job_config, print_table
 from pipeline.common.config import Positive, PositiveFloat, Seed, config_class
+from pipeline.common.errors import UsageError
 from pipeline.common.preflight import output_location
-from pipeline.common.storage import Storage
+from pipeline.common.storage import Storage, is_s3
 
 
 @config_class
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_job_config(
         argv, SUMMARY, PRESETS, FLAGS, required=("out",), prog="jobs.demo_pool", example=EXAMPLE
     )
+    if is_s3(args.out):  # the pool's server and its renderers read the pictures from local disk
+        raise UsageError(f"out: the demo pool is written to a local directory, got {args.out}")
     output_location(Storage(), args.out, "out")
     from pipeline.demo.pool import generate_pool, write_metadata
     from pipeline.demo.server import serve_pool
