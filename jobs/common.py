@@ -167,7 +167,7 @@ def _parser(name: str, summary: str, example: str, presets: Mapping[str, Any], d
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any config key, dotted for nested ones (e.g. --set optim.lr=1e-4); repeatable",
+        help="override any config key (--help-config lists them), dotted for nested ones; repeatable",
     )
     parser.add_argument(
         "--print-config",
@@ -200,7 +200,10 @@ def _add_flag(
 ) -> None:
     text = f"{key}: {meaning}" if meaning else f"sets {key}"
     if const is not _NO_CONST:
-        parser.add_argument(flag, dest=dest, action="store_true", help=f"sets {key}={const}")
+        shown = str(const).lower() if isinstance(const, bool) else const
+        parser.add_argument(
+            flag, dest=dest, action="store_true", help=f"{key}={shown}" + (f": {meaning}" if meaning else "")
+        )
         return
     while typing.get_origin(tp) is typing.Annotated:
         tp = typing.get_args(tp)[0]
