@@ -32,7 +32,7 @@ from dataclasses import fields
 from jobs.common import init_ray, job_main, parse_job_config, print_table
 from pipeline.common import storage
 from pipeline.common.config import NonNegativeFloat, Positive, PositiveFloat, config_class
-from pipeline.common.preflight import input_files, output_location
+from pipeline.common.preflight import input_dir, input_files, output_location
 from pipeline.common.storage import Storage
 
 
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         example=EXAMPLE,
     )  # fmt: skip
     store = Storage.from_env(args.s3_endpoint)
+    input_dir(store, args.checkpoint, "checkpoint")  # before torch loads to read it
     input_files(store, args.shards, "shards", "tar", ".tar")
     parent = os.path.dirname(args.out.rstrip("/")) if not storage.is_s3(args.out) else args.out
     output_location(store, parent or ".", "out")

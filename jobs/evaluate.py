@@ -22,7 +22,7 @@ from jobs.common import init_ray, job_main, parse_job_config, print_table
 from pipeline.common.config import to_dict
 from pipeline.common.errors import naming
 from pipeline.common.manifest import write_manifest
-from pipeline.common.preflight import output_location
+from pipeline.common.preflight import input_dir, output_location
 from pipeline.common.storage import Storage
 from training.eval.config import EVAL_PRESETS
 
@@ -49,14 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         argv, SUMMARY, EVAL_PRESETS, FLAGS, required=("checkpoint", "out"), prog="jobs.evaluate",
         example=EXAMPLE,
     )  # fmt: skip
-    from training.eval.results import AGGREGATES, datacomp_names, main_value
-    from training.eval.run import evaluate
     from training.eval.sets import load_tasks
 
     store = Storage.from_env(cfg.s3_endpoint)
+    input_dir(store, cfg.checkpoint, "checkpoint")  # before torch loads to read it
     with naming(f"tasks {cfg.tasks}"):
         tasks = load_tasks(cfg.tasks, root=cfg.eval_root or None)
     output_location(store, cfg.out, "out")
+    from training.eval.results import AGGREGATES, datacomp_names, main_value
+    from training.eval.run import evaluate
+
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     for key in ("checkpoint", "tasks", "eval_root", "out", "s3_endpoint"):
         kwargs.pop(key)

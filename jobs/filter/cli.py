@@ -19,7 +19,7 @@ from pipeline.common import storage
 from pipeline.common.config import merge, to_dict
 from pipeline.common.errors import InputError, JobError, naming
 from pipeline.common.manifest import write_manifest
-from pipeline.common.preflight import input_files, output_location
+from pipeline.common.preflight import input_dir, input_files, output_location
 from pipeline.common.storage import Storage
 
 FLAGS = {"--checkpoint": "checkpoint", "--shards": "shards", "--out": "out", "--s3-endpoint": "s3_endpoint"}
@@ -39,14 +39,17 @@ def main(argv: list[str] | None = None) -> int:
         argv, SUMMARY, FILTER_PRESETS, FLAGS, required=("checkpoint", "shards", "out"), prog="jobs.filter",
         example=EXAMPLE,
     )  # fmt: skip
-    from training.imports.load import import_checkpoint, is_import_source
-
     specs = validate(cfg)
     store = Storage.from_env(cfg.s3_endpoint)
     input_files(store, cfg.shards, "shards", "tar", ".tar")
     output_location(store, cfg.out, "out")
+    imported = cfg.checkpoint.split(":", 1)[0] in ("openclip", "prolip") and ":" in cfg.checkpoint
+    if not imported:
+        input_dir(store, cfg.checkpoint, "checkpoint")  # before torch loads to read it
     imported_from = None
-    if is_import_source(cfg.checkpoint):
+    if imported:
+        from training.imports.load import import_checkpoint
+
         imported_from, target = cfg.checkpoint, storage.join(cfg.out, "checkpoint")
         print(f"filter: importing {imported_from} → {target}", file=sys.stderr)
         try:
