@@ -83,7 +83,9 @@ def os_error(exc: OSError, what: str) -> JobError:
     def say(words: str) -> str:
         return f"{what}: {words}" if what else _short(text)
 
-    text = re.sub(r"^When \w+ [^:]*? (?:key|bucket) '[^']*'(?: in bucket '[^']*')?: ", "", text)  # the path again
+    text = re.sub(
+        r"^When \w+ [^:]*? (?:key|bucket) '[^']*'(?: in bucket '[^']*')?: ", "", text
+    )  # the path again
     if exc.errno in _STORAGE_ERRNOS or any(w in text for w in _STORAGE_WORDS):
         return StorageError(f"{what}: {_short(text)}" if what else _short(text))
     if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "does not exist" in text:

@@ -63,7 +63,9 @@ def test_every_uncertainty_plot_says_what_it_shows_and_whose_it_is():
     assert 0.85 < low < 0.951 and 0.958 < high <= 1.0  # zoomed on bars at ~0.956, not a 0–1 axis
     assert "zero-shot +0.002" in _titles(bprw)[0] and "few-shot +0.006" in _titles(bprw)[0]
     legend = bprw.axes[0].get_legend()
-    assert legend is not None and legend.get_bbox_to_anchor().x0 > bprw.axes[0].bbox.x1  # beside, not over a bar
+    assert (
+        legend is not None and legend.get_bbox_to_anchor().x0 > bprw.axes[0].bbox.x1
+    )  # beside, not over a bar
 
 
 def test_results_and_loss_figures_are_titled_with_run_and_models():
