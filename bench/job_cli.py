@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -27,8 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.alternate import MIN_ROUNDS, spread  # noqa: E402
-from tests.fixtures.train_shards import write_demo_shards  # noqa: E402
-from tests.jobs.test_bad_inputs import JOBS, KINDS, cases  # noqa: E402
+from tests.jobs.test_bad_inputs import JOBS, KINDS, _files, cases  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "job_cli.json"
 
@@ -37,24 +37,6 @@ def _timed(argv: list[str]) -> tuple[float, int]:
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, timeout=120)
     return time.perf_counter() - t0, proc.returncode
-
-
-def _files(root: Path) -> dict:
-    """The same inputs as the test's ``files`` fixture."""
-    import socket
-
-    import numpy as np
-
-    shard = write_demo_shards(root / "shards", n_shards=1, per_shard=2, size=16)[0]
-    np.save(root / "subset.npy", np.zeros(1, dtype=np.dtype("u8,u8")))
-    (root / "notes.txt").write_text("these are notes, not data\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {
-        "root": root, "shard": shard, "subset": str(root / "subset.npy"), "text": str(root / "notes.txt"),
-        "missing": str(root / "no-such-input"), "dead": f"http://127.0.0.1:{port}",
-    }  # fmt: skip
 
 
 def help_times(rounds: int) -> dict[str, dict]:
@@ -75,8 +57,10 @@ def help_times(rounds: int) -> dict[str, dict]:
 
 def error_times() -> dict[str, dict]:
     out: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        files = _files(Path(tmp))
+    held = socket.socket()  # bound, not listening: connections to it are refused
+    held.bind(("127.0.0.1", 0))
+    with tempfile.TemporaryDirectory() as tmp, held:
+        files = _files(Path(tmp), f"http://127.0.0.1:{held.getsockname()[1]}")
         for (job, kind), (argv, code, _) in cases(files).items():
             load = os.getloadavg()[0]
             wall, rc = _timed(["-m", f"jobs.{job}", *argv])

@@ -6,7 +6,7 @@ The kinds: a missing file, a file of the wrong kind (a text file where shards, m
 checkpoint or weights belong), an S3 endpoint that does not answer (a port nobody listens on), an unknown
 config key and a value out of range. Each job's ``main`` runs in this process with ``ray.init`` replaced
 by a recorder, so "Ray was not started" is checked, not timed; the time to each error is printed
-(``pytest -s``) and measured for cold processes by bench/job_errors.py.
+(``pytest -s``) and measured for cold processes, with the S3 client's default retries, by bench/job_cli.py.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ KINDS = ("missing", "wrong_kind", "unreachable_s3", "bad_key", "out_of_range")
 TIMES: dict[tuple[str, str], float] = {}
 
 
-def _dead_endpoint() -> str:
-    """An http endpoint on 127.0.0.1 whose port nobody listens on (bound, then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """Real inputs beside the bad ones: one shard, one subset .npy; a text file; a missing path."""
-    root = tmp_path_factory.mktemp("bad_inputs")
+    """Real inputs beside the bad ones: one shard, one subset .npy; a text file; a missing path; an S3
+    endpoint on a port held bound but not listening, so a connection is refused and no other process
+    can take the port meanwhile."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    yield _files(tmp_path_factory.mktemp("bad_inputs"), f"http://127.0.0.1:{held.getsockname()[1]}")
+    held.close()
+
+
+def _files(root, dead: str) -> dict:
     shard = write_demo_shards(root / "shards", n_shards=1, per_shard=2, size=16)[0]
     subset = root / "subset.npy"
     np.save(subset, np.zeros(1, dtype=np.dtype("u8,u8")))
@@ -48,7 +48,7 @@ def files(tmp_path_factory):
         "subset": str(subset),
         "text": str(text),
         "missing": str(root / "no-such-input"),
-        "dead": _dead_endpoint(),
+        "dead": dead,
     }
 
 
@@ -134,11 +134,21 @@ def test_every_job_and_kind_has_a_case(files):
     assert set(cases(files)) == {(job, kind) for job in JOBS for kind in KINDS}
 
 
+def _check(rc: int, err: str, code: int, words: tuple[str, ...]) -> None:
+    lines = err.strip().splitlines()
+    assert rc == code and len(lines) == 1, (rc, err)
+    assert "Traceback" not in err and all(w in lines[0] for w in words), (words, lines[0])
+    kind_word = {CONFIG: "config error: ", INPUT: "input error: ", STORAGE: "storage error: "}[code]
+    assert lines[0].startswith(kind_word), lines[0]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("job", JOBS)
 def test_bad_input_is_one_line_with_its_exit_status(job, kind, files, monkeypatch, capsys):
     import ray
 
+    # One attempt, not the S3 client's three with jittered waits (~1 s a case; bench/job_cli.py times those).
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     started = []
     monkeypatch.setattr(ray, "init", lambda *a, **k: started.append(a) or pytest.fail("Ray started"))
     argv, code, words = cases(files)[(job, kind)]
@@ -149,15 +159,10 @@ def test_bad_input_is_one_line_with_its_exit_status(job, kind, files, monkeypatc
     except SystemExit as exc:  # argparse's own exits (--help) only; errors come back as a status
         rc = exc.code
     TIMES[(job, kind)] = time.perf_counter() - t0
-    captured = capsys.readouterr()
-    err = captured.err.strip().splitlines()
+    err = capsys.readouterr().err
     print(f"{job} {kind}: exit {rc} after {TIMES[(job, kind)]:.2f} s")
-    assert rc == code and len(err) == 1, (rc, captured.err)
-    assert "Traceback" not in captured.err and not started
-    assert all(w in err[0] for w in words), (words, err[0])
-    kind_word = {CONFIG: "config error: ", INPUT: "input error: ", STORAGE: "storage error: "}[code]
-    assert err[0].startswith(kind_word), err[0]
-    assert not (files["root"] / "out").exists(), "an error left an output behind"
+    _check(rc, err, code, words)
+    assert not started and not (files["root"] / "out").exists(), "Ray started, or an error left an output"
 
 
 def test_a_bug_prints_its_traceback_and_says_so(monkeypatch, capsys):
