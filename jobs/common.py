@@ -312,16 +312,26 @@ class _LineFilter:
     _END = b"\x00prolip-end\x00"
 
     def _pump(self, read: int) -> None:
-        pending = b""
+        pending, open_ = b"", True
         while chunk := os.read(read, 1 << 16):
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                if line.endswith(self._END):  # after any unterminated text written before it
-                    os.write(self.saved, line[: -len(self._END)])
+                end = line.endswith(self._END)  # after any unterminated text written before it
+                text = line[: -len(self._END)] if end else line + b"\n"
+                if open_ and (end or not any(p in line for p in self.patterns)):
+                    open_ = self._forward(text)
+                if end:
                     return
-                if not any(p in line for p in self.patterns):
-                    os.write(self.saved, line + b"\n")
+
+    def _forward(self, data: bytes) -> bool:
+        """Write ``data`` to the real stream; False once its reader is gone (``| head``): the pipe is then
+        still drained, so the job never blocks on a full pipe."""
+        try:
+            os.write(self.saved, data)
+            return True
+        except OSError:
+            return False
 
     def close(self) -> None:
         for stream in (sys.stdout, sys.stderr):
