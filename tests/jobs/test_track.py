@@ -246,17 +246,17 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert capsys.readouterr().out.count("done earlier, skipped") == len(steps)
     # A config that would change a finished step's output stops before Ray starts, naming the key ...
     samples = state["config"]["scorer"]["samples_seen"]
-    assert main([*args, "--set", f"scorer.samples_seen={samples + 64}"]) == 2
+    assert main([*args, "--set", f"scorer.samples_seen={samples + 64}"]) == 5  # refused (docs/jobs.md)
     err = capsys.readouterr().err
     assert f"scorer.samples_seen: {samples} → {samples + 64}" in err and "new output" in err
-    assert main([*args, "--set", "seeds=[5]"]) == 2  # the scorer's seed
+    assert main([*args, "--set", "seeds=[5]"]) == 5  # the scorer's seed
     assert "scorer_seed: 0 → 5" in capsys.readouterr().err
     assert json.loads((out / "track_state.json").read_text()) == state  # and records nothing
     # ... and so does a run whose state has no recorded config (made by an earlier version).
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     (legacy / "track_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "config"}))
-    assert main(["--preset", "tiny", "--set", f"output={legacy}"]) == 2
+    assert main(["--preset", "tiny", "--set", f"output={legacy}"]) == 5
     assert "not their config" in capsys.readouterr().err
     # The seed table reads the same files: the run's figures with their intervals, and its summary.
     from jobs.track import seeds
@@ -275,7 +275,7 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert summary["csd − random (average)"]["holds"] == (2 if diff > 0 else 0)
     assert seeds.main([str(out), str(out) + "/"]) == 2
     assert "given more than once" in capsys.readouterr().err
-    assert seeds.main([str(out), str(tmp_path / "not-a-run")]) == 2
+    assert seeds.main([str(out), str(tmp_path / "not-a-run")]) == 3
     assert "not-a-run/track_results.json: not found" in capsys.readouterr().err
 
 
