@@ -104,9 +104,10 @@ def parse_job_config(
     or to ``(key, value)`` for a switch that sets a fixed value (``"--no-analyses": ("analyses", False)``);
     a name without dashes (``"RUN_DIR"``) is a positional argument. A flag's form follows the key's type:
     a bool is a switch, a list takes one or more values, anything else one value, read as ``--set`` values
-    are; its help is the key's meaning. ``required`` keys must be non-empty after every layer (a mapping: per preset, ``"*"`` for any). ``prog`` is
-    the module (``jobs.train``), ``example`` one command line shown under ``--help``. Errors raise
-    ``ConfigError``/``UsageError`` (one line, exit 2, through ``job_main``).
+    are; its help is the key's meaning. ``required`` keys must be non-empty after every layer (a mapping:
+    the keys per preset, ``"*"`` for every preset). ``prog`` is the module (``jobs.train``), ``example`` one
+    command line shown under ``--help``. Errors raise ``ConfigError``/``UsageError`` (one line, exit 2,
+    through ``job_main``).
     """
     from pipeline.common.config_help import key_meaning
 
@@ -131,7 +132,7 @@ def parse_job_config(
             given[key] = value
     cfg = resolve(presets, args.preset, args.config, args.sets, given)
     if isinstance(required, Mapping):
-        required = (*required.get("*", ()), *required.get(args.preset, ()))
+        required = tuple(dict.fromkeys((*required.get("*", ()), *required.get(args.preset, ()))))
     missing = [] if args.print_config else [key for key in required if not _value(cfg, key)]
     if missing:
         how = ", ".join(

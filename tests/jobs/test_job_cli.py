@@ -212,3 +212,22 @@ def test_help_imports_neither_torch_nor_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+@pytest.mark.parametrize(
+    ("job", "preset", "keys"),
+    [
+        ("build_dataset", "datacomp-small", "output, metadata"),
+        ("train", "datacomp-small", "data.shards, run.storage_path"),
+        ("train", "prolip-b16", "data.shards, run.storage_path"),
+        ("filter", "datacomp-small", "checkpoint, shards, out"),
+        ("track", "datacomp-small", "output, build.metadata, eval_root"),
+    ],
+)
+def test_real_data_presets_name_no_bucket_and_require_what_they_write(job, preset, keys, capsys):
+    """A forgotten --output must stop the job, not send it to a placeholder bucket."""
+    resolved = yaml.safe_dump(_resolved(job, ["--preset", preset], capsys))
+    assert "s3://" not in resolved, resolved
+    assert _run(_main(job), ["--preset", preset]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"config error: {keys} required (give "), err
