@@ -232,9 +232,9 @@ def init_ray(num_cpus: int = 0, **kwargs: Any) -> None:
     (``address="local"``) so a stray cluster on the machine is never picked up by accident. Ray's lines
     that tell our users nothing are silenced or explained once (``quiet_ray``).
     """
-    quiet_ray()
     import ray
 
+    quiet_ray()  # after Ray's import, whose own warnings filter would otherwise come first
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -280,7 +280,8 @@ def quiet_ray() -> None:
 
     The lines come from Ray's C++ core worker, its Python loggers and its log monitor, so they are
     filtered where they all meet: file descriptors 1 and 2, through a pipe read by a thread that forwards
-    every other line. Only when this process's streams are its own (not a test's capture).
+    every other line. Only when this process's streams are its own (not a test's capture). Call it after
+    ``import ray``: Ray's import puts its own filter for its deprecation warnings in front of ours.
     """
     warnings.filterwarnings("ignore", message=_DEPRECATED)
     if os.environ.get("PROLIP_RAY_NOISE") == "1" or _LineFilter.installed:

@@ -3,7 +3,7 @@
 A fresh process installs the filter as a job does (``jobs.common.quiet_ray``, which ``init_ray`` calls)
 and then writes each kind of line the way its source does: Python logging to ``sys.stderr``, the C++ core
 worker straight to file descriptor 2, a child process (the raylet's log monitor) to the inherited
-descriptor 1, and a ``warnings.warn``. No Ray starts: the filter is the part under test, the lines are the
+descriptor 1, and Ray Train's ``RayDeprecationWarning`` after Ray's import. No Ray starts: the filter is the part under test, the lines are the
 ones a local Ray 2.60 printed in ``make demo`` (docs/jobs.md, "What a job prints").
 """
 
@@ -17,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import os, subprocess, sys, warnings
+import ray  # its import installs its own filter for RayDeprecationWarning, as in a job
+from ray.util.annotations import RayDeprecationWarning
 from jobs.common import quiet_ray
 quiet_ray()
 print("ours: step 1", flush=True)
@@ -28,7 +30,7 @@ os.write(2, b"[2026-12-01 17:00:33,152 E 25570 25570] core_worker.cc:2465: Actor
 print("ours: a real error line", file=sys.stderr, flush=True)
 subprocess.run(["sh", "-c", "echo '(raylet) WARNING: 8 PYTHON worker processes have been started on node: "
                 "abc with address: 127.0.0.1'; echo 'ours: from a child'"])
-warnings.warn("`ExecutionOptions.exclude_resources` is deprecated and will be removed", UserWarning)
+warnings.warn("`ExecutionOptions.exclude_resources` is deprecated and will be removed", RayDeprecationWarning)
 print("2026 WARNING __init__.py:28 -- Progress bars disabled. To enable, set ...", file=sys.stderr)
 print("ours: the end, unterminated", end="")
 """
