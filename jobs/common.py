@@ -235,6 +235,9 @@ def init_ray(num_cpus: int = 0, **kwargs: Any) -> None:
     import ray
 
     quiet_ray()  # after Ray's import, whose own warnings filter would otherwise come first
+    # No implicit ray.init(): a thread still calling Ray after a Ctrl-C shut it down would start a second
+    # local Ray (or attach to a stray one); it gets Ray's "not initialized" error instead.
+    ray._private.auto_init_hook.enable_auto_connect = False
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
