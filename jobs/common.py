@@ -292,16 +292,26 @@ def quiet_ray() -> None:
     if sys.stdout is not sys.__stdout__ or sys.stderr is not sys.__stderr__:
         return
     try:
-        for fd in (1, 2):
-            _LineFilter(fd, tuple(p.encode() for p, _ in RAY_NOISE))
+        filters = [_LineFilter(fd, tuple(p.encode() for p, _ in RAY_NOISE)) for fd in (1, 2)]
     except OSError:
         return  # a closed or unusual stream: keep the output as it is
     _LineFilter.installed = True
+    atexit.register(_drain, filters)
+
+
+def _drain(filters: list[_LineFilter]) -> None:
+    """At exit: Ray's shutdown first (its atexit hook, registered at its import, would run after this one
+    and print its deduplicated log lines past the filter), then every filter drained and restored."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    for f in filters:
+        f.close()
 
 
 class _LineFilter:
     """File descriptor ``fd`` rerouted through a pipe; a thread forwards each line not holding one of
-    ``patterns``. Drained and restored at exit."""
+    ``patterns``. ``close`` drains it and restores the descriptor (``_drain``, at exit)."""
 
     installed = False
 
@@ -312,7 +322,6 @@ class _LineFilter:
         os.dup2(self.write, fd)
         self.thread = threading.Thread(target=self._pump, args=(read,), daemon=True, name=f"ray-noise-{fd}")
         self.thread.start()
-        atexit.register(self.close)
 
     _END = b"\x00prolip-end\x00"
 
