@@ -112,9 +112,9 @@ def validate(cfg: FilterJobConfig) -> list[FilterSpec]:
         raise ConfigError("checkpoint: give a checkpoint directory (--checkpoint)")
     if not cfg.out:
         raise ConfigError("out: give a run directory")
-    from training.infer.scoring import SCORE_COLUMNS
-
     specs = parse_filter_specs(list(cfg.filters))
+    from training.infer.scoring import SCORE_COLUMNS  # loads torch: after the checks that need none
+
     for i, spec in enumerate(specs):
         missing = sorted(required_columns([spec]) - set(SCORE_COLUMNS))
         if missing:
