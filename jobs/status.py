@@ -7,7 +7,8 @@ is still going or was killed:
   (``work/fingerprint.json``, ``work/parts/part-*.done``) with the rows they hold by status, or, once
   finished, ``metadata/status.parquet``'s rows by status, the shards and the subsets;
 - a **training** (``run.storage_path``/``run.name``): the checkpoints, the last one's step, samples seen
-  and loss, and whether the job finished (its ``manifest.json``);
+  and loss, and whether the job finished (its ``manifest.json``; for a track's ``train/NAME``, the
+  track's ``track_state.json``);
 - a **track** (``jobs.track``'s output): the steps finished of those planned (``track_state.json``), the
   build's and each unfinished training's progress as above, and the report.
 """
@@ -101,6 +102,13 @@ def training_lines(run: str, store: Storage, name: str = "training") -> list[str
     shown = f", loss {loss:.4f}" if isinstance(loss, float) else ""
     finished = store.exists(storage.join(run, "manifest.json"))
     how = "finished" if finished else "running or interrupted (no manifest.json yet)"
+    parts = run.rstrip("/").split("/")  # a track's trainings are TRACK/train/NAME, with no manifest
+    track = "/".join(parts[:-2]) or "."
+    state_file = storage.join(track, "track_state.json")
+    if not finished and name == "training" and parts[-2:-1] == ["train"] and store.exists(state_file):
+        step_name = "scorer" if parts[-1] == "scorer" else f"train/{parts[-1]}"
+        done = step_name in store.read_json(state_file)
+        how = f"{'finished' if done else 'running or interrupted'} (step {step_name} of the track {track})"
     return [
         f"{name}: {how}; {len(found)} checkpoint(s), the last at step "
         f"{metrics.get('step', step)} ({metrics.get('samples_seen', '?')} samples seen{shown})",

@@ -56,3 +56,15 @@ def test_half_finished_build_training_and_track_on_s3(s3_server, capsys):
         f"    {train}/checkpoint_00000016",
         "report: not written yet",
     ]
+    # a track's training has no manifest of its own: the track's state says whether the step finished
+    assert status_lines(train, store)[0] == (
+        f"training: running or interrupted (step scorer of the track {run}); 2 checkpoint(s), the last at "
+        "step 16 (512 samples seen, loss 4.6123)"
+    )
+    store.write_json(
+        {**state, "scorer": {"checkpoint": f"{train}/checkpoint_00000016"}},
+        storage.join(run, "track_state.json"),
+    )
+    assert status_lines(train + "/", store)[0].startswith(
+        f"training: finished (step scorer of the track {run});"
+    )
