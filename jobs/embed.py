@@ -53,7 +53,7 @@ FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(EmbedJobConfig)
 SUMMARY = """\
 Frozen image and caption embeddings (μ, and log σ² for a probabilistic checkpoint) of every pair in the
 shards, by Ray batch inference, as one parquet file: what jobs.adapters fits on."""
-EXAMPLE = "python -m jobs.embed --checkpoint runs/demo/train/scorer/final --shards runs/demo/shards --out emb.parquet"
+EXAMPLE = "python -m jobs.embed --checkpoint runs/demo/train/scorer/checkpoint_00001500 --shards runs/demo/shards --out emb.parquet"
 
 
 @job_main

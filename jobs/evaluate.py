@@ -34,7 +34,7 @@ Zero-shot classification and retrieval (by CSD for a probabilistic checkpoint, c
 task list in clip_benchmark layout; eval_results.jsonl in DataComp's schema, its aggregates, the
 uncertainty analyses and plots. Tasks already in --out are kept, not run again."""
 EXAMPLE = (
-    "python -m jobs.evaluate --checkpoint runs/demo/train/scorer/final --tasks demo "
+    "python -m jobs.evaluate --checkpoint runs/demo/train/scorer/checkpoint_00001500 --tasks demo "
     "--eval-root runs/demo/pool/eval --out runs/eval"
 )
 

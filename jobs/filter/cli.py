@@ -28,7 +28,7 @@ Score every pool pair with a checkpoint (CSD, cosine, Σσ² per tower; Ray batc
 DataComp subset .npy per filter spec (CSD best k%, the uncertainty-aware variant, CLIP score, random),
 optionally resharded. --checkpoint also takes openclip:MODEL:LOCATION or prolip:LOCATION."""
 EXAMPLE = (
-    "python -m jobs.filter --checkpoint runs/demo/train/scorer/final --shards runs/demo/shards "
+    "python -m jobs.filter --checkpoint runs/demo/train/scorer/checkpoint_00001500 --shards runs/demo/shards "
     "--out runs/filter --set 'filters=[csd_best:fraction=0.2]'"
 )
 
