@@ -21,16 +21,13 @@ from collections.abc import Sequence
 from dataclasses import field, fields
 from typing import Any
 
-import numpy as np
-import torch
-
-from jobs.common import parse_job_config, print_table
+from jobs.common import job_main, parse_job_config, print_table
 from pipeline.common import storage
 from pipeline.common.config import Names, NonNegative, Positive, PositiveFloat, Seed, config_class, require
+from pipeline.common.errors import InputError, UsageError
 from pipeline.common.manifest import redacted
+from pipeline.common.preflight import input_files, output_location
 from pipeline.common.storage import Storage
-from training.adapters.compare import evaluate_methods, markdown_table, none_of_the_above, nota_scores
-from training.adapters.fit import describe, fit_asymvlm, fit_probvlm, load_embeddings
 
 
 @config_class
@@ -42,18 +39,18 @@ class AdaptersConfig:
     heads: str = "vmf,ps"  # AsymVLM families to fit (vmf, ps)
     probvlm_epochs: Positive = 100  # ProbVLM §4: 100
     probvlm_lr: PositiveFloat = 1e-4  # ProbVLM §4: 1e-4
-    probvlm_batch: Positive = 256
+    probvlm_batch: Positive = 256  # ProbVLM's minibatch of pairs
     asymvlm_epochs: Positive = 200  # AsymVLM App. B.4: 200
     asymvlm_lr: PositiveFloat = 1e-2  # AsymVLM Table A.1: 1e-2
     asymvlm_batch: Positive = 2048  # AsymVLM Table A.1: 2048
     mc_passes: Positive = 10  # MC-dropout passes for ProbVLM's epistemic term
-    seed: Seed = 0
+    seed: Seed = 0  # of the adapters' initialisation, minibatch order and dropout
     threads: NonNegative = 0  # torch CPU threads (0: torch's default)
     checkpoint: str = ""  # the frozen model, for the none-of-the-above test
     zeroshot: str = ""  # clip_benchmark classification set dir (e.g. eval/shapes)
     unseen: NonNegative = 2  # last N classes are held out as unseen
     dummy: str = "a photo"  # the none-of-the-above prompt (AsymVLM Table 2)
-    s3_endpoint: str = ""
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
 
     def __post_init__(self) -> None:
         bad = [h for h in self.heads.split(",") if h and h not in ("vmf", "ps")]
@@ -64,9 +61,15 @@ PRESETS = {"demo": AdaptersConfig()}
 FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(AdaptersConfig)}
 
 
-def _read_classification_set(
-    root: str, store: Storage
-) -> tuple[list[bytes], np.ndarray, list[str], list[str]]:
+SUMMARY = """\
+Fit the post-hoc ProbVLM and AsymVLM adapters on frozen embeddings (jobs.embed's parquet) and compare
+their uncertainty calibration with a probabilistic model's own σ², on CPU, without Ray."""
+EXAMPLE = "python -m jobs.adapters --train emb_train.parquet --eval emb_eval.parquet --out runs/adapters"
+
+
+def _read_classification_set(root: str, store: Storage) -> tuple[list[bytes], Any, list[str], list[str]]:
+    import numpy as np
+
     from pipeline.shards.reader import iter_shard
 
     classes = store.read_bytes(storage.join(root, "classnames.txt")).decode().split("\n")
@@ -82,6 +85,9 @@ def _read_classification_set(
 
 def run_nota(args: AdaptersConfig, asym: dict[str, Any], store: Storage) -> dict[str, Any]:
     """Zero-shot over the seen classes + the dummy prompt; frozen cosine vs each AsymVLM head."""
+    import numpy as np
+
+    from training.adapters.compare import none_of_the_above, nota_scores
     from training.infer.encode import Encoder
 
     images, labels, classes, templates = _read_classification_set(args.zeroshot, store)
@@ -102,26 +108,46 @@ def run_nota(args: AdaptersConfig, asym: dict[str, Any], store: Storage) -> dict
     return out
 
 
+def _inputs(args: AdaptersConfig, store: Storage) -> tuple[dict, dict, dict]:
+    """The train, eval and native embeddings, checked (before torch loads) and read."""
+    natives = {}
+    for spec in args.native:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise UsageError(f"native: expected NAME=PARQUET, got {spec!r}")
+        natives[name] = path
+    for what, path in (("train", args.train), ("eval", args.eval), *natives.items()):
+        input_files(store, path, what, "parquet", ".parquet")
+    output_location(store, args.out, "out")
+    from training.adapters.fit import load_embeddings
+
+    try:
+        train, evald = load_embeddings(args.train, store), load_embeddings(args.eval, store)
+        read = {name: load_embeddings(path, store) for name, path in natives.items()}
+    except ValueError as exc:  # the file is a parquet, but not jobs.embed's
+        raise InputError(str(exc)) from None
+    for name, emb in read.items():
+        if "image_logvar" not in emb:
+            raise InputError(f"native {name}: {natives[name]} has no image_logvar/text_logvar columns")
+    return train, evald, read
+
+
+@job_main
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_job_config(argv, __doc__.splitlines()[0], PRESETS, FLAGS, required=("train", "eval", "out"))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_job_config(
+        argv, SUMMARY, PRESETS, FLAGS, required=("train", "eval", "out"), prog="jobs.adapters",
+        example=EXAMPLE,
+    )  # fmt: skip
     t0 = time.perf_counter()
     store = Storage.from_env(args.s3_endpoint)
-    try:
-        train = load_embeddings(args.train, store)
-        evald = load_embeddings(args.eval, store)
-        natives = {}
-        for spec in args.native:
-            name, sep, path = spec.partition("=")
-            if not sep:
-                raise ValueError(f"--native expects NAME=PARQUET, got {spec!r}")
-            natives[name] = load_embeddings(path, store)
-            if "image_logvar" not in natives[name]:
-                raise ValueError(f"--native {name}: {path} has no image_logvar/text_logvar columns")
-    except (OSError, ValueError) as exc:
-        print(f"adapters: {exc}", file=sys.stderr)
-        return 2
+    train, evald, natives = _inputs(args, store)
+    import torch
+
+    from training.adapters.compare import evaluate_methods, markdown_table
+    from training.adapters.fit import describe, fit_asymvlm, fit_probvlm
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
     heads = [h for h in args.heads.split(",") if h]
     log = print
     probvlm, hist_p = fit_probvlm(

@@ -1,47 +1,66 @@
 """``python -m jobs.build_dataset --preset demo|datacomp-small [--config F] [--set k=v ...]``.
 
 Builds webdataset shards, a per-uid status table and one subset per filter. With the demo preset and no
-``metadata`` it generates the demo pool and serves it on 127.0.0.1 for the duration of the build.
+``metadata`` it generates the demo pool and serves it on 127.0.0.1 for the duration of the build. The
+metadata's files and schemas, the filters and the output are checked before Ray starts.
 """
 
 from __future__ import annotations
 
 import sys
 
-from jobs.common import init_ray, parse_job_config, print_table
-from pipeline.build import build
-from pipeline.common.config import ConfigError, to_dict
+from jobs.common import init_ray, job_main, parse_job_config, print_table
+from pipeline.common.config import to_dict
 from pipeline.common.manifest import write_manifest
+from pipeline.common.preflight import input_files, output_location
 from pipeline.common.storage import Storage
-from pipeline.config import BUILD_PRESETS
-from pipeline.demo.source import demo_source
-from pipeline.filters.specs import check_build_filters
-from pipeline.schema import METADATA_SCHEMA, SchemaError
-from pipeline.source.metadata import MetadataError
-from pipeline.source.run_state import FingerprintMismatch
+from pipeline.config import BUILD_PRESETS, BuildConfig
 
 FLAGS = {"--metadata": "metadata", "--output": "output", "--s3-endpoint": "s3_endpoint"}
+# A preset for real data has no default output or metadata: a forgotten flag must not write to a bucket.
+REQUIRED = {"*": ("output",), "datacomp-small": ("metadata", "output")}
+SUMMARY = """\
+Metadata parquet → row checks and URL dedupe → download and resize → image dedupe → webdataset shards,
+metadata/status.parquet (one status per input row) and one DataComp subset .npy per filter.
+Re-running into the same output resumes from the committed download parts."""
+EXAMPLE = (
+    "python -m jobs.build_dataset --preset datacomp-small --metadata s3://bucket/metadata/ "
+    "--output s3://bucket/run --s3-endpoint http://127.0.0.1:8333"
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_job_config(argv, __doc__.splitlines()[0], BUILD_PRESETS, FLAGS)
+def check_inputs(cfg: BuildConfig, store: Storage) -> None:
+    """Everything that can fail before Ray starts: filter names and parameters, the metadata's files and
+    their schemas (footers only), and the output location."""
+    from pipeline.filters.specs import check_build_filters
+    from pipeline.schema import METADATA_SCHEMA, SchemaError
+    from pipeline.source.metadata import open_metadata
+
     try:
-        check_build_filters(cfg.filters, _ALL_COLUMNS, "filters")  # names and parameters, before Ray starts
-    except ConfigError as exc:
-        return _stop("config error", exc)
+        check_build_filters(cfg.filters, [f.name for f in METADATA_SCHEMA], "filters")
     except SchemaError:
-        pass  # the columns are checked against the real metadata in build()
-    init_ray(cfg.num_cpus)
+        pass  # the columns a filter needs are checked against the real metadata below
+    output_location(store, cfg.output, "output")
+    if cfg.metadata:
+        input_files(store, cfg.metadata, "metadata", kind="parquet", suffix=".parquet")
+        meta = open_metadata(cfg.metadata, store)
+        for name, columns in zip(meta.files, meta.names, strict=True):
+            check_build_filters(cfg.filters, columns, name)
+
+
+@job_main
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_job_config(
+        argv, SUMMARY, BUILD_PRESETS, FLAGS, required=REQUIRED, prog="jobs.build_dataset", example=EXAMPLE
+    )
     store = Storage.from_env(cfg.s3_endpoint)
-    try:
-        with demo_source(cfg) as run_cfg:
-            result = build(run_cfg, store=store)
-    except ConfigError as exc:
-        return _stop("config error", exc)
-    except (MetadataError, SchemaError) as exc:
-        return _stop("metadata error", exc)
-    except FingerprintMismatch as exc:
-        return _stop("refused", exc)
+    check_inputs(cfg, store)
+    from pipeline.build import build
+    from pipeline.demo.source import demo_source
+
+    init_ray(cfg.num_cpus)
+    with demo_source(cfg) as run_cfg:
+        result = build(run_cfg, store=store)
     write_manifest(
         run_cfg.output,
         job="build_dataset",
@@ -67,15 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         ("filter", "passing uids (DataComp)", "downloaded"),
     )
     return 0
-
-
-_ALL_COLUMNS = [f.name for f in METADATA_SCHEMA]
-
-
-def _stop(kind: str, exc: Exception) -> int:
-    """One line on stderr naming the field or file, exit code 2 (no traceback: the message is the fix)."""
-    print(f"{kind}: {exc}", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

@@ -19,20 +19,21 @@ column             Arrow type                       meaning
 Deterministic checkpoints (CLIP/SigLIP) write no logvar columns rather than NaN-filled ones: half the
 file, and a reader tells the kinds apart from the schema. The schema metadata holds ``checkpoint`` and
 ``columns``. Read vectors back with ``np.stack(table.column("image_mu").to_numpy(zero_copy_only=False))``
-or ``table.column("image_mu").combine_chunks().flatten().to_numpy().reshape(-1, D)``.
+or ``table.column("image_mu").combine_chunks().flatten().to_numpy().reshape(-1, D)``. The checkpoint, the
+shards and the output location are checked before Ray starts.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import fields
 
-from jobs.common import init_ray, parse_job_config, print_table
+from jobs.common import init_ray, job_main, parse_job_config, print_table
+from pipeline.common import storage
 from pipeline.common.config import NonNegativeFloat, Positive, PositiveFloat, config_class
+from pipeline.common.preflight import input_dir, input_files, output_location
 from pipeline.common.storage import Storage
-from training.infer.batch_inference import embed_shards
-from training.infer.scoring import verify_checkpoint
-from training.model.checkpoint import CheckpointError
 
 
 @config_class
@@ -43,24 +44,33 @@ class EmbedJobConfig:
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
     num_actors: Positive = 1  # encoding actors, one model each
     num_gpus: NonNegativeFloat = 0.0  # GPUs per actor (0 on CPU)
-    cpus_per_actor: PositiveFloat = 1.0
-    batch_size: Positive = 256
+    cpus_per_actor: PositiveFloat = 1.0  # Ray CPUs reserved per encoding actor
+    batch_size: Positive = 256  # pairs per encoder call
 
 
 PRESETS = {"demo": EmbedJobConfig()}
 FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(EmbedJobConfig)}
+SUMMARY = """\
+Frozen image and caption embeddings (μ, and log σ² for a probabilistic checkpoint) of every pair in the
+shards, by Ray batch inference, as one parquet file: what jobs.adapters fits on."""
+EXAMPLE = "python -m jobs.embed --checkpoint runs/demo/train/scorer/checkpoint_00001500 --shards runs/demo/shards --out emb.parquet"
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_job_config(
-        argv, __doc__.splitlines()[0], PRESETS, FLAGS, required=("checkpoint", "shards", "out")
-    )
+        argv, SUMMARY, PRESETS, FLAGS, required=("checkpoint", "shards", "out"), prog="jobs.embed",
+        example=EXAMPLE,
+    )  # fmt: skip
     store = Storage.from_env(args.s3_endpoint)
-    try:  # fail before any actor starts, naming the file
-        verify_checkpoint(args.checkpoint, store)
-    except CheckpointError as exc:
-        print(f"embed: {exc}", file=sys.stderr)
-        return 2
+    input_dir(store, args.checkpoint, "checkpoint")  # before torch loads to read it
+    input_files(store, args.shards, "shards", "tar", ".tar")
+    parent = os.path.dirname(args.out.rstrip("/")) if not storage.is_s3(args.out) else args.out
+    output_location(store, parent or ".", "out")
+    from training.infer.batch_inference import embed_shards
+    from training.infer.scoring import verify_checkpoint
+
+    verify_checkpoint(args.checkpoint, store)  # before any actor starts, naming the file
     init_ray()
     res = embed_shards(
         args.shards,

@@ -8,7 +8,8 @@ checkpoint on a task list in clip_benchmark layout (``training/eval/run.py``). P
 the DataComp aggregates; writes ``eval_results.jsonl`` (DataComp's schema: its ``aggregate_scores.py``
 reads it), ``aggregates.json``, ``analyses.json``, ``plots/`` and ``manifest.json`` into ``--out``. Tasks
 already in ``--out``'s ``eval_results.jsonl`` (ours or DataComp's) are kept, not run again
-(``--set resume=false`` runs all). A bad checkpoint or eval set exits 2 naming the file.
+(``--set resume=false`` runs all). A bad checkpoint or eval set stops the job before Ray starts, in one
+line naming the file (exit 3; docs/jobs.md, "Errors and exit codes").
 """
 
 from __future__ import annotations
@@ -17,42 +18,53 @@ import dataclasses
 import sys
 import time
 
-from jobs.common import init_ray, parse_job_config, print_table
-from pipeline.common.config import ConfigError, to_dict
+from jobs.common import init_ray, job_main, parse_job_config, print_table
+from pipeline.common.config import to_dict
+from pipeline.common.errors import naming
 from pipeline.common.manifest import write_manifest
+from pipeline.common.preflight import input_dir, output_location
 from pipeline.common.storage import Storage
 from training.eval.config import EVAL_PRESETS
-from training.eval.results import AGGREGATES, datacomp_names, main_value
-from training.eval.run import evaluate
-from training.eval.sets import EvalSetError, load_tasks
-from training.model.checkpoint import CheckpointError
 
 _KEYS = ("checkpoint", "tasks", "eval_root", "out", "s3_endpoint", "num_actors", "num_gpus", "batch_size")
 FLAGS: dict[str, str | tuple[str, bool]] = {"--" + k.replace("_", "-"): k for k in (*_KEYS, "max_samples")}
 FLAGS["--no-analyses"] = ("analyses", False)
+SUMMARY = """\
+Zero-shot classification and retrieval (by CSD for a probabilistic checkpoint, cosine otherwise) on a
+task list in clip_benchmark layout; eval_results.jsonl in DataComp's schema, its aggregates, the
+uncertainty analyses and plots. Tasks already in --out are kept, not run again."""
+EXAMPLE = (
+    "python -m jobs.evaluate --checkpoint runs/demo/train/scorer/checkpoint_00001500 --tasks demo "
+    "--eval-root runs/demo/pool/eval --out runs/eval"
+)
 
 
 def _fmt(v: object) -> str:
     return f"{v:.4f}" if isinstance(v, float) else ("-" if v is None else str(v))
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_job_config(argv, __doc__.splitlines()[0], EVAL_PRESETS, FLAGS, required=("checkpoint", "out"))
-    try:
+    cfg = parse_job_config(
+        argv, SUMMARY, EVAL_PRESETS, FLAGS, required=("checkpoint", "out"), prog="jobs.evaluate",
+        example=EXAMPLE,
+    )  # fmt: skip
+    from training.eval.sets import load_tasks
+
+    store = Storage.from_env(cfg.s3_endpoint)
+    input_dir(store, cfg.checkpoint, "checkpoint")  # before torch loads to read it
+    with naming(f"tasks {cfg.tasks}"):
         tasks = load_tasks(cfg.tasks, root=cfg.eval_root or None)
-    except (ConfigError, EvalSetError) as exc:
-        print(f"config error: {exc}", file=sys.stderr)
-        return 2
+    output_location(store, cfg.out, "out")
+    from training.eval.results import AGGREGATES, datacomp_names, main_value
+    from training.eval.run import evaluate
+
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     for key in ("checkpoint", "tasks", "eval_root", "out", "s3_endpoint"):
         kwargs.pop(key)
     t0 = time.perf_counter()
-    try:
-        store = Storage.from_env(cfg.s3_endpoint)
+    with naming(f"checkpoint {cfg.checkpoint} or eval sets under {cfg.eval_root or '.'}"):
         report = evaluate(cfg.checkpoint, tasks, cfg.out, store=store, init=init_ray, **kwargs)
-    except (CheckpointError, EvalSetError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     wall = time.perf_counter() - t0
     write_manifest(
         cfg.out,

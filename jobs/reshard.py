@@ -4,7 +4,8 @@ Like every job it also takes ``--preset``, ``--config FILE.yaml`` and ``--set ke
 
 Thin entry point over ``pipeline.subsets.reshard.reshard`` (DataComp's resharder semantics: semi-join on uid,
 repeated uids up-sampled, bytes copied as they are). No Ray: one streaming pass, optional read-ahead
-threads. The summary (written, missing, shards) is printed and written to ``OUT/reshard.json``.
+threads. The summary (written, missing, shards) is printed and written to ``OUT/reshard.json``. The
+shards, the subset and the output are checked before the first tar is read.
 """
 
 from __future__ import annotations
@@ -13,12 +14,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import field
 
-from jobs.common import parse_job_config, print_table
+from jobs.common import job_main, parse_job_config, print_table
 from pipeline.common.config import Names, Positive, config_class
+from pipeline.common.errors import JobError, RefusedError, UsageError, naming
+from pipeline.common.preflight import input_file, input_files, output_location
 from pipeline.common.storage import Storage
-from pipeline.shards.tar_format import ShardError
-from pipeline.subsets.reshard import ReshardError, reshard
-from pipeline.subsets.uid_files import SubsetError
 
 
 @config_class
@@ -44,26 +44,45 @@ FLAGS = {
     "--overwrite": "overwrite",
     "--skip-corrupt": "skip_corrupt",
 }
+SUMMARY = """\
+Materialise a DataComp subset (a sorted u8,u8 uid .npy) as new webdataset shards: DataComp's resharder
+semantics (a semi-join on uid, repeated uids up-sampled, bytes copied as they are), no Ray."""
+EXAMPLE = (
+    "python -m jobs.reshard --shards runs/demo/shards --subset runs/demo/subsets/basic.npy --out runs/basic"
+)
 
 
+@job_main
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_job_config(
-        argv, __doc__.splitlines()[0], PRESETS, FLAGS, required=("shards", "subset", "out")
-    )
+        argv, SUMMARY, PRESETS, FLAGS, required=("shards", "subset", "out"), prog="jobs.reshard",
+        example=EXAMPLE,
+    )  # fmt: skip
+    from pipeline.subsets.reshard import load_subset, reshard
+
+    store = Storage.from_env(args.s3_endpoint)
+    input_files(store, ",".join(args.shards), "shards", "tar", ".tar")
+    input_file(store, args.subset, "subset", "npy")
+    with naming(f"subset {args.subset}"):
+        load_subset(args.subset, store)  # dtype and order, before any tar is read
+    output_location(store, args.out, "out")
     try:
         res = reshard(
             args.shards,
             args.subset,
             args.out,
             samples_per_shard=args.samples_per_shard,
-            store=Storage.from_env(args.s3_endpoint),
+            store=store,
             workers=args.workers,
             overwrite=args.overwrite,
             skip_corrupt=args.skip_corrupt,
         )
-    except (FileExistsError, FileNotFoundError, ShardError, SubsetError, ReshardError, ValueError) as exc:
-        print(f"reshard: {exc}", file=sys.stderr)
-        return 1
+    except JobError:
+        raise
+    except FileExistsError as exc:  # out holds another reshard's shards
+        raise RefusedError(str(exc).removeprefix("reshard: ")) from None
+    except ValueError as exc:  # out overlaps the inputs
+        raise UsageError(str(exc).removeprefix("reshard: ")) from None
     rows = [
         ("subset rows", int(res.expected.sum())),
         ("distinct uids", len(res.uids)),

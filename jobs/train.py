@@ -7,24 +7,53 @@ webdataset shards with Ray Train. ``--tokenizer`` takes ``clip`` (CLIP's BPE; th
 default), ``clip:VOCAB_PATH``, a saved tokenizer directory or any ``tokenizer.json`` (``--set
 tokenizer_clean=canonicalize`` for SigLIP's); without one a BPE is trained on the shards' captions. The
 tokenizer is saved in the run directory and in every checkpoint. Writes ``manifest.json`` into the run directory.
+The shards, the tokenizer and the run's storage are checked before Ray starts.
 """
 
 from __future__ import annotations
 
 import sys
 
-from jobs.common import init_ray, parse_job_config, print_table
+from jobs.common import init_ray, job_main, parse_job_config, print_table
 from pipeline.common.manifest import write_manifest
+from pipeline.common.preflight import input_files, output_location
 from pipeline.common.storage import Storage
-from training.config import TRAIN_PRESETS, to_plain
-from training.train.trainer import train
+from training.config import TRAIN_PRESETS, TrainConfig, to_plain
 
-# clip, clip:VOCAB, a tokenizer directory or tokenizer.json; a shard directory, glob or list
 FLAGS = {"--shards": "data.shards", "--tokenizer": "tokenizer"}
+# The cluster presets name no bucket: a forgotten flag must not read or write someone else's.
+REQUIRED = ("data.shards", "run.storage_path")
+SUMMARY = """\
+Train (or resume: the same run.storage_path and run.name) ProLIP, CLIP, SigLIP or PCME++ on webdataset
+shards with Ray Train; checkpoints, TensorBoard logs and manifest.json go to the run directory."""
+EXAMPLE = (
+    "python -m jobs.train --preset demo --shards runs/demo/shards --set loss.name=clip "
+    "--set run.storage_path=runs/train"
+)
 
 
+def check_inputs(cfg: TrainConfig) -> None:
+    """The shards (tar files), a tokenizer given as a path, and the run's storage, before Ray starts."""
+    input_files(Storage.from_env(cfg.data.s3_endpoint), cfg.data.shards, "data.shards", "tar", ".tar")
+    spec = cfg.tokenizer
+    path = spec.partition(":")[2] if spec.startswith("clip:") else ("" if spec == "clip" else spec)
+    if path:
+        local = Storage()
+        if local.isdir(path):
+            input_files(local, path, "tokenizer", suffix=".json")
+        else:
+            input_files(local, path, "tokenizer", kind=None if spec.startswith("clip:") else "json")
+    output_location(Storage.from_env(cfg.run.s3_endpoint), cfg.run.storage_path, "run.storage_path")
+
+
+@job_main
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_job_config(argv, __doc__.splitlines()[0], TRAIN_PRESETS, FLAGS)
+    cfg = parse_job_config(
+        argv, SUMMARY, TRAIN_PRESETS, FLAGS, required=REQUIRED, prog="jobs.train", example=EXAMPLE
+    )
+    check_inputs(cfg)
+    from training.train.trainer import train
+
     init_ray()
     out = train(cfg)
     final = out.metrics[-1] if out.metrics else {}

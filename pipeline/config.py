@@ -33,17 +33,17 @@ class DownloadConfig:
     """DataComp's download settings (img2dataset as called by DataComp's ``download_upstream.py``)."""
 
     image_size: Positive = 512  # longest side; downscale only
-    jpeg_quality: Annotated[int, Field(ge=1, le=100)] = 95
-    timeout_s: PositiveFloat = 10.0
-    retries: NonNegative = 2
-    threads_per_actor: Positive = 16
-    max_bytes: Positive = 20 * 1024 * 1024
+    jpeg_quality: Annotated[int, Field(ge=1, le=100)] = 95  # of the re-encoded JPEG (img2dataset's 95)
+    timeout_s: PositiveFloat = 10.0  # per request (DataComp's 10 s)
+    retries: NonNegative = 2  # further attempts after a transient failure (timeout, 429, 5xx)
+    threads_per_actor: Positive = 16  # concurrent downloads per download actor
+    max_bytes: Positive = 20 * 1024 * 1024  # a larger body is refused as image_too_large
     max_pixels: Positive = 89_478_485  # Pillow's decompression-bomb limit
-    verify_sha256: bool = True
-    blur_faces: bool = True
-    honor_robots: bool = True
+    verify_sha256: bool = True  # refuse a body whose sha256 differs from the metadata's
+    blur_faces: bool = True  # blur the metadata's face boxes (img2dataset 1.40's strength)
+    honor_robots: bool = True  # an X-Robots-Tag noai/noimageai opt-out refuses the image
     allow_hosts: Names = field(default_factory=list)  # private/loopback hosts explicitly allowed
-    user_agent: str = "prolip-ray/0.1 (+https://github.com/prolip-ray)"
+    user_agent: str = "prolip-ray/0.1 (+https://github.com/prolip-ray)"  # sent with every request
     # Hard limit of one part's download call; 0 = 10 · (retries + 1) · timeout_s (docs/download.md).
     part_deadline_s: NonNegativeFloat = 0.0
     per_host_connections: Positive = 4  # per actor: N actors may open N times this to one host
@@ -74,7 +74,9 @@ class DownloadConfig:
 
 @config_class
 class DedupeConfig:
-    near_duplicates: bool = False
+    """Exact (sha256 of the downloaded bytes) and near-duplicate (64-bit pHash) image dedupe."""
+
+    near_duplicates: bool = False  # also drop near-duplicates by pHash (exact duplicates always go)
     # Max Hamming distance (of 64 bits) to call two images near-duplicates.
     phash_threshold: Annotated[int, Field(ge=0, le=64)] = 4
 
@@ -83,23 +85,24 @@ class DedupeConfig:
 class FilterConfig:
     """Which DataComp baseline filters write a subset, and their parameters."""
 
+    # filter specs, one subset .npy each (pipeline/filters/specs.py), e.g. [basic, clip_score:fraction=0.3]
     names: Names = field(default_factory=lambda: ["no_filter", "basic"])
-    random_fraction: OpenFraction = 0.3
-    random_seed: Seed = 0
-    clip_threshold: Finite = 0.3
+    random_fraction: OpenFraction = 0.3  # the random baseline's share of the pool
+    random_seed: Seed = 0  # the random baseline's draw
+    clip_threshold: Finite = 0.3  # clip_score with clip_fraction=0: keep scores at or above this
     # 0 = select by clip_threshold instead; DataComp's get_threshold indexes past the end at 1: it has no
     # top-100% threshold (no_filter keeps every row).
     clip_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.3
-    clip_column: str = "clip_l14_similarity_score"
-    laion_threshold: Finite = 0.28
+    clip_column: str = "clip_l14_similarity_score"  # the metadata column clip_score ranks by
+    laion_threshold: Finite = 0.28  # laion2b: CLIP B/32 score threshold (LAION-2B's rule)
     # text_based: a WordNet 3.0 dict directory or nltk's wordnet.zip, and DataComp's ImageNet-21k id list
     text_wordnet: str = ""
-    text_synsets_file: str = ""
+    text_synsets_file: str = ""  # text_based: DataComp's ImageNet-21k synset id list
     text_concepts_file: str = ""  # text_based:method=lemmas only
     language_model: str = ""  # fastText lid.176 model (.bin or .ftz); empty = the wheel's lid.176.ftz
-    image_embeddings_file: str = ""
-    image_centroids_file: str = ""
-    image_centroid_ids_file: str = ""
+    image_embeddings_file: str = ""  # image_based: the pool's CLIP L/14 image embeddings (.npy)
+    image_centroids_file: str = ""  # image_based: DataComp's ImageNet-1k cluster centroids
+    image_centroid_ids_file: str = ""  # image_based: the centroids' cluster ids to keep
     # Which uids a build subset lists: "metadata" = every pool uid that passes the filter, downloaded or
     # not (DataComp's filter outputs); "downloaded" = only those that downloaded. Training reads the
     # shards, so it sees the downloaded ones either way.
@@ -113,35 +116,32 @@ class FilterConfig:
 @config_class
 class BuildConfig:
     metadata: str = ""  # local dir, glob, single parquet, or s3://; empty = generate the demo pool
-    output: str = "runs/demo"  # run directory, local or s3://
-    samples_per_shard: Positive = 10_000
+    output: str = "runs/demo"  # run directory, local or s3:// (required by jobs.build_dataset)
+    samples_per_shard: Positive = 10_000  # samples per output .tar (img2dataset's 10,000)
     part_size: Positive = 1_000  # input rows per download task (the unit of resume)
-    download_actors: Positive = 2
+    download_actors: Positive = 2  # Ray actors downloading parts at once
     download_cpus: PositiveFloat = 0.5  # Ray CPUs reserved per download actor (I/O-bound; see build.py)
     num_cpus: NonNegative = 0  # local Ray: 0 = all cores
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server
-    keep_parts: bool = False
+    keep_parts: bool = False  # keep work/parts/ after a finished build (the shards are cut from it)
     # Captions longer than this (UTF-8 bytes) are ``invalid_caption:too_long`` before download: a bound on
     # what one row can put into a shard and into the driver; 16 KiB is ~50× a 77-token CLIP caption.
     max_caption_bytes: Positive = 16_384
     # Actions, not settings (outside the run fingerprint): discard an earlier run's outputs in ``output``
     # first; download again the rows whose status is transient (schema.is_transient).
-    overwrite: bool = False
-    retry_failed: bool = False
+    overwrite: bool = False  # discard an earlier run's parts and outputs in output first
+    retry_failed: bool = False  # download again the rows whose status is transient (timeouts, 429, 5xx)
     tokenizer_vocab: NonNegative = (
         0  # >0: train a BPE tokenizer on the successful captions into <output>/tokenizer
     )
     # Node labels every Ray Data task/actor of the build must match, e.g. {prolip-role: data} on the
     # clusters in cluster/ (pipeline/common/placement.py); empty = no constraint.
     data_label_selector: dict[str, str] = field(default_factory=dict)
-    demo_n: NonNegative = 2000
-    demo_seed: Seed = 0
+    demo_n: NonNegative = 2000  # with no metadata: rows of the generated demo pool
+    demo_seed: Seed = 0  # with no metadata: the demo pool's seed
     download: DownloadConfig = field(default_factory=DownloadConfig)
     dedupe: DedupeConfig = field(default_factory=DedupeConfig)
     filters: FilterConfig = field(default_factory=FilterConfig)
-
-    def __post_init__(self) -> None:
-        require(bool(self.output), "output", "must name a run directory", self.output)
 
 
 BUILD_PRESETS: dict[str, BuildConfig] = {
@@ -163,8 +163,9 @@ BUILD_PRESETS: dict[str, BuildConfig] = {
         dedupe=DedupeConfig(near_duplicates=True),
         filters=FilterConfig(names=["no_filter", "basic", "english", "random"]),
     ),
+    # No output or metadata of its own: jobs.build_dataset asks for both, so a forgotten flag writes nowhere.
     "datacomp-small": BuildConfig(
-        output="s3://my-bucket/datacomp-small",
+        output="",
         samples_per_shard=10_000,
         part_size=2_000,  # ~100 MB of JPEGs per actor call
         download_actors=64,

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from pipeline.common.errors import InputError
+
 UID = "uid"
 URL = "url"
 TEXT = "text"
@@ -92,7 +94,7 @@ def invalid_caption(reason: str) -> str:
     return f"{INVALID_CAPTION}:{reason}"
 
 
-class SchemaError(ValueError):
+class SchemaError(InputError, ValueError):
     """Metadata does not have the columns or types the build needs; the message names them."""
 
 

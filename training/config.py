@@ -44,7 +44,7 @@ from pipeline.common.config import (
     require,
     to_dict,
 )
-from training.losses.registry import LOSS_SPECS
+from training.losses.names import LOSS_NAMES
 from training.model.config import MODEL_CONFIGS
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -59,15 +59,15 @@ class DataConfig:
     """Training ingest (pipeline/ingest/transforms.py)."""
 
     shards: str = ""  # directory, glob or comma-separated .tar paths; local or s3://
-    s3_endpoint: str = ""
-    augment: bool = True
+    s3_endpoint: str = ""  # for s3:// shards, e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    augment: bool = True  # RandomResizedCrop, colour jitter and grayscale (ProLIP B.1); off = resize only
     crop_scale: tuple[float, float] = (0.8, 1.0)  # RandomResizedCrop area range (ProLIP B.1)
     crop_ratio: tuple[float, float] = (0.75, 4.0 / 3.0)  # aspect range (torchvision's default)
     color_jitter: tuple[float, float, float, float] = (0.32, 0.32, 0.32, 0.08)  # b, c, s, hue
-    color_jitter_p: Unit = 0.8
-    grayscale_p: Unit = 0.2
-    mean: tuple[float, float, float] = OPENAI_MEAN
-    std: tuple[float, float, float] = OPENAI_STD
+    color_jitter_p: Unit = 0.8  # probability of the colour jitter
+    grayscale_p: Unit = 0.2  # probability of a grayscale image
+    mean: tuple[float, float, float] = OPENAI_MEAN  # pixel normalisation (OpenAI CLIP's)
+    std: tuple[float, float, float] = OPENAI_STD  # pixel normalisation (OpenAI CLIP's)
     shuffle_window: NonNegative = 1024  # rows per windowed shuffle of raw samples (before decode); 0 = off
     # None: fresh entropy every epoch. Set: a repeatable order (Ray Data keeps its output order), and a
     # one-worker run repeats bit for bit (tests/training/train/test_train.py); the track sets it to each
@@ -76,10 +76,10 @@ class DataConfig:
     local_shuffle_buffer: NonNegative = 0  # extra per-worker buffer (decoded rows) in iter_torch_batches
     augment_seed: Seed | None = None  # None: fresh entropy per decode actor
     read_cpus: PositiveFloat = 0.25  # CPUs reserved per shard-read task (I/O bound)
-    decode_batch_size: Positive = 64
+    decode_batch_size: Positive = 64  # samples per decode/augment task call
     decode_tasks: Positive = 2  # max concurrent decode/augment tasks
     decode_cpus: PositiveFloat = 1.0  # CPUs reserved per decode task
-    prefetch_batches: NonNegative = 2
+    prefetch_batches: NonNegative = 2  # batches each worker's iterator prepares ahead
     # Keep the rows a worker decoded in its first epoch in its memory and serve later epochs from there, in
     # a fresh order each epoch (masked variants still drawn per epoch): for small datasets without
     # augmentation, where a re-read and re-decode per epoch costs more than the step (each worker keeps its
@@ -98,7 +98,7 @@ class DataConfig:
     # random drop.
     salient_share: Unit = 1.0
     patch_keep_ratio: Unit = 0.25  # image patches kept (75% dropped, §4.1)
-    mask_seed: Seed = 0
+    mask_seed: Seed = 0  # which samples get a masked variant and which tokens/patches (with uid, epoch)
     label_selector: dict[str, str] = field(
         default_factory=dict
     )  # ingest nodes (pipeline/common/placement.py)
@@ -123,9 +123,9 @@ class DataConfig:
 @config_class
 class LossConfig:
     """Objective and its weights; which fields reach which loss is declared by its ``LossSpec``
-    (training/losses/registry.py)."""
+    (training/losses/registry.py; the names in training/losses/names.py)."""
 
-    name: str = "prolip"
+    name: str = "prolip"  # prolip, siglip, clip or pcmepp (training/losses/names.py)
     # Sigmoid losses (prolip, siglip): initial logit bias b. SigLIP's −10 ≈ −log(32k), i.e. p ≈ 1/B at its
     # batch of 32k; at a small batch, −log(B) starts at the same prior instead of first collapsing every
     # embedding together to lift all logits (the plateau of docs/environment.md at B = 128).
@@ -134,7 +134,7 @@ class LossConfig:
     alpha2: float = 1e-3  # masked inclusion weight (B.1)
     beta: float = 1e-4  # VIB weight (official runs)
     c: float = 1000.0  # inclusion-loss scale, with log ε = −20 (paper's runs)
-    log_eps: float = -20.0
+    log_eps: float = -20.0  # inclusion loss: log ε inside its log (paper's runs)
     # How the inclusion and VIB terms reduce over the D dimensions (docs/fidelity.md): "joint" = the paper's
     # formulas (one sigmoid per sample on H summed over d; KL summed over d), "official" = the official
     # code's (one sigmoid per dimension, inclusion and KL averaged over d), under which α₁, α₂, β were tuned.
@@ -144,16 +144,16 @@ class LossConfig:
     mix_fraction: float = 0.25  # PCME++ Mixup/CutMix share of a local batch
 
     def __post_init__(self) -> None:
-        require(self.name in LOSS_SPECS, "name", f"must be one of {', '.join(LOSS_SPECS)}", self.name)
+        require(self.name in LOSS_NAMES, "name", f"must be one of {', '.join(LOSS_NAMES)}", self.name)
 
 
 @config_class
 class OptimConfig:
-    lr: PositiveFloat = 5e-4
-    betas: tuple[Beta, Beta] = (0.9, 0.98)
-    eps: PositiveFloat = 1e-6
-    weight_decay: NonNegativeFloat = 0.2
-    warmup_steps: NonNegative = 500
+    lr: PositiveFloat = 5e-4  # peak learning rate, after warmup
+    betas: tuple[Beta, Beta] = (0.9, 0.98)  # AdamW's β1, β2
+    eps: PositiveFloat = 1e-6  # AdamW's ε
+    weight_decay: NonNegativeFloat = 0.2  # AdamW's (training/model/param_groups.py: which parameters)
+    warmup_steps: NonNegative = 500  # linear warmup, then cosine to min_lr_ratio
     min_lr_ratio: Unit = 0.0  # cosine floor as a fraction of lr
     grad_clip: NonNegativeFloat = 0.0  # max global grad norm; 0 = off
     # LR multiplier for the σ heads (each tower's log σ² projection and [UNC] token, ``model.unc_params``):
@@ -170,8 +170,8 @@ class WorkersConfig:
 
     num_workers: Positive = 2  # fixed size, or the maximum when min_workers > 0
     min_workers: NonNegative = 0  # > 0: elastic (min_workers, num_workers)
-    use_gpu: bool = False
-    cpus_per_worker: PositiveFloat = 1.0
+    use_gpu: bool = False  # one GPU per worker (gpus_per_worker), bf16 autocast
+    cpus_per_worker: PositiveFloat = 1.0  # Ray CPUs reserved per Train worker
     gpus_per_worker: PositiveFloat = 1.0  # only with use_gpu
     label_selector: dict[str, str] = field(default_factory=dict)  # Train worker nodes; empty = anywhere
     # Intra-op threads per worker: 0 = Ray's default (OMP_NUM_THREADS = the worker's CPUs), -1 = every core
@@ -193,27 +193,27 @@ class RunOutputConfig:
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333; else AWS_ENDPOINT_URL(_S3)
     max_failures: NonNegative = 0  # automatic worker-group restarts from the last checkpoint
     checkpoint_every: Positive = 100  # optimizer steps
-    keep_checkpoints: NonNegative = 2
-    log_every: Positive = 10
-    tensorboard: bool = True
+    keep_checkpoints: NonNegative = 2  # newest checkpoints kept in storage_path/name
+    log_every: Positive = 10  # optimizer steps between progress lines and metrics
+    tensorboard: bool = True  # TensorBoard event files in the run directory
     fail_at_step: NonNegative = 0  # test hook: rank `fail_rank` raises at this step on a run not resumed
-    fail_rank: NonNegative = 0
+    fail_rank: NonNegative = 0  # test hook: the rank that fails at fail_at_step
 
 
 @config_class
 class TrainConfig:
     model: str = "tiny"  # training.model.config.MODEL_CONFIGS name
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
     # "clip" (CLIP's BPE from open_clip_torch), "clip:PATH" (its bpe_simple_vocab_16e6.txt.gz), a saved
     # tokenizer directory or any tokenizer.json (e.g. SigLIP's); empty = train a BPE on the captions
     tokenizer: str = ""
     # for a tokenizer.json: "", "lower" (CLIP's cleaning), "canonicalize" (SigLIP's)
     tokenizer_clean: Literal["", "lower", "canonicalize"] = ""
-    tokenizer_vocab: Positive = 4096
-    global_batch_size: Positive = 128
+    tokenizer_vocab: Positive = 4096  # with tokenizer empty: the BPE's vocabulary size
+    global_batch_size: Positive = 128  # samples per optimizer step over all workers
     samples_seen: Positive = 60_000  # total training samples; steps = samples_seen // global_batch_size
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    seed: Seed = 0
+    seed: Seed = 0  # model initialisation (and the data order when data.shuffle_seed is set by the track)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -249,7 +249,7 @@ class TrainConfig:
         )
 
     def _check_model_fits_loss(self) -> None:
-        if LOSS_SPECS[self.loss.name].probabilistic:  # e.g. demo-32px-cnn has no [UNC] token for σ²
+        if LOSS_NAMES[self.loss.name]:  # e.g. demo-32px-cnn has no [UNC] token for σ²
             try:
                 dataclasses.replace(MODEL_CONFIGS[self.model], probabilistic=True)
             except ConfigError as exc:
@@ -269,6 +269,8 @@ _DEMO = TrainConfig(
     run=RunOutputConfig(storage_path="runs/demo/train", name="demo", checkpoint_every=100, log_every=10),
 )
 
+# The cluster presets leave data.shards and run.storage_path empty: jobs.train asks for both, so a
+# forgotten flag neither reads nor writes a bucket nobody chose.
 TRAIN_PRESETS: dict[str, TrainConfig] = {
     "demo": _DEMO,
     "datacomp-small": TrainConfig(
@@ -277,16 +279,14 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         global_batch_size=4096,
         samples_seen=12_800_000,
         data=DataConfig(
-            shards="s3://my-bucket/datacomp-small/shards",
+            shards="",  # required: jobs.train --shards
             decode_tasks=32,
             decode_batch_size=128,
             shuffle_window=4096,
         ),
         optim=OptimConfig(lr=5e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.2, warmup_steps=500),
         scaling=WorkersConfig(num_workers=8, use_gpu=True, cpus_per_worker=4),
-        run=RunOutputConfig(
-            storage_path="s3://my-bucket/datacomp-small/train", name="datacomp-small", checkpoint_every=500
-        ),
+        run=RunOutputConfig(storage_path="", name="datacomp-small", checkpoint_every=500),
     ),
     "prolip-b16": TrainConfig(
         model="ViT-B-16-ProLIP",
@@ -295,7 +295,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         samples_seen=1_280_000_000,
         precision="bf16",
         data=DataConfig(
-            shards="s3://my-bucket/datacomp-1b/shards",
+            shards="",  # required: jobs.train --shards
             decode_tasks=256,
             decode_batch_size=256,
             shuffle_window=8192,
@@ -304,7 +304,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         optim=OptimConfig(lr=5e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.2, warmup_steps=10_000),
         scaling=WorkersConfig(num_workers=32, use_gpu=True, cpus_per_worker=8),
         run=RunOutputConfig(
-            storage_path="s3://my-bucket/prolip-b16/train",
+            storage_path="",
             name="prolip-b16",
             checkpoint_every=2000,
             max_failures=3,

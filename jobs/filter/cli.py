@@ -3,7 +3,8 @@
 Presets: demo, datacomp-small (``jobs/filter/run.py``). Scores every pool pair with a trained
 checkpoint (CSD, cosine, per-tower uncertainty; Ray batch inference), runs the score filters, writes one
 DataComp subset ``.npy`` per filter (and, with ``reshard``, its shards) and ``manifest.json`` into the
-run directory. A missing or corrupt checkpoint, or a bad config, stops the job at start (exit code 2).
+run directory. A bad config stops the job at start (exit 2); missing or corrupt shards or checkpoint stop
+it before Ray starts (exit 3; docs/jobs.md, "Errors and exit codes").
 ``--checkpoint`` also takes a model trained elsewhere — ``openclip:MODEL:LOCATION`` or ``prolip:LOCATION``
 (training/imports/load.py) — imported first into ``OUT/checkpoint``.
 """
@@ -12,36 +13,54 @@ from __future__ import annotations
 
 import sys
 
-from jobs.common import init_ray, parse_job_config, print_table
+from jobs.common import init_ray, job_main, parse_job_config, print_table
 from jobs.filter.run import FILTER_PRESETS, check_checkpoint, run_filter_job, validate
 from pipeline.common import storage
-from pipeline.common.config import ConfigError, merge, to_dict
+from pipeline.common.config import merge, to_dict
+from pipeline.common.errors import InputError, JobError, naming
 from pipeline.common.manifest import write_manifest
+from pipeline.common.preflight import input_dir, input_files, output_location
 from pipeline.common.storage import Storage
-from training.imports.load import import_checkpoint, is_import_source
-from training.model.checkpoint import CheckpointError
 
-# a checkpoint directory or an openclip:/prolip: source; pool shards (directory, glob or list); run directory
 FLAGS = {"--checkpoint": "checkpoint", "--shards": "shards", "--out": "out", "--s3-endpoint": "s3_endpoint"}
+SUMMARY = """\
+Score every pool pair with a checkpoint (CSD, cosine, Σσ² per tower; Ray batch inference) and write one
+DataComp subset .npy per filter spec (CSD best k%, the uncertainty-aware variant, CLIP score, random),
+optionally resharded. --checkpoint also takes openclip:MODEL:LOCATION or prolip:LOCATION."""
+EXAMPLE = (
+    "python -m jobs.filter --checkpoint runs/demo/train/scorer/checkpoint_00001500 --shards runs/demo/shards "
+    "--out runs/filter --set 'filters=[csd_best:fraction=0.2]'"
+)
 
 
+@job_main
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_job_config(argv, __doc__.splitlines()[0], FILTER_PRESETS, FLAGS)
+    cfg = parse_job_config(
+        argv, SUMMARY, FILTER_PRESETS, FLAGS, required=("checkpoint", "shards", "out"), prog="jobs.filter",
+        example=EXAMPLE,
+    )  # fmt: skip
+    specs = validate(cfg)
+    store = Storage.from_env(cfg.s3_endpoint)
+    input_files(store, cfg.shards, "shards", "tar", ".tar")
+    output_location(store, cfg.out, "out")
+    imported = cfg.checkpoint.split(":", 1)[0] in ("openclip", "prolip") and ":" in cfg.checkpoint
+    if not imported:
+        input_dir(store, cfg.checkpoint, "checkpoint")  # before torch loads to read it
     imported_from = None
-    try:
-        specs = validate(cfg)
-        if is_import_source(cfg.checkpoint):
-            imported_from, target = cfg.checkpoint, storage.join(cfg.out, "checkpoint")
-            print(f"filter: importing {imported_from} → {target}", file=sys.stderr)
-            store = Storage.from_env(cfg.s3_endpoint)
-            cfg = merge(
-                cfg,
-                {"checkpoint": import_checkpoint(cfg.checkpoint, target, store, cfg.checkpoint_tokenizer)},
-            )
+    if imported:
+        from training.imports.load import import_checkpoint
+
+        imported_from, target = cfg.checkpoint, storage.join(cfg.out, "checkpoint")
+        print(f"filter: importing {imported_from} → {target}", file=sys.stderr)
+        try:
+            checkpoint = import_checkpoint(cfg.checkpoint, target, store, cfg.checkpoint_tokenizer)
+        except JobError:
+            raise
+        except (FileNotFoundError, ValueError) as exc:  # a malformed source spec or a missing location
+            raise InputError(f"checkpoint {cfg.checkpoint}: {exc}") from None
+        cfg = merge(cfg, {"checkpoint": checkpoint})
+    with naming(f"checkpoint {cfg.checkpoint}"):
         check_checkpoint(cfg, specs)
-    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as exc:
-        print(f"filter: {exc}", file=sys.stderr)
-        return 2
     init_ray()
     res = run_filter_job(cfg)
     write_manifest(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import BeforeValidator
 
@@ -35,10 +35,9 @@ from pipeline.common.config import (
 )
 from pipeline.common.storage import Storage
 from pipeline.filters.specs import FilterSpec, parse_filter_specs, required_columns, run_filters
-from pipeline.subsets.materialize import reshard_subsets
-from pipeline.subsets.uid_files import write_subsets
-from training.infer.batch_inference import score_shards
-from training.infer.scoring import SCORE_COLUMNS, ScoreResult, verify_checkpoint
+
+if TYPE_CHECKING:
+    from training.infer.scoring import ScoreResult
 
 
 @config_class
@@ -49,30 +48,31 @@ class FilterJobConfig:
     checkpoint: str = ""
     checkpoint_tokenizer: str = ""  # for an imported source: a tokenizer other than its own
     out: str = "runs/demo/filter"  # run directory (local or s3://)
-    s3_endpoint: str = ""
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
     num_actors: Positive = 1  # scoring actors, each holding one model
     num_gpus: NonNegativeFloat = (
         0.0  # per actor; 0 on CPU (a GPU request on a CPU-only cluster waits forever)
     )
-    cpus_per_actor: NonNegativeFloat = 1.0
-    batch_size: Positive = 256
+    cpus_per_actor: NonNegativeFloat = 1.0  # Ray CPUs reserved per scoring actor
+    batch_size: Positive = 256  # pairs per encoder call
+    # filter specs (pipeline/filters/specs.py), one subset .npy each under <out>/subsets/
     filters: Annotated[tuple[str, ...], BeforeValidator(names_from_text)] = (
         "csd_best:fraction=0.2",
         "csd_uncertainty_aware:fraction=0.2",
         "clip_score_best:fraction=0.3",
         "random_same_size:of=csd_best,seed=0",
     )
-    reshard: bool = False
+    reshard: bool = False  # also materialise each subset as shards (<out>/subsets/<label>/shards/)
     samples_per_shard: Positive = 10_000  # DataComp's resharder default
     reshard_workers: Positive = 1  # input shards read ahead in parallel while resharding (hides S3 latency)
-    reuse_scores: bool = False
+    reuse_scores: bool = False  # keep <out>/scores/scores.parquet when it exists (re-run the filters only)
 
 
 FILTER_PRESETS: dict[str, FilterJobConfig] = {
     "demo": FilterJobConfig(out="runs/demo/filter", reshard=True, samples_per_shard=500, batch_size=128),
+    # No shards or out of its own: the job asks for both, so a forgotten flag writes to no bucket.
     "datacomp-small": FilterJobConfig(
-        shards="s3://my-bucket/datacomp-small/shards",
-        out="s3://my-bucket/datacomp-small/filter",
+        out="",
         num_actors=8,
         num_gpus=1.0,
         cpus_per_actor=4.0,
@@ -113,6 +113,8 @@ def validate(cfg: FilterJobConfig) -> list[FilterSpec]:
     if not cfg.out:
         raise ConfigError("out: give a run directory")
     specs = parse_filter_specs(list(cfg.filters))
+    from training.infer.scoring import SCORE_COLUMNS  # loads torch: after the checks that need none
+
     for i, spec in enumerate(specs):
         missing = sorted(required_columns([spec]) - set(SCORE_COLUMNS))
         if missing:
@@ -125,6 +127,8 @@ def validate(cfg: FilterJobConfig) -> list[FilterSpec]:
 def check_checkpoint(cfg: FilterJobConfig, specs: list[FilterSpec]) -> bool:
     """Load the checkpoint once on the driver (raises CheckpointError naming the file) before any
     actor starts; a filter that needs σ² with a deterministic checkpoint is a ConfigError."""
+    from training.infer.scoring import verify_checkpoint
+
     model_cfg = verify_checkpoint(cfg.checkpoint, Storage.from_env(cfg.s3_endpoint))
     for i, spec in enumerate(specs):
         if "text_unc" in required_columns([spec]) and not model_cfg.probabilistic:
@@ -138,6 +142,8 @@ def _score(cfg: FilterJobConfig, store: Storage, scores_path: str) -> ScoreResul
     """Score the pool into ``scores_path``, unless ``reuse_scores`` and it exists (then None)."""
     if cfg.reuse_scores and store.exists(scores_path):
         return None
+    from training.infer.batch_inference import score_shards
+
     return score_shards(
         cfg.shards,
         cfg.checkpoint,
@@ -166,6 +172,8 @@ def run_filter_job(cfg: FilterJobConfig) -> FilterJobResult:
     results = run_filters(table, specs, store=store)
     timings["filter"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    from pipeline.subsets.uid_files import write_subsets
+
     paths = {s.label: storage.join(cfg.out, "subsets", f"{s.label}.npy") for s in specs}
     sizes = write_subsets(store, table, results, paths)
     timings["subsets"] = time.perf_counter() - t0
@@ -178,6 +186,8 @@ def run_filter_job(cfg: FilterJobConfig) -> FilterJobResult:
         for s in specs
     }
     if cfg.reshard:
+        from pipeline.subsets.materialize import reshard_subsets
+
         t0 = time.perf_counter()
         outputs = {label: storage.join(cfg.out, "subsets", label, "shards") for label in paths}
         done = reshard_subsets(

@@ -1,31 +1,56 @@
 """``python -m jobs.track --preset demo|tiny|datacomp-small [--config F] [--set k=v ...]``.
 
 The DataComp-style filtering track in one job: build → scorer → CSD scores → filters → reshard → one
-model per subset at equal samples seen → evaluation → ``report.md`` (jobs/track/run.py). ``make demo``
-runs the demo preset on a generated pool served on 127.0.0.1. Re-running with the same ``output``
-resumes: finished steps are skipped, an interrupted training resumes from its checkpoint.
+model per subset at equal samples seen → evaluation → ``report.md`` and ``report.html``
+(jobs/track/run.py). ``make demo`` runs the demo preset on a generated pool served on 127.0.0.1.
+Re-running with the same ``output`` resumes: finished steps are skipped, an interrupted training resumes
+from its checkpoint. The output, the metadata and the eval root are checked before Ray starts.
 """
 
 from __future__ import annotations
 
 import sys
 
-from jobs.common import init_ray, parse_job_config
-from jobs.track.config import TRACK_PRESETS
-from jobs.track.report import markdown_table
-from jobs.track.run import ResumeMismatch, claim_output, run_track
+from jobs.common import init_ray, job_main, parse_job_config
+from jobs.track.config import TRACK_PRESETS, TrackConfig
 from pipeline.common.config import to_dict
 from pipeline.common.manifest import write_manifest
-from pipeline.common.storage import Storage, redact_text
+from pipeline.common.preflight import input_dir, input_files, output_location
+from pipeline.common.storage import Storage
+
+# A preset for real data names no bucket: a forgotten flag must not write to one nobody chose.
+REQUIRED = {"*": ("output",), "datacomp-small": ("output", "build.metadata", "eval_root")}
+SUMMARY = """\
+DataComp's filtering track in one run directory: build → a ProLIP scorer on the unfiltered pool → CSD
+scores → filters → reshard → one model per subset at equal samples seen → evaluation → report.md and
+report.html. Re-running the same command resumes; python -m jobs.status OUTPUT shows how far it got."""
+EXAMPLE = "python -m jobs.track --preset demo --set output=runs/demo"
 
 
+def check_inputs(cfg: TrackConfig, store: Storage) -> None:
+    """Before Ray starts: where the run writes, the metadata and the eval sets' root when given, and that
+    a resumed run's config matches the steps it recorded (``claim_output``)."""
+    from jobs.track.run import claim_output
+
+    output_location(store, cfg.output, "output")
+    if cfg.build.metadata:
+        input_files(store, cfg.build.metadata, "build.metadata", "parquet", ".parquet")
+    if cfg.eval_root:
+        input_dir(store, cfg.eval_root, "eval_root")
+    claim_output(cfg, store)
+
+
+@job_main
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_job_config(argv, __doc__.splitlines()[0], TRACK_PRESETS, {"--output": "output"})
-    try:  # before Ray starts: a resumed run's config must match the steps it recorded
-        claim_output(cfg)
-    except ResumeMismatch as exc:
-        print(f"config error: {redact_text(str(exc))}", file=sys.stderr)
-        return 2
+    cfg = parse_job_config(
+        argv, SUMMARY, TRACK_PRESETS, {"--output": "output"}, required=REQUIRED, prog="jobs.track",
+        example=EXAMPLE,
+    )  # fmt: skip
+    store = Storage.from_env(cfg.s3_endpoint)
+    check_inputs(cfg, store)
+    from jobs.track.report import markdown_table
+    from jobs.track.run import run_track
+
     init_ray(cfg.num_cpus)
     result = run_track(cfg)
     write_manifest(
@@ -34,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         config=to_dict(cfg),
         counts={"subsets": {r["subset"]: r["size"] for r in result.table}},
         timings=result.timings,
-        store=Storage.from_env(cfg.s3_endpoint),
+        store=store,
         extra={"report": result.report, "verdict": result.comparisons},
     )
     print(f"\nreport: {result.report}\n")
@@ -45,3 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(markdown_table(result.table))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

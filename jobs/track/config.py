@@ -38,7 +38,7 @@ SUBSET_KINDS = typing.get_args(SubsetKind)
 @config_class
 class TrackConfig:
     output: str = "runs/demo"  # the run directory, local or s3://
-    s3_endpoint: str = ""
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
     num_cpus: NonNegative = 0  # local Ray: 0 = all cores
     # the build also trains the BPE that every model shares (share_tokenizer)
     build: BuildConfig = field(
@@ -46,6 +46,8 @@ class TrackConfig:
     )
     scorer: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])
     train: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])  # one per subset and seed
+    # one model per subset and seed: no_filter, basic, english (the build's), csd, csd_uncertainty,
+    # clip_score, random
     subsets: Annotated[tuple[SubsetKind, ...], BeforeValidator(names_from_text)] = (
         "no_filter",
         "basic",
@@ -60,14 +62,15 @@ class TrackConfig:
     # … and those below this one (0 = none; docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md)
     text_unc_low_quantile: Fraction = 0.0
     random_of: str = "csd"  # the random control matches this subset's size
+    # the first seeds the scorer; each trains one model per subset (more seeds: one more model each)
     seeds: Annotated[tuple[Seed, ...], Field(min_length=1)] = (0,)
     eval_tasks: str = "demo"  # a task-list name (training/eval/tasks/<name>.yaml) or a YAML path
     eval_root: str = ""  # where the task paths resolve; empty = <output>/pool/eval (the demo pool's)
     eval_max_samples: NonNegative = 0  # 0 = whole sets
-    score_actors: Positive = 1
+    score_actors: Positive = 1  # scoring actors, each holding the scorer
     # per scoring actor; 0 on CPU-only clusters (a GPU ask there waits forever)
     score_gpus: NonNegativeFloat = 0.0
-    eval_gpus: NonNegativeFloat = 0.0
+    eval_gpus: NonNegativeFloat = 0.0  # per evaluation actor; 0 on CPU-only clusters
     # Subset models trained at once, each with train.scaling's workers and threads
     # (docs/decisions/0007-subset-models-two-at-a-time.md).
     train_parallel: Positive = 1
@@ -192,8 +195,10 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         train_parallel=2,
         eval_max_samples=64,
     ),
+    # No output, metadata or eval root of its own: jobs.track asks for all three, so a forgotten flag
+    # writes to no bucket nobody chose.
     "datacomp-small": TrackConfig(
-        output="s3://my-bucket/datacomp-small-track",
+        output="",
         build=BUILD_PRESETS["datacomp-small"],
         scorer=merge(
             TRAIN_PRESETS["datacomp-small"], {"loss": {"name": "prolip"}, "run": {"name": "scorer"}}
@@ -202,7 +207,6 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         subsets=("no_filter", "basic", "csd", "csd_uncertainty", "clip_score", "random"),
         csd_fraction=0.2,
         eval_tasks="datacomp",
-        eval_root="s3://my-bucket/datacomp-eval",
         score_actors=8,
         score_gpus=1.0,
         eval_gpus=1.0,

@@ -1,5 +1,7 @@
-"""``report.md`` of a track run: the comparison table, the verdicts, what the filters kept, the scorer's
-uncertainty figures and the plots, written from what ``jobs/track/results.py`` computes."""
+"""``report.md`` and ``report.html`` of a track run: the comparison table and its figure, the loss curves,
+the verdicts, what the filters kept, the scorer's uncertainty figures and plots, written from what
+``jobs/track/results.py`` computes; every figure of the analyses stays in the eval's ``analyses.json``,
+which the report links. ``jobs/track/render.py`` draws the figures and the HTML."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import math
 from typing import Any
 
 from jobs.track.config import BUILD_SUBSETS
-from jobs.track.results import Row, comparison_table, noise_detection, subset_purity, verdict
+from jobs.track.results import Row, comparison_table, noise_detection, subset_purity, task_values, verdict
 from pipeline.common import storage
 from pipeline.common.storage import Storage
 
@@ -20,19 +22,6 @@ def _fmt(x: Any, digits: int = 3) -> str:
     if isinstance(x, list):
         return "[" + ", ".join(_fmt(v, digits) for v in x) + "]"
     return str(x)
-
-
-def _flat(prefix: str, obj: Any, out: list[tuple[str, Any]]) -> None:
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
-    elif isinstance(obj, (int, float, str, bool)) or obj is None:
-        out.append((prefix, obj))
-    elif isinstance(obj, list) and 0 < len(obj) <= _SHORT_LIST and all(_number(v) for v in obj):
-        out.append((prefix, obj))  # an interval, or one figure per level or pair
-
-
-_SHORT_LIST = 8  # longer lists (per class, per template) stay in the eval's own JSON
 
 
 def _number(v: Any) -> bool:
@@ -68,12 +57,18 @@ def _header_lines(cfg: Any, built: dict[str, Any], scorer: dict[str, Any], rows:
         f"samples seen (loss {_fmt(scorer.get('first_loss'))} → {_fmt(scorer.get('final_loss'))}); each subset "
         f"model: {cfg.train.loss.name}, {cfg.train.model}, {cfg.train.samples_seen} samples seen, seeds {seeds}.",
         "",
+        "The same report with every figure inline, as one file: `report.html`.",
+        "",
         "## Results (main metric per task; average = mean of the task main metrics)",
         "",
         'size: uids the subset lists (for a build subset in the build\'s filters.subset_scope; "metadata" '
         "= DataComp's count, downloaded or not); downloaded: those in the shards, which the model trains on.",
         "",
         markdown_table(rows),
+        "",
+        "![each subset's main metrics side by side](figures/results.png)",
+        "",
+        "![training loss of the scorer and every subset model](figures/loss_curves.png)",
     ]
 
 
@@ -187,18 +182,21 @@ def _scorer_lines(cfg: Any, scorer_eval: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     analyses = scorer_eval.get("analyses") or {}
     if analyses:
-        flat: list[tuple[str, Any]] = []
-        _flat("", analyses, flat)
+        rel = _relative(cfg, storage.join(scorer_eval.get("dir") or storage.join(cfg.output, "eval", "scorer"),
+                                          "analyses.json"))  # fmt: skip
         lines += ["", "## Uncertainty (scorer, measured on the demo eval sets)", *_claim_lines(analyses)]
-        lines += ["", "| quantity | value |", "|---|---|"]
-        lines += [f"| {k} | {_fmt(v, 4)} |" for k, v in flat]
+        lines += ["", f"Every figure of the analyses, with its interval and sample counts: [{rel}]({rel})."]
     plots = scorer_eval.get("plots") or []
     if plots:
-        lines += ["", "## Plots", ""]
+        lines += ["", "## Plots (scorer)", ""]
         for path in plots:
-            rel = path[len(cfg.output) :].lstrip("/") if path.startswith(cfg.output) else path
+            rel = _relative(cfg, path)
             lines.append(f"![{rel.rsplit('/', 1)[-1]}]({rel})")
     return lines
+
+
+def _relative(cfg: Any, path: str) -> str:
+    return path[len(cfg.output) :].lstrip("/") if path.startswith(cfg.output) else path
 
 
 def _timing_lines(
@@ -239,8 +237,8 @@ def write_report(
     machine: dict[str, float] | None = None,
     store: Storage | None = None,
 ) -> tuple[str, list[Row], dict[str, Any]]:
-    """Write ``report.md`` and ``track_results.json`` under ``cfg.output``; returns (report path, table,
-    verdicts). ``store`` defaults to the one ``cfg.s3_endpoint`` names."""
+    """Write ``report.md``, ``report.html``, ``figures/`` and ``track_results.json`` under ``cfg.output``;
+    returns (report path, table, verdicts). ``store`` defaults to the one ``cfg.s3_endpoint`` names."""
     store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
     rows = comparison_table(cfg, subsets, models, evals)
     verdicts = verdict(cfg, evals)
@@ -252,6 +250,9 @@ def write_report(
     }
     purity = subset_purity(cfg, {**subsets, **untrained}, store)
     detection = noise_detection(cfg, scores["path"], store)
+    from jobs.track.render import html_report, write_figures
+
+    write_figures(cfg, task_values(cfg, evals), models, scorer, store)
     lines = [
         *_header_lines(cfg, built, scorer, rows),
         *_verdict_lines(verdicts),
@@ -260,7 +261,10 @@ def write_report(
         *_timing_lines(scores, timings, machine, cfg.train_parallel),
     ]
     path = storage.join(cfg.output, "report.md")
-    store.write_bytes("\n".join(lines).encode(), path)
+    text = "\n".join(lines)
+    store.write_bytes(text.encode(), path)
+    page = html_report(text, cfg.output, store, f"Filtering track report: {cfg.output}")
+    store.write_bytes(page.encode(), storage.join(cfg.output, "report.html"))
     results = {
         "table": rows,
         "verdict": verdicts,

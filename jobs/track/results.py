@@ -66,6 +66,22 @@ def comparison_table(
     return rows
 
 
+def task_values(cfg: Any, evals: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """subset → task (and "average") → one main-metric value per seed that has it: the report's figure
+    draws their mean and spread."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in cfg.subsets:
+        per: dict[str, list[float]] = {}
+        for seed in cfg.seeds:
+            ev = evals.get(f"{name}-seed{seed}", {})
+            for task, value in _main_metrics(ev).items():
+                per.setdefault(task, []).append(float(value))
+            if "average" in ev.get("aggregates", {}):
+                per.setdefault("average", []).append(float(ev["aggregates"]["average"]))
+        out[name] = per
+    return out
+
+
 def verdict(cfg: Any, evals: dict[str, Any]) -> dict[str, Any]:
     """CSD minus each control on the average, per seed; "beats" only when better on every seed."""
     out: dict[str, Any] = {}

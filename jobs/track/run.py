@@ -37,7 +37,8 @@ from typing import Any
 
 from jobs.track.config import TrackConfig, paths
 from pipeline.common import storage
-from pipeline.common.config import ConfigError, to_dict
+from pipeline.common.config import to_dict
+from pipeline.common.errors import RefusedError
 from pipeline.common.storage import Storage
 from pipeline.source.run_state import RETRY_KNOBS, differences
 
@@ -58,7 +59,7 @@ _PLACEMENT = {
 }  # fmt: skip
 
 
-class ResumeMismatch(ConfigError):
+class ResumeMismatch(RefusedError, ValueError):
     """The output holds a track run made with another config; the message names the keys."""
 
 
@@ -83,11 +84,11 @@ def resume_key(cfg: TrackConfig) -> dict[str, Any]:
 
 def claim_output(cfg: TrackConfig, store: Storage | None = None) -> _State:
     """Check ``cfg`` against the steps already recorded in its output, record it and return the state;
-    raises ``ResumeMismatch`` (a ``ConfigError``) naming what differs."""
+    raises ``ResumeMismatch`` (a ``RefusedError``, exit 5) naming what differs."""
     store = store or Storage.from_env(cfg.s3_endpoint)
     state = _State(cfg.output, store)
     new = resume_key(cfg)
-    steps = [k for k in state.data if k not in ("timings", "config")]
+    steps = [k for k in state.data if k not in NOT_STEPS]
     old = state.get("config")
     if steps and old is None:
         raise ResumeMismatch(
@@ -102,7 +103,20 @@ def claim_output(cfg: TrackConfig, store: Storage | None = None) -> _State:
             "config, or use a new output (--set output=DIR)"
         )
     state.done("config", new)
+    state.done("plan", planned_steps(cfg))  # what jobs.status compares the finished steps with
     return state
+
+
+NOT_STEPS = ("timings", "config", "plan")  # the state's entries that are not finished steps
+
+
+def planned_steps(cfg: TrackConfig) -> list[str]:
+    """Every step ``run_track`` records, in its order (one ``train/`` and ``evaluate/`` per model)."""
+    models = [f"{name}-seed{seed}" for name in cfg.subsets for seed in cfg.seeds]
+    return [
+        "build", "scorer", "score", "filters", "reshard", *[f"train/{m}" for m in models], "evaluate/scorer",
+        *[f"evaluate/{m}" for m in models],
+    ]  # fmt: skip
 
 
 @dataclass

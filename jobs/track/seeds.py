@@ -12,15 +12,17 @@ out of the summary; a directory that is not a finished track run is an error nam
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 from collections import Counter
+from dataclasses import field
 from typing import Any
 
+from jobs.common import job_main, parse_job_config
 from jobs.track.report import _CLAIMS, _fmt, _get, _number
 from pipeline.common import storage
-from pipeline.common.storage import Storage, redact_text
+from pipeline.common.config import Names, config_class
+from pipeline.common.errors import InputError, JobError, UsageError, naming
+from pipeline.common.storage import Storage
 
 # (label, where, test): ``where`` is "results:…" (track_results.json) or "scorer:…" (the scorer's analyses);
 # ``test`` names what holds on a run, counted over the runs.
@@ -40,9 +42,7 @@ def _load(run: str, store: Storage) -> tuple[dict[str, Any], dict[str, Any]]:
     for name in ("track_results.json", "track_state.json"):
         path = storage.join(run, name)
         if not store.exists(path):
-            raise FileNotFoundError(
-                f"{path}: not found; is {run} a finished track run (python -m jobs.track)?"
-            )
+            raise InputError(f"{path}: not found; is {run} a finished track run (python -m jobs.track)?")
         out.append(store.read_json(path))
     return out[0], out[1]
 
@@ -149,27 +149,39 @@ def markdown(runs: dict[str, dict[str, Any]], summary: dict[str, dict[str, Any]]
     return "\n".join(lines) + "\n"
 
 
+@config_class
+class SeedsConfig:
+    runs: Names = field(default_factory=list)  # track run directories (their --set output=…), local or s3://
+    out: str = ""  # also write the table here (markdown; a .json beside it)
+    s3_endpoint: str = ""  # for s3:// runs (else AWS_ENDPOINT_URL)
+
+
+SUMMARY = """\
+One table over track runs that differ in their scorer seed: per run and over the runs, the filters'
+verdicts, the scorer's CSD AUC and the paper's σ² observations with their intervals."""
+EXAMPLE = "python -m jobs.track.seeds runs/demo runs/demo-seed1 runs/demo-seed2 --out runs/seeds.md"
+
+
+@job_main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "runs", nargs="+", help="track run directories (their --set output=…), local or s3://"
-    )
-    parser.add_argument("--out", default=None, help="also write the table here (markdown; a .json beside it)")
-    parser.add_argument("--s3-endpoint", default="", help="for s3:// runs; else AWS_ENDPOINT_URL(_S3)")
-    args = parser.parse_args(argv)
+    args = parse_job_config(
+        argv, SUMMARY, {"default": SeedsConfig()}, {"RUN": "runs", "--out": "out", "--s3-endpoint": "s3_endpoint"},
+        default="default", required=("runs",), prog="jobs.track.seeds", example=EXAMPLE,
+    )  # fmt: skip
     store = Storage.from_env(args.s3_endpoint)
     names = [run.rstrip("/") for run in args.runs]
     twice = sorted(name for name, n in Counter(names).items() if n > 1)
     if twice:
-        print(f"error: runs: {', '.join(twice)} given more than once", file=sys.stderr)
-        return 2
+        raise UsageError(f"runs: {', '.join(twice)} given more than once")
     runs: dict[str, dict[str, Any]] = {}
     for name in names:
         try:
-            runs[name] = run_figures(*_load(name, store))
-        except (FileNotFoundError, ValueError) as exc:
-            print(f"error: {redact_text(str(exc))}", file=sys.stderr)
-            return 2
+            with naming(name):
+                runs[name] = run_figures(*_load(name, store))
+        except ValueError as exc:  # a file that is not JSON
+            if isinstance(exc, JobError):
+                raise
+            raise InputError(f"{name}: {exc}") from None
     summary = summarise(runs)
     text = markdown(runs, summary)
     print(text, end="")

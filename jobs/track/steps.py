@@ -43,9 +43,13 @@ def train_models(cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int]]
             "ingest": res.ingest,
         }
         log(
-            f"[track]   {name}: loss {out[name]['first_loss']} → {out[name]['final_loss']} in {res.wall_s:.0f}s"
+            f"[track]   {name}: loss {_loss(out[name]['first_loss'])} → {_loss(out[name]['final_loss'])} in {res.wall_s:.0f}s"
         )
     return out
+
+
+def _loss(value: float | None) -> str:
+    return "–" if value is None else f"{value:.4f}"  # the table's 4 digits; the state keeps every digit
 
 
 def score_pool(cfg: TrackConfig, checkpoint: str, log: Log) -> dict[str, Any]:
@@ -181,6 +185,7 @@ def evaluate_models(cfg: TrackConfig, models: dict[str, Any], log: Log) -> dict[
             max_samples=cfg.eval_max_samples or None,
             seed=info.get("seed", 0),
             resume=False,  # the track resumes by its own state; a retrained model reuses its path
+            log=lambda line: log(f"[track]   {line}"),
         )
         out[name] = {
             "results": rep.results,

@@ -27,10 +27,12 @@ import yaml
 from pydantic import BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from pipeline.common.errors import UsageError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """A config key is unknown, or its value has the wrong type or lies out of range; the message names it."""
 
 

@@ -90,6 +90,8 @@ def _s3_filesystem(
     # whose environment lacks them; without keys the SDK's chain (config files, instance profile) runs
     # where the filesystem is used.
     kwargs: dict[str, Any] = {"region": region or None}
+    if (attempts := os.environ.get("AWS_MAX_ATTEMPTS", "")).isdigit() and int(attempts) > 0:  # the SDKs' name
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=int(attempts))  # else 3
     if access_key and secret_key:
         kwargs.update(access_key=access_key, secret_key=secret_key, session_token=session_token or None)
     if endpoint:

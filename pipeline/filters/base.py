@@ -14,11 +14,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.common.errors import InputError
+
 Table = pa.Table | Mapping[str, Any]
 LANG = "lang"  # optional precomputed column of fastText labels
 
 
-class FilterError(ValueError):
+class FilterError(InputError, ValueError):
     """A filter cannot run: unknown name, missing column or missing input file; the message names it."""
 
 

@@ -28,6 +28,7 @@ import os
 import zipfile
 from collections.abc import Iterable
 
+from pipeline.common.errors import InputError
 from pipeline.common.storage import LOCAL, Storage
 
 POS_ORDER = ("n", "v", "a", "r")  # nltk's POS_LIST
@@ -59,7 +60,7 @@ _RULES = {
 }
 
 
-class WordNetError(ValueError):
+class WordNetError(InputError, ValueError):
     """A WordNet file is missing or malformed; the message names it."""
 
 

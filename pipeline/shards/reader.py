@@ -25,6 +25,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline.common.errors import InputError
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.shards.tar_format import BLOCK, NAME_HEADERS, REGULAR, ShardError, parse_header
 
@@ -36,7 +37,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # image members, in order of prefer
 BadShardReport = Callable[[str, str], int]  # (shard path, error) → distinct damaged shards so far
 
 
-class TooManyBadShards(RuntimeError):
+class TooManyBadShards(InputError, RuntimeError):
     """More distinct corrupt/truncated shards than ``max_bad_shards``; names the last one."""
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import tarfile
 
+from pipeline.common.errors import InputError
+
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; archives are padded to it, as GNU tar and tarfile do
 MTIME = 0  # fixed for reproducible shards
@@ -18,7 +20,7 @@ NAME_HEADERS = (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNA
 REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
 
 
-class ShardError(RuntimeError):
+class ShardError(InputError, RuntimeError):
     """A shard is truncated or malformed; the message names the file and the byte offset."""
 
 

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import schema as S
+from pipeline.common.errors import InputError
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, prepare_batch
 
@@ -27,7 +28,7 @@ DERIVED = (CAPTION_STATUS, ROW_KEY)  # added by prepare_batch, not in the files
 _RAW_NEEDED = (S.UID, S.URL, S.TEXT)  # what prepare_batch reads to make them
 
 
-class MetadataError(ValueError):
+class MetadataError(InputError, ValueError):
     """The metadata cannot be read or has the wrong schema; the message names the file."""
 
 

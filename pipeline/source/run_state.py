@@ -39,6 +39,7 @@ import pyarrow.compute as pc
 
 from pipeline.common import storage
 from pipeline.common.config import to_dict
+from pipeline.common.errors import RefusedError
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
 
@@ -47,7 +48,7 @@ _PART_FILE = re.compile(r"^part-(\d{6})\.([0-9a-f]+)\.(tar|parquet)$")
 _MARKER = re.compile(r"^part-(\d{6})\.done$")
 
 
-class FingerprintMismatch(ValueError):
+class FingerprintMismatch(RefusedError, ValueError):
     """The run directory holds another build; the message names what differs and how to proceed."""
 
 

@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import pyarrow as pa
 
+from pipeline.common.errors import InputError
 from pipeline.common.storage import Storage
 from pipeline.filters.base import FilterResult
 from pipeline.schema import UID, UID_DTYPE, u8pairs_to_uids, uids_to_u8pairs
@@ -30,7 +31,7 @@ from pipeline.source.row_checks import valid_uids
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-class SubsetError(ValueError):
+class SubsetError(InputError, ValueError):
     """A subset file is not DataComp's sorted ``u8,u8`` array; the message names the file."""
 
 

@@ -17,17 +17,17 @@ from tests.fixtures.demo_pool import demo_pool  # noqa: F401
 from training.eval.uncertainty.measures import NOT_APPLICABLE
 
 
-def test_corrupt_checkpoint_exits_2_naming_file(tmp_path, tiny_checkpoint, capsys):
+def test_corrupt_checkpoint_is_an_input_error_naming_the_file(tmp_path, tiny_checkpoint, capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_checkpoint, ckpt)
     (ckpt / "weights.pt").write_bytes(b"not a zip archive")
     code = main(["--checkpoint", str(ckpt), "--eval-root", str(tmp_path), "--out", str(tmp_path / "out")])
-    assert code == 2
+    assert code == 3  # docs/jobs.md, "Errors and exit codes"
     assert str(ckpt / "weights.pt") in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-def test_missing_checkpoint_and_bad_eval_set_exit_2(tmp_path, tiny_checkpoint, capsys):
+def test_missing_checkpoint_and_bad_eval_set_are_input_errors(tmp_path, tiny_checkpoint, capsys):
     assert (
         main(
             [
@@ -39,7 +39,7 @@ def test_missing_checkpoint_and_bad_eval_set_exit_2(tmp_path, tiny_checkpoint, c
                 str(tmp_path / "o"),
             ]
         )
-        == 2
+        == 3
     )
     assert str(tmp_path / "nope") in capsys.readouterr().err
     colours = tmp_path / "eval" / "colours"  # the demo list's first task
@@ -48,7 +48,7 @@ def test_missing_checkpoint_and_bad_eval_set_exit_2(tmp_path, tiny_checkpoint, c
     code = main(
         ["--checkpoint", tiny_checkpoint, "--eval-root", str(tmp_path / "eval"), "--out", str(tmp_path / "o")]
     )
-    assert code == 2
+    assert code == 3
     assert str(colours / "zeroshot_classification_templates.txt") in capsys.readouterr().err
 
 

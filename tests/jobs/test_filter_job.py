@@ -74,7 +74,7 @@ def test_filter_job_scores_filters_and_reshards(ray_local, pool, tiny_checkpoint
 def test_missing_checkpoint_stops_at_start(pool, tmp_path, capsys):
     missing = str(tmp_path / "no-such-ckpt")
     rc = filter_job.main(["--checkpoint", missing, "--shards", pool[0], "--out", str(tmp_path / "o")])
-    assert rc == 2 and missing in capsys.readouterr().err
+    assert rc == 3 and missing in capsys.readouterr().err  # an input error (docs/jobs.md)
     assert not (tmp_path / "o").exists()
 
 

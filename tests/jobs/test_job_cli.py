@@ -11,7 +11,7 @@ from pipeline.common.config import nested
 
 JOBS = (
     "build_dataset", "train", "embed", "reshard", "demo_pool", "evaluate", "adapters", "filter", "track",
-    "import_checkpoint",
+    "import_checkpoint", "status", "track.seeds",
 )  # fmt: skip
 
 
@@ -87,6 +87,8 @@ FLAG_KEYS = {
     "filter": ("--out", "out"),
     "track": ("--output", "output"),
     "import_checkpoint": ("--out", "out"),
+    "status": ("--s3-endpoint", "s3_endpoint"),
+    "track.seeds": ("--out", "out"),
 }
 
 
@@ -125,3 +127,107 @@ def test_print_config_round_trips_as_a_config_file(job, tmp_path, capsys):
     saved = tmp_path / "resolved.yaml"
     saved.write_text(yaml.safe_dump(first))
     assert _resolved(job, ["--config", str(saved)], capsys) == first
+
+
+def _parser_of(job, monkeypatch):
+    """The argparse parser a job builds (captured from parse_job_config), and its preset's config."""
+    import jobs.common as common
+
+    seen = {}
+    real = common._parser
+
+    def capture(*args, **kwargs):
+        seen["parser"] = real(*args, **kwargs)
+        return seen["parser"]
+
+    monkeypatch.setattr(common, "_parser", capture)
+    _run(_main(job), ["--print-config"])
+    return seen["parser"]
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_help_teaches_the_real_program_an_example_and_every_flag(job, monkeypatch, capsys):
+    assert _run(_main(job), ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m jobs.{job} "), out[:80]
+    assert "\nexample:\n  python -m jobs." in out and "``" not in out  # no raw reST markup
+    assert "--help-config" in out and "3 input error" in out
+    parser = _parser_of(job, monkeypatch)
+    capsys.readouterr()
+    for action in parser._actions:
+        assert action.help and not action.help.startswith("sets "), (job, action.option_strings, action.help)
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_help_config_lists_every_key_with_type_value_and_meaning(job, capsys):
+    from pipeline.common.config_help import KeyDoc, key_docs
+
+    presets = _presets(job)
+    for name, cfg in presets.items():
+        assert _run(_main(job), ["--preset", name, "--help-config"]) == 0
+        out = capsys.readouterr().out
+        docs = [d for d in key_docs(cfg) if isinstance(d, KeyDoc)]
+        assert docs and f"value of preset {name!r}" in out
+        for doc in docs:
+            assert f"  {doc.key} = " in out and f"({doc.type})" in out, (job, doc.key)
+            assert doc.meaning, f"{job}: config key {doc.key} has no comment (its meaning in --help-config)"
+
+
+def _presets(job):
+    """The presets a job parses with, as parse_job_config sees them."""
+    import jobs.common as common
+
+    seen = {}
+    real = common.resolve
+
+    def capture(presets, *args, **kwargs):
+        seen.update(presets)
+        return real(presets, *args, **kwargs)
+
+    common.resolve, original = capture, common.resolve
+    try:
+        _run(_main(job), ["--print-config"])
+    finally:
+        common.resolve = original
+    return seen
+
+
+def test_help_imports_neither_torch_nor_ray():
+    """--help and --help-config answer before torch or Ray loads (bench/job_help.py times them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, sys\n"
+        f"for job in {JOBS!r}:\n"
+        "    m = importlib.import_module(f'jobs.{job}')\n"
+        "    main = m.main if hasattr(m, 'main') else importlib.import_module(f'jobs.{job}.cli').main\n"
+        "    for flag in ('--help', '--help-config'):\n"
+        "        try:\n"
+        "            main([flag])\n"
+        "        except SystemExit:\n"
+        "            pass\n"
+        "print(sorted(m for m in ('torch', 'ray', 'pandas', 'matplotlib', 'scipy') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-500:]
+
+
+@pytest.mark.parametrize(
+    ("job", "preset", "keys"),
+    [
+        ("build_dataset", "datacomp-small", "output, metadata"),
+        ("train", "datacomp-small", "data.shards, run.storage_path"),
+        ("train", "prolip-b16", "data.shards, run.storage_path"),
+        ("filter", "datacomp-small", "checkpoint, shards, out"),
+        ("track", "datacomp-small", "output, build.metadata, eval_root"),
+    ],
+)
+def test_real_data_presets_name_no_bucket_and_require_what_they_write(job, preset, keys, capsys):
+    """A forgotten --output must stop the job, not send it to a placeholder bucket."""
+    resolved = yaml.safe_dump(_resolved(job, ["--preset", preset], capsys))
+    assert "s3://" not in resolved, resolved
+    assert _run(_main(job), ["--preset", preset]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"config error: {keys} required (give "), err

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -115,13 +121,72 @@ def test_verdict_and_table_are_computed_per_seed():
     assert "| csd | 50 | 40 | 1000 | 0.265 | 0.465 | 0.365 ± 0.021 |" in text
 
 
+def _killed_after(args: list[str], done: Callable[[], bool], deadline_s: float = 300) -> None:
+    """Run ``python -m jobs.track ARGS`` in its own process group (its own local Ray) and SIGKILL the
+    group once ``done()``; returns when no process of the group is left."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.track", *args], env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        end = time.monotonic() + deadline_s
+        while not done() and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.2)
+        assert proc.poll() is None, "the track ended before it could be killed"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    end = time.monotonic() + 30
+    while _group(proc.pid) and time.monotonic() < end:
+        time.sleep(0.5)
+    left = _group(proc.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the killed track still alive: {left}"
+
+
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes in process group ``pgid``."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2 :].split()
+        if int(rest[2]) == pgid and rest[0] != "Z":
+            out.append(int(d))
+    return out
+
+
+def _state(out) -> dict:
+    try:
+        return json.loads((out / "track_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
+    from jobs.status import status_lines
     from jobs.track.cli import main
+    from pipeline.common.storage import LOCAL
+    from tests.jobs.test_track_report import _Refs
 
     out = tmp_path / "track"
     args = ["--preset", "tiny", "--set", f"output={out}"]
+    # Killed once its build is recorded: jobs.status says what is done and what is not ...
+    _killed_after(args, lambda: "build" in _state(out))
+    half = status_lines(str(out), LOCAL)
+    assert half[0] == "track: 1 of 12 steps finished" and "  done  build" in half[1], half
+    assert (
+        "  to do scorer" in half
+        and "  to do evaluate/random-seed0" in half
+        and half[-1] == "report: not written yet"
+    )
+    # ... and the same command resumes from there.
     assert main(args) == 0
     printed = capsys.readouterr().out
     report = (out / "report.md").read_text()
@@ -147,12 +212,21 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     # The scorer's figures come with their intervals over resampled pictures, as the eval wrote them.
     analyses = json.loads((out / "eval" / "scorer" / "analyses.json").read_text())
     low, high = analyses["hierarchy_order"]["ordered_fraction_ci95"]
-    assert f"| hierarchy_order.ordered_fraction_ci95 | [{low:.4f}, {high:.4f}] |" in report
+    assert "[eval/scorer/analyses.json](eval/scorer/analyses.json)" in report  # every figure, in its JSON
     # ... and the paper's claims lead the section, each figure with its interval.
     fraction = analyses["hierarchy_order"]["ordered_fraction"]
     claim = f"| adjacent hierarchy levels ordered | {fraction:.4f} | [{low:.4f}, {high:.4f}] | 0.90 (HierarCaps) |"
     assert claim in report
     assert printed.rstrip().splitlines()[-1].startswith("| random |")  # the table ends the output
+    assert "[track] build: done earlier, skipped" in printed
+    assert "[eval] task 1/4 colours: acc1 " in printed and "[eval] 4 task(s) → " in printed
+    # report.html: the same report in one file, every figure inline
+    refs = _Refs()
+    refs.feed((out / "report.html").read_text())
+    assert len(refs.refs) == report.count("![") >= 9
+    assert all(tag == "img" and value.startswith("data:image/png;base64,") for tag, _, value in refs.refs)
+    done = status_lines(str(out), LOCAL)
+    assert done[0] == "track: 12 of 12 steps finished" and done[-1] == f"report: {out}/report.md", done
     for name in ("scorer", "no_filter-seed0", "csd-seed0", "random-seed0"):
         assert (out / "eval" / name / "eval_results.jsonl").is_file()
     state = json.loads((out / "track_state.json").read_text())
@@ -168,21 +242,21 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
         )
         == 0
     )
-    steps = [k for k in state if k not in ("timings", "config")]
+    steps = [k for k in state if k not in ("timings", "config", "plan")]
     assert capsys.readouterr().out.count("done earlier, skipped") == len(steps)
     # A config that would change a finished step's output stops before Ray starts, naming the key ...
     samples = state["config"]["scorer"]["samples_seen"]
-    assert main([*args, "--set", f"scorer.samples_seen={samples + 64}"]) == 2
+    assert main([*args, "--set", f"scorer.samples_seen={samples + 64}"]) == 5  # refused (docs/jobs.md)
     err = capsys.readouterr().err
     assert f"scorer.samples_seen: {samples} → {samples + 64}" in err and "new output" in err
-    assert main([*args, "--set", "seeds=[5]"]) == 2  # the scorer's seed
+    assert main([*args, "--set", "seeds=[5]"]) == 5  # the scorer's seed
     assert "scorer_seed: 0 → 5" in capsys.readouterr().err
     assert json.loads((out / "track_state.json").read_text()) == state  # and records nothing
     # ... and so does a run whose state has no recorded config (made by an earlier version).
     legacy = tmp_path / "legacy"
     legacy.mkdir()
     (legacy / "track_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "config"}))
-    assert main(["--preset", "tiny", "--set", f"output={legacy}"]) == 2
+    assert main(["--preset", "tiny", "--set", f"output={legacy}"]) == 5
     assert "not their config" in capsys.readouterr().err
     # The seed table reads the same files: the run's figures with their intervals, and its summary.
     from jobs.track import seeds
@@ -201,7 +275,7 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert summary["csd − random (average)"]["holds"] == (2 if diff > 0 else 0)
     assert seeds.main([str(out), str(out) + "/"]) == 2
     assert "given more than once" in capsys.readouterr().err
-    assert seeds.main([str(out), str(tmp_path / "not-a-run")]) == 2
+    assert seeds.main([str(out), str(tmp_path / "not-a-run")]) == 3
     assert "not-a-run/track_results.json: not found" in capsys.readouterr().err
 
 

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from jobs.status import status_lines
 from pipeline.build import build
 from pipeline.common.config import merge, parse_set
+from pipeline.common.storage import LOCAL
 from pipeline.config import BUILD_PRESETS
 from pipeline.demo.eval_sets import EvalSizes
 from pipeline.demo.pool import generate_pool, write_metadata
@@ -107,6 +109,9 @@ def test_sigkill_mid_download_then_rerun_equals_clean_build(ray_local, tmp_path,
         proc.wait()
     done_at_kill = len(list(parts.glob("*.done")))
     assert done_at_kill >= 1 and not (out / "metadata" / "status.parquet").exists(), "killed too late"
+    half = status_lines(str(out), LOCAL)  # python -m jobs.status on the killed run
+    assert half[0] == "build: a run in progress or interrupted; pool of 150 rows", half
+    assert half[1].startswith(f"  {done_at_kill} download parts committed"), half
     if ray_mode == "own":
         assert len(family) > 3, family  # the driver and its local Ray's processes
     deadline = time.monotonic() + 30
@@ -127,6 +132,7 @@ def test_sigkill_mid_download_then_rerun_equals_clean_build(ray_local, tmp_path,
         build(clean_cfg, log=lambda m: None)
     resumed, clean = snapshot(out), snapshot(tmp_path / "clean")
     check_invariants(resumed, 150)
+    assert status_lines(str(out), LOCAL)[0].startswith("build: finished; 150 rows by status: ")
     assert resumed["status"] == clean["status"]
     assert resumed["members"] == clean["members"]  # member names and bytes per uid
     assert resumed["tars"] == clean["tars"] and resumed["subsets"] == clean["subsets"]

@@ -9,17 +9,17 @@ from pipeline.common.config import NonNegativeFloat, Positive, Seed, config_clas
 class EvalConfig:
     """An evaluation run: the checkpoint, the task list and where results go (training/eval/run.py)."""
 
-    checkpoint: str = ""
+    checkpoint: str = ""  # our checkpoint directory (local or s3://), e.g. one jobs.train wrote
     tasks: str = "demo"  # a task-list name (training/eval/tasks/NAME.yaml) or a YAML file
     eval_root: str = ""  # root of the task list's relative paths
-    out: str = ""
-    s3_endpoint: str = ""
-    num_actors: Positive = 1
+    out: str = ""  # results directory (local or s3://): eval_results.jsonl, aggregates, analyses, plots
+    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    num_actors: Positive = 1  # encoding actors, each holding one model
     num_gpus: NonNegativeFloat = 0.0  # per actor; 0 on CPU-only clusters (a GPU request there waits forever)
-    batch_size: Positive = 256
-    analyses: bool = True
+    batch_size: Positive = 256  # images or captions per encoder call
+    analyses: bool = True  # the uncertainty analyses and their plots (probabilistic checkpoints)
     max_samples: Positive | None = None  # per task, for quick checks
-    seed: Seed = 0
+    seed: Seed = 0  # of the analyses' resampling (bootstrap intervals)
     resume: bool = True  # keep the tasks already in --out's eval_results.jsonl (ours or DataComp's)
 
 

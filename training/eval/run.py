@@ -20,6 +20,7 @@ import functools
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ from training.eval.metrics import (
     score_matrix,
     zero_shot_scores,
 )
+from training.eval.progress import plan_line, plot_subject, task_line
 from training.eval.results import aggregates, datacomp_names, previous_results, result_line
 from training.eval.sets import EvalSetError, Task
 from training.infer.encode import Encoder
@@ -313,6 +315,7 @@ def _evaluate_tasks(
     checkpoint: str,
     store: Storage,
     pool: dict[str, Any],
+    say: Callable[[str], None] = print,
 ) -> tuple[list[TaskData], dict[str, dict]]:
     """Encode the tasks in one pipeline and score each; returns their data and result lines by name."""
     prompts = [
@@ -321,13 +324,17 @@ def _evaluate_tasks(
         else []
         for t in kept
     ]
+    t0 = time.perf_counter()
+    say(f"[eval] encoding {len(kept)} task(s) from {sum(map(len, shards))} shard(s) …")
     cols = encode_all(kept, shards, prompts, max_samples, checkpoint, store, **pool)
+    say(f"[eval] encoded {len(cols['task'])} images and texts in {time.perf_counter() - t0:.0f} s")
     data = [task_data(t, i, cols, max_samples, store) for i, t in enumerate(kept)]
     lines = {}
-    for d in data:
+    for i, d in enumerate(data, 1):
         metrics = task_metrics(d)
         metrics["n_undecodable"] = d.n_undecodable
         lines[d.task.name] = result_line(d.task, metrics, checkpoint)
+        say(task_line(i, len(data), d.task, lines[d.task.name]))
     return data, lines
 
 
@@ -345,30 +352,36 @@ def evaluate(
     seed: int = 0,
     resume: bool = True,
     init: Callable[[], None] | None = None,
+    log: Callable[[str], None] | None = print,
 ) -> EvalReport:
     """Evaluate ``checkpoint`` on ``tasks`` (a list or a task-list name/file); see the module docstring.
 
     The checkpoint is loaded once in the driver and every task's layout is checked before any Ray work:
     ``CheckpointError`` / ``EvalSetError`` name the offending file. ``init`` (e.g. ``jobs.common.init_ray``)
-    runs after those checks, so a bad input fails before a cluster is started or joined.
+    runs after those checks, so a bad input fails before a cluster is started or joined. ``log`` gets one
+    line for what is resumed and what runs, one per task as it is scored, and one for the analyses.
     """
     from training.eval.uncertainty.analyses import run_analyses
 
+    say = log or (lambda line: None)
     encoder = Encoder(checkpoint, store)  # validates the checkpoint; also serves the analyses
     task_list = eval_sets.load_tasks(tasks) if isinstance(tasks, str) else list(tasks)
     done, others = previous_results(out_dir, task_list, checkpoint, store) if resume else ({}, [])
     kept, shards, skipped = _validate([t for t in task_list if t.name not in done], store)
     if not kept and not done:
         raise EvalSetError("no eval set found: " + ", ".join(t.path for t in task_list))
+    say(plan_line(out_dir, task_list, done, kept, skipped))
     found, plot_files, new = {}, [], {}
     plot_dir = storage.join(out_dir, "plots") if not storage.is_s3(out_dir) else tempfile.mkdtemp()
     if kept:
         if init is not None:
             init()
         pool = dict(num_actors=num_actors, num_gpus=num_gpus, batch_size=batch_size)
-        data, new = _evaluate_tasks(kept, shards, max_samples, checkpoint, store, pool)
+        data, new = _evaluate_tasks(kept, shards, max_samples, checkpoint, store, pool, say)
         if analyses:
-            found, plot_files = run_analyses(data, encoder, plot_dir, seed=seed, store=store)
+            t0, subject = time.perf_counter(), plot_subject(out_dir, checkpoint, encoder)
+            found, plot_files = run_analyses(data, encoder, plot_dir, seed=seed, store=store, subject=subject)
+            say(f"[eval] analyses and {len(plot_files)} plots: {time.perf_counter() - t0:.0f} s")
             for d in data:  # hierarchy ordering belongs to its task's line too
                 if d.task.kind == "hierarchy" and isinstance(found.get("hierarchy_order"), dict):
                     order = found["hierarchy_order"]["ordered_fraction"]

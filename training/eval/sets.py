@@ -33,6 +33,7 @@ import yaml
 
 from pipeline.common import storage
 from pipeline.common.config import yaml_problem
+from pipeline.common.errors import InputError
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.shards.reader import IMAGE_EXTS, iter_shard
 from pipeline.shards.tar_format import ShardError
@@ -42,7 +43,7 @@ GROUPS = ("", "imagenet", "imagenet_dist_shift", "vtab", "retrieval")
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
-class EvalSetError(ValueError):
+class EvalSetError(InputError, ValueError):
     """A task list or an eval set is malformed; the message names the file."""
 
 

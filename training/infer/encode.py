@@ -46,7 +46,8 @@ def localize_checkpoint(path: str, store: Storage = LOCAL) -> tuple[str, str | N
     """(local directory, temporary directory to delete or None). Copies an ``s3://`` checkpoint."""
     if not storage.is_s3(path):
         if not os.path.isdir(path):
-            raise CheckpointError(f"checkpoint directory missing: {path}")
+            what = "a file, not a checkpoint directory" if os.path.exists(path) else "not found"
+            raise CheckpointError(f"checkpoint {path}: {what}")
         return path, None
     files = store.list_files(path)
     if not any(f.endswith("/" + CONFIG_FILE) for f in files):

@@ -17,10 +17,13 @@ from torch import nn
 
 from training.losses import contrastive as losses
 from training.losses import pcmepp
+from training.losses.names import LOSS_NAMES
 from training.losses.spec import LossSpec
 
 _MODULES = (losses, pcmepp)
 LOSS_SPECS: dict[str, LossSpec] = {spec.name: spec for module in _MODULES for spec in module.SPECS}
+if {name: spec.probabilistic for name, spec in LOSS_SPECS.items()} != LOSS_NAMES:
+    raise RuntimeError(f"training/losses/names.py must list every registered loss: {sorted(LOSS_SPECS)}")
 
 
 def loss_spec(name: str) -> LossSpec:

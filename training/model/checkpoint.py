@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pipeline.common.errors import InputError
 from training.model.config import ModelConfig
 from training.model.two_tower import ProLIP, unwrap
 
@@ -27,7 +28,7 @@ CONFIG_FILE = "model_config.json"
 EXTRA_FILE = "extra.json"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
     """A checkpoint file is missing, unreadable or does not match the model; the message names the file."""
 
 
@@ -73,6 +74,11 @@ def _read_state_dict(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
             raise CheckpointError(f"cannot read checkpoint file {safetensors_path}: {e}") from e
     if not weights_path.is_file():
         raise CheckpointError(f"checkpoint file missing: {weights_path} (nor {SAFETENSORS_FILE})")
+    with open(weights_path, "rb") as fh:
+        if fh.read(4) != b"PK\x03\x04":  # torch.save's zip; torch's own error for anything else is a number
+            raise CheckpointError(
+                f"checkpoint file {weights_path}: not a torch.save weights file (a zip archive)"
+            )
     try:
         state = torch.load(weights_path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt zip, truncated file or a pickle that weights_only refuses
@@ -85,6 +91,9 @@ def _read_state_dict(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
 def load_checkpoint(directory: str | Path) -> tuple[ProLIP, ModelConfig, TextTokenizer | None]:
     """Rebuild the model from ``directory`` (on CPU); the tokenizer is None if none was saved."""
     directory = Path(directory)
+    if not directory.is_dir():
+        what = "a file, not a checkpoint directory" if directory.exists() else "not found"
+        raise CheckpointError(f"checkpoint {directory}: {what} ({CONFIG_FILE} and {WEIGHTS_FILE})")
     config_path = directory / CONFIG_FILE
     try:
         config = ModelConfig.from_dict(_read_json(config_path))

@@ -227,5 +227,5 @@ def test_job_main_on_local_files(tmp_path, capsys):
         and summary["n_missing"] == 1
         and summary["missing_uids_first"] == ["f" * 32]
     )
-    assert main(["--shards", *paths, "--subset", sub, "--out", out]) == 1  # refuses to overwrite
+    assert main(["--shards", *paths, "--subset", sub, "--out", out]) == 5  # refuses to overwrite
     assert "overwrite" in capsys.readouterr().err

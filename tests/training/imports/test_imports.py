@@ -240,12 +240,12 @@ def test_import_job_errors_name_the_problem(oc_model, clip_tok, tmp_path, capsys
     ref = _open_clip_reference(oc_model, 32, False, seed=0)
     weights = tmp_path / "w.safetensors"
     save_file({k: v.detach().contiguous() for k, v in ref.state_dict().items()}, str(weights))
-    cases = [
-        (f"openclip:ViT-B-16:{weights}", "patch size 32"),  # the name says /16, the weights are /32
-        ("openclip:ViT-B-32", "expected openclip:MODEL:LOCATION"),
-        (f"openclip:ViT-B-32:{tmp_path / 'missing.safetensors'}", "checkpoint file missing"),
-        (f"prolip:{weights}", "give the SigLIP tokenizer.json"),
+    cases = [  # exit 2 a malformed spec, 3 an input that is missing or does not fit (docs/jobs.md)
+        (f"openclip:ViT-B-16:{weights}", "patch size 32", 3),  # the name says /16, the weights are /32
+        ("openclip:ViT-B-32", "expected openclip:MODEL:LOCATION", 2),
+        (f"openclip:ViT-B-32:{tmp_path / 'missing.safetensors'}", "missing.safetensors: not found", 3),
+        (f"prolip:{weights}", "give the SigLIP tokenizer.json", 3),
     ]
-    for source, message in cases:
-        assert job.main(["--source", source, "--out", str(tmp_path / "o")]) == 1
+    for source, message, code in cases:
+        assert job.main(["--source", source, "--out", str(tmp_path / "o")]) == code
         assert message in capsys.readouterr().err

@@ -198,9 +198,10 @@ def _class_analysis(classification: list) -> Found:
 
 
 def run_analyses(
-    data: list, encoder: Encoder, plot_dir: str, seed: int = 0, store: Storage = LOCAL
+    data: list, encoder: Encoder, plot_dir: str, seed: int = 0, store: Storage = LOCAL, subject: str = ""
 ) -> tuple[dict, list[str]]:
-    """(analyses dict, PNG paths) for the gathered ``TaskData`` list; ``store`` reads the eval shards."""
+    """(analyses dict, PNG paths) for the gathered ``TaskData`` list; ``store`` reads the eval shards;
+    ``subject`` (the run and model) heads every plot."""
     if not encoder.probabilistic:
         return {name: uncertainty.NOT_APPLICABLE for name in ANALYSES}, []
     found: Found = {}
@@ -234,4 +235,4 @@ def run_analyses(
     found["class_uncertainty"] = (
         _class_analysis(classification) if classification else _MISSING.format("classification")
     )
-    return found, plot_all(found, arrays, plot_dir)
+    return found, plot_all(found, arrays, plot_dir, subject)
