@@ -214,7 +214,8 @@ def build_train_dataset(
         },
         batch_size=data.decode_batch_size,
         batch_format="numpy",
-        compute=ray.data.TaskPoolStrategy(size=max(1, data.decode_tasks)),
+        # decode_tasks=0: no cap, as many tasks as the ingest nodes' free CPUs take (docs/gpu.md sizes them)
+        **({"compute": ray.data.TaskPoolStrategy(size=data.decode_tasks)} if data.decode_tasks else {}),
         num_cpus=data.decode_cpus,
     )
 

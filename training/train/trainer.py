@@ -1,9 +1,10 @@
 """Builds and runs the Ray Train ``TorchTrainer`` for a ``TrainConfig``: ``train(cfg) -> TrainResult``.
 
 - Scaling: ``ScalingConfig(num_workers, use_gpu, resources_per_worker)``; with ``scaling.min_workers > 0``
-  the range ``(min_workers, num_workers)`` (Ray Train elastic). The global batch is constant: each worker
-  takes ``global_batch_size // world_size`` per step (training/config.py checks divisibility for every
-  size in the range), and the loop reads the world size at each (re)start.
+  the range ``(min_workers, num_workers)`` (Ray Train elastic). The global batch is constant: rank r takes
+  its share of ``global_batch_size`` (training/train/distributed.py ``local_batch_sizes``; uneven when the
+  world does not divide it), and the loop reads the world size at each (re)start. The process group's
+  collective timeout is ``scaling.collective_timeout_s`` (``TorchConfig(timeout_s)``).
 - Storage: ``RunConfig(storage_path, name)``, local or ``s3://`` (a ``pyarrow.fs.S3FileSystem`` from the run's
   ``Storage``: its endpoint and, when set in the environment, explicit credentials, so the controller and the
   workers — other processes, possibly other machines — can write checkpoints). Re-running with the same
@@ -127,7 +128,7 @@ def build_trainer(
 ) -> Any:
     """The ``TorchTrainer`` (not yet fitted)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker}
@@ -159,6 +160,8 @@ def build_trainer(
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         ),
+        # NCCL's watchdog fails a collective stuck past this (Ray's default is 30 minutes).
+        torch_config=TorchConfig(timeout_s=s.collective_timeout_s),
         datasets={"train": dataset},
         # A seeded shuffle promises a repeatable run: without preserve_order the first epoch's batches
         # follow whichever decode task finishes first, and two runs of one seed differ within the first steps.
