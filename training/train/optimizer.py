@@ -22,13 +22,18 @@ from torch import Tensor, nn
 from training.train.distributed import all_reduce_max
 
 
-def make_adamw(groups: Sequence[dict[str, Any]], optim: Any) -> tuple[torch.optim.AdamW, bool]:
-    """(AdamW over ``groups`` with ``optim``'s lr/betas/eps, whether it is the fused kernel)."""
+def make_adamw(
+    groups: Sequence[dict[str, Any]], optim: Any, fused: bool = True
+) -> tuple[torch.optim.AdamW, bool]:
+    """(AdamW over ``groups`` with ``optim``'s lr/betas/eps, whether it is the fused kernel); ``fused=False``
+    asks for the ``foreach`` implementation."""
     kw = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps}
-    try:
-        return torch.optim.AdamW(groups, fused=True, **kw), True
-    except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
-        return torch.optim.AdamW(groups, foreach=True, **kw), False
+    if fused:
+        try:
+            return torch.optim.AdamW(groups, fused=True, **kw), True
+        except (RuntimeError, ValueError):  # no fused kernel for this device or dtype
+            pass
+    return torch.optim.AdamW(groups, foreach=True, **kw), False
 
 
 class GuardedUpdate:
