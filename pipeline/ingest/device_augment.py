@@ -15,15 +15,17 @@ The operations follow torchvision's tensor ColorJitter (``torchvision.transforms
   (1, 1, 1, 0), so every image takes the same code path — no data-dependent shapes, no host sync;
 - grayscale: ITU-R 601-2 luma (0.299, 0.587, 0.114) in all three channels.
 
-Every operation is computed for the whole batch at each of the four positions and selected per image
-with ``torch.where``: 4× the arithmetic of applying each once, in exchange for fixed shapes (a per-op
-gather of the images needing it would make shapes depend on the draw, and each would sync the host).
+Shapes never depend on the data on the device: the three blends run on the whole batch at each of the four
+positions (the identity factor where an image does something else), and the hue, which costs most, on
+the rows that the collate step listed on the host (``hue_rows_by_position``), so the gather's size is a
+shape the host already knows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -72,30 +74,39 @@ def _hue(x: Tensor, shift: Tensor) -> Tensor:
     return hsv_to_rgb(torch.stack([hue, hsv[:, 1], hsv[:, 2]], 1))
 
 
-def _apply(op: int, x: Tensor, f: Tensor) -> Tensor:
-    fb = f.view(-1, 1, 1, 1)
-    if op == 0:
-        return (fb * x).clamp(0.0, 1.0)
-    if op == 1:
-        return _blend(x, _luma(x).mean(dim=(2, 3), keepdim=True), fb)
-    if op == 2:
-        return _blend(x, _luma(x), fb)
-    return _hue(x, f)
-
-
-def color_jitter(x: Tensor, factors: Tensor, order: Tensor, active: Sequence[bool] = (True,) * 4) -> Tensor:
+def color_jitter(
+    x: Tensor, factors: Tensor, order: Tensor, hue_rows: Sequence[Tensor] | None = None
+) -> Tensor:
     """ColorJitter on (B, 3, H, W) floats in [0, 1]: ``factors`` (B, 4) (brightness, contrast, saturation,
-    hue shift), ``order`` (B, 4) the operation index at each position. ``active[op]`` False skips an
-    operation whose strength is 0 in the config (its factors are the identity for every image)."""
+    hue shift), ``order`` (B, 4) the operation index at each position.
+
+    Brightness, contrast and saturation are all blends ``clamp(f·x + (1 − f)·other)`` (other = 0, the mean
+    luma, the luma), so each position costs one blend for the whole batch, f = 1 for an image whose
+    operation there is the hue. The hue (the costly HSV round trip) runs on the rows ``hue_rows[pos]``
+    that rotate their hue at ``pos`` (from ``hue_rows_by_position``, computed on the host by the collate
+    step, so the gather's size is a known shape); without them, on every image at every position.
+    """
     factors, order = factors.to(x.dtype), order.long()
     for pos in range(4):
-        at = order[:, pos].view(-1, 1, 1, 1)  # (B, 1, 1, 1)
-        y = x
-        for op in range(4):
-            if active[op]:
-                y = torch.where(at == op, _apply(op, x, factors[:, op]), y)
-        x = y
+        op = order[:, pos : pos + 1]  # (B, 1)
+        f = torch.where(op == 3, 1.0, factors.gather(1, op.clamp(max=2))).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+        luma = _luma(x)  # (B, 1, H, W)
+        other = torch.where((op == 1).view(-1, 1, 1, 1), luma.mean(dim=(2, 3), keepdim=True), luma)
+        other = torch.where((op == 0).view(-1, 1, 1, 1), 0.0, other)
+        x = _blend(x, other, f)
+        if hue_rows is None:
+            x = torch.where((op == 3).view(-1, 1, 1, 1), _hue(x, factors[:, 3]), x)
+        elif hue_rows[pos].numel():  # a shape: no device sync
+            rows = hue_rows[pos]
+            x = x.index_copy(0, rows, _hue(x.index_select(0, rows), factors[:, 3].index_select(0, rows)))
     return x
+
+
+def hue_rows_by_position(factors: np.ndarray, order: np.ndarray) -> list[np.ndarray]:
+    """Host side of ``color_jitter``: per position, the int64 rows whose hue rotates there (a zero shift, the
+    identity of an image without jitter, is skipped)."""
+    turns = (np.asarray(order) == 3) & (np.asarray(factors)[:, 3:4] != 0)  # (B, 4)
+    return [np.flatnonzero(turns[:, pos]).astype(np.int64) for pos in range(4)]
 
 
 def random_grayscale(x: Tensor, gray: Tensor) -> Tensor:
@@ -106,15 +117,13 @@ def random_grayscale(x: Tensor, gray: Tensor) -> Tensor:
 class DeviceAugment:
     """uint8 crops (B, S, S, 3) plus the drawn parameters → normalised float32 (B, 3, S, S) on their device.
 
-    ``jitter_active``: which ColorJitter operations have a non-zero strength in the config (the others are
-    not computed). Float images (B, 3, S, S) pass through unchanged: they are already the model's input.
+    The batch's ``jitter``/``jitter_order``/``gray`` columns (absent when the recipe has no such step) and
+    ``hue_rows_0..3`` (the collate step's) drive the pixel operations. Float images (B, 3, S, S) pass
+    through unchanged: they are already the model's input.
     """
 
-    def __init__(
-        self, mean: Sequence[float], std: Sequence[float], jitter_active: Sequence[bool] = (True,) * 4
-    ) -> None:
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
         self.mean, self.std = tuple(map(float, mean)), tuple(map(float, std))
-        self.jitter_active = tuple(bool(a) for a in jitter_active)
         self._stats: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def _mean_std(self, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -131,8 +140,9 @@ class DeviceAugment:
         if images.dtype != torch.uint8:
             return images
         x = images.permute(0, 3, 1, 2).float().div_(255.0)  # (B, 3, S, S), channels-last strides
-        if "jitter" in batch and any(self.jitter_active):
-            x = color_jitter(x, batch["jitter"], batch["jitter_order"], self.jitter_active)
+        if "jitter" in batch:
+            hue_rows = [batch[f"hue_rows_{p}"] for p in range(4)] if "hue_rows_0" in batch else None
+            x = color_jitter(x, batch["jitter"], batch["jitter_order"], hue_rows)
         if "gray" in batch:
             x = random_grayscale(x, batch["gray"])
         mean, std = self._mean_std(x.device)

@@ -48,6 +48,7 @@ from pipeline.ingest.augment import (
     draw_jitter,
     random_resized_crop_box,
 )
+from pipeline.ingest.device_augment import hue_rows_by_position
 from pipeline.ingest.masking import choose_kept_patches, mask_text_tokens, sample_hash, select_for_masking
 
 log = logging.getLogger(__name__)
@@ -264,6 +265,9 @@ class TrainCollate:
         for name in PIXEL_PARAMS:
             if name in out:
                 tensors[name] = torch.from_numpy(np.ascontiguousarray(out[name]))
+        if "jitter" in out:  # which rows rotate their hue at each position: sizes the device need not ask for
+            for pos, rows in enumerate(hue_rows_by_position(out["jitter"], out["jitter_order"])):
+                tensors[f"hue_rows_{pos}"] = torch.from_numpy(rows)
         if "selected" in out:
             masked = np.asarray(out["masked_tokens"], dtype=np.int64)[:, :width]
             tensors["masked_tokens"] = torch.from_numpy(np.ascontiguousarray(masked))

@@ -227,7 +227,6 @@ def setup_state(
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
     step = int(extra.get("step", 0))
-    jitter_active = [s > 0 and cfg.data.color_jitter_p > 0 for s in cfg.data.color_jitter]
     return TrainState(
         cfg=cfg,
         module=inner,
@@ -238,7 +237,7 @@ def setup_state(
         device=device,
         mix_gen=torch.Generator().manual_seed(cfg.seed * 1000 + rank),
         update=GuardedUpdate(opt, fused, inner.parameters(), o.grad_clip),
-        augment=DeviceAugment(cfg.data.mean, cfg.data.std, jitter_active),
+        augment=DeviceAugment(cfg.data.mean, cfg.data.std),
         plan=batch_plan(cfg, inner.spec, world) if world > 1 else None,
         step=step,
         epoch=int(extra["epoch"]) + 1 if restore_dir else 0,

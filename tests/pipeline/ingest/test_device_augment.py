@@ -14,7 +14,13 @@ import torch
 from skimage.color import hsv2rgb, rgb2hsv
 
 from pipeline.ingest import augment as A
-from pipeline.ingest.device_augment import DeviceAugment, color_jitter, hsv_to_rgb, rgb_to_hsv
+from pipeline.ingest.device_augment import (
+    DeviceAugment,
+    color_jitter,
+    hsv_to_rgb,
+    hue_rows_by_position,
+    rgb_to_hsv,
+)
 
 MEAN, STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
@@ -48,11 +54,14 @@ def _images(n: int, size: int = 12, seed: int = 0) -> np.ndarray:
 
 
 def _batch(images: np.ndarray, factors, order, gray) -> dict[str, torch.Tensor]:
+    """A collated batch as TrainCollate makes it (hue rows listed on the host)."""
+    rows = {f"hue_rows_{p}": torch.from_numpy(r) for p, r in enumerate(hue_rows_by_position(factors, order))}
     return {
         "images": torch.from_numpy(images),
         "jitter": torch.from_numpy(factors),
         "jitter_order": torch.from_numpy(order),
         "gray": torch.from_numpy(gray),
+        **rows,
     }
 
 
@@ -131,15 +140,17 @@ def test_drawn_parameters_follow_the_recipe() -> None:
     assert 0.19 < A.draw_grayscale(20_000, 0.2, rng).mean() < 0.21
 
 
-def test_inactive_operations_are_not_computed() -> None:
-    """With hue's strength 0 the config marks it inactive: the result equals the full computation."""
-    images = _images(8)
+def test_hue_on_the_listed_rows_equals_hue_everywhere() -> None:
+    """The collate step's per-position hue rows (host side) give what the all-rows path gives."""
+    images = _images(16)
     rng = np.random.default_rng(4)
-    factors, order = A.draw_jitter(8, (0.3, 0.3, 0.3, 0.0), 1.0, rng)
+    factors, order = A.draw_jitter(16, (0.3, 0.3, 0.3, 0.1), 0.7, rng)
+    rows = hue_rows_by_position(factors, order)
+    assert sum(len(r) for r in rows) == int((factors[:, 3] != 0).sum()) > 0
     x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255
-    full = color_jitter(x, torch.from_numpy(factors), torch.from_numpy(order))
-    skip = color_jitter(x, torch.from_numpy(factors), torch.from_numpy(order), (True, True, True, False))
-    torch.testing.assert_close(full, skip, atol=2e-6, rtol=0)
+    f, o = torch.from_numpy(factors), torch.from_numpy(order)
+    listed = color_jitter(x, f, o, [torch.from_numpy(r) for r in rows])
+    torch.testing.assert_close(listed, color_jitter(x, f, o), atol=2e-6, rtol=0)
 
 
 @pytest.mark.gpu

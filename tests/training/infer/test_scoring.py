@@ -168,9 +168,8 @@ def test_encoder_sees_the_pixels_training_sees(tiny_checkpoint):
     encoder decoding for the output side itself once skipped training's bicubic step."""
     import io
 
-    from PIL import Image
-
     import torch
+    from PIL import Image
 
     from pipeline.ingest.device_augment import DeviceAugment
     from pipeline.ingest.transforms import DecodeAugment

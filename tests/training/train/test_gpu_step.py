@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pipeline.ingest import augment as A
+from pipeline.ingest.device_augment import hue_rows_by_position
 from tests.fixtures.sync_counter import SyncCounter
 from training.config import DataConfig, LossConfig, OptimConfig, TrainConfig
 from training.model.param_groups import param_groups
@@ -64,6 +65,8 @@ def uint8_batch(seed: int = 0, length: int = 10, jitter: bool = True) -> dict[st
     if jitter:
         factors, order = A.draw_jitter(8, (0.32, 0.32, 0.32, 0.08), 0.8, rng)
         batch |= {"jitter": torch.from_numpy(factors), "jitter_order": torch.from_numpy(order)}
+        rows = hue_rows_by_position(factors, order)  # as the collate step lists them on the host
+        batch |= {f"hue_rows_{p}": torch.from_numpy(r) for p, r in enumerate(rows)}
         batch["gray"] = torch.from_numpy(A.draw_grayscale(8, 0.2, rng))
     return batch
 
