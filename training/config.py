@@ -67,6 +67,10 @@ class DataConfig:
     """Training ingest (pipeline/ingest/transforms.py)."""
 
     shards: str = ""  # directory, glob or comma-separated .tar paths; local or s3://
+    # A DataComp subset .npy (u8,u8 uids; local or s3://) of the pool in ``shards``: train on its rows
+    # only, each as often as it is listed — the samples jobs.reshard would write, read from the build's
+    # own shards (pipeline/ingest/subset_reader.py). Empty: every row of ``shards``.
+    subset: str = ""
     s3_endpoint: str = ""
     augment: bool = True
     crop_scale: tuple[float, float] = (0.8, 1.0)  # RandomResizedCrop area range (ProLIP B.1)

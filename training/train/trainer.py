@@ -109,10 +109,17 @@ def prepare_tokenizer(cfg: TrainConfig, run_store: Storage, data_store: Storage)
 
 
 def _captions(cfg: TrainConfig, store: Storage):
+    from pipeline.ingest.subset_reader import SubsetShardReader
     from pipeline.shards.reader import iter_shard
     from pipeline.shards.tar_format import ShardError
 
     def gen():
+        if cfg.data.subset:  # the captions the run will train on
+            reader = SubsetShardReader(cfg.data.subset, store)
+            for path in list_shards(cfg.data.shards, store):
+                for table in reader(path):
+                    yield from table.column("txt").to_pylist()
+            return
         for path in list_shards(cfg.data.shards, store):
             try:
                 for sample in iter_shard(path, store, extensions={"txt"}):
