@@ -40,6 +40,7 @@ Variants selected by ``ModelConfig`` so that imported weights (training/imports/
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -149,7 +150,8 @@ class GaussianHead(nn.Module):
         # Both heads run in float32 even under autocast: bf16 has 8 bits of mantissa, so near the −10 init a
         # log σ² moves in steps of 0.0625 (σ² by 6%), which swamps the differences the inclusion loss and
         # CSD compare; the heads are a (B, D)×(D, E) product each, a rounding error of the step's cost.
-        with torch.autocast(h_cls.device.type, enabled=False):
+        kind = h_cls.device.type
+        with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else nullcontext():
             projected = self.mu_proj(h_cls.float())  # (B, E)
             mu = F.normalize(projected, dim=-1)  # (B, E)
             if self.logvar_proj is None or (h_unc is None and not self.logvar_from_mu):
