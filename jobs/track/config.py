@@ -236,8 +236,13 @@ def train_config(
     p = paths(cfg)
     updates: dict[str, Any] = {
         "seed": seed,
-        "data": {"shards": shards, "subset": subset, "s3_endpoint": cfg.s3_endpoint, "shuffle_seed": seed,
-                 "mask_seed": seed},  # fmt: skip
+        "data": {
+            "shards": shards,
+            "subset": subset,
+            "s3_endpoint": cfg.s3_endpoint,
+            "shuffle_seed": seed,
+            "mask_seed": seed,
+        },  # fmt: skip
         "run": {"storage_path": p["train"], "name": name, "s3_endpoint": cfg.s3_endpoint},
     }
     if (

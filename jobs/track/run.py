@@ -225,7 +225,7 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
     built = step("build", do_build)
     scorer = step(
         "scorer",
-        lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0])}, log)["scorer"],
+        lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0], "")}, log)["scorer"],
     )
     scores = step("score", lambda: score_pool(cfg, scorer["checkpoint"], log))
     subsets = step("filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log))
