@@ -242,7 +242,7 @@ def train_config(
             "s3_endpoint": cfg.s3_endpoint,
             "shuffle_seed": seed,
             "mask_seed": seed,
-        },  # fmt: skip
+        },
         "run": {"storage_path": p["train"], "name": name, "s3_endpoint": cfg.s3_endpoint},
     }
     if (
