@@ -201,8 +201,27 @@ def interrupt_reported(name: str):
             signal.signal(signal.SIGINT, previous)
 
 
+def decode_sizing(cfg: TrainConfig, mcfg: Any, mfu: float = 0.30) -> str:
+    """One line: the decode cores the run's GPUs need at ``mfu`` of an H100 from the measured per-core rate
+    (the FLOPs counted on the meta device, training/model/flops.py; docs/gpu.md)."""
+    from pipeline.ingest.transforms import DECODE_SAMPLES_PER_CORE_224
+    from training.losses.registry import LOSS_SPECS
+    from training.model.flops import cores_needed, samples_per_s, train_flops_per_sample
+
+    masked = LOSS_SPECS[cfg.loss.name].uses_masked
+    flops = train_flops_per_sample(mcfg, masked, cfg.data.mask_fraction, cfg.data.patch_keep_ratio)["total"]
+    rate = samples_per_s(flops, mfu=mfu)
+    per_gpu = cores_needed(rate, DECODE_SAMPLES_PER_CORE_224 * (mcfg.image_size / 224) ** -2)
+    return (
+        f"[train {cfg.run.name}] {flops / 1e9:.1f} GFLOP a sample: an H100 at {100 * mfu:.0f}% MFU trains "
+        f"{rate:.0f} samples/s and needs ≈{per_gpu:.1f} decode cores at {DECODE_SAMPLES_PER_CORE_224:.0f} "
+        f"samples/s per core; {cfg.scaling.num_workers} workers need ≈{per_gpu * cfg.scaling.num_workers:.0f}"
+    )
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) training to ``cfg.total_steps``; needs Ray initialised (jobs.common.init_ray)."""
+    from training.losses.registry import LOSS_SPECS
     from training.model.config import model_config
 
     t0 = time.perf_counter()
@@ -211,6 +230,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     data_store = Storage.from_env(cfg.data.s3_endpoint)
     tokenizer = prepare_tokenizer(cfg, run_store, data_store)
     mcfg = model_config(cfg.model)
+    if cfg.scaling.use_gpu:
+        probabilistic = LOSS_SPECS[cfg.loss.name].probabilistic
+        sized = dataclasses.replace(mcfg, vocab_size=tokenizer.vocab_size, probabilistic=probabilistic)
+        print(decode_sizing(cfg, sized), flush=True)
     counters = start_counters()
     try:
         size, context = mcfg.image_size, mcfg.context_length

@@ -78,23 +78,36 @@ def step(module: torch.nn.Module, inner: TrainModule, batch: dict[str, torch.Ten
     return {k: float(v.detach()) for k, v in terms.items()}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, backend: str = "gloo") -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        batch = {k: v.chunk(WORLD)[rank] for k, v in global_batch().items()}
+        batch = {k: v.chunk(WORLD)[rank].to(device) for k, v in global_batch().items()}
         results = {}
         for name in OBJECTIVES:
-            inner = tiny_module(name)
-            ddp = DDP(inner)
+            inner = tiny_module(name).to(device)
+            ddp = DDP(inner, device_ids=[rank] if backend == "nccl" else None)
             # partner indices are local to the half; the single process adds the half's offset.
             local = step(ddp, inner, batch, offset=0)
             totals = D.all_reduce_sum(torch.tensor([local[k] for k in sorted(local)], dtype=torch.float64))
             grads = {n: p.grad.detach().clone() for n, p in inner.named_parameters() if p.grad is not None}
-            results[name] = {"loss": dict(zip(sorted(local), totals.tolist(), strict=True)), "grads": grads}
+            results[name] = {
+                "loss": dict(zip(sorted(local), totals.tolist(), strict=True)),
+                "grads": {n: g.cpu() for n, g in grads.items()},
+            }
+        if (
+            backend == "nccl"
+        ):  # the gather's NCCL backward (a reduce-scatter beside DDP's buckets) is the point
+            if rank == 0:
+                torch.save(results, os.path.join(out_dir, "nccl.pt"))
+            dist.barrier()
+            return
         results["uneven"] = _uneven_planned_step(rank)
         results["epoch_end"] = [D.EpochEnd().all_have(rank == 0), D.EpochEnd().all_have(True)]
         if rank == 0:
@@ -148,6 +161,24 @@ def distributed_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("ddp")
     mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
     return torch.load(out / "distributed.pt", weights_only=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_two_nccl_workers_match_single_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same parity on two GPUs over NCCL (skipped with fewer than two)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    out = tmp_path_factory.getbasetemp() / "nccl"
+    if not (out / "nccl.pt").is_file():
+        out.mkdir(exist_ok=True)
+        mp.spawn(_worker, args=(_free_port(), str(out), "nccl"), nprocs=WORLD, join=True)
+    dist = torch.load(out / "nccl.pt", weights_only=True)[name]
+    terms, grads = single_process(name)
+    for k, v in terms.items():
+        assert dist["loss"][k] == pytest.approx(v, abs=1e-4, rel=1e-4), k
+    worst = max(float((dist["grads"][n] - g).abs().max()) for n, g in grads.items())
+    assert worst <= 1e-4, f"{name}: max |grad difference| {worst:.2e}"
 
 
 def single_process(name: str) -> tuple[dict, dict]:

@@ -193,3 +193,78 @@ def test_config_rules_for_workers_and_batches() -> None:
     )
     assert WorkersConfig().collective_timeout_s == 600
     assert DataConfig().pin_memory
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", ["prolip", "clip"])
+def test_train_step_never_syncs_on_cuda(loss: str) -> None:
+    """The same step on a GPU under CUDA's own check: ``set_sync_debug_mode("error")`` raises on any sync."""
+    cfg = TrainConfig(model="tiny", global_batch_size=8, samples_seen=64, precision="bf16",
+                      loss=LossConfig(name=loss), optim=OptimConfig(warmup_steps=1, grad_clip=1.0))  # fmt: skip
+    state = setup_state(cfg, TOKENIZER, torch.device("cuda"), 0)
+    assert state.update.fused
+    batches = [{k: v.cuda() for k, v in uint8_batch(s).items()} for s in range(3)]
+    train_step(state, batches[0])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in batches[1:]:
+            terms, feats = train_step(state, b)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(terms["total"]) and int(state.update.skipped) == 0
+    if loss == "prolip":
+        logvar = torch.cat([feats["logvar_v"], feats["logvar_t"]]).detach()
+        assert logvar.dtype == torch.float32 and -15 < float(logvar.min()) and float(logvar.max()) < -5
+
+
+@pytest.mark.gpu
+def test_checkpoint_resume_on_cuda(tmp_path) -> None:
+    from pipeline.ingest.tokenizer import train_tokenizer
+    from training.train.checkpointing import save_state
+
+    tok = train_tokenizer([f"a photo of a {w}" for w in ("cat", "dog", "bird", "fish")] * 10, vocab_size=64)
+    cfg = TrainConfig(model="tiny", global_batch_size=8, samples_seen=64, precision="bf16",
+                      optim=OptimConfig(warmup_steps=1))  # fmt: skip
+    device = torch.device("cuda")
+    state = setup_state(cfg, tok, device, 0)
+    batch = {k: v.cuda() for k, v in uint8_batch(0).items()}
+    batch["tokens"] %= tok.vocab_size
+    batch["masked_tokens"] %= tok.vocab_size
+    train_step(state, batch)
+    save_state(str(tmp_path), state, tok)
+    resumed = setup_state(cfg, tok, device, 0, restore_dir=str(tmp_path))
+    assert resumed.step == 1 and next(resumed.module.parameters()).is_cuda
+    for a, b in zip(state.module.parameters(), resumed.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    train_step(state, batch)
+    train_step(resumed, batch)
+    for a, b in zip(state.module.parameters(), resumed.module.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_cores_per_h100_fit_what_a_gpu_node_supplies() -> None:
+    """From the FLOPs counted on the meta device and the measured per-core decode rate: the cores each
+    preset's H100 needs at 30% MFU, against the CPUs a GPU node of the cluster configs has per GPU once
+    the Train worker took its own (p5.48xlarge: 192 vCPU for 8 GPUs; the KubeRay GPU pod's request)."""
+    from pathlib import Path
+
+    import yaml
+
+    from pipeline.ingest.transforms import DECODE_SAMPLES_PER_CORE_224
+    from training.config import TRAIN_PRESETS
+    from training.model.config import model_config
+    from training.model.flops import cores_needed, samples_per_s, train_flops_per_sample
+
+    root = Path(__file__).resolve().parents[3]
+    pod = yaml.safe_load((root / "cluster" / "kuberay" / "raycluster.yaml").read_text())
+    gpu_group = next(g for g in pod["spec"]["workerGroupSpecs"] if g["groupName"] == "gpu")
+    limits = gpu_group["template"]["spec"]["containers"][0]["resources"]["requests"]
+    per_gpu = {"kuberay": float(limits["cpu"]) / float(limits["nvidia.com/gpu"]), "aws p5.48xlarge": 192 / 8}
+    goal = {"datacomp-small": 20, "prolip-b16": 8}
+    for preset, most in goal.items():
+        cfg = TRAIN_PRESETS[preset]
+        flops = train_flops_per_sample(model_config(cfg.model), masked=True)["total"]
+        need = cores_needed(samples_per_s(flops), DECODE_SAMPLES_PER_CORE_224)
+        assert need <= most, (preset, need)
+        for where, cpus in per_gpu.items():
+            assert need <= cpus - cfg.scaling.cpus_per_worker, (preset, where, need, cpus)
