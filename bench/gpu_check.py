@@ -46,7 +46,9 @@ from training.config import TRAIN_PRESETS  # noqa: E402
 from training.model.flops import H100_BF16_DENSE, train_flops_per_sample  # noqa: E402
 from training.train.step import setup_state, train_step  # noqa: E402
 
-PEAKS = {"H100": H100_BF16_DENSE, "H200": H100_BF16_DENSE, "A100": 312e12}  # bf16 dense FLOP/s by device
+# Dense bf16 peak FLOP/s (vendor datasheets, without sparsity); the PCIe H100 first, its name also says H100.
+PEAKS = {"H100 PCIe": 756e12, "H100": H100_BF16_DENSE, "H200": H100_BF16_DENSE, "A100": 312e12,
+         "L40S": 362e12, "A10G": 70e12, "L4": 121e12}  # fmt: skip
 
 
 def batch_for(mcfg, tok, n: int, recipe_jitter: bool, seed: int = 0) -> dict:
@@ -88,7 +90,9 @@ def syncs_in(fn, device: torch.device) -> list[str]:
     return counter.events
 
 
-def step_check(preset: str, device: torch.device, batch: int, model: str | None, steps: int) -> dict:
+def step_check(
+    preset: str, device: torch.device, batch: int, model: str | None, steps: int, compiled: bool = False
+) -> dict:
     """The trainer's step for ``preset`` at ``batch`` per device: rate, MFU, finiteness, σ², syncs, resume."""
     from pipeline.ingest.tokenizer import clip_bpe_tokenizer
     from training.train.checkpointing import save_state
@@ -97,7 +101,7 @@ def step_check(preset: str, device: torch.device, batch: int, model: str | None,
     name = model or base.model
     one_device = {"num_workers": 1, "min_workers": 0}  # one device of the preset's run
     cfg = merge(base, {"model": name, "global_batch_size": batch, "samples_seen": batch * 1000,
-                       "precision": "bf16", "scaling": one_device})  # fmt: skip
+                       "precision": "bf16", "scaling": one_device, "compile": compiled})  # fmt: skip
     tok = clip_bpe_tokenizer()  # CLIP's BPE for both presets (SigLIP's vocabulary needs the Hub)
     state = setup_state(cfg, tok, device, 0)
     jitter = cfg.data.color_jitter_p > 0
@@ -175,6 +179,7 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="the CPU fallback: tiny model, small batches")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--compile", action="store_true", help="also time the step under torch.compile")
     args = ap.parse_args()
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.cpu:
@@ -191,6 +196,9 @@ def main() -> int:
         report["gpu_tests"] = gpu_tests()
     model, batch, steps = (None, 512, args.steps) if device.type == "cuda" else ("tiny", 8, 2)
     report["steps"] = [step_check(p, device, batch, model, steps) for p in ("datacomp-small", "prolip-b16")]
+    if args.compile:
+        report["compiled_steps"] = [step_check(p, device, batch, model, steps, compiled=True)
+                                    for p in ("datacomp-small", "prolip-b16")]  # fmt: skip
     report["ingest"] = ingest_check(256 if device.type == "cuda" else 32)
     for s in report["steps"]:
         s["cores_per_gpu_needed"] = s["samples_per_s"] / report["ingest"]["per_core_samples_per_s"]
