@@ -39,7 +39,7 @@ from training.model.flops import samples_per_s, train_flops_per_sample  # noqa: 
 from training.train.step import setup_state, train_step  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "train_step_ratio.json"
-CASES = {"ViT-B-32": 8, "tiny": 64}  # model → batch on a CPU
+CASES = {"ViT-B-32": 32, "tiny": 64}  # model → batch on a CPU (4 and 8 masked variants)
 PRESET_MODELS = {"datacomp-small": ("ViT-B-32", 49410), "prolip-b16": ("ViT-B-16-ProLIP", 32001)}
 TOK = SimpleNamespace(vocab_size=49410, pad_id=49408, end_id=49407, mask_id=49409, start_id=49406)
 
