@@ -14,7 +14,7 @@ On a CUDA machine (``bash bench/gpu_check.sh``, about 10 minutes on one H100):
 4. the ingest rate this machine's CPUs reach: decode + crop + tokenize per core (uint8 out) and over
    every core at once, and the cores per GPU that the measured step rate needs.
 
-``--cpu`` runs the same code on the CPU with the ``tiny`` model and small batches (the bf16 step under
+``--cpu`` runs the same code on the CPU with the ``demo-32px`` model and small batches (the bf16 step under
 CPU autocast, the sync check with the CPU counter of tests/fixtures/sync_counter.py, the checkpoint round
 trip, the rates), so the script cannot rot: tests/bench/test_gpu_check.py runs it in ``make test``.
 Writes ``--out`` (default bench/results/gpu_check.json; --cpu: a file under the system temp dir).
@@ -108,7 +108,7 @@ def step_check(
     batches = [
         {k: v.to(device) for k, v in batch_for(state.mcfg, tok, batch, jitter, s).items()} for s in range(2)
     ]
-    for b in batches:  # warm-up: allocator, autotuning, optimizer state
+    for b in batches[: 2 if device.type == "cuda" else 1]:  # warm-up: allocator, autotuning, optimizer state
         train_step(state, b)
     events = syncs_in(lambda: train_step(state, batches[0]), device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -176,7 +176,7 @@ def gpu_tests() -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cpu", action="store_true", help="the CPU fallback: tiny model, small batches")
+    ap.add_argument("--cpu", action="store_true", help="the CPU fallback: a small model, small batches")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--compile", action="store_true", help="also time the step under torch.compile")
@@ -194,7 +194,7 @@ def main() -> int:
                     "torch": torch.__version__}  # fmt: skip
     if device.type == "cuda":
         report["gpu_tests"] = gpu_tests()
-    model, batch, steps = (None, 512, args.steps) if device.type == "cuda" else ("tiny", 8, 2)
+    model, batch, steps = (None, 512, args.steps) if device.type == "cuda" else ("demo-32px", 8, 2)
     report["steps"] = [step_check(p, device, batch, model, steps) for p in ("datacomp-small", "prolip-b16")]
     if args.compile:
         report["compiled_steps"] = [step_check(p, device, batch, model, steps, compiled=True)

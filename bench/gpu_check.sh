@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything GPU-only, checked in one run on a machine with CUDA (about 10 minutes on one H100); results in
 # bench/results/gpu_check.json and a non-zero exit status when a check fails. `--cpu` runs the same
-# code on the CPU with the tiny model (make test runs it: tests/bench/test_gpu_check.py).
+# code on the CPU with a small model (make test runs it: tests/bench/test_gpu_check.py).
 #   bash bench/gpu_check.sh [--cpu] [--out FILE] [--steps N]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -2,7 +2,7 @@
 
 The same functions the CUDA run calls (the trainer's step for both presets with bf16 autocast, the host-sync
 check, σ² and loss finiteness, a checkpoint saved and resumed, the ingest rates, the results file), with the
-``tiny`` model and small batches.
+``demo-32px`` model and small batches.
 """
 
 from __future__ import annotations

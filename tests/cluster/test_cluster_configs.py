@@ -105,7 +105,9 @@ def test_aws_layout_head_without_tasks_labelled_cpu_and_gpu_types() -> None:
     kuberay = load(CLUSTER / "kuberay" / "raycluster.yaml")
     images = {c["image"] for g in [kuberay["spec"]["headGroupSpec"], *kuberay["spec"]["workerGroupSpecs"]]
               for c in g["template"]["spec"]["containers"]}  # fmt: skip
-    assert images == {config["docker"]["image"]} and f"FROM {RAY_IMAGE}" in (CLUSTER / "Dockerfile").read_text()
+    assert (
+        images == {config["docker"]["image"]} and f"FROM {RAY_IMAGE}" in (CLUSTER / "Dockerfile").read_text()
+    )
     assert types["cpu"]["labels"] == {LABEL_KEY: DATA_ROLE} and types["gpu"]["labels"] == {
         LABEL_KEY: TRAIN_ROLE
     }
