@@ -189,6 +189,7 @@ def main() -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         torch.set_flush_denormal(True)
+        torch.set_num_threads(1)  # checks behaviour, not speed: idle OpenMP threads spin on a shared CPU
     report: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(device),
                     "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
                     "torch": torch.__version__}  # fmt: skip

@@ -29,6 +29,16 @@ from training.train.step import setup_state, train_step
 TOKENIZER = SimpleNamespace(vocab_size=64, pad_id=0, end_id=1, mask_id=2, start_id=None)
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Steps of a tiny model on one intra-op thread: on a shared 2-core machine two spinning OpenMP threads
+    make a 0.1 s step take seconds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def state_for(loss: str = "prolip", fused: bool = True, **kw):
     """A single-process train state of the ``tiny`` model; ``fused=False`` swaps in the ``foreach`` AdamW."""
     cfg = TrainConfig(
@@ -103,7 +113,7 @@ def test_sigma_heads_are_float32_under_bf16_autocast() -> None:
         model.encode_text(batch["tokens"])
     for name, (head, (_, h_unc), (mu, logvar)) in seen.items():
         assert mu.dtype == logvar.dtype == torch.float32
-        w, b = head.logvar_proj.weight.double(), head.logvar_proj.bias.double()
+        w, b = head.logvar_proj.weight.detach().double(), head.logvar_proj.bias.detach().double()
         exact = torch.nn.functional.linear(h_unc.detach().double(), w, b)  # float64 on the same features
         assert float(exact.mean()) == pytest.approx(-10.0, abs=0.5)  # at the −10 init
         err = float((logvar.double() - exact).abs().max())
