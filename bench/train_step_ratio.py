@@ -104,7 +104,9 @@ def main() -> None:
     date = datetime.datetime.now().isoformat(timespec="seconds")
     counted = flops()
     results, records, loads = {}, [], []
-    cmd = f"python bench/train_step_ratio.py --rounds {args.rounds}"
+    cmd = f"python bench/train_step_ratio.py --rounds {args.rounds}" + (
+        f" --threads {args.threads}" if args.threads else ""
+    )
     for model in args.models.split(","):
         r = results[model] = step_ratio(model, CASES[model], args.rounds)
         q = r["prolip_over_clip"]
