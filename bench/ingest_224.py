@@ -130,6 +130,8 @@ def baseline_env(base: Path) -> dict[str, str]:
 
 
 def tree_cpu_s() -> float:
+    """CPU seconds of this process and every descendant, live or exited: a live process's own time plus what
+    it reaped (an exited DataLoader or Ray worker's time lands in its parent's ``children_*``)."""
     import psutil
 
     me = psutil.Process()
@@ -137,7 +139,7 @@ def tree_cpu_s() -> float:
     for p in [me, *me.children(recursive=True)]:
         try:
             t = p.cpu_times()
-            total += t.user + t.system
+            total += t.user + t.system + t.children_user + t.children_system
         except psutil.Error:
             pass
     return total
