@@ -129,19 +129,45 @@ def baseline_env(base: Path) -> dict[str, str]:
 # --- the two contenders (server side) -----------------------------------------------------------------
 
 
-def tree_cpu_s() -> float:
-    """CPU seconds of this process and every descendant, live or exited: a live process's own time plus what
-    it reaped (an exited DataLoader or Ray worker's time lands in its parent's ``children_*``)."""
+def session_roots() -> list:
+    """The processes of this process's Ray session (GCS, raylet, log monitor...), found by the session
+    directory in their command line: Ray may start them outside this process's tree."""
     import psutil
 
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
+    try:
+        import ray
+
+        session = ray._private.worker._global_node.get_session_dir_path()
+    except Exception:
+        return []
+    roots = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(session in a for a in p.info["cmdline"] or ()):
+            roots.append(p)
+    return roots
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds of this process, its Ray session's processes and every descendant, live or exited: a live
+    process's own time plus what it reaped (an exited DataLoader or Ray worker's time lands in its parent's
+    ``children_*``)."""
+    import psutil
+
+    me, seen, total = psutil.Process(), set(), 0.0
+    for root in [me, *session_roots()]:
         try:
-            t = p.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
+            tree = [root, *root.children(recursive=True)]
         except psutil.Error:
-            pass
+            continue
+        for p in tree:
+            if p.pid in seen:
+                continue
+            seen.add(p.pid)
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system + t.children_user + t.children_system
+            except psutil.Error:
+                pass
     return total
 
 
