@@ -57,7 +57,7 @@ BadImageReport = Callable[[int, list[str]], None]  # (n dropped, a few "key: err
 PIXEL_PARAMS = ("jitter", "jitter_order", "gray")  # per-image draws applied on the training device
 # Samples/s one core decodes, crops and tokenizes at 224 px with uint8 output (bench/ingest_224.py's
 # per-core limit on photos, 2-core x86 VM): what the trainer sizes the decode cores of a GPU run by.
-DECODE_SAMPLES_PER_CORE_224 = 480.0
+DECODE_SAMPLES_PER_CORE_224 = 440.0
 
 
 # --- 2. windowed shuffle ------------------------------------------------------------------------------
