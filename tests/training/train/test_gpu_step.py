@@ -116,7 +116,7 @@ def test_sigma_heads_are_float32_under_bf16_autocast() -> None:
         w, b = head.logvar_proj.weight.detach().double(), head.logvar_proj.bias.detach().double()
         exact = torch.nn.functional.linear(h_unc.detach().double(), w, b)  # float64 on the same features
         assert float(exact.mean()) == pytest.approx(-10.0, abs=0.5)  # at the −10 init
-        err = float((logvar.double() - exact).abs().max())
+        err = float((logvar.detach().double() - exact).abs().max())
         assert err < 5e-6, f"{name}: log σ² differs from float64 by {err:.1e} (float32 precision)"
         with torch.autocast("cpu", dtype=torch.bfloat16):  # what a bf16 head would have given
             rounded = head.logvar_proj(h_unc.to(torch.bfloat16)).double()
