@@ -119,7 +119,7 @@ def test_sigma_heads_are_float32_under_bf16_autocast() -> None:
         err = float((logvar.detach().double() - exact).abs().max())
         assert err < 5e-6, f"{name}: log σ² differs from float64 by {err:.1e} (float32 precision)"
         with torch.autocast("cpu", dtype=torch.bfloat16):  # what a bf16 head would have given
-            rounded = head.logvar_proj(h_unc.to(torch.bfloat16)).double()
+            rounded = head.logvar_proj(h_unc.to(torch.bfloat16)).detach().double()
         assert float((rounded - exact).abs().max()) > 1e-3, name
     # A whole bf16 step against the fp32 step from the same weights: σ² agrees far inside bf16's 1/16 grid.
     terms = {}
