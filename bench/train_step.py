@@ -68,7 +68,9 @@ class StepCase:
         samples = demo_samples(batch, size=16, seed=3)
         raw = {
             "key": np.array([s["__key__"] for s in samples], dtype=object),
-            "image": np.random.default_rng(0).standard_normal((batch, 3, cfg.image_size, cfg.image_size)),
+            "image": np.random.default_rng(0).standard_normal(
+                (batch, 3, cfg.image_size, cfg.image_size), np.float32
+            ),
             "tokens": tokenizer.encode_batch([s["txt"] for s in samples], cfg.context_length),
         }
         masker = None

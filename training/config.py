@@ -16,12 +16,20 @@ Sources of the defaults:
   logit scale/bias (docs/environment.md: 1e-3 collapsed, 5e-4 trained, un-normalised pixels plateaued).
 - Pixel mean/std: OpenAI CLIP's, as open_clip uses for every CLIP/SigLIP-style model trained from scratch.
 
+Augmentation is each recipe's: ``datacomp-small`` open_clip's default train transform, which DataComp's
+fixed recipe uses (RandomResizedCrop area (0.9, 1.0), no colour jitter, no grayscale); ``prolip-b16`` and
+the ``DataConfig`` defaults ProLIP App. B.1's. The crop runs in the decode tasks, the pixel operations on
+the training device (pipeline/ingest/device_augment.py).
+
 Elastic training: ``scaling.min_workers > 0`` turns ``num_workers`` into the range
-``(min_workers, num_workers)`` given to Ray Train. The *global* batch stays ``global_batch_size``: each
-worker takes ``global_batch_size // world_size`` samples per step, so every world size in the range must
-divide the global batch (checked at start). Steps, the LR schedule and the checkpoint cadence count
-optimizer steps, so a resize (which Ray Train handles as a restart from the latest checkpoint) changes
-neither the schedule nor the samples seen per step.
+``(min_workers, num_workers)`` given to Ray Train, which restarts the worker group from the latest
+checkpoint at whatever size the cluster then holds (a lost node, a spot reclaim). The *global* batch stays
+``global_batch_size`` at every size: rank r takes ``global_batch_size // world`` samples, one more on the
+first ``global_batch_size % world`` ranks (training/train/distributed.py ``local_batch_sizes``), so no size
+has to divide it; ``scaling.max_local_batch`` caps what one device may take (checked for the smallest
+world at start). Steps, the LR schedule and the checkpoint cadence count optimizer steps of one global
+batch. A restart at a smaller world after a lost worker is not working yet (docs/gpu.md): Ray Train kept
+trying to start the old size and timed out, so elastic training is not offered as a working feature.
 """
 
 from __future__ import annotations
@@ -59,6 +67,10 @@ class DataConfig:
     """Training ingest (pipeline/ingest/transforms.py)."""
 
     shards: str = ""  # directory, glob or comma-separated .tar paths; local or s3://
+    # A DataComp subset .npy (u8,u8 uids; local or s3://) of the pool in ``shards``: train on its rows
+    # only, each as often as it is listed — the samples jobs.reshard would write, read from the build's
+    # own shards (pipeline/ingest/subset_reader.py). Empty: every row of ``shards``.
+    subset: str = ""
     s3_endpoint: str = ""  # for s3:// shards, e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
     augment: bool = True  # RandomResizedCrop, colour jitter and grayscale (ProLIP B.1); off = resize only
     crop_scale: tuple[float, float] = (0.8, 1.0)  # RandomResizedCrop area range (ProLIP B.1)
@@ -77,9 +89,14 @@ class DataConfig:
     augment_seed: Seed | None = None  # None: fresh entropy per decode actor
     read_cpus: PositiveFloat = 0.25  # CPUs reserved per shard-read task (I/O bound)
     decode_batch_size: Positive = 64  # samples per decode/augment task call
-    decode_tasks: Positive = 2  # max concurrent decode/augment tasks
+    # Concurrent decode tasks at most; 0 = no cap: Ray Data runs as many as the ingest nodes' free CPUs
+    # allow and the autoscaler adds nodes from the backlog (the cluster presets; the train workers' CPUs
+    # stay reserved for them). How many cores a GPU needs: docs/gpu.md.
+    decode_tasks: NonNegative = 2
     decode_cpus: PositiveFloat = 1.0  # CPUs reserved per decode task
     prefetch_batches: NonNegative = 2  # batches each worker's iterator prepares ahead
+    # Page-locked host batches, copied to the GPU on a side stream one batch ahead (CUDA only).
+    pin_memory: bool = True
     # Keep the rows a worker decoded in its first epoch in its memory and serve later epochs from there, in
     # a fresh order each epoch (masked variants still drawn per epoch): for small datasets without
     # augmentation, where a re-read and re-decode per epoch costs more than the step (each worker keeps its
@@ -177,6 +194,12 @@ class WorkersConfig:
     # Intra-op threads per worker: 0 = Ray's default (OMP_NUM_THREADS = the worker's CPUs), -1 = every core
     # of the node (one CPU worker on a laptop, with the ingest tasks taking turns on the same cores).
     torch_threads: Annotated[int, Field(ge=-1)] = 0
+    # Seconds a collective may wait before the process group fails (NCCL's watchdog); Ray's default is
+    # 1800 s, so a hung rank would hold a whole GPU cluster for half an hour before the restart.
+    collective_timeout_s: Positive = 600
+    # Most samples one worker may take per step (0: no cap); with elastic training the smallest world
+    # must fit under it (checked at start).
+    max_local_batch: NonNegative = 0
 
     def __post_init__(self) -> None:
         require(
@@ -204,8 +227,9 @@ class RunOutputConfig:
 class TrainConfig:
     model: str = "tiny"  # training.model.config.MODEL_CONFIGS name
     grad_checkpointing: bool = False  # recompute activations in backward: less memory, ~30% more time
-    # "clip" (CLIP's BPE from open_clip_torch), "clip:PATH" (its bpe_simple_vocab_16e6.txt.gz), a saved
-    # tokenizer directory or any tokenizer.json (e.g. SigLIP's); empty = train a BPE on the captions
+    # "clip" (CLIP's BPE from open_clip_torch), "clip:PATH" (its bpe_simple_vocab_16e6.txt.gz), "hf-hub:REPO"
+    # (a Hub repository's tokenizer.json, cached), a saved tokenizer directory or any tokenizer.json (e.g.
+    # SigLIP's); empty = train a BPE on the captions
     tokenizer: str = ""
     # for a tokenizer.json: "", "lower" (CLIP's cleaning), "canonicalize" (SigLIP's)
     tokenizer_clean: Literal["", "lower", "canonicalize"] = ""
@@ -213,6 +237,9 @@ class TrainConfig:
     global_batch_size: Positive = 128  # samples per optimizer step over all workers
     samples_seen: Positive = 60_000  # total training samples; steps = samples_seen // global_batch_size
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    # torch.compile the towers with dynamic shapes (captions are trimmed per batch, so the text length
+    # changes from step to step); off by default: a compile costs minutes before the first step.
+    compile: bool = False
     seed: Seed = 0  # model initialisation (and the data order when data.shuffle_seed is set by the track)
     data: DataConfig = field(default_factory=DataConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -240,11 +267,19 @@ class TrainConfig:
             f"is less than one global batch ({self.global_batch_size})",
             self.samples_seen,
         )
-        bad = [w for w in self.world_sizes() if self.global_batch_size % w]
+        smallest = min(self.world_sizes())
+        largest_local = -(-self.global_batch_size // smallest)
+        cap = self.scaling.max_local_batch
         require(
-            not bad,
+            cap == 0 or largest_local <= cap,
+            "scaling.max_local_batch",
+            f"is below the {largest_local} samples a worker takes at the smallest world ({smallest})",
+            cap,
+        )
+        require(
+            self.global_batch_size >= max(self.world_sizes()),
             "global_batch_size",
-            f"must be divisible by every world size in [scaling.min_workers, scaling.num_workers]; {bad} do not",
+            f"is smaller than scaling.num_workers={self.scaling.num_workers} (a worker would get no sample)",
             self.global_batch_size,
         )
 
@@ -278,9 +313,13 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         tokenizer="clip",
         global_batch_size=4096,
         samples_seen=12_800_000,
+        # open_clip's default train transform, DataComp's recipe: crop area (0.9, 1.0), no jitter or grayscale.
         data=DataConfig(
             shards="",  # required: jobs.train --shards
-            decode_tasks=32,
+            crop_scale=(0.9, 1.0),
+            color_jitter_p=0.0,
+            grayscale_p=0.0,
+            decode_tasks=0,
             decode_batch_size=128,
             shuffle_window=4096,
         ),
@@ -290,13 +329,17 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
     ),
     "prolip-b16": TrainConfig(
         model="ViT-B-16-ProLIP",
+        # SigLIP's 32k SentencePiece vocabulary with its canonicalising cleaner, as the released ProLIP
+        # models tokenize (context 64); the cluster image caches it (cluster/Dockerfile).
+        tokenizer="hf-hub:timm/ViT-B-16-SigLIP",
+        tokenizer_clean="canonicalize",
         grad_checkpointing=False,
         global_batch_size=16_384,
         samples_seen=1_280_000_000,
         precision="bf16",
         data=DataConfig(
             shards="",  # required: jobs.train --shards
-            decode_tasks=256,
+            decode_tasks=0,
             decode_batch_size=256,
             shuffle_window=8192,
         ),

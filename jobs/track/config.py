@@ -76,6 +76,10 @@ class TrackConfig:
     train_parallel: Positive = 1
     # A BPE trained by the build for every model whose config names no tokenizer (local output only)
     share_tokenizer: bool = True
+    # How a subset model reads its subset: "subset" = the build's shards, filtered through the subset's .npy
+    # as they are read (pipeline/ingest/subset_reader.py, no copy); "reshard" = a resharded copy of every
+    # subset first (jobs.reshard's output). The models see the same samples either way.
+    train_from: Literal["subset", "reshard"] = "subset"
 
     def __post_init__(self) -> None:
         """Checks on construction; ``ConfigError`` names the key."""
@@ -228,12 +232,21 @@ def paths(cfg: TrackConfig) -> dict[str, str]:
     }
 
 
-def train_config(cfg: TrackConfig, base: TrainConfig, name: str, shards: str, seed: int) -> TrainConfig:
-    """``base`` pointed at ``shards`` and this run's storage, seeded for a reproducible run."""
+def train_config(
+    cfg: TrackConfig, base: TrainConfig, name: str, shards: str, seed: int, subset: str = ""
+) -> TrainConfig:
+    """``base`` pointed at ``shards`` (only ``subset``'s rows when given) and this run's storage, seeded for a
+    reproducible run."""
     p = paths(cfg)
     updates: dict[str, Any] = {
         "seed": seed,
-        "data": {"shards": shards, "s3_endpoint": cfg.s3_endpoint, "shuffle_seed": seed, "mask_seed": seed},
+        "data": {
+            "shards": shards,
+            "subset": subset,
+            "s3_endpoint": cfg.s3_endpoint,
+            "shuffle_seed": seed,
+            "mask_seed": seed,
+        },
         "run": {"storage_path": p["train"], "name": name, "s3_endpoint": cfg.s3_endpoint},
     }
     if (

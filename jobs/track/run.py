@@ -10,7 +10,8 @@ Steps, all under one run directory (local or ``s3://``):
 4. **filters** — CSD best ``csd_fraction`` (paper 20%; the demo pool has ≈35% bad captions, so the demo
    keeps 50%), an uncertainty-aware variant (drop the most uncertain captions first, same size), and a
    random subset of the same size as the control; each a DataComp ``.npy`` in ``subsets/``.
-5. **reshard** each subset (``subset_shards/<name>/``) and **train** one model per (subset, seed) with the
+5. **train** one model per (subset, seed) — from the build's shards through the subset's ``.npy``, or
+   from a resharded copy per subset (``subset_shards/<name>/``, ``train_from=reshard``) — with the
    *same samples seen* (DataComp's rule: the compute budget is fixed, smaller subsets repeat more).
 6. **evaluate** every model on the task list (demo: shapes, colours, retrieval, hierarchy) and the scorer
    with the uncertainty analyses; 7. **report** — ``report.md`` with the DataComp-style table.
@@ -238,13 +239,17 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
     built = step("build", do_build)
     scorer = step(
         "scorer",
-        lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0])}, log)["scorer"],
+        lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0], "")}, log)["scorer"],
     )
     scores = step("score", lambda: score_pool(cfg, scorer["checkpoint"], log))
     subsets = step("filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log))
-    shards = step("reshard", lambda: reshard_subsets(cfg, subsets, log))
+    if cfg.train_from == "reshard":
+        shards = step("reshard", lambda: reshard_subsets(cfg, subsets, log))
+        source = {name: (shards[name]["dir"], "") for name in cfg.subsets}
+    else:  # the build's shards through each subset's .npy: nothing copied
+        source = {name: (p["shards"], subsets[name]["path"]) for name in cfg.subsets}
     runs = {
-        f"{name}-seed{seed}": (cfg.train, shards[name]["dir"], seed)
+        f"{name}-seed{seed}": (cfg.train, source[name][0], seed, source[name][1])
         for name in cfg.subsets
         for seed in cfg.seeds
     }

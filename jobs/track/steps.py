@@ -20,14 +20,16 @@ Log = Callable[[str], None]
 _SCORE_SUBSETS = ("csd", "csd_uncertainty", "clip_score", "random")  # the rest come from the build
 
 
-def train_models(cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int]], log: Log) -> dict[str, Any]:
-    """Train each ``name → (base config, shards, seed)`` in turn (``run_track`` runs ``train_parallel`` such
-    calls side by side)."""
+def train_models(
+    cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int, str]], log: Log
+) -> dict[str, Any]:
+    """Train each ``name → (base config, shards, seed, subset .npy or "")`` in turn (``run_track`` runs
+    ``train_parallel`` such calls side by side)."""
     from training.train.trainer import train
 
     out: dict[str, Any] = {}
-    for name, (base, shards, seed) in runs.items():
-        tcfg = train_config(cfg, base, name, shards, seed)
+    for name, (base, shards, seed, subset) in runs.items():
+        tcfg = train_config(cfg, base, name, shards, seed, subset)
         log(f"[track]   train {name}: {tcfg.loss.name}, {tcfg.samples_seen} samples seen, seed {seed}")
         res = train(tcfg)
         final = res.metrics[-1] if res.metrics else {}

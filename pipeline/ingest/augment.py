@@ -7,12 +7,13 @@
   pixels it was trained on.
 - ``random_resized_crop_box``: the crop rule of torchvision's RandomResizedCrop (ten area/aspect draws,
   then a centred fallback); ProLIP App. B.1 uses area (0.8, 1.0).
-- ``color_jitter``: brightness/contrast/saturation factors uniform in [1 − s, 1 + s] and a hue shift in
-  [−h, h], applied in a random order per image as torchvision's ColorJitter; ProLIP uses
-  (0.32, 0.32, 0.32, 0.08) with probability 0.8. ``random_grayscale``: ITU-R 601-2 luma, p 0.2.
+- ``draw_jitter`` and ``draw_grayscale``: the per-image parameters of torchvision's ColorJitter
+  (brightness/contrast/saturation factors uniform in [1 − s, 1 + s], a hue shift in [−h, h], a random order
+  per image) and RandomGrayscale; ProLIP uses (0.32, 0.32, 0.32, 0.08) with probability 0.8 and grayscale
+  p 0.2. Only the parameters are drawn here: the pixels are changed on the training device, in one batched
+  pass (pipeline/ingest/device_augment.py), so a decode task ends at a uint8 crop.
 
-Everything operates on float arrays (n, H, W, 3) in [0, 1] and is vectorised over the images that take
-an operation; only decode and crop run per image.
+Decode and crop run per image on uint8 arrays (H, W, 3).
 """
 
 from __future__ import annotations
@@ -91,63 +92,21 @@ def center_resize(arr: np.ndarray, size: int) -> np.ndarray:
     return np.asarray(Image.fromarray(arr).resize((size, size), Image.BICUBIC, box=box))
 
 
-def _gray(x: np.ndarray) -> np.ndarray:
-    # ITU-R 601-2 luma, the weights Pillow and torchvision use for grayscale.
-    return x[..., 0] * 0.299 + x[..., 1] * 0.587 + x[..., 2] * 0.114  # (n, H, W)
+JITTER_OPS = ("brightness", "contrast", "saturation", "hue")  # ColorJitter's operations, by index
+IDENTITY_FACTORS = (1.0, 1.0, 1.0, 0.0)  # the jitter factors that change nothing
 
 
-def rgb_to_hsv(x: np.ndarray) -> np.ndarray:
-    """(..., 3) RGB in [0, 1] → HSV in [0, 1]."""
-    r, g, b = x[..., 0], x[..., 1], x[..., 2]
-    maxc, minc = x.max(-1), x.min(-1)
-    delta = maxc - minc
-    safe = np.where(delta > 0, delta, 1.0)
-    rc, gc, bc = (maxc - r) / safe, (maxc - g) / safe, (maxc - b) / safe
-    h = np.where(r == maxc, bc - gc, np.where(g == maxc, 2.0 + rc - bc, 4.0 + gc - rc))
-    h = np.where(delta > 0, (h / 6.0) % 1.0, 0.0)
-    s = np.where(maxc > 0, delta / np.where(maxc > 0, maxc, 1.0), 0.0)
-    return np.stack([h, s, maxc], -1).astype(x.dtype)
+def draw_jitter(
+    n: int, strength: Sequence[float], p: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per-image ColorJitter parameters: (factors (n, 4) float32, order (n, 4) int8).
 
-
-def hsv_to_rgb(x: np.ndarray) -> np.ndarray:
-    """(..., 3) HSV in [0, 1] → RGB in [0, 1]."""
-    h, s, v = x[..., 0], x[..., 1], x[..., 2]
-    i = np.floor(h * 6.0)
-    f = h * 6.0 - i
-    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
-    i = i.astype(np.int64) % 6
-    r = np.choose(i, [v, q, p, p, t, v])
-    g = np.choose(i, [t, v, v, q, p, p])
-    b = np.choose(i, [p, p, t, v, v, q])
-    return np.stack([r, g, b], -1).astype(x.dtype)
-
-
-def _blend(x: np.ndarray, other: np.ndarray, factor: np.ndarray) -> np.ndarray:
-    f = factor.reshape(-1, *([1] * (x.ndim - 1)))
-    return np.clip(f * x + (1.0 - f) * other, 0.0, 1.0)
-
-
-def _adjust(op: int, x: np.ndarray, f: np.ndarray) -> np.ndarray:
-    if op == 0:  # brightness: blend with black
-        return _blend(x, np.zeros_like(x), f)
-    if op == 1:  # contrast: blend with the image's mean luma
-        return _blend(x, _gray(x).mean(axis=(1, 2)).reshape(-1, 1, 1, 1), f)
-    if op == 2:  # saturation: blend with the grayscale image
-        return _blend(x, _gray(x)[..., None], f)
-    hsv = rgb_to_hsv(x)
-    hsv[..., 0] = (hsv[..., 0] + f.reshape(-1, 1, 1)) % 1.0
-    return hsv_to_rgb(hsv)
-
-
-def color_jitter(x: np.ndarray, strength: Sequence[float], p: float, rng: np.random.Generator) -> np.ndarray:
-    """Colour jitter on (n, H, W, 3) floats in [0, 1], each image with probability ``p``.
-
-    ``strength`` = (brightness, contrast, saturation, hue): factors uniform in [1 − s, 1 + s], hue shift
-    uniform in [−h, h] (fraction of the colour wheel); the four run in a random order per image, as
-    torchvision's ColorJitter. Vectorised per (position, operation) over the images that need it.
+    With probability ``p`` an image gets brightness/contrast/saturation factors uniform in
+    [max(0, 1 − s), 1 + s] and a hue shift uniform in [−h, h] (fraction of the colour wheel), applied in the
+    random ``order`` (operation index per position, as torchvision's ColorJitter draws a permutation per
+    call); otherwise, and for an operation of strength 0, the identity factors. The pixels are jittered on
+    the training device (pipeline/ingest/device_augment.py).
     """
-    n = x.shape[0]
-    apply = rng.random(n) < p
     b, c, s, hue = strength
     factors = np.stack(
         [
@@ -158,20 +117,11 @@ def color_jitter(x: np.ndarray, strength: Sequence[float], p: float, rng: np.ran
         ],
         axis=1,
     ).astype(np.float32)  # (n, 4)
-    order = np.argsort(rng.random((n, 4)), axis=1)  # (n, 4): operation at each position
-    active = [b > 0, c > 0, s > 0, hue > 0]
-    x = x.copy()
-    for pos in range(4):
-        for op in range(4):
-            idx = np.flatnonzero(apply & (order[:, pos] == op))
-            if idx.size and active[op]:
-                x[idx] = _adjust(op, x[idx], factors[idx, op])
-    return x
+    order = np.argsort(rng.random((n, 4)), axis=1).astype(np.int8)  # (n, 4): operation at each position
+    off = ~(rng.random(n) < p)[:, None] | (np.asarray([b, c, s, hue]) <= 0)[None, :]  # (n, 4)
+    return np.where(off, np.float32(IDENTITY_FACTORS), factors).astype(np.float32), order
 
 
-def random_grayscale(x: np.ndarray, p: float, rng: np.random.Generator) -> np.ndarray:
-    idx = np.flatnonzero(rng.random(x.shape[0]) < p)
-    if idx.size:
-        x = x.copy()
-        x[idx] = _gray(x[idx])[..., None]
-    return x
+def draw_grayscale(n: int, p: float, rng: np.random.Generator) -> np.ndarray:
+    """bool (n,): which images RandomGrayscale(p) turns grey (ITU-R 601-2 luma, on the device)."""
+    return rng.random(n) < p

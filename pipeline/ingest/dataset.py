@@ -3,7 +3,8 @@
 The stages are Ray-free callables elsewhere (pipeline/shards/reader.py reads a shard, pipeline/ingest/transforms.py
 shuffles, decodes, augments, masks and collates); this module only wires them into Ray:
 
-- ``build_train_dataset``: read → windowed shuffle → decode/augment/tokenize, scoped to the data nodes
+- ``build_train_dataset``: read (all of ``data.shards``, or the rows of ``data.subset``:
+  pipeline/ingest/subset_reader.py) → windowed shuffle → decode/crop/tokenize, scoped to the data nodes
   (pipeline/common/placement.py); ``train_dataset_config`` carries the same selector into Ray Train's ingest.
 - ``IngestCounters``: a small named actor shared by every ingest task (damaged shards, dropped images)
   and by the train loop's progress line (``ProgressPrinter`` on the driver).
@@ -24,8 +25,10 @@ from ray.data.collate_fn import NumpyBatchCollateFn
 
 from pipeline.common.placement import scope_dataset
 from pipeline.common.storage import Storage
+from pipeline.ingest.subset_reader import SubsetShardReader
 from pipeline.ingest.transforms import TrainCollate, decode_augment_batch, tokenizer_state, window_shuffle
-from pipeline.shards.ray_reader import read_shards
+from pipeline.shards.ray_reader import ShardDatasource, read_shards
+from pipeline.shards.reader import list_shards
 
 # --- the counters actor -------------------------------------------------------------------------------
 
@@ -185,14 +188,16 @@ def build_train_dataset(
         if data.shuffle_seed is None
         else ray.data.FileShuffleConfig(seed=data.shuffle_seed, reseed_after_execution=True)
     )
-    ds = read_shards(
-        data.shards,
-        store,
-        report=BadShardCounter(counters) if counters else None,
-        max_bad_shards=data.max_bad_shards,
-        shuffle=shuffle,
-        num_cpus=data.read_cpus,
-    )
+    report = BadShardCounter(counters) if counters else None
+    if data.subset:  # the build's shards, filtered to the subset's rows inside each read task
+        reader = SubsetShardReader(data.subset, store, max_bad_shards=data.max_bad_shards, report=report)
+        source = ShardDatasource(list_shards(data.shards, store), reader, shuffle=shuffle)
+        ds = ray.data.read_datasource(source, num_cpus=data.read_cpus)
+    else:
+        ds = read_shards(
+            data.shards, store, report=report, max_bad_shards=data.max_bad_shards, shuffle=shuffle,
+            num_cpus=data.read_cpus,
+        )  # fmt: skip
     ds = scope_dataset(ds, data.label_selector)
     if data.shuffle_window > 1:
         ds = ds.map_batches(
@@ -214,7 +219,8 @@ def build_train_dataset(
         },
         batch_size=data.decode_batch_size,
         batch_format="numpy",
-        compute=ray.data.TaskPoolStrategy(size=max(1, data.decode_tasks)),
+        # decode_tasks=0: no cap, as many tasks as the ingest nodes' free CPUs take (docs/gpu.md sizes them)
+        **({"compute": ray.data.TaskPoolStrategy(size=data.decode_tasks)} if data.decode_tasks else {}),
         num_cpus=data.decode_cpus,
     )
 

@@ -273,14 +273,29 @@ def train_tokenizer(captions: Iterable[str], vocab_size: int = 4096, min_frequen
 
 
 CLIP_SPEC = "clip"
+HF_HUB_SPEC = "hf-hub:"  # a Hugging Face Hub repository's tokenizer.json, e.g. hf-hub:timm/ViT-B-16-SigLIP
+
+
+def hf_hub_tokenizer_file(repo: str) -> Path:
+    """``tokenizer.json`` of a Hub repository: from the local Hugging Face cache when it is there (the cluster
+    image fills it when it is built, so no node downloads at start), else downloaded into it."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo, TOKENIZER_FILE, local_files_only=True))
+    except Exception:  # not cached (LocalEntryNotFoundError and kin): fetch it
+        return Path(hf_hub_download(repo, TOKENIZER_FILE))
 
 
 def tokenizer_from_spec(spec: str, clean: str | None = None) -> TextTokenizer:
     """The tokenizer a config names: ``clip`` (CLIP's BPE from the installed open_clip_torch),
-    ``clip:PATH`` (CLIP's BPE from that ``bpe_simple_vocab_16e6.txt.gz``), a directory written by ``save``,
-    or any ``tokenizer.json`` (or a directory holding one), e.g. SigLIP's, cleaned by ``clean``."""
+    ``clip:PATH`` (CLIP's BPE from that ``bpe_simple_vocab_16e6.txt.gz``), ``hf-hub:REPO`` (that Hub
+    repository's ``tokenizer.json``), a directory written by ``save``, or any ``tokenizer.json`` (or a
+    directory holding one), e.g. SigLIP's, cleaned by ``clean``."""
     if spec == CLIP_SPEC or spec.startswith(CLIP_SPEC + ":"):
         return clip_bpe_tokenizer(spec[len(CLIP_SPEC) + 1 :] or None)
+    if spec.startswith(HF_HUB_SPEC):
+        return TextTokenizer.from_file(hf_hub_tokenizer_file(spec[len(HF_HUB_SPEC) :]), clean=clean)
     path = Path(spec)
     if path.is_dir() and (path / SPECIAL_IDS_FILE).is_file():
         return TextTokenizer.load(path)

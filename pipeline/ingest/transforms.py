@@ -10,19 +10,21 @@ them into Ray Data.
    then the job stops naming the shard.
 2. **Windowed shuffle** (``shuffle_window``): a permutation inside windows of raw rows (a few MB of JPEG
    bytes), the webdataset-style shuffle buffer, so no worker holds a large buffer of decoded images.
-3. **Decode + augment + tokenize** (``DecodeAugment``, in Ray Data tasks): simplejpeg with DCT
+3. **Decode + crop + tokenize** (``DecodeAugment``, in Ray Data tasks): simplejpeg with DCT
    downscaling to the smallest size that still covers the crop (Pillow for other formats); a sample that
-   fails to decode is dropped and counted (``on_bad_images``), never fatal. Augmentation as ProLIP
-   App. B.1 (RandomResizedCrop area (0.8, 1.0), colour jitter (0.32, 0.32, 0.32, 0.08) p 0.8 applied in
-   a random order per image as torchvision does, grayscale p 0.2), written in numpy (torchvision is not
-   a dependency); without augmentation, resize the short side and centre-crop (open_clip's eval
-   transform). Normalise with mean/std, tokenize with ``TextTokenizer.encode_batch``.
+   fails to decode is dropped and counted (``on_bad_images``), never fatal. The crop is the recipe's
+   RandomResizedCrop (ProLIP App. B.1: area (0.8, 1.0); DataComp/open_clip: (0.9, 1.0)), bicubic, kept as
+   uint8 (B, S, S, 3); without augmentation, resize the short side and centre-crop (open_clip's eval
+   transform). The colour jitter and grayscale are only *drawn* here (small per-image columns); they,
+   the float conversion and the mean/std normalisation run batched on the training device
+   (pipeline/ingest/device_augment.py, called by the train step). Tokenize with
+   ``TextTokenizer.encode_batch``.
 4. **Masked variants** (``MaskedVariants``), run in ``iter_torch_batches``' collate step (``TrainCollate``,
    wrapped as Ray Data's ``NumpyBatchCollateFn`` in pipeline/ingest/dataset.py) on the exact training batch:
    12.5% of the batch selected by ``pipeline.ingest.masking.select_for_masking`` (hash of uid and epoch), 75%
-   of their content tokens → [MASK], 25% of patches kept. Output: fixed-shape arrays ``images (B,3,H,W)
-   f32, tokens (B,L) i64, masked_tokens (B,L) i64, keep_idx (B,K) i64, selected (B,) bool`` plus
-   ``masked_index (M,)``, so the loop does no per-sample work. Why the collate step rather than a
+   of their content tokens → [MASK], 25% of patches kept. Output: fixed-shape arrays ``images (B,H,W,3)
+   u8`` (+ the pixel parameters), ``tokens (B,L) i64, masked_tokens (B,L) i64, keep_idx (B,K) i64,
+   selected (B,) bool`` plus ``masked_index (M,)``, so the loop does no per-sample work. Why the collate step rather than a
    ``map_batches`` stage: Ray Data re-batches (and splits across workers) after every stage, so only
    here is "per batch" the training batch, and only here is the epoch known (the dataset plan is the
    same object for every epoch).
@@ -41,16 +43,21 @@ import pyarrow as pa
 
 from pipeline.ingest.augment import (
     center_resize,
-    color_jitter,
     decode_for_size,
-    random_grayscale,
+    draw_grayscale,
+    draw_jitter,
     random_resized_crop_box,
 )
+from pipeline.ingest.device_augment import hue_rows_by_position
 from pipeline.ingest.masking import choose_kept_patches, mask_text_tokens, sample_hash, select_for_masking
 
 log = logging.getLogger(__name__)
 
 BadImageReport = Callable[[int, list[str]], None]  # (n dropped, a few "key: error" examples)
+PIXEL_PARAMS = ("jitter", "jitter_order", "gray")  # per-image draws applied on the training device
+# Samples/s one core decodes, crops and tokenizes at 224 px with uint8 output (bench/ingest_224.py's
+# per-core limit on photos, 2-core x86 VM): what the trainer sizes the decode cores of a GPU run by.
+DECODE_SAMPLES_PER_CORE_224 = 440.0
 
 
 # --- 2. windowed shuffle ------------------------------------------------------------------------------
@@ -70,7 +77,9 @@ def window_shuffle(table: pa.Table, seed: int | None = None) -> pa.Table:
 
 
 class DecodeAugment:
-    """Ray Data stage: {key, jpg, txt} → {key, image (B,3,S,S) f32 normalised, tokens (B,L) i64}.
+    """Ray Data stage: {key, jpg, txt} → {key, image (B,S,S,3) uint8, tokens (B,L) i64} plus, with
+    augmentation, the drawn pixel parameters ``jitter`` (B,4) f32, ``jitter_order`` (B,4) i8 and ``gray``
+    (B,) bool, applied on the training device (pipeline/ingest/device_augment.py).
 
     Undecodable images are dropped (the row disappears) and counted in ``self.bad_images`` and through
     ``on_bad_images`` when given (in a Ray job, the shared counters actor: pipeline/ingest/dataset.py).
@@ -93,8 +102,6 @@ class DecodeAugment:
         self.tokenizer = tokenizer
         self.size, self.context_length = image_size, context_length
         self.cfg = data
-        self.mean = np.asarray(data.mean, np.float32)
-        self.std = np.asarray(data.std, np.float32)
         self.on_bad_images = on_bad_images
         self.rng = np.random.default_rng(seed)
         self.bad_images = 0
@@ -121,22 +128,26 @@ class DecodeAugment:
         if errors:
             self._count_bad(errors)
         n = len(keep)
-        x = (np.stack(images) if n else np.zeros((0, self.size, self.size, 3), np.uint8)).astype(np.float32)
-        x /= 255.0  # (n, S, S, 3)
-        if self.cfg.augment and n:
-            if self.cfg.color_jitter_p > 0:
-                x = color_jitter(x, self.cfg.color_jitter, self.cfg.color_jitter_p, self.rng)
-            if self.cfg.grayscale_p > 0:
-                x = random_grayscale(x, self.cfg.grayscale_p, self.rng)
-        x = ((x - self.mean) / self.std).transpose(0, 3, 1, 2)  # (n, 3, S, S)
         texts = [str(batch["txt"][i]) for i in keep]
-        return {
+        out = {
             "key": np.asarray([str(batch["key"][i]) for i in keep], dtype=object),
-            "image": np.ascontiguousarray(x, dtype=np.float32),
+            "image": np.stack(images) if n else np.zeros((0, self.size, self.size, 3), np.uint8),
             "tokens": self.tokenizer.encode_batch(texts, self.context_length)
             if n
             else np.zeros((0, self.context_length), np.int64),
         }
+        return {**out, **self._pixel_params(n)}
+
+    def _pixel_params(self, n: int) -> dict[str, np.ndarray]:
+        """The jitter and grayscale draws of ``n`` images (no columns when the config has neither)."""
+        cfg, out = self.cfg, {}
+        if cfg.augment and cfg.color_jitter_p > 0 and any(s > 0 for s in cfg.color_jitter):
+            out["jitter"], out["jitter_order"] = draw_jitter(
+                n, cfg.color_jitter, cfg.color_jitter_p, self.rng
+            )
+        if cfg.augment and cfg.grayscale_p > 0:
+            out["gray"] = draw_grayscale(n, cfg.grayscale_p, self.rng)
+        return out
 
     def _count_bad(self, errors: list[str]) -> None:
         self.bad_images += len(errors)
@@ -251,9 +262,15 @@ class TrainCollate:
         if self.pad_id is not None and tokens.size:
             width = max(1, int((tokens != self.pad_id).sum(axis=1).max()))  # content is a prefix
         tensors = {
-            "images": torch.from_numpy(np.ascontiguousarray(out["image"], dtype=np.float32)),
+            "images": torch.from_numpy(np.ascontiguousarray(out["image"])),  # uint8 (B, S, S, 3) as decoded
             "tokens": torch.from_numpy(np.ascontiguousarray(tokens[:, :width])),
         }
+        for name in PIXEL_PARAMS:
+            if name in out:
+                tensors[name] = torch.from_numpy(np.ascontiguousarray(out[name]))
+        if "jitter" in out:  # which rows rotate their hue at each position: sizes the device need not ask for
+            for pos, rows in enumerate(hue_rows_by_position(out["jitter"], out["jitter_order"])):
+                tensors[f"hue_rows_{pos}"] = torch.from_numpy(rows)
         if "selected" in out:
             masked = np.asarray(out["masked_tokens"], dtype=np.int64)[:, :width]
             tensors["masked_tokens"] = torch.from_numpy(np.ascontiguousarray(masked))

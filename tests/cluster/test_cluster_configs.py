@@ -101,7 +101,13 @@ def test_aws_layout_head_without_tasks_labelled_cpu_and_gpu_types() -> None:
     assert "--num-cpus=0" in head_start and "--dashboard-host=127.0.0.1" in head_start
     assert "0.0.0.0" not in (CLUSTER / "aws.yaml").read_text()  # the dashboard only through a tunnel
     assert "RAY_enable_autoscaler_v2=1" in head_start  # label-aware scale-up
-    assert config["docker"]["image"] == RAY_IMAGE
+    # The project's image (cluster/Dockerfile, FROM Ray's): the same one the KubeRay manifests run.
+    kuberay = load(CLUSTER / "kuberay" / "raycluster.yaml")
+    images = {c["image"] for g in [kuberay["spec"]["headGroupSpec"], *kuberay["spec"]["workerGroupSpecs"]]
+              for c in g["template"]["spec"]["containers"]}  # fmt: skip
+    assert (
+        images == {config["docker"]["image"]} and f"FROM {RAY_IMAGE}" in (CLUSTER / "Dockerfile").read_text()
+    )
     assert types["cpu"]["labels"] == {LABEL_KEY: DATA_ROLE} and types["gpu"]["labels"] == {
         LABEL_KEY: TRAIN_ROLE
     }

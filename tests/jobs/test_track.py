@@ -232,7 +232,9 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     state = json.loads((out / "track_state.json").read_text())
     # The tiny preset trains its three subset models two at a time (train_parallel): each one recorded.
     models = {f"train/{s}-seed0" for s in subsets}
-    assert {"build", "scorer", "score", "filters", "reshard", "evaluate/scorer", *models} <= set(state)
+    assert {"build", "scorer", "score", "filters", "evaluate/scorer", *models} <= set(state)
+    # The subset models read the build's shards through their subset's .npy: nothing was resharded.
+    assert "reshard" not in state and not (out / "subset_shards").exists()
     assert models <= set(state["timings"]) and "2 at a time (train_parallel): their times overlap" in report
     # A re-run resumes: every recorded step is skipped, only the report is written again. Keys that say
     # where or how fast a step runs may change between the runs.

@@ -8,8 +8,8 @@ Architecture (ProLIP paper §3.2, Fig. 2):
 - Text tower: ``[tok_1..tok_L, UNC, CLS]`` — UNC and CLS are appended at the end as in the paper (CLIP's
   text tower pools the final EOS position, and ProLIP keeps that convention).
 - Heads: ``mu = normalize(W_mu · LN(h_CLS))``, ``logvar = W_sigma · LN(h_UNC) + b`` with ``b`` initialised to
-  −10 (σ² ≈ 4.5e−5, §4.1). The official code feeds the projected text CLS into the text σ head; we follow
-  the paper and use the UNC output in both towers.
+  −10 (σ² ≈ 4.5e−5, §4.1), both computed in float32 under autocast too. The official code feeds the
+  projected text CLS into the text σ head; we follow the paper and use the UNC output in both towers.
 - ``probabilistic=False`` drops the UNC token and the σ head and keeps everything else, so the CLIP/SigLIP
   baselines differ from ProLIP only in the objective (Table C.6 "Deterministic").
 
@@ -40,6 +40,7 @@ Variants selected by ``ModelConfig`` so that imported weights (training/imports/
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -146,12 +147,16 @@ class GaussianHead(nn.Module):
     def forward(
         self, h_cls: torch.Tensor, h_unc: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # Heads return float32 so the losses' exp/normalise never run in bf16.
-        projected = self.mu_proj(h_cls)  # (B, E)
-        mu = F.normalize(projected.float(), dim=-1)  # (B, E)
-        if self.logvar_proj is None or (h_unc is None and not self.logvar_from_mu):
-            return mu, None
-        logvar = self.logvar_proj(projected if self.logvar_from_mu else h_unc).float()  # (B, E)
+        # Both heads run in float32 even under autocast: bf16 has 8 bits of mantissa, so near the −10 init a
+        # log σ² moves in steps of 0.0625 (σ² by 6%), which swamps the differences the inclusion loss and
+        # CSD compare; the heads are a (B, D)×(D, E) product each, a rounding error of the step's cost.
+        kind = h_cls.device.type
+        with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else nullcontext():
+            projected = self.mu_proj(h_cls.float())  # (B, E)
+            mu = F.normalize(projected, dim=-1)  # (B, E)
+            if self.logvar_proj is None or (h_unc is None and not self.logvar_from_mu):
+                return mu, None
+            logvar = self.logvar_proj(projected if self.logvar_from_mu else h_unc.float())  # (B, E)
         return mu, logvar
 
 

@@ -70,13 +70,34 @@ def exchange_counts(values: Sequence[int], device: torch.device | str = "cpu") -
     return torch.cat(out).tolist()
 
 
-def gather_with_grad(tensors: Mapping[str, Tensor], extra_counts: Sequence[int] = ()) -> Gathered:
+def local_batch_sizes(global_batch: int, world: int) -> list[int]:
+    """Rows each rank takes of a global batch: ``global_batch // world``, one more on the first
+    ``global_batch % world`` ranks. Every rank computes the same list, so no rank has to be asked."""
+    base, extra = divmod(global_batch, world)
+    return [base + (r < extra) for r in range(world)]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Rows and extra counts of every rank, known before the step (from the config and the world size), so
+    the gather needs no count exchange — an all-gather whose ``.tolist()`` would stop the host until the
+    device queue drains, every step."""
+
+    sizes: list[int]  # rows per rank
+    counts: list[list[int]]  # per rank, the ``extra_counts`` it will pass
+
+
+def gather_with_grad(
+    tensors: Mapping[str, Tensor], extra_counts: Sequence[int] = (), plan: BatchPlan | None = None
+) -> Gathered:
     """Gather same-width local tensors (B_r, ...) from every rank into (N, ...) columns, differentiably.
 
     Ranks may hold different numbers of rows (padded to the largest for the collective, then trimmed).
     All tensors are packed into one (B, W) matrix so a step costs one collective forward and one
-    backward whatever the number of features; ``extra_counts`` (e.g. this rank's masked-sample count)
-    travel with the sizes in one small integer exchange.
+    backward whatever the number of features. The rows and ``extra_counts`` (e.g. this rank's
+    masked-sample count) of every rank come from ``plan`` when given (checked against this rank's own,
+    which are shapes, known on the host); without one they travel in one small integer exchange, which
+    syncs the host with the device.
     """
     names = list(tensors)
     if not names:
@@ -87,9 +108,17 @@ def gather_with_grad(tensors: Mapping[str, Tensor], extra_counts: Sequence[int] 
         if tensors[name].shape[0] != rows:
             raise ValueError(f"{name} has {tensors[name].shape[0]} rows, {names[0]} has {rows}")
     rank, world = rank_and_world()
-    counts = exchange_counts([rows, *extra_counts], first.device)
     if world == 1:
         return Gathered(dict(tensors), 0, [rows], [list(extra_counts)])
+    if plan is None:
+        counts = exchange_counts([rows, *extra_counts], first.device)
+    else:
+        mine = [plan.sizes[rank], *plan.counts[rank]]
+        if [rows, *extra_counts] != mine:
+            raise ValueError(
+                f"rank {rank} holds rows/counts {[rows, *extra_counts]}, its batch plan says {mine}"
+            )
+        counts = [[n, *c] for n, c in zip(plan.sizes, plan.counts, strict=True)]
 
     from torch.distributed.nn.functional import all_gather
 
@@ -124,3 +153,26 @@ def all_reduce_max(values: Tensor) -> Tensor:
     if is_distributed():
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out
+
+
+class EpochEnd:
+    """Ends an epoch on every rank together: ``all_have(have)`` is True while every rank still holds a batch.
+
+    Ranks' shards of an epoch need not split into the same number of batches (uneven local batches, or
+    a split that is not exactly equal); a rank that stopped while the others entered the step's
+    collectives would hang them until the collective timeout. One int goes through a MIN all-reduce on a
+    CPU (gloo) group — a host-to-host exchange that never waits on the GPU's queue. Build it on every rank
+    (creating the group is itself collective).
+    """
+
+    def __init__(self) -> None:
+        self.group: object | None = None
+        if is_distributed() and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
+
+    def all_have(self, have: bool) -> bool:
+        if not is_distributed():
+            return have
+        flag = torch.tensor([int(have)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())  # a CPU tensor: no device sync

@@ -39,10 +39,13 @@ import torch
 
 from pipeline.ingest.dataset import RayTrainCollate, publish_progress, read_counters
 from pipeline.ingest.masking import drop_masked_tokens
+from pipeline.ingest.prefetch import device_batches
 from pipeline.ingest.transforms import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
 from training.config import from_plain
 from training.train.checkpointing import restore_with_fallback, save_state
-from training.train.step import TrainState, Window, setup_state, train_step, window_metrics
+from training.train.distributed import EpochEnd, local_batch_sizes
+from training.train.metrics import Window, window_metrics
+from training.train.step import TrainState, setup_state, train_step
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +56,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _worker_device(cfg)
-    state = _restored_state(cfg, tokenizer, device, rank)
+    state = _restored_state(cfg, tokenizer, device, rank, world)
     writer = _tensorboard(config.get("tensorboard_dir")) if rank == 0 else None
     cache = DecodedCache() if cfg.data.cache_decoded else None
     masker = _masker(state, tokenizer) if state.module.spec.uses_masked else None
@@ -82,13 +85,18 @@ def _worker_device(cfg: Any) -> torch.device:
         # The saturated inclusion terms back-propagate gradients below 1e-38 through the masked branch;
         # x86 runs subnormal arithmetic ~100x slower (steps went from 0.45 s to 2–7 s). Flush to zero.
         torch.set_flush_denormal(True)
+    else:
+        # What autocast leaves in float32 (the heads, the losses' matrix products) may use TF32 tensor cores.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     return device
 
 
-def _restored_state(cfg: Any, tokenizer: Any, device: torch.device, rank: int) -> TrainState:
+def _restored_state(cfg: Any, tokenizer: Any, device: torch.device, rank: int, world: int) -> TrainState:
     checkpoint = ray.train.get_checkpoint()
+    wrap = ray.train.torch.prepare_model
     if checkpoint is None:
-        return setup_state(cfg, tokenizer, device, rank, wrap=ray.train.torch.prepare_model)
+        return setup_state(cfg, tokenizer, device, rank, wrap=wrap, world=world)
     fs = checkpoint.filesystem
 
     # A private copy per worker: ``as_directory()`` downloads a remote checkpoint into one temp path per
@@ -97,7 +105,7 @@ def _restored_state(cfg: Any, tokenizer: Any, device: torch.device, rank: int) -
         ray.train.Checkpoint(path, filesystem=fs).to_directory(d)
 
     def build(d: str) -> TrainState:
-        return setup_state(cfg, tokenizer, device, rank, restore_dir=d, wrap=ray.train.torch.prepare_model)
+        return setup_state(cfg, tokenizer, device, rank, restore_dir=d, wrap=wrap, world=world)
 
     # A corrupt latest checkpoint falls back to the previous kept one (every rank reads the same files,
     # so every rank makes the same choice); the warning and the error name the checkpoint, not the copy.
@@ -160,7 +168,8 @@ def _epoch_batches(
     rank: int,
     local_batch: int,
 ) -> Iterator[dict[str, Any]]:
-    """This worker's batches for ``state.epoch``: from the decoded cache once sealed, else its Ray shard.
+    """This worker's batches for ``state.epoch`` on its device: from the decoded cache once sealed, else its
+    Ray shard (pinned host batches copied one step ahead, pipeline/ingest/prefetch.py).
 
     ``collate`` = (masked-variant maker or None, pad id to trim text padding with or None)."""
     data = state.cfg.data
@@ -168,18 +177,21 @@ def _epoch_batches(
     if cache is not None and cache.sealed:
         seed = data.shuffle_seed
         rng = np.random.default_rng(None if seed is None else [seed, state.epoch, rank])
-        return cache.batches(local_batch, rng, TrainCollate(masker, state.epoch, pad_id))
-    shard = ray.train.get_dataset_shard("train")
-    return iter(
-        shard.iter_torch_batches(
-            batch_size=local_batch,
-            # The cache keeps the last partial batch too; the loop skips it below.
-            drop_last=cache is None,
-            collate_fn=RayTrainCollate(TrainCollate(masker, state.epoch, pad_id, cache=cache)),
-            prefetch_batches=data.prefetch_batches,
-            local_shuffle_buffer_size=data.local_shuffle_buffer or None,
+        return device_batches(
+            cache.batches(local_batch, rng, TrainCollate(masker, state.epoch, pad_id)), state.device
         )
+    shard = ray.train.get_dataset_shard("train")
+    host = shard.iter_torch_batches(
+        batch_size=local_batch,
+        # The cache keeps the last partial batch too; the loop skips it below.
+        drop_last=cache is None,
+        collate_fn=RayTrainCollate(TrainCollate(masker, state.epoch, pad_id, cache=cache)),
+        prefetch_batches=data.prefetch_batches,
+        local_shuffle_buffer_size=data.local_shuffle_buffer or None,
+        device="cpu",  # the copy to the GPU is ours, on a side stream
+        pin_memory=data.pin_memory and state.device.type == "cuda",
     )
+    return device_batches(host, state.device)
 
 
 def _run_epochs(
@@ -192,21 +204,23 @@ def _run_epochs(
     writer: Any,
 ) -> None:
     cfg = state.cfg
-    local_batch = cfg.global_batch_size // ray.train.get_context().get_world_size()
+    local_batch = local_batch_sizes(cfg.global_batch_size, ray.train.get_context().get_world_size())[rank]
     fail_armed = cfg.run.fail_at_step > 0 and not state.restored and rank == cfg.run.fail_rank
-    window = Window()
+    window, epoch_end = Window(), EpochEnd()
     while state.step < cfg.total_steps:
         batches, in_epoch = _epoch_batches(state, collate, cache, rank, local_batch), 0
         while state.step < cfg.total_steps:
             t0 = time.perf_counter()
             batch = next(batches, None)
             wait = time.perf_counter() - t0
-            if batch is None:
+            # Every rank steps only while every rank has a full batch (uneven local batches may run out at
+            # different steps); a partial batch is the first epoch's remainder, kept by the cache.
+            if not epoch_end.all_have(batch is not None and batch["images"].shape[0] == local_batch):
                 if cache is not None and not cache.sealed:
+                    for _ in batches:  # the rest of this worker's first epoch still belongs in its cache
+                        pass
                     cache.seal()
                 break
-            if batch["images"].shape[0] < local_batch:
-                continue  # the first epoch's remainder, kept by the cache (drop_last is off only then)
             terms, feats = train_step(state, batch)
             in_epoch += 1
             window.add(terms, feats, wait, time.perf_counter() - t0)

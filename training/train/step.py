@@ -4,15 +4,23 @@
 and dataset shard, reports and checkpoints. Everything here runs in a plain process (one worker = the
 identity gather of training/train/distributed.py), so tests and benchmarks drive the real step directly.
 
-One step (``train_step``): batch → ``TrainModule`` forward (both towers, plus the masked image/text variants
-of the selected samples — ProLIP Eq. 6) → gather the loss's columns from every worker WITH gradients
-(training/train/distributed.py) → this worker's loss share × world size (DDP averages gradients; the sum of
-shares is the global-batch loss, so the average of the scaled gradients is its exact gradient) → backward,
-optional clipping, AdamW (ProLIP App. B.1 parameter groups via ``param_groups``), LR warmup then cosine.
-Which columns are gathered, and whether masked variants or PCME++'s mixed images are used, is read from
-the objective's ``LossSpec`` (training/losses/registry.py).
+One step (``train_step``): batch → the pixel augmentation on the device (uint8 crops → jittered,
+normalised floats, pipeline/ingest/device_augment.py) → ``TrainModule`` forward (both towers, plus the
+masked image/text variants of the selected samples — ProLIP Eq. 6) → gather the loss's columns from every
+worker WITH gradients (training/train/distributed.py) → this worker's loss share × world size (DDP averages
+gradients; the sum of shares is the global-batch loss, so the average of the scaled gradients is its exact
+gradient) → backward → the guarded AdamW update (training/train/optimizer.py: gradient norm, optional
+clipping, a non-finite step skipped and counted; ProLIP App. B.1 parameter groups via ``param_groups``),
+LR warmup then cosine. Which columns are gathered, and whether masked variants or PCME++'s mixed images
+are used, is read from the objective's ``LossSpec`` (training/losses/registry.py).
 
-Precision: bf16 autocast on CUDA (the losses run in float32 inside), fp32 on CPU.
+The step never waits for the host: every rank's rows and masked count come from the batch plan
+(``BatchPlan``, computed from the config and the world size) instead of an exchange, the skip decision
+stays a device tensor, and the per-step figures accumulate on the device until a report
+(tests/training/train/test_gpu_step.py counts the operations that would sync a GPU).
+
+Precision: bf16 autocast on CUDA (the σ/μ heads and the losses in float32 inside), fp32 on CPU.
+``compile=true`` wraps the module in ``torch.compile(dynamic=True)``: the text length varies per batch.
 
 Bookkeeping that makes recovery checkable: ``history`` is the list of committed step ranges, carried in
 every checkpoint and extended by one per optimizer step. A restarted run restores it from the checkpoint,
@@ -24,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -33,15 +40,17 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from pipeline.ingest.device_augment import DeviceAugment
 from pipeline.ingest.masking import round_half_up
 from training.losses.pcmepp import mix_images, pcmepp_soft_labels
-from training.losses.registry import build_loss_from_config, logit_scalars
+from training.losses.registry import build_loss_from_config
 from training.losses.spec import LossSpec
 from training.model.config import model_config
 from training.model.param_groups import param_groups
 from training.model.two_tower import ProLIP
 from training.train.checkpointing import restore
-from training.train.distributed import all_reduce_sum, ddp_loss_scale, gather_with_grad, rank_and_world
+from training.train.distributed import BatchPlan, ddp_loss_scale, gather_with_grad, local_batch_sizes
+from training.train.optimizer import GuardedUpdate, make_adamw
 from training.train.salient_masking import SalientDrop
 
 T = TypeVar("T")
@@ -93,14 +102,16 @@ def loss_shares(
     feats: Mapping[str, Tensor | None],
     masked_index: Tensor | None = None,
     mix: tuple[Tensor, Tensor] | None = None,
+    plan: BatchPlan | None = None,
 ) -> dict[str, Tensor]:
     """This worker's share of every loss term (sum over workers = the single-process global-batch loss).
 
     ``mix`` = (partner_index, lam) of PCME++'s mixed images (local indices), turned into soft labels
-    against the global columns. Identity gather in one process.
+    against the global columns; ``plan`` every rank's rows and masked count (else exchanged). Identity
+    gather in one process.
     """
-    n_masked = 0 if masked_index is None else int(masked_index.numel())
-    g = gather_with_grad({k: feats[k] for k in spec.columns}, extra_counts=[n_masked])
+    n_masked = 0 if masked_index is None else int(masked_index.numel())  # a shape: no device sync
+    g = gather_with_grad({k: feats[k] for k in spec.columns}, extra_counts=[n_masked], plan=plan)
     inputs: dict[str, Any] = {f"{k}_all": v for k, v in g.columns.items()}
     inputs["offset"] = g.offset
     if spec.uses_masked and masked_index is not None:
@@ -134,6 +145,14 @@ def extend_history(history: list[list[int]], step: int) -> None:
         history.append([step, step])
 
 
+def batch_plan(cfg: Any, spec: LossSpec, world: int) -> BatchPlan:
+    """Every rank's rows and masked-sample count at ``world`` workers (the collate step masks exactly
+    round_half_up(mask_fraction · rows) of each batch, pipeline/ingest/masking.py)."""
+    sizes = local_batch_sizes(cfg.global_batch_size, world)
+    masked = [int(round_half_up(cfg.data.mask_fraction * n)) if spec.uses_masked else 0 for n in sizes]
+    return BatchPlan(sizes, [[m] for m in masked])
+
+
 def autocast(device: torch.device, precision: str) -> Any:
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
@@ -165,6 +184,9 @@ class TrainState:
     sched: torch.optim.lr_scheduler.LambdaLR
     device: torch.device
     mix_gen: torch.Generator
+    update: GuardedUpdate  # gradient norm, clipping, the finite guard and AdamW
+    augment: DeviceAugment  # uint8 crops → the model's input, on the device
+    plan: BatchPlan | None = None  # every rank's rows and masked count (None in one process)
     step: int = 0
     epoch: int = 0
     history: list[list[int]] = field(default_factory=list)
@@ -184,18 +206,22 @@ def setup_state(
     rank: int,
     restore_dir: str | None = None,
     wrap: Callable[[nn.Module], nn.Module] = lambda m: m,
+    world: int = 1,
 ) -> TrainState:
     """Model, loss, optimizer and schedule for one worker, restored from ``restore_dir`` when given.
 
-    ``wrap`` is the DDP wrapper (Ray Train's ``prepare_model``), applied after restoring the weights.
+    ``wrap`` is the DDP wrapper (Ray Train's ``prepare_model``), applied after restoring the weights;
+    ``world`` the number of workers (the batch plan's size).
     """
     module, mcfg = build_module(cfg, tokenizer)
     extra, saved = restore(module, restore_dir) if restore_dir else ({}, None)
-    ddp = wrap(module)
+    ddp = wrap(module.to(device))
     inner: TrainModule = ddp.module if hasattr(ddp, "module") else ddp
+    if cfg.compile:
+        ddp = torch.compile(ddp, dynamic=True)
     o = cfg.optim
     groups = param_groups(inner, o.weight_decay, o.lr, o.unc_lr_mult, o.unc_lr_mult_image)
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+    opt, fused = make_adamw(groups, o)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.total_steps, o.warmup_steps, o.min_lr_ratio))
     if saved is not None:
         opt.load_state_dict(saved["optimizer"])
@@ -210,6 +236,9 @@ def setup_state(
         sched=sched,
         device=device,
         mix_gen=torch.Generator().manual_seed(cfg.seed * 1000 + rank),
+        update=GuardedUpdate(opt, fused, inner.parameters(), o.grad_clip),
+        augment=DeviceAugment(cfg.data.mean, cfg.data.std),
+        plan=batch_plan(cfg, inner.spec, world) if world > 1 else None,
         step=step,
         epoch=int(extra["epoch"]) + 1 if restore_dir else 0,
         history=[list(r) for r in extra.get("history", [])],
@@ -236,16 +265,14 @@ def forward_terms(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[
     """The forward half of a step on one collated batch, gradients kept: (this worker's loss terms, the
     features it computed). ``train_step`` backpropagates its total; diagnostics read single terms."""
     cfg, device, spec = state.cfg, state.device, state.module.spec
-    images = batch["images"].to(device, non_blocking=True)
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # no-op once prefetched
+    images = state.augment(batch)  # (B, 3, S, S) normalised float32
     mix = None
     if spec.uses_soft_labels:
         images, partner, lam = mix_images(images, state.mix_gen, cfg.loss.mix_fraction)
         mix = (partner.to(device), lam)
     masked_index = batch.get("masked_index")
-    masked_index = None if masked_index is None else masked_index.to(device)
-    tokens, masked_tokens = batch["tokens"].to(device), batch.get("masked_tokens")
-    if masked_tokens is not None:
-        masked_tokens = masked_tokens.to(device)
+    tokens, masked_tokens = batch["tokens"], batch.get("masked_tokens")
     with autocast(device, cfg.precision):
         if state.salient is not None and masked_index is not None and masked_index.numel():
             # Outside DDP (no gradient, no reducer hooks): the current weights choose the words to remove, for
@@ -259,72 +286,19 @@ def forward_terms(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[
             batch.get("keep_idx"),
             masked_index,
         )
-    return loss_shares(state.module.loss, spec, feats, masked_index, mix), feats
+    return loss_shares(state.module.loss, spec, feats, masked_index, mix, state.plan), feats
 
 
 def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """One optimizer step on one collated batch: (this worker's loss terms, the features it computed)."""
-    cfg = state.cfg
+    """One optimizer step on one collated batch: (this worker's loss terms, the features it computed).
+
+    ``feats["grad_norm"]`` is the step's global gradient norm (before clipping); a step whose loss or norm
+    is not finite leaves the weights as they were and counts in ``state.update.skipped``."""
     terms, feats = forward_terms(state, batch)
     state.opt.zero_grad(set_to_none=True)
     (terms["total"] * ddp_loss_scale()).backward()
-    if cfg.optim.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(state.ddp.parameters(), cfg.optim.grad_clip)
-    state.opt.step()
+    feats = {**feats, "grad_norm": state.update(terms["total"])}
     state.sched.step()
     state.step += 1
     extend_history(state.history, state.step)
     return terms, feats
-
-
-class Window:
-    """Per-step figures between two reports, kept as device tensors (no per-step host sync)."""
-
-    def __init__(self) -> None:
-        self.terms: dict[str, Tensor] = {}
-        self.var: dict[str, Tensor] = {}
-        self.steps, self.wait, self.busy = 0, 0.0, 0.0
-        self.t0 = time.perf_counter()
-
-    def add(
-        self, terms: Mapping[str, Tensor], feats: Mapping[str, Tensor | None], wait: float, total: float
-    ) -> None:
-        for k, v in terms.items():
-            self.terms[k] = self.terms.get(k, 0.0) + v.detach().double()
-        for k in ("logvar_v", "logvar_t"):
-            if feats.get(k) is not None:
-                self.var[k] = self.var.get(k, 0.0) + feats[k].detach().double().exp().mean()
-        self.steps, self.wait, self.busy = self.steps + 1, self.wait + wait, self.busy + total
-
-
-def window_metrics(window: Window, state: TrainState) -> dict[str, Any]:
-    """Global metrics of a window: loss terms summed over ranks, σ² means and wait fraction averaged."""
-    _, world = rank_and_world()
-    device = next(state.module.parameters()).device
-    names = sorted(window.terms)
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    local = [window.terms[k] for k in names]
-    local += [window.var.get("logvar_v", zero), window.var.get("logvar_t", zero)]
-    local += [torch.tensor(window.wait, dtype=torch.float64, device=device)]
-    local += [torch.tensor(window.busy, dtype=torch.float64, device=device)]
-    summed = all_reduce_sum(torch.stack([torch.as_tensor(v, device=device) for v in local])).tolist()
-    n = max(window.steps, 1)
-    metrics: dict[str, Any] = {f"loss/{k}": summed[i] / n for i, k in enumerate(names)}
-    var_v, var_t, wait, busy = summed[len(names) :]
-    scale, bias = logit_scalars(state.module.loss, state.module.spec)
-    global_batch = state.cfg.global_batch_size
-    metrics.update(
-        {
-            "step": state.step,
-            "epoch": state.epoch,
-            "samples_seen": state.step * global_batch,
-            "lr": state.sched.get_last_lr()[0],
-            "logit_scale": scale,
-            "logit_bias": bias,
-            "sigma2_image": var_v / (n * world),
-            "sigma2_text": var_t / (n * world),
-            "samples_per_s": window.steps * global_batch / max(time.perf_counter() - window.t0, 1e-9),
-            "data_wait_fraction": wait / max(busy, 1e-9),
-        }
-    )
-    return metrics

@@ -1,9 +1,10 @@
 """Builds and runs the Ray Train ``TorchTrainer`` for a ``TrainConfig``: ``train(cfg) -> TrainResult``.
 
 - Scaling: ``ScalingConfig(num_workers, use_gpu, resources_per_worker)``; with ``scaling.min_workers > 0``
-  the range ``(min_workers, num_workers)`` (Ray Train elastic). The global batch is constant: each worker
-  takes ``global_batch_size // world_size`` per step (training/config.py checks divisibility for every
-  size in the range), and the loop reads the world size at each (re)start.
+  the range ``(min_workers, num_workers)`` (Ray Train elastic). The global batch is constant: rank r takes
+  its share of ``global_batch_size`` (training/train/distributed.py ``local_batch_sizes``; uneven when the
+  world does not divide it), and the loop reads the world size at each (re)start. The process group's
+  collective timeout is ``scaling.collective_timeout_s`` (``TorchConfig(timeout_s)``).
 - Storage: ``RunConfig(storage_path, name)``, local or ``s3://`` (a ``pyarrow.fs.S3FileSystem`` from the run's
   ``Storage``: its endpoint and, when set in the environment, explicit credentials, so the controller and the
   workers — other processes, possibly other machines — can write checkpoints). Re-running with the same
@@ -108,10 +109,17 @@ def prepare_tokenizer(cfg: TrainConfig, run_store: Storage, data_store: Storage)
 
 
 def _captions(cfg: TrainConfig, store: Storage):
+    from pipeline.ingest.subset_reader import SubsetShardReader
     from pipeline.shards.reader import iter_shard
     from pipeline.shards.tar_format import ShardError
 
     def gen():
+        if cfg.data.subset:  # the captions the run will train on
+            reader = SubsetShardReader(cfg.data.subset, store)
+            for path in list_shards(cfg.data.shards, store):
+                for table in reader(path):
+                    yield from table.column("txt").to_pylist()
+            return
         for path in list_shards(cfg.data.shards, store):
             try:
                 for sample in iter_shard(path, store, extensions={"txt"}):
@@ -127,7 +135,7 @@ def build_trainer(
 ) -> Any:
     """The ``TorchTrainer`` (not yet fitted)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     s = cfg.scaling
     resources = {"CPU": s.cpus_per_worker}
@@ -159,6 +167,8 @@ def build_trainer(
             failure_config=FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
         ),
+        # NCCL's watchdog fails a collective stuck past this (Ray's default is 30 minutes).
+        torch_config=TorchConfig(timeout_s=s.collective_timeout_s),
         datasets={"train": dataset},
         # A seeded shuffle promises a repeatable run: without preserve_order the first epoch's batches
         # follow whichever decode task finishes first, and two runs of one seed differ within the first steps.
@@ -191,8 +201,27 @@ def interrupt_reported(name: str):
             signal.signal(signal.SIGINT, previous)
 
 
+def decode_sizing(cfg: TrainConfig, mcfg: Any, mfu: float = 0.30) -> str:
+    """One line: the decode cores the run's GPUs need at ``mfu`` of an H100 from the measured per-core rate
+    (the FLOPs counted on the meta device, training/model/flops.py; docs/gpu.md)."""
+    from pipeline.ingest.transforms import DECODE_SAMPLES_PER_CORE_224
+    from training.losses.registry import LOSS_SPECS
+    from training.model.flops import cores_needed, samples_per_s, train_flops_per_sample
+
+    masked = LOSS_SPECS[cfg.loss.name].uses_masked
+    flops = train_flops_per_sample(mcfg, masked, cfg.data.mask_fraction, cfg.data.patch_keep_ratio)["total"]
+    rate = samples_per_s(flops, mfu=mfu)
+    per_gpu = cores_needed(rate, DECODE_SAMPLES_PER_CORE_224 * (mcfg.image_size / 224) ** -2)
+    return (
+        f"[train {cfg.run.name}] {flops / 1e9:.1f} GFLOP a sample: an H100 at {100 * mfu:.0f}% MFU trains "
+        f"{rate:.0f} samples/s and needs ≈{per_gpu:.1f} decode cores at {DECODE_SAMPLES_PER_CORE_224:.0f} "
+        f"samples/s per core; {cfg.scaling.num_workers} workers need ≈{per_gpu * cfg.scaling.num_workers:.0f}"
+    )
+
+
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) training to ``cfg.total_steps``; needs Ray initialised (jobs.common.init_ray)."""
+    from training.losses.registry import LOSS_SPECS
     from training.model.config import model_config
 
     t0 = time.perf_counter()
@@ -201,6 +230,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     data_store = Storage.from_env(cfg.data.s3_endpoint)
     tokenizer = prepare_tokenizer(cfg, run_store, data_store)
     mcfg = model_config(cfg.model)
+    if cfg.scaling.use_gpu:
+        probabilistic = LOSS_SPECS[cfg.loss.name].probabilistic
+        sized = dataclasses.replace(mcfg, vocab_size=tokenizer.vocab_size, probabilistic=probabilistic)
+        print(decode_sizing(cfg, sized), flush=True)
     counters = start_counters()
     try:
         size, context = mcfg.image_size, mcfg.context_length

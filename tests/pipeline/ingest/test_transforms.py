@@ -46,22 +46,6 @@ def test_random_resized_crop_box_respects_area_and_bounds() -> None:
     assert fractions.min() >= 0.78 and fractions.max() <= 1.0
 
 
-def test_hsv_round_trip_and_jitter_identities() -> None:
-    rng = np.random.default_rng(1)
-    x = rng.random((4, 8, 8, 3)).astype(np.float32)
-    np.testing.assert_allclose(A.hsv_to_rgb(A.rgb_to_hsv(x)), x, atol=1e-5)
-    np.testing.assert_array_equal(A.color_jitter(x, (0.32, 0.32, 0.32, 0.08), 0.0, rng), x)
-    np.testing.assert_allclose(A.color_jitter(x, (0.0, 0.0, 0.0, 0.0), 1.0, rng), x, atol=1e-6)
-    jittered = A.color_jitter(x, (0.32, 0.32, 0.32, 0.08), 1.0, rng)
-    assert jittered.shape == x.shape and jittered.min() >= 0 and jittered.max() <= 1
-    assert not np.allclose(jittered, x)
-    gray = A.random_grayscale(x, 1.0, rng)
-    np.testing.assert_allclose(gray[..., 0], gray[..., 2])
-    np.testing.assert_allclose(
-        gray[..., 0], x[..., 0] * 0.299 + x[..., 1] * 0.587 + x[..., 2] * 0.114, atol=1e-6
-    )
-
-
 # --- decode / augment / tokenize ----------------------------------------------------------------------
 
 
@@ -72,11 +56,28 @@ def test_decode_augment_drops_and_counts_bad_images(tokenizer) -> None:
     stage = DecodeAugment(32, 16, tokenizer, DataConfig(), seed=0)
     out = stage(batch)
     assert stage.bad_images == 2
-    assert out["image"].shape == (6, 3, 32, 32) and out["image"].dtype == np.float32
+    # uint8 crops leave the decode task; the pixel operations' parameters travel beside them.
+    assert out["image"].shape == (6, 32, 32, 3) and out["image"].dtype == np.uint8
+    assert out["jitter"].shape == (6, 4) and out["jitter_order"].shape == (6, 4) and out["gray"].shape == (6,)
     assert out["tokens"].shape == (6, 16) and out["tokens"].dtype == np.int64
     assert list(out["key"]) == [k for i, k in enumerate(batch["key"]) if i not in (3, 5)]
-    # Normalised with CLIP's mean/std: values centred near 0, not in [0, 1].
-    assert out["image"].min() < -0.5 and abs(float(out["image"].mean())) < 1.5
+    assert out["image"].std() > 10  # pictures, not a constant fill
+
+
+def test_each_recipe_ships_only_its_pixel_parameters(tokenizer) -> None:
+    from training.config import TRAIN_PRESETS
+
+    batch = raw_batch(SAMPLES[:4])
+    datacomp = TRAIN_PRESETS["datacomp-small"].data
+    assert datacomp.crop_scale == (0.9, 1.0) and datacomp.color_jitter_p == 0 and datacomp.grayscale_p == 0
+    out = DecodeAugment(32, 16, tokenizer, datacomp, seed=0)(batch)
+    assert set(out) == {"key", "image", "tokens"}  # open_clip's default: a crop, no jitter, no grayscale
+    prolip = TRAIN_PRESETS["prolip-b16"].data
+    assert prolip.crop_scale == (0.8, 1.0) and prolip.color_jitter == (0.32, 0.32, 0.32, 0.08)
+    assert prolip.color_jitter_p == 0.8 and prolip.grayscale_p == 0.2
+    assert set(DecodeAugment(32, 16, tokenizer, prolip, seed=0)(batch)) == {
+        "key", "image", "tokens", "jitter", "jitter_order", "gray"
+    }  # fmt: skip
 
 
 def test_decode_without_augmentation_is_deterministic_centre_crop(tokenizer) -> None:
@@ -106,7 +107,7 @@ def masked_batch(tokenizer, n=64, start=0):
     samples = demo_samples(n, size=16, seed=7, start=start)
     return {
         "key": np.array([s["__key__"] for s in samples], dtype=object),
-        "image": np.zeros((n, 3, 16, 16), np.float32),
+        "image": np.zeros((n, 16, 16, 3), np.uint8),
         "tokens": tokenizer.encode_batch([s["txt"] + " with extra words here" for s in samples], 16),
     }
 
@@ -169,7 +170,7 @@ def test_train_collate_emits_fixed_shape_tensors(tokenizer) -> None:
     import torch
 
     out = TrainCollate(masker(tokenizer), epoch=0)(masked_batch(tokenizer, n=32))
-    assert out["images"].shape == (32, 3, 16, 16) and out["images"].dtype == torch.float32
+    assert out["images"].shape == (32, 16, 16, 3) and out["images"].dtype == torch.uint8
     assert out["tokens"].dtype == out["masked_tokens"].dtype == out["keep_idx"].dtype == torch.int64
     assert out["selected"].dtype == torch.bool and int(out["selected"].sum()) == 4
     assert torch.equal(out["masked_index"], out["selected"].nonzero().squeeze(1))
@@ -260,7 +261,7 @@ def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_p
     batches = list(ds.iter_batches(batch_size=None, batch_format="numpy"))
     rows = sum(len(b["key"]) for b in batches)
     assert 20 < rows < 60  # the good shard plus the intact part of each damaged one
-    assert batches[0]["image"].shape[1:] == (3, 32, 32)
+    assert batches[0]["image"].shape[1:] == (32, 32, 3)
     counts = read_counters(name)
     assert counts["bad_shards"] == 2 and counts["bad_images"] == 0
     assert sorted(counts["bad_shard_paths"]) == sorted(good[1:])
@@ -310,3 +311,46 @@ def test_decoded_cache_serves_every_kept_row_in_a_fresh_order(tokenizer) -> None
     assert int(out["selected"].sum()) == 1  # masked variants drawn for the cached epoch
     with pytest.raises(RuntimeError, match="cache_decoded"):
         DecodedCache().seal()
+
+
+def test_masked_variants_unchanged_through_the_uint8_ingest(tokenizer) -> None:
+    """Decode (uint8) → collate (masked variants) → device augment → the model's masked forward: 12.5% of the
+    batch has a variant, 75% of its content tokens are [MASK], 25% of its patches kept, and the variant's
+    image is the same augmented picture as the full sample's."""
+    import torch
+
+    from pipeline.ingest.device_augment import DeviceAugment
+    from training.config import LossConfig
+    from training.losses.registry import build_loss_from_config
+    from training.model.config import model_config
+    from training.model.two_tower import ProLIP
+    from training.train.step import TrainModule
+
+    cfg = model_config(
+        "tiny", image_size=32, patch_size=8, vocab_size=tokenizer.vocab_size, context_length=16
+    )
+    data = DataConfig()  # ProLIP's recipe: jitter and grayscale on
+    decoded = DecodeAugment(32, 16, tokenizer, data, seed=1)(raw_batch(SAMPLES[:32]))
+    m = MaskedVariants(cfg.n_patches, tokenizer.pad_id, tokenizer.end_id, tokenizer.mask_id)
+    batch = TrainCollate(m, epoch=0)(decoded)
+    sel, idx = batch["selected"], batch["masked_index"]
+    assert int(sel.sum()) == 4 == len(idx)  # 12.5% of 32
+    assert batch["keep_idx"].shape == (32, 4)  # 25% of 16 patches
+    tokens, masked = batch["tokens"].numpy(), batch["masked_tokens"].numpy()
+    for row in idx.tolist():
+        content = (tokens[row] != tokenizer.pad_id) & (tokens[row] != tokenizer.end_id)
+        content &= tokens[row] != (tokenizer.start_id if tokenizer.start_id is not None else -1)
+        assert (masked[row] == tokenizer.mask_id).sum() == round_half_up(0.75 * content.sum())
+    images = DeviceAugment(data.mean, data.std)(batch)
+    loss, spec = build_loss_from_config(LossConfig())
+    torch.manual_seed(0)
+    module = TrainModule(ProLIP(cfg), loss, spec).eval()
+    seen = []
+    module.model.visual.embed_patches = (lambda f: lambda x, k: seen.append((x, k)) or f(x, k))(
+        module.model.visual.embed_patches
+    )
+    with torch.no_grad():
+        out = module(images, batch["tokens"], batch["masked_tokens"], batch["keep_idx"], idx)
+    assert out["mu_v_masked"].shape == (4, cfg.embed_dim) and out["mu_t_masked"].shape == (4, cfg.embed_dim)
+    (full, none), (variant, kept) = seen
+    assert none is None and torch.equal(variant, full[idx]) and torch.equal(kept, batch["keep_idx"][idx])

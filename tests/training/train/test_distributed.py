@@ -78,23 +78,38 @@ def step(module: torch.nn.Module, inner: TrainModule, batch: dict[str, torch.Ten
     return {k: float(v.detach()) for k, v in terms.items()}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, backend: str = "gloo") -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        batch = {k: v.chunk(WORLD)[rank] for k, v in global_batch().items()}
+        batch = {k: v.chunk(WORLD)[rank].to(device) for k, v in global_batch().items()}
         results = {}
         for name in OBJECTIVES:
-            inner = tiny_module(name)
-            ddp = DDP(inner)
+            inner = tiny_module(name).to(device)
+            ddp = DDP(inner, device_ids=[rank] if backend == "nccl" else None)
             # partner indices are local to the half; the single process adds the half's offset.
             local = step(ddp, inner, batch, offset=0)
             totals = D.all_reduce_sum(torch.tensor([local[k] for k in sorted(local)], dtype=torch.float64))
             grads = {n: p.grad.detach().clone() for n, p in inner.named_parameters() if p.grad is not None}
-            results[name] = {"loss": dict(zip(sorted(local), totals.tolist(), strict=True)), "grads": grads}
+            results[name] = {
+                "loss": dict(zip(sorted(local), totals.tolist(), strict=True)),
+                "grads": {n: g.cpu() for n, g in grads.items()},
+            }
+        if (
+            backend == "nccl"
+        ):  # the gather's NCCL backward (a reduce-scatter beside DDP's buckets) is the point
+            if rank == 0:
+                torch.save(results, os.path.join(out_dir, "nccl.pt"))
+            dist.barrier()
+            return
+        results["uneven"] = _uneven_planned_step(rank)
+        results["epoch_end"] = [D.EpochEnd().all_have(rank == 0), D.EpochEnd().all_have(True)]
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "distributed.pt"))
         # Both ranks tear gloo down together: rank 1 destroying its group while rank 0 still saved
@@ -102,6 +117,37 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+UNEVEN = [5, 3]  # rows of rank 0 and rank 1: a global batch of 8 that the world does not split evenly
+
+
+def _uneven_planned_step(rank: int) -> dict:
+    """ProLIP on an uneven split with the batch plan (no count exchange), under the host-sync counter."""
+    from tests.fixtures.sync_counter import SyncCounter
+
+    start = sum(UNEVEN[:rank])
+    batch = {k: v[start : start + UNEVEN[rank]] for k, v in global_batch().items()}
+    masked = [
+        int(global_batch()["selected"][sum(UNEVEN[:r]) : sum(UNEVEN[: r + 1])].sum()) for r in range(WORLD)
+    ]
+    plan = D.BatchPlan(UNEVEN, [[m] for m in masked])
+    inner = tiny_module("prolip")
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(inner)
+    masked_index = batch["selected"].nonzero().squeeze(1)
+    feats = ddp(batch["images"], batch["tokens"], batch["masked_tokens"], batch["keep_idx"], masked_index)
+    with SyncCounter() as sync:
+        terms = loss_shares(inner.loss, inner.spec, feats, masked_index, plan=plan)
+        (terms["total"] * D.ddp_loss_scale()).backward()
+    totals = D.all_reduce_sum(torch.stack([terms[k].detach().double() for k in sorted(terms)]))
+    grads = {n: p.grad.detach().clone() for n, p in inner.named_parameters() if p.grad is not None}
+    return {
+        "loss": dict(zip(sorted(terms), totals.tolist(), strict=True)),
+        "grads": grads,
+        "syncs": sync.events,
+    }
 
 
 def _free_port() -> int:
@@ -115,6 +161,24 @@ def distributed_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("ddp")
     mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
     return torch.load(out / "distributed.pt", weights_only=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_two_nccl_workers_match_single_process(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The same parity on two GPUs over NCCL (skipped with fewer than two)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    out = tmp_path_factory.getbasetemp() / "nccl"
+    if not (out / "nccl.pt").is_file():
+        out.mkdir(exist_ok=True)
+        mp.spawn(_worker, args=(_free_port(), str(out), "nccl"), nprocs=WORLD, join=True)
+    dist = torch.load(out / "nccl.pt", weights_only=True)[name]
+    terms, grads = single_process(name)
+    for k, v in terms.items():
+        assert dist["loss"][k] == pytest.approx(v, abs=1e-4, rel=1e-4), k
+    worst = max(float((dist["grads"][n] - g).abs().max()) for n, g in grads.items())
+    assert worst <= 1e-4, f"{name}: max |grad difference| {worst:.2e}"
 
 
 def single_process(name: str) -> tuple[dict, dict]:
@@ -147,3 +211,25 @@ def test_two_gloo_workers_match_single_process(name: str, distributed_results: d
     assert worst <= 1e-5, f"{name}: max |grad difference| {worst:.2e}"
     # The comparison is not vacuous: the loss's scalars and the towers both receive gradient.
     assert any(float(g.abs().max()) > 1e-4 for n, g in grads.items() if n.startswith("loss."))
+
+
+@pytest.mark.slow  # shares the two processes above
+def test_uneven_batches_with_a_plan_match_and_never_sync(distributed_results: dict) -> None:
+    """Rank 0 holds 5 rows, rank 1 holds 3: with the batch plan (sizes known to every rank, no exchange) the
+    loss and gradients still equal one process on all 8, and the loss and its backward never sync."""
+    terms, grads = single_process("prolip")
+    got = distributed_results["uneven"]
+    assert got["syncs"] == []
+    for k, v in terms.items():
+        assert got["loss"][k] == pytest.approx(v, abs=1e-5, rel=1e-5), k
+    worst = max(float((got["grads"][n] - g).abs().max()) for n, g in grads.items())
+    assert worst <= 1e-5, f"max |grad difference| {worst:.2e}"
+    # The epoch ends on both ranks when one of them has no batch left.
+    assert distributed_results["epoch_end"] == [False, True]
+
+
+def test_local_batch_sizes_split_every_sample_once() -> None:
+    assert D.local_batch_sizes(8, 2) == [4, 4] and D.local_batch_sizes(100, 3) == [34, 33, 33]
+    for world in range(1, 9):
+        sizes = D.local_batch_sizes(4096, world)
+        assert sum(sizes) == 4096 and max(sizes) - min(sizes) <= 1

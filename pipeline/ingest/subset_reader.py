@@ -1,0 +1,89 @@
+"""Training straight from the build's shards through a DataComp subset ``.npy``: no resharded copy.
+
+``DataConfig.subset`` names a subset (``u8,u8`` uids, DataComp's format, local or ``s3://``) of the pool in
+``data.shards``. The shards are read as always (the strict reader, one task per shard) and each chunk keeps,
+before it leaves the read task, the rows whose uid the subset lists — each as many times as it is listed,
+as ``pipeline.subsets.reshard`` writes an up-sampled uid — so the training ingest sees the samples
+``jobs.reshard`` would have written, without writing them (tests/pipeline/ingest/test_subset_reader.py
+compares the two). A row's uid is its key when that is a 32-hex uid (the build's shards), else the
+``uid`` of its ``.json``, as resharding reads it. The build writes every uid once, so a uid is never met
+in two shards (resharding would write such a uid once; this reader once per shard holding it).
+
+The subset travels to the read tasks as its path, and each worker process loads it once (16 bytes a
+distinct uid, plus its count): a subset of DataComp small's 12.8M pool is ~60 MB per process at most.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline import schema as S
+from pipeline.common.storage import LOCAL, Storage
+from pipeline.shards.reader import ShardReader
+from pipeline.subsets.uid_files import read_subset
+
+_LOADED: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # subset path → (sorted distinct uids, counts)
+
+
+def subset_counts(path: str, store: Storage = LOCAL) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct ``u8,u8`` uids, how often each is listed) of the subset at ``path``, once per process."""
+    if path not in _LOADED:
+        with store.open_input(path, seekable=False) as fh:
+            uids = read_subset(fh, name=path)
+        _LOADED.clear()  # one subset per process at a time is the common case
+        _LOADED[path] = np.unique(uids.reshape(-1), return_counts=True)
+    return _LOADED[path]
+
+
+def uid_array(uids: list[str]) -> np.ndarray:
+    """32-hex uids → DataComp's ``u8,u8`` (high, low 64 bits)."""
+    out = np.empty(len(uids), dtype=S.UID_DTYPE)
+    out["f0"] = [int(u[:16], 16) for u in uids]
+    out["f1"] = [int(u[16:], 16) for u in uids]
+    return out
+
+
+def repeats(uids: list[str | None], distinct: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """int64 (n,): how many times each row is listed (0 when not, or when its uid is unknown)."""
+    out = np.zeros(len(uids), dtype=np.int64)
+    known = [i for i, u in enumerate(uids) if u is not None]
+    if not known or not len(distinct):
+        return out
+    query = uid_array([uids[i] for i in known])
+    at = np.minimum(np.searchsorted(distinct, query), len(distinct) - 1)
+    hit = distinct[at] == query
+    out[np.asarray(known)[hit]] = counts[at[hit]]
+    return out
+
+
+def row_uid(key: str, meta: bytes | None) -> str | None:
+    """The uid resharding would read: a 32-hex key, else the ``.json`` member's ``uid``."""
+    if S.is_valid_uid(key):
+        return key.lower()
+    try:
+        uid = json.loads(meta).get(S.UID) if meta else None
+    except (ValueError, AttributeError):
+        return None
+    return uid.lower() if S.is_valid_uid(uid) else None
+
+
+class SubsetShardReader(ShardReader):
+    """``ShardReader`` whose chunks hold only the subset's rows, each repeated as often as it is listed."""
+
+    def __init__(self, subset: str, store: Storage = LOCAL, **kw: Any) -> None:
+        super().__init__(store, with_json=True, **kw)
+        self.subset = subset
+
+    def __call__(self, path: str) -> Iterator[pa.Table]:
+        distinct, counts = subset_counts(self.subset, self.store)
+        for table in super().__call__(path):
+            keys, metas = table.column("key").to_pylist(), table.column("json").to_pylist()
+            uids = [row_uid(k, m) for k, m in zip(keys, metas, strict=True)]
+            take = np.repeat(np.arange(table.num_rows), repeats(uids, distinct, counts))
+            if take.size:
+                yield table.drop_columns(["json"]).take(pa.array(take, pa.int64()))
