@@ -219,7 +219,9 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         )
         with demo_source(bcfg, log) as run_cfg:
             res = build(run_cfg, log)
-        return {"n_input": res.n_input, "status": res.status_counts, "subsets": res.subsets}
+        return {
+            "n_input": res.n_input, "status": res.status_counts, "subsets": res.subsets, "curation": res.curation,
+        }  # fmt: skip
 
     built = step("build", do_build)
     scorer = step(
@@ -227,7 +229,9 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0])}, log)["scorer"],
     )
     scores = step("score", lambda: score_pool(cfg, scorer["checkpoint"], log))
-    subsets = step("filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log))
+    subsets = step(
+        "filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log, scorer["checkpoint"])
+    )
     shards = step("reshard", lambda: reshard_subsets(cfg, subsets, log))
     runs = {
         f"{name}-seed{seed}": (cfg.train, shards[name]["dir"], seed)
