@@ -93,7 +93,9 @@ class DedupeConfig:
 class DecontamConfig:
     """Eval-set decontamination: pool rows that are near-copies of an evaluation picture (DataComp removed
     them from its pool) end as ``eval_leak:<task>``; ``reference`` = a parquet of the eval pictures
-    (task, key, phash[, embedding]); empty = off, "demo" = the demo pool's own (pool/eval/reference.parquet)."""
+    (task, key, phash[, embedding]; training/eval/reference.py writes one from a task list); empty = off,
+    "demo" = the demo pool's own (pool/eval/reference.parquet), "eval" (``jobs.track`` only) = the track's
+    own task list, written before the build."""
 
     reference: str = ""
     phash_threshold: Annotated[int, Field(ge=0, le=64)] = 4

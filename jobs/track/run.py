@@ -183,7 +183,14 @@ def in_parallel(
 def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResult:
     """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
     from jobs.track.report import write_report
-    from jobs.track.steps import evaluate_models, make_subsets, reshard_subsets, score_pool, train_models
+    from jobs.track.steps import (
+        evaluate_models,
+        make_subsets,
+        reshard_subsets,
+        score_pool,
+        train_models,
+        with_eval_reference,
+    )
     from pipeline.build import build
     from pipeline.demo.source import demo_source
 
@@ -217,6 +224,7 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         bcfg = dataclasses.replace(
             cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
         )
+        bcfg = with_eval_reference(cfg, bcfg, log)
         with demo_source(bcfg, log) as run_cfg:
             res = build(run_cfg, log)
         return {

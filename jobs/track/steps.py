@@ -24,6 +24,25 @@ _SCORE_SUBSETS = (
 )  # fmt: skip
 
 
+def with_eval_reference(cfg: TrackConfig, bcfg: Any, log: Log) -> Any:
+    """``bcfg`` (the build's config) with ``decontam.reference="eval"`` replaced by the reference of the
+    track's own task list, written first to ``<output>/eval_reference.parquet`` (training/eval/reference.py):
+    the pool is decontaminated against exactly the sets its models are evaluated on."""
+    if bcfg.decontam.reference != "eval":
+        return bcfg
+    import dataclasses
+
+    from training.eval.reference import write_reference
+    from training.eval.sets import load_tasks
+
+    out = storage.join(cfg.output, "eval_reference.parquet")
+    store = Storage.from_env(cfg.s3_endpoint)
+    if not store.exists(out):
+        counts = write_reference(load_tasks(cfg.eval_tasks, root=paths(cfg)["eval_root"]), out, store)
+        log(f"[track]   eval reference: {sum(counts.values())} pictures of {len(counts)} tasks → {out}")
+    return dataclasses.replace(bcfg, decontam=dataclasses.replace(bcfg.decontam, reference=out))
+
+
 def train_models(cfg: TrackConfig, runs: dict[str, tuple[TrainConfig, str, int]], log: Log) -> dict[str, Any]:
     """Train each ``name → (base config, shards, seed)`` in turn (``run_track`` runs ``train_parallel`` such
     calls side by side)."""
