@@ -25,7 +25,6 @@ download retries) and further seeds may change between runs.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import threading
@@ -184,15 +183,13 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
     """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
     from jobs.track.report import write_report
     from jobs.track.steps import (
+        build_pool,
         evaluate_models,
         make_subsets,
         reshard_subsets,
         score_pool,
         train_models,
-        with_eval_reference,
     )
-    from pipeline.build import build
-    from pipeline.demo.source import demo_source
 
     said = threading.Lock()  # one line at a time when models train side by side
     log = _serialised(log, said)
@@ -220,18 +217,7 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         log(f"[track] {name}: {timings[name]:.0f}s")
         return value
 
-    def do_build() -> dict[str, Any]:
-        bcfg = dataclasses.replace(
-            cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
-        )
-        bcfg = with_eval_reference(cfg, bcfg, log)
-        with demo_source(bcfg, log) as run_cfg:
-            res = build(run_cfg, log)
-        return {
-            "n_input": res.n_input, "status": res.status_counts, "subsets": res.subsets, "curation": res.curation,
-        }  # fmt: skip
-
-    built = step("build", do_build)
+    built = step("build", lambda: build_pool(cfg, log))
     scorer = step(
         "scorer",
         lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0])}, log)["scorer"],

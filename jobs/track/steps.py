@@ -24,6 +24,28 @@ _SCORE_SUBSETS = (
 )  # fmt: skip
 
 
+def build_pool(cfg: TrackConfig, log: Log) -> dict[str, Any]:
+    """The build step: the pool (the demo's generated and served for its duration), its statuses, shards,
+    subsets and curation counts."""
+    import dataclasses
+
+    from pipeline.build import build
+    from pipeline.demo.source import demo_source
+
+    bcfg = dataclasses.replace(
+        cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
+    )
+    bcfg = with_eval_reference(cfg, bcfg, log)
+    with demo_source(bcfg, log) as run_cfg:
+        res = build(run_cfg, log)
+    return {
+        "n_input": res.n_input,
+        "status": res.status_counts,
+        "subsets": res.subsets,
+        "curation": res.curation,
+    }
+
+
 def with_eval_reference(cfg: TrackConfig, bcfg: Any, log: Log) -> Any:
     """``bcfg`` (the build's config) with ``decontam.reference="eval"`` replaced by the reference of the
     track's own task list, written first to ``<output>/eval_reference.parquet`` (training/eval/reference.py):
