@@ -179,9 +179,10 @@ def fit(rows: list[dict], key: str) -> tuple[float, float]:
     """Least squares t = a·n + b·n² (through the origin) over the measured sizes."""
     n = np.array([r["n"] for r in rows], np.float64)
     t = np.array([r[key] for r in rows], np.float64)
-    a_mat = np.stack([n, n * n], axis=1)
-    (a, b), *_ = np.linalg.lstsq(a_mat, t, rcond=None)
-    return float(a), float(max(b, 0.0))
+    (a, b), *_ = np.linalg.lstsq(np.stack([n, n * n], axis=1), t, rcond=None)
+    if b < 0 or len(n) < 3:  # no growth beyond linear seen (or too few sizes to tell): the linear fit
+        return float((n @ t) / (n @ n)), 0.0
+    return float(a), float(b)
 
 
 def records(rows: list[dict], args) -> dict:
@@ -243,18 +244,28 @@ def main() -> int:
     p.add_argument("--cluster-rows", type=int, default=10_000)
     p.add_argument("--threshold", type=float, default=0.9)
     p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument(
+        "--append", action="store_true", help="keep the sizes already in --out (one size per command)"
+    )
     p.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(one_size(args.one, args.eval, args.cluster_rows, args.threshold)))
         return 0
     rows = []
+    if args.append and Path(args.out).exists():
+        rows = [
+            r
+            for r in json.loads(Path(args.out).read_text())["raw"]
+            if str(r["n"]) not in args.sizes.split(",")
+        ]
     for n in (int(s) for s in args.sizes.split(",")):
         cmd = [sys.executable, __file__, "--one", str(n), "--eval", str(args.eval),
                "--cluster-rows", str(args.cluster_rows), "--threshold", str(args.threshold)]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
+    rows.sort(key=lambda r: r["n"])
     Path(args.out).write_text(json.dumps(records(rows, args), indent=1, ensure_ascii=False) + "\n")
     print(f"wrote {args.out}")
     return 0
