@@ -209,16 +209,18 @@ def records(rows: list[dict], args) -> dict:
         t = a * TARGET + b * TARGET**2
         total += t
         parts.append(f"{key[:-2]} {t / 60:.0f} min")
-    largest = max(rows, key=lambda r: r["n"])
+    n = np.array([r["n"] for r in rows], np.float64)
+    mem = np.array([r["peak_anon_gb"] for r in rows], np.float64)
+    slope, icpt = np.polyfit(n, mem, 1) if len(rows) > 1 else (mem[0] / n[0], 0.0)
     recs.append(
         {
             "what": f"extrapolated to {TARGET:,} rows (DataComp small), one process on this machine",
             "command": "python bench/curation_scale.py",
-            "figure": f"{total / 60:.0f} min ({', '.join(parts)}); the float16 map needs "
-            f"{TARGET * D * 2 / 2**30:.1f} GB of local disk, memory stays near the largest run's "
-            f"{largest['peak_anon_gb']:.2f} GB anonymous plus what the per-cluster step and the reference "
-            "hold (bounded by the cluster size and the reference, not by the pool)",
-            "spread": "fit t = a·n + b·n² per step by least squares over "
+            "figure": f"{total / 60:.0f} min ({', '.join(parts)}); peak anonymous memory "
+            f"{icpt + slope * TARGET:.1f} GB ({slope * 1e6 * 1024:.0f} MB per million rows: uids, cluster ids "
+            f"and decisions per row; the vectors stay in the map), and {TARGET * D * 2 / 2**30:.1f} GB of "
+            "local disk for the float16 map",
+            "spread": "fit t = a·n + b·n² per step and memory = c + d·n by least squares over "
             + ", ".join(f"{r['n']:,}" for r in rows)
             + " rows; a Ray cluster divides the dedup and decontam steps by its cores",
             "load": "see the rows above",

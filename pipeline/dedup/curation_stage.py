@@ -108,25 +108,42 @@ class _Vectors:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _embedding_sources(cfg: BuildConfig, metadata_files: Sequence[str]) -> list[str]:
-    return [cfg.dedupe.embeddings] if cfg.dedupe.embeddings else list(metadata_files)
+def _embedding_sources(cfg: BuildConfig, metadata_files: Sequence[str], store: Storage) -> list[str]:
+    """The files to read one at a time: the metadata shards, or ``dedupe.embeddings`` (a directory: its
+    parquet files), so the driver never holds more than one file's vectors in float32."""
+    src = cfg.dedupe.embeddings
+    if not src:
+        return list(metadata_files)
+    if src.endswith((".npz", ".npy", ".parquet")):
+        return [src]
+    return store.list_files(src, suffix=".parquet") or [src]
 
 
 def check_curation(cfg: BuildConfig, metadata_files: Sequence[str], store: Storage) -> None:
     """Before any download: the files the curation stage will read exist (one line naming the setting)."""
-    if cfg.dedupe.semantic:
-        for src in _embedding_sources(cfg, metadata_files):
-            npz = (
-                src[: -len(".parquet")] + ".npz"
-                if src.endswith(".parquet") and not cfg.dedupe.embeddings
-                else src
-            )
-            if not store.exists(npz) and not store.list_files(npz):
-                raise FileNotFoundError(
-                    f"dedupe.semantic: no image embeddings at {npz} (set dedupe.embeddings to a uid-keyed file)"
-                )
     if cfg.decontam.reference and not store.exists(reference_path(cfg)):
         raise FileNotFoundError(f"decontam.reference: no such file {reference_path(cfg)}")
+    by_embedding = bool(cfg.decontam.reference) and _reference_has_embeddings(cfg, store)
+    if not (cfg.dedupe.semantic or by_embedding):
+        return
+    for src in _embedding_sources(cfg, metadata_files, store):
+        beside = src.endswith(".parquet") and not cfg.dedupe.embeddings  # DataComp's .npz beside its shard
+        path = src[: -len(".parquet")] + ".npz" if beside else src
+        if not store.exists(path):
+            setting = "dedupe.semantic" if cfg.dedupe.semantic else "decontam.reference"
+            raise FileNotFoundError(
+                f"{setting}: no image embeddings at {path} (set dedupe.embeddings to a uid-keyed file"
+                + ("" if cfg.dedupe.semantic else ", or use a reference without an embedding column")
+                + ")"
+            )
+
+
+def _reference_has_embeddings(cfg: BuildConfig, store: Storage) -> bool:
+    import pyarrow.parquet as pq
+
+    fs, path = store.resolve(reference_path(cfg))
+    with fs.open_input_file(path) as fh:
+        return "embedding" in pq.ParquetFile(fh).schema_arrow.names
 
 
 def clip_priority(table: pa.Table) -> Callable[[np.ndarray], np.ndarray | None]:
@@ -182,7 +199,7 @@ def curate(
     ref = load_reference(reference_path(cfg), store) if want_leaks else None
     vectors = None
     if want_semantic or (ref is not None and ref.vectors is not None):
-        sources = _embedding_sources(cfg, metadata_files)
+        sources = _embedding_sources(cfg, metadata_files, store)
         vectors = _Vectors(uids.astype(str), sources, cfg.dedupe.embedding_key, store)
     try:
         alive = np.ones(len(ok), dtype=bool)
