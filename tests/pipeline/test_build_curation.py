@@ -96,7 +96,9 @@ def test_missing_embeddings_stop_the_build_before_download(ray_local, demo_pool,
     with pytest.raises(FileNotFoundError, match="decontam.reference: no such file"):
         build(cfg, log=lambda m: None)
     # a reference with embeddings needs the pool's: here dedupe.embeddings points nowhere
-    cfg = merge(cfg, {"decontam": {"reference": str(Path(demo_pool.pool_dir) / "eval" / "reference.parquet")}})
+    cfg = merge(
+        cfg, {"decontam": {"reference": str(Path(demo_pool.pool_dir) / "eval" / "reference.parquet")}}
+    )
     with pytest.raises(FileNotFoundError, match="decontam.reference: no image embeddings at .*none.npz"):
         build(cfg, log=lambda m: None)
     assert not (tmp_path / "shards").exists()  # stopped at the start: nothing downloaded
