@@ -204,8 +204,10 @@ def records(rows: list[dict], args) -> dict:
         )
     total = 0.0
     parts = []
+    quadratic = False
     for key in ("kmeans_s", "dedup_s", "decontam_s"):
         a, b = fit(rows, key)
+        quadratic |= b > 0
         t = a * TARGET + b * TARGET**2
         total += t
         parts.append(f"{key[:-2]} {t / 60:.0f} min")
@@ -220,7 +222,11 @@ def records(rows: list[dict], args) -> dict:
             f"{icpt + slope * TARGET:.1f} GB ({slope * 1e6 * 1024:.0f} MB per million rows: uids, cluster ids "
             f"and decisions per row; the vectors stay in the map), and {TARGET * D * 2 / 2**30:.1f} GB of "
             "local disk for the float16 map",
-            "spread": "fit t = a·n + b·n² per step and memory = c + d·n by least squares over "
+            # the fit says which form it used: with fewer than three sizes the quadratic one is not tried
+            "spread": (
+                "fit t = a·n + b·n²" if quadratic else "fit t = a·n (linear; the n² term needs three sizes)"
+            )
+            + " per step and memory = c + d·n by least squares over "
             + ", ".join(f"{r['n']:,}" for r in rows)
             + " rows; a Ray cluster divides the dedup and decontam steps by its cores",
             "load": "see the rows above",
