@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 export NO_ALBUMENTATIONS_UPDATE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install demo demo-seeds test test-fast lint bench clean
+.PHONY: install demo demo-seeds demo-selection test test-fast lint bench clean
 
 # Two stamps: `make demo` installs what the track runs; `make test` adds the test and lint tools.
 # pip would byte-compile every module on one core; compileall -j0 does it on every core instead (~20 s
@@ -42,6 +42,16 @@ demo-seeds: $(STAMP)
 	  $(BIN)/python -m jobs.track --preset demo --set "seeds=[$$k]" --set output=runs/demo-seed$$k || exit 1; \
 	done
 	$(BIN)/python -m jobs.track.seeds runs/demo runs/demo-seed1 runs/demo-seed2 --out runs/seeds.md
+
+# The uncertainty-native selection methods against csd and a CLIP-score fraction of the same size, over
+# scorer seeds 0-2 (docs/track.md, "demo-selection"; about 15 minutes a seed on 2 cores).
+demo-selection: $(STAMP)
+	$(BIN)/python -m jobs.track --preset demo-selection
+	for k in 1 2; do \
+	  $(BIN)/python -m jobs.track --preset demo-selection --set "seeds=[$$k]" --set output=runs/demo-selection-seed$$k || exit 1; \
+	done
+	$(BIN)/python -m jobs.track.seeds runs/demo-selection runs/demo-selection-seed1 runs/demo-selection-seed2 \
+	  --out runs/selection.md
 
 # Lint first, then every test; PROLIP_STRICT_SKIPS=1 turns a skip on a missing optional dependency into a
 # failure (only the GPU tests may skip here).

@@ -33,6 +33,7 @@ from pipeline import schema as S
 from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import BuildConfig
+from pipeline.dedup import curation_stage as CS
 from pipeline.download.phase import PoolRows, download_parts
 from pipeline.filters import rerun_cache as FR
 from pipeline.filters.specs import apply_filters, check_build_filters, needs_language, parse_filter_specs
@@ -62,6 +63,8 @@ class BuildResult:
     n_retried: int = 0
     # per subset: "metadata" = pool uids that pass (DataComp's count), "downloaded" = those in the shards
     subset_sizes: dict[str, dict[str, int]] = field(default_factory=dict)
+    # eval leaks per task, semantic duplicates and k-means clusters (pipeline/dedup/curation_stage.py)
+    curation: dict[str, object] = field(default_factory=dict)
 
 
 def run_paths(output: str) -> dict[str, str]:
@@ -109,7 +112,7 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
     timings["download"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
-    status_table = _decide_statuses(pool, cfg, store, paths, n_parts)
+    status_table, curated = _decide_statuses(pool, cfg, store, paths, n_parts, log)
     counts = {c["values"]: c["counts"] for c in pc.value_counts(status_table.column(S.STATUS)).to_pylist()}
     timings["image_dedupe"] = time.perf_counter() - t2
 
@@ -136,6 +139,11 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
         timings=timings,
         n_retried=n_retried,
         subset_sizes=subset_sizes,
+        curation={
+            "eval_leaks": curated.leaks_by_task,
+            "semantic_duplicates": curated.n_semantic,
+            "clusters": curated.n_clusters,
+        },
     )
 
 
@@ -144,6 +152,7 @@ def _read_pool(cfg: BuildConfig, store: Storage, log: Callable[[str], None]) -> 
     meta = open_metadata(cfg.metadata, store)
     for name, columns in zip(meta.files, meta.names, strict=True):
         check_build_filters(cfg.filters, columns, name)
+    CS.check_curation(cfg, meta.files, store)
     narrow = read_columns(meta, _NARROW, cfg.max_caption_bytes, store)
     status_pre = pre_statuses(narrow)
     log(
@@ -159,18 +168,25 @@ def _part_files(paths: dict[str, str], n_parts: int, store: Storage, ext: str) -
 
 
 def _decide_statuses(
-    pool: _Pool, cfg: BuildConfig, store: Storage, paths: dict[str, str], n_parts: int
-) -> pa.Table:
-    """Every part's rows (this run's and earlier runs'), image dedupe, the status table of every input row."""
+    pool: _Pool, cfg: BuildConfig, store: Storage, paths: dict[str, str], n_parts: int, log=print
+) -> tuple[pa.Table, CS.CurationResult]:
+    """Every part's rows (this run's and earlier runs'), image dedupe, the curation stage (eval leaks,
+    semantic duplicates), the status table of every input row."""
     part_files = _part_files(paths, n_parts, store, "parquet")
     parts = store.read_parquet(part_files) if part_files else pa.table({S.UID: pa.array([], pa.string())})
     status = decide_image_duplicates(parts, cfg.dedupe)
-    status_table = status_table_of(pool.narrow, pool.status_pre, parts, status)
+    priority = CS.clip_priority(pool.columns([S.UID, S.CLIP_L14])) if cfg.dedupe.semantic else None
+    curated = CS.curate(parts, status, cfg, pool.meta.files, priority, store, log)
+    if parts.num_rows:
+        parts = parts.append_column(S.DUPLICATE_OF, curated.duplicate_of).append_column(
+            S.LEAK_OF, curated.leak_of
+        )
+    status_table = status_table_of(pool.narrow, pool.status_pre, parts, curated.status)
     store.write_parquet(status_table, paths["status"])
     n_input = pool.narrow.num_rows
     if status_table.num_rows != n_input:
         raise RuntimeError(f"accounting: {status_table.num_rows} statuses for {n_input} input rows")
-    return status_table
+    return status_table, curated
 
 
 def _write_shards(
@@ -230,11 +246,15 @@ def run_filters(
     FR.forget(paths, store)
     meta = pool.columns(_FILTER_COLUMNS)
     lang = _language_labels(cfg, meta) if needs_language(specs) and meta.num_rows else None
-    results = apply_filters(meta, cfg.filters, lang=lang, store=store) if meta.num_rows else {}
+    results = (
+        apply_filters(meta, cfg.filters, lang=lang, store=store, metadata=pool.meta.files)
+        if meta.num_rows
+        else {}
+    )
     live = SR.LiveRows.of(pool.narrow, pool.live(), status_table)
     live_rows = live.rows(meta)
     success = SR.eligible(live, meta, live_rows)
-    listable = SR.listable(meta, live_rows)
+    listable = SR.listable(meta, live_rows) & ~CS.leaked_rows(meta, status_table)
     eligible = listable if cfg.filters.subset_scope == "metadata" else success
     columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
     sizes, subsets = {}, {}

@@ -79,6 +79,29 @@ class DedupeConfig:
     near_duplicates: bool = False  # also drop near-duplicates by pHash (exact duplicates always go)
     # Max Hamming distance (of 64 bits) to call two images near-duplicates.
     phash_threshold: Annotated[int, Field(ge=0, le=64)] = 4
+    # SemDeDup on image embeddings (pipeline/dedup/semantic.py): cosine above which two images of one
+    # k-means cluster are one picture; about ``semantic_cluster_rows`` rows per cluster.
+    semantic: bool = False
+    semantic_threshold: OpenFraction = 0.9
+    semantic_cluster_rows: Positive = 1000
+    semantic_seed: Seed = 0
+    # Where the image embeddings are: empty = DataComp's ``.npz`` beside each metadata parquet, array
+    # ``embedding_key``; else a uid-keyed file (.npz uid+embedding, .parquet, .npy + .uid.npy).
+    embeddings: str = ""
+    embedding_key: str = "l14_img"
+
+
+@config_class
+class DecontamConfig:
+    """Eval-set decontamination: pool rows that are near-copies of an evaluation picture (DataComp removed
+    them from its pool) end as ``eval_leak:<task>``; ``reference`` = a parquet of the eval pictures
+    (task, key, phash[, embedding]; training/eval/reference.py writes one from a task list); empty = off,
+    "demo" = the demo pool's own (pool/eval/reference.parquet), "eval" (``jobs.track`` only) = the track's
+    own task list, written before the build."""
+
+    reference: str = ""
+    phash_threshold: Annotated[int, Field(ge=0, le=64)] = 4
+    embedding_threshold: OpenFraction = 0.95
 
 
 @config_class
@@ -141,6 +164,7 @@ class BuildConfig:
     demo_seed: Seed = 0  # with no metadata: the demo pool's seed
     download: DownloadConfig = field(default_factory=DownloadConfig)
     dedupe: DedupeConfig = field(default_factory=DedupeConfig)
+    decontam: DecontamConfig = field(default_factory=DecontamConfig)
     filters: FilterConfig = field(default_factory=FilterConfig)
 
 

@@ -59,6 +59,13 @@ STATUS_DUPLICATE_UID = "duplicate_uid"  # a uid seen on an earlier row
 STATUS_DUPLICATE_URL = "duplicate_url"
 STATUS_DUPLICATE_IMAGE = "duplicate_image"
 STATUS_NEAR_DUPLICATE = "near_duplicate"
+# Curation (pipeline/dedup/semantic.py): ``semantic_duplicate`` names the uid it duplicates in the status
+# table's ``duplicate_of`` column; ``eval_leak:<task>`` is a near-copy of a picture of that eval task,
+# named ``<task>/<key>`` in ``leak_of``.
+STATUS_SEMANTIC_DUPLICATE = "semantic_duplicate"
+EVAL_LEAK = "eval_leak"
+DUPLICATE_OF = "duplicate_of"
+LEAK_OF = "leak_of"
 STATUS_HASH_MISMATCH = "hash_mismatch"
 STATUS_BLOCKED_ADDRESS = "blocked_address"
 STATUS_INVALID_URL = "invalid_url"
@@ -88,6 +95,10 @@ def failed_download(reason: str) -> str:
 
 def failed_resize(reason: str) -> str:
     return f"{RESIZE_FAILED}:{reason}"
+
+
+def eval_leak(task: str) -> str:
+    return f"{EVAL_LEAK}:{task}"
 
 
 def invalid_caption(reason: str) -> str:

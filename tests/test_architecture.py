@@ -58,12 +58,14 @@ MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 400
 MAX_FOLDER_MODULES = 10
 
-# Library modules allowed to import Ray: the builders of Ray datasets (the build and its download phase;
+# Library modules allowed to import Ray: the builders of Ray datasets (the build, its download phase and
+# its curation stage, whose clusters run as tasks;
 # the shard reads, training ingest and its counters actor), the Ray Train loop and trainer, and the one
 # batch-inference builder.
 # Everything else is plain Python/numpy/torch, testable without a cluster.
 RAY_MODULES = {
     "pipeline.build",
+    "pipeline.dedup.curation_stage",
     "pipeline.download.phase",
     "pipeline.ingest.dataset",
     "pipeline.shards.ray_reader",

@@ -31,7 +31,11 @@ from training.config import TRAIN_PRESETS, TrainConfig
 from training.eval.sets import EvalSetError, load_tasks
 
 BUILD_SUBSETS = ("no_filter", "basic", "english")  # written by the build's own filters
-SubsetKind = Literal["no_filter", "basic", "english", "csd", "csd_uncertainty", "clip_score", "random"]
+SubsetKind = Literal[
+    "no_filter", "basic", "english", "csd", "csd_uncertainty", "clip_score", "random",
+    # uncertainty-native selection (pipeline/filters/scores.py) and the embedding-only filters
+    "csd_ucb", "csd_inclusion", "csd_posterior", "neg_clip_loss", "norm_sim",
+]  # fmt: skip
 SUBSET_KINDS = typing.get_args(SubsetKind)
 
 
@@ -62,6 +66,15 @@ class TrackConfig:
     # … and those below this one (0 = none; docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md)
     text_unc_low_quantile: Fraction = 0.0
     random_of: str = "csd"  # the random control matches this subset's size
+    # csd_ucb: CSD + ucb_k standard deviations of ‖z_v − z_t‖²; csd_inclusion: the inclusion_quantile of
+    # pairs least included in their caption go first; csd_posterior: csd_fraction entries drawn by the
+    # scorer's match posterior (its trained logit scale and bias). All at csd_fraction.
+    ucb_k: NonNegativeFloat = 1.0  # csd_ucb's standard deviations of ‖z_v − z_t‖² added to CSD
+    inclusion_quantile: Annotated[float, Field(ge=0, lt=1)] = 0.1  # csd_inclusion's dropped share
+    # neg_clip_loss, norm_sim: the build's embeddings (DataComp's .npz beside its metadata, or the demo
+    # pool's stand-in ones) and NormSim's target distribution; empty = the demo pool's
+    embeddings: str = ""  # the build's image embeddings; empty = the demo pool's stand-in ones
+    norm_sim_target: str = ""  # NormSim's target embeddings; empty = the demo pool's
     # the first seeds the scorer; each trains one model per subset (more seeds: one more model each)
     seeds: Annotated[tuple[Seed, ...], Field(min_length=1)] = (0,)
     eval_tasks: str = "demo"  # a task-list name (training/eval/tasks/<name>.yaml) or a YAML path
@@ -141,10 +154,14 @@ def _demo_train(samples_seen: int, name: str) -> TrainConfig:
     )
 
 
+# The demo pool's planted semantic duplicates and eval leaks are looked for (pipeline/dedup/curation_stage.py).
+_CURATION = {"dedupe": {"semantic": True}, "decontam": {"reference": "demo"}}
+
 TRACK_PRESETS: dict[str, TrackConfig] = {
     "demo": TrackConfig(
-        # The pool's size and each model's samples: docs/decisions/0003-demo-pool-and-budgets.md.
-        build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096, "demo_n": 8000}),
+        # The pool's size and each model's samples: docs/decisions/0003-demo-pool-and-budgets.md; the
+        # curation stage against the pool's planted truth: docs/decisions/0051-semantic-dedup-and-decontamination.md.
+        build=merge(BUILD_PRESETS["demo"], {"tokenizer_vocab": 4096, "demo_n": 8000, **_CURATION}),
         # The scorer: docs/decisions/0001-demo-scorer-model.md; its σ heads at 10× the LR:
         # docs/decisions/0005-sigma-head-lr-multiplier.md; its masked captions:
         # docs/decisions/0004-salient-masked-captions.md.
@@ -177,7 +194,9 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
     ),
     # Runs inside ``make test``: the same steps on a 300-row pool with a few dozen steps per model.
     "tiny": TrackConfig(
-        build=merge(BUILD_PRESETS["demo"], {"demo_n": 300, "tokenizer_vocab": 1024, "part_size": 150}),
+        build=merge(
+            BUILD_PRESETS["demo"], {"demo_n": 300, "tokenizer_vocab": 1024, "part_size": 150, **_CURATION}
+        ),
         scorer=merge(
             _demo_train(512, "scorer"),
             {
@@ -203,7 +222,9 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
     # writes to no bucket nobody chose.
     "datacomp-small": TrackConfig(
         output="",
-        build=BUILD_PRESETS["datacomp-small"],
+        # decontaminated by pHash against the 38 sets the models are evaluated on (DataComp's own pool
+        # was, before release); semantic dedup stays off so the subsets compare with DataComp's
+        build=merge(BUILD_PRESETS["datacomp-small"], {"decontam": {"reference": "eval"}}),
         scorer=merge(
             TRAIN_PRESETS["datacomp-small"], {"loss": {"name": "prolip"}, "run": {"name": "scorer"}}
         ),
@@ -218,6 +239,18 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
 }
 
 
+# The uncertainty-native selection methods against csd and a CLIP-score fraction of the same size, on the
+# demo pool (``make demo-selection``: three scorer seeds, docs/decisions/0052-uncertainty-native-selection.md).
+TRACK_PRESETS["demo-selection"] = merge(
+    TRACK_PRESETS["demo"],
+    {
+        "output": "runs/demo-selection",
+        "subsets": ["csd", "clip_score", "csd_ucb", "csd_inclusion", "csd_posterior"],
+        "clip_fraction": TRACK_PRESETS["demo"].csd_fraction,
+    },
+)
+
+
 def paths(cfg: TrackConfig) -> dict[str, str]:
     o = cfg.output
     return {
@@ -229,6 +262,9 @@ def paths(cfg: TrackConfig) -> dict[str, str]:
         "eval": storage.join(o, "eval"),
         "tokenizer": storage.join(o, "tokenizer"),
         "eval_root": cfg.eval_root or storage.join(o, "pool", "eval"),
+        # the embedding-only filters' inputs: the build's metadata shards or the demo pool's files
+        "embeddings": cfg.embeddings or cfg.build.metadata or storage.join(o, "pool", "embeddings.npz"),
+        "norm_sim_target": cfg.norm_sim_target or storage.join(o, "pool", "target_embeddings.npy"),
     }
 
 

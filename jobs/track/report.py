@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from jobs.track import curation_report
 from jobs.track.config import BUILD_SUBSETS
 from jobs.track.results import Row, comparison_table, noise_detection, subset_purity, task_values, verdict
 from pipeline.common import storage
@@ -253,10 +254,12 @@ def write_report(
     from jobs.track.render import html_report, write_figures
 
     write_figures(cfg, task_values(cfg, evals), models, scorer, store)
+    curation_lines, curation = curation_report.section(cfg, built, evals, store)
     lines = [
         *_header_lines(cfg, built, scorer, rows),
         *_verdict_lines(verdicts),
         *_ground_truth_lines(detection, purity),
+        *curation_lines,
         *_scorer_lines(cfg, evals.get("scorer", {})),
         *_timing_lines(scores, timings, machine, cfg.train_parallel),
     ]
@@ -270,6 +273,7 @@ def write_report(
         "verdict": verdicts,
         "purity": purity,
         "noise_detection": detection,
+        "curation": curation,
         "timings": timings,
         "machine": machine or {},
     }

@@ -26,7 +26,6 @@ download retries) and further seeds may change between runs.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import threading
@@ -198,9 +197,14 @@ def in_parallel(
 def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResult:
     """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
     from jobs.track.report import write_report
-    from jobs.track.steps import evaluate_models, make_subsets, reshard_subsets, score_pool, train_models
-    from pipeline.build import build
-    from pipeline.demo.source import demo_source
+    from jobs.track.steps import (
+        build_pool,
+        evaluate_models,
+        make_subsets,
+        reshard_subsets,
+        score_pool,
+        train_models,
+    )
 
     said = threading.Lock()  # one line at a time when models train side by side
     log = _serialised(log, said)
@@ -228,21 +232,15 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         log(f"[track] {name}: {timings[name]:.0f}s")
         return value
 
-    def do_build() -> dict[str, Any]:
-        bcfg = dataclasses.replace(
-            cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
-        )
-        with demo_source(bcfg, log) as run_cfg:
-            res = build(run_cfg, log)
-        return {"n_input": res.n_input, "status": res.status_counts, "subsets": res.subsets}
-
-    built = step("build", do_build)
+    built = step("build", lambda: build_pool(cfg, log))
     scorer = step(
         "scorer",
         lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0], "")}, log)["scorer"],
     )
     scores = step("score", lambda: score_pool(cfg, scorer["checkpoint"], log))
-    subsets = step("filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log))
+    subsets = step(
+        "filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log, scorer["checkpoint"])
+    )
     if cfg.train_from == "reshard":
         shards = step("reshard", lambda: reshard_subsets(cfg, subsets, log))
         source = {name: (shards[name]["dir"], "") for name in cfg.subsets}

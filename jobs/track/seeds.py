@@ -18,6 +18,7 @@ from dataclasses import field
 from typing import Any
 
 from jobs.common import job_main, parse_job_config
+from jobs.track import curation_report
 from jobs.track.report import _CLAIMS, _fmt, _get, _number
 from pipeline.common import storage
 from pipeline.common.config import Names, config_class
@@ -74,6 +75,7 @@ def run_figures(results: dict[str, Any], state: dict[str, Any]) -> dict[str, Any
     for label, fig, interval, _paper in _CLAIMS:
         figures[label] = _get(analyses, fig)
         ci[label] = _get(analyses, interval) if interval else None
+    figures.update(curation_report.selection_figures(results))
     per_pair = _get(analyses, "hierarchy_order.ordered_fraction_per_pair")
     return {"scorer_seed": _get(state, "scorer.seed"), "figures": figures, "ci": ci, "per_pair": per_pair}
 
@@ -98,7 +100,9 @@ def summarise(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per label over the runs: mean, SD (sample; 0 for one run), min, max of the numeric figures, and for a
     signed or boolean figure how many runs it holds on, out of those that have it."""
     labels = list(next(iter(runs.values()))["figures"]) if runs else []
-    tests = {**{label: test for label, _where, test in _FIGURES}, **_SIGNED_CLAIMS}
+    tests = {
+        **{label: test for label, _where, test in _FIGURES}, **_SIGNED_CLAIMS, **curation_report.selection_tests(),
+    }  # fmt: skip
     out: dict[str, dict[str, Any]] = {}
     for label in labels:
         values = [r["figures"].get(label) for r in runs.values()]
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             raise InputError(f"{name}: {exc}") from None
     summary = summarise(runs)
-    text = markdown(runs, summary)
+    text = markdown(runs, summary) + "\n".join(curation_report.selection_verdict(runs)) + "\n"
     print(text, end="")
     if args.out:
         store.write_bytes(text.encode(), args.out)

@@ -17,7 +17,52 @@ from pipeline.common.storage import Storage
 from training.config import TrainConfig
 
 Log = Callable[[str], None]
-_SCORE_SUBSETS = ("csd", "csd_uncertainty", "clip_score", "random")  # the rest come from the build
+# the rest come from the build
+_SCORE_SUBSETS = (
+    "csd", "csd_uncertainty", "clip_score", "random", "csd_ucb", "csd_inclusion", "csd_posterior",
+    "neg_clip_loss", "norm_sim",
+)  # fmt: skip
+
+
+def build_pool(cfg: TrackConfig, log: Log) -> dict[str, Any]:
+    """The build step: the pool (the demo's generated and served for its duration), its statuses, shards,
+    subsets and curation counts."""
+    import dataclasses
+
+    from pipeline.build import build
+    from pipeline.demo.source import demo_source
+
+    bcfg = dataclasses.replace(
+        cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
+    )
+    bcfg = with_eval_reference(cfg, bcfg, log)
+    with demo_source(bcfg, log) as run_cfg:
+        res = build(run_cfg, log)
+    return {
+        "n_input": res.n_input,
+        "status": res.status_counts,
+        "subsets": res.subsets,
+        "curation": res.curation,
+    }
+
+
+def with_eval_reference(cfg: TrackConfig, bcfg: Any, log: Log) -> Any:
+    """``bcfg`` (the build's config) with ``decontam.reference="eval"`` replaced by the reference of the
+    track's own task list, written first to ``<output>/eval_reference.parquet`` (training/eval/reference.py):
+    the pool is decontaminated against exactly the sets its models are evaluated on."""
+    if bcfg.decontam.reference != "eval":
+        return bcfg
+    import dataclasses
+
+    from training.eval.reference import write_reference
+    from training.eval.sets import load_tasks
+
+    out = storage.join(cfg.output, "eval_reference.parquet")
+    store = Storage.from_env(cfg.s3_endpoint)
+    if not store.exists(out):
+        counts = write_reference(load_tasks(cfg.eval_tasks, root=paths(cfg)["eval_root"]), out, store)
+        log(f"[track]   eval reference: {sum(counts.values())} pictures of {len(counts)} tasks → {out}")
+    return dataclasses.replace(bcfg, decontam=dataclasses.replace(bcfg.decontam, reference=out))
 
 
 def train_models(
@@ -75,10 +120,28 @@ def score_pool(cfg: TrackConfig, checkpoint: str, log: Log) -> dict[str, Any]:
     }
 
 
-def subset_specs(cfg: TrackConfig) -> list[str]:
+def logit_scalars(checkpoint: str, store: Storage) -> tuple[float, float]:
+    """The scorer's trained logit scale a and bias b (its checkpoint's ``metrics.json``), the posterior
+    ``csd_posterior`` weights pairs by."""
+    metrics = store.read_json(storage.join(checkpoint, "metrics.json"))
+    return float(metrics["logit_scale"]), float(metrics["logit_bias"])
+
+
+def subset_specs(cfg: TrackConfig, scalars: tuple[float, float] = (10.0, -10.0)) -> list[str]:
     """The track's score-filter subsets as ``pipeline.filters.specs`` specs, labelled by subset kind; the random
-    control is the library's ``of=`` control, sized like ``cfg.random_of`` and seeded by the first seed."""
+    control is the library's ``of=`` control, sized like ``cfg.random_of`` and seeded by the first seed;
+    ``scalars``: the scorer's logit scale and bias (``logit_scalars``)."""
+    p = paths(cfg)
+    f = cfg.csd_fraction
+    curation = {
+        "csd_ucb": f"csd_ucb:fraction={f},k={cfg.ucb_k}",
+        "csd_inclusion": f"csd_inclusion:fraction={f},inclusion_quantile={cfg.inclusion_quantile}",
+        "csd_posterior": f"csd_posterior:fraction={f},scale={scalars[0]},bias={scalars[1]},seed={cfg.seeds[0]}",
+        "neg_clip_loss": f"neg_clip_loss:fraction={f},embeddings_file={p['embeddings']}",
+        "norm_sim": f"norm_sim:fraction={f},embeddings_file={p['embeddings']},target_file={p['norm_sim_target']}",
+    }
     specs = {  # keys: _SCORE_SUBSETS
+        **curation,
         "csd": f"csd_best:fraction={cfg.csd_fraction}",
         "csd_uncertainty": (
             f"csd_uncertainty_aware:fraction={cfg.csd_fraction},text_unc_quantile={cfg.text_unc_quantile},"
@@ -91,7 +154,7 @@ def subset_specs(cfg: TrackConfig) -> list[str]:
 
 
 def make_subsets(
-    cfg: TrackConfig, build_subsets: dict[str, str], scores_path: str, log: Log
+    cfg: TrackConfig, build_subsets: dict[str, str], scores_path: str, log: Log, checkpoint: str = ""
 ) -> dict[str, Any]:
     """One DataComp ``.npy`` per requested subset: the build's baselines as they are, the score filters
     (and the random control) run on ``scores.parquet`` the way ``jobs.filter`` runs them."""
@@ -112,7 +175,10 @@ def make_subsets(
         # A metadata-scope subset (DataComp's) lists uids that never downloaded; controls sized "like"
         # it take the size it trains on.
         sizes[name] = sum(u in scored for u in uids)
-    specs = parse_filter_specs(subset_specs(cfg), "subsets", known=from_build)
+    scalars = (
+        logit_scalars(checkpoint, store) if checkpoint and "csd_posterior" in cfg.subsets else (10.0, -10.0)
+    )
+    specs = parse_filter_specs(subset_specs(cfg, scalars), "subsets", known=from_build)
     results = run_filters(scores, specs, store=store, sizes=sizes)
     # Named by rule so they never overwrite the build's own subsets (its ``random`` is another draw).
     files = {s.label: storage.join(p["subsets"], f"{s.name}.npy") for s in specs}

@@ -134,6 +134,15 @@ def near_duplicates(
     return dropped
 
 
+def near_pairs(h: np.ndarray, threshold: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every index pair i < j of int64 hashes ``h`` within ``threshold`` bits, each once (exact)."""
+    h = np.ascontiguousarray(h, dtype=np.int64)
+    if threshold >= 64:
+        i, j = np.triu_indices(len(h), 1)
+        return i.astype(np.int64), j.astype(np.int64)
+    return _near_pairs(h, threshold)
+
+
 def _bands(m: int) -> list[tuple[int, int]]:
     """(shift, width) of ``m`` bands, as even as possible, over 64 bits."""
     widths = [64 // m + (1 if b < 64 % m else 0) for b in range(m)]

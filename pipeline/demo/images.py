@@ -180,10 +180,21 @@ def map_processes(fn, jobs: list, workers: int | None = None, chunksize: int = 6
         return list(pool.map(fn, jobs, chunksize=chunksize))
 
 
-def render_units(plan: dict[str, np.ndarray], seed: int, workers: int | None = None) -> dict[int, UnitResult]:
-    """Render every picture of the pool, re-rendering (new seed) until the hash guarantees hold."""
+def render_units(
+    plan: dict[str, np.ndarray],
+    seed: int,
+    workers: int | None = None,
+    fixed: dict[int, bytes] | None = None,
+    avoid: tuple[np.ndarray, np.ndarray] | None = None,
+) -> dict[int, UnitResult]:
+    """Render every picture of the pool, re-rendering (new seed) until the hash guarantees hold.
+
+    ``fixed``: rows whose served bytes are given (the planted eval leaks, pipeline/demo/planted.py), never
+    re-rendered; ``avoid``: (hashes, groups) of pictures outside the pool (the eval sets) that every pool
+    picture of another group must also stay ``MIN_UNRELATED_DISTANCE`` from."""
     from pipeline.demo.plan import COPY_KINDS
 
+    fixed = fixed or {}
     noise, dup_of = plan["noise"], plan["dup_of"]
     units = np.flatnonzero(~np.isin(noise, COPY_KINDS))
     near_sources = set(dup_of[noise == "near_duplicate"].tolist())
@@ -196,7 +207,9 @@ def render_units(plan: dict[str, np.ndarray], seed: int, workers: int | None = N
         )  # fmt: skip
         return UnitJob(i, scene, (int(seed), 1, i, attempt[i]), int(plan["quality"][i]), i in near_sources)
 
-    results = {r.unit: r for r in map_processes(render_unit, [job(int(u)) for u in units], workers)}
+    rendered = [int(u) for u in units if int(u) not in fixed]
+    results = {r.unit: r for r in map_processes(render_unit, [job(u) for u in rendered], workers)}
+    results.update({u: UnitResult(u, jpeg, build_phash(jpeg), None, None) for u, jpeg in fixed.items()})
     for _ in range(50):
         bad = {u for u, r in results.items() if not r.ok}
         hashes, groups = [], []
@@ -206,9 +219,13 @@ def render_units(plan: dict[str, np.ndarray], seed: int, workers: int | None = N
                 if h is not None:
                     hashes.append(h)
                     groups.append(u)
+        if avoid is not None:
+            hashes += avoid[0].tolist()
+            groups += avoid[1].tolist()
         g = np.array(groups)
         pairs = close_pairs(np.array(hashes, dtype=np.int64), g, MIN_UNRELATED_DISTANCE)
-        bad |= set(np.maximum(g[pairs[:, 0]], g[pairs[:, 1]]).tolist())
+        close = zip(g[pairs[:, 0]].tolist(), g[pairs[:, 1]].tolist(), strict=True)
+        bad |= {u for u in (_to_rerender(a, b, fixed) for a, b in close) if u is not None}
         if not bad:
             return results
         for u in bad:
@@ -217,6 +234,14 @@ def render_units(plan: dict[str, np.ndarray], seed: int, workers: int | None = N
             {r.unit: r for r in map_processes(render_unit, [job(u) for u in sorted(bad)], workers)}
         )
     raise RuntimeError("could not separate the pool's perceptual hashes in 50 rounds")
+
+
+def _to_rerender(a: int, b: int, fixed: dict[int, bytes]) -> int | None:
+    """Of two pictures too close, the one to draw again: the later pool unit, never a given one (two
+    given ones, e.g. two eval pictures, are not the pool's to separate: the planted leaks are chosen
+    among eval pictures far from every other, pipeline/demo/planted.py)."""
+    movable = [u for u in (max(a, b), min(a, b)) if u >= 0 and u not in fixed]
+    return movable[0] if movable else None
 
 
 def _serving(
@@ -271,11 +296,17 @@ def _shas(kind: str, body: bytes | None, jpeg: bytes) -> tuple[str, str | None]:
 
 
 def render_pool(
-    plan: dict[str, np.ndarray], seed: int, out: Path, workers: int | None = None
+    plan: dict[str, np.ndarray],
+    seed: int,
+    out: Path,
+    workers: int | None = None,
+    fixed: dict[int, bytes] | None = None,
+    avoid: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> dict[str, list]:
     """Render the pictures, write every body the server sends under ``out``, and return per-row columns
-    (path, sizes, hashes, sha256s) plus ``routes`` (URL path → what the server does)."""
-    results = render_units(plan, seed, workers)
+    (path, sizes, hashes, sha256s) plus ``routes`` (URL path → what the server does); ``fixed`` and
+    ``avoid`` as ``render_units``."""
+    results = render_units(plan, seed, workers, fixed, avoid)
     rng = np.random.default_rng(np.random.SeedSequence([seed, 2]))
     (out / "images").mkdir(parents=True, exist_ok=True)
     (out / "pages").mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,7 @@ from pipeline.demo.eval_sets import EvalSizes, write_eval_sets
 from pipeline.demo.faults import BOMB_SIDE, OVERSIZE_BYTES
 from pipeline.demo.images import close_pairs, render_pool
 from pipeline.demo.plan import FAULT_STATUS, plan_pool
+from pipeline.demo.planted import eval_hash_groups, plant, write_curation_files
 from pipeline.demo.render import BACKGROUNDS, COLOURS, POSITIONS, SHAPES, SIZES, TEXTURES
 
 GENERATOR_VERSION = 1
@@ -157,6 +158,7 @@ def code_fingerprint() -> str:
 
 _GENERATOR_MODULES = (
     "demo/pool", "demo/plan", "demo/images", "demo/render", "demo/captions", "demo/faults", "demo/eval_sets",
+    "demo/planted",
     "dedup/urlnorm", "dedup/phash", "schema",
 )  # fmt: skip
 
@@ -193,9 +195,13 @@ def generate_pool(
         (out / "pool.json").unlink()
     out.mkdir(parents=True, exist_ok=True)
     plan = plan_pool(n, seed)
+    write_eval_sets(out / "eval", seed, eval_sizes, reuse_key=key["version"])
+    planted = plant(plan, seed, out / "eval")  # semantic copies and eval leaks, before the captions
+    eval_phash, eval_groups = eval_hash_groups(planted)
     texts, true_captions = _captions(plan)
     is_en = english_mask(texts)
-    rows = render_pool(plan, seed, out)  # bodies written, routes/hashes/shas per row
+    # bodies written, routes/hashes/shas per row
+    rows = render_pool(plan, seed, out, fixed=planted.leak_jpeg, avoid=(eval_phash, eval_groups))
     (out / "routes.json").write_text(json.dumps(rows["routes"], sort_keys=True))
     uids = [str(u) for u in plan["uid"]]
     fates = [FAULT_STATUS.get(str(k), S.STATUS_SUCCESS) for k in plan["noise"]]
@@ -203,8 +209,9 @@ def generate_pool(
     urls = [_format_url(t, "http://127.0.0.1:8000") for t in plan["url_template"]]
     expected = expected_statuses(uids, urls, fates, rows["served_sha256"], rows["phash"])
     truth = _truth_table(plan, rows, texts, true_captions, is_en, expected)
+    truth = _with_planted(truth, plan, planted, expected)
     pq.write_table(truth, out / "truth.parquet")
-    write_eval_sets(out / "eval", seed, eval_sizes, reuse_key=key["version"])
+    write_curation_files(out, plan, planted, seed, eval_phash)
     info = PoolInfo(
         pool_dir=str(out),
         n=int(n),
@@ -254,6 +261,29 @@ def _truth_table(plan, rows, texts, true_captions, is_en, expected) -> pa.Table:
     return table
 
 
+def _with_planted(truth: pa.Table, plan, planted, expected: list[str]) -> pa.Table:
+    """The curation truth: ``semantic_dup_of`` (the uid a planted copy re-renders), ``eval_leak`` and
+    ``eval_leak_key`` (the eval picture a row shows), and ``expected_curated_status``: the status with
+    the build's curation stage on (``dedupe.semantic``, ``decontam.reference``): a leak that downloads is
+    ``eval_leak:<task>``, and of a planted pair that both download the larger uid is the duplicate."""
+    uid = [str(u) for u in plan["uid"]]
+    src = planted.sem_dup_of
+    curated = list(expected)
+    for row in range(len(uid)):
+        if planted.leak_task[row] and curated[row] == S.STATUS_SUCCESS:
+            curated[row] = S.eval_leak(planted.leak_task[row])
+        if src[row] >= 0 and curated[row] == curated[src[row]] == S.STATUS_SUCCESS:
+            curated[max(row, src[row], key=lambda i: uid[i])] = S.STATUS_SEMANTIC_DUPLICATE
+    return (
+        truth.append_column(
+            "semantic_dup_of", pa.array([uid[j] if j >= 0 else None for j in src], pa.string())
+        )
+        .append_column("eval_leak", pa.array([str(t) for t in planted.leak_task], pa.string()))
+        .append_column("eval_leak_key", pa.array([str(k) for k in planted.leak_key], pa.string()))
+        .append_column("expected_curated_status", pa.array(curated, pa.string()))
+    )
+
+
 def _format_url(template: str, base_url: str) -> str:
     from urllib.parse import urlsplit
 
@@ -290,6 +320,8 @@ def write_metadata(out_dir: str | os.PathLike, base_url: str) -> str:
     )
     path = out / "metadata" / "part-00000.parquet"
     path.parent.mkdir(parents=True, exist_ok=True)
+    # DataComp's layout: the shard's embeddings in an .npz beside its parquet (pipeline/demo/planted.py)
+    shutil.copyfile(out / "embeddings.npz", path.with_suffix(".npz"))
     tmp = path.with_suffix(".parquet.tmp")
     pq.write_table(table, tmp)
     os.replace(tmp, path)  # a reader never sees half a file (the server may already be up)

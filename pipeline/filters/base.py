@@ -36,6 +36,21 @@ class FilterResult(NamedTuple):
         return {("kept" if v == "" else v): int(c) for v, c in zip(values, counts, strict=True)}
 
 
+class WeightedResult(FilterResult):
+    """A ``FilterResult`` whose kept rows are listed ``repeat`` times: a weighted subset repeats rows
+    (DataComp's subset files up-sample a repeated uid). Still unpacks as ``keep, reason``."""
+
+    def __new__(cls, keep: np.ndarray, reason: np.ndarray, repeat: np.ndarray) -> WeightedResult:
+        self = super().__new__(cls, keep, reason)
+        self.repeat = np.asarray(repeat, dtype=np.int64)  # (n,): 0 where dropped
+        return self
+
+
+def repeats(result: FilterResult) -> np.ndarray | None:
+    """How often each row is listed (a ``WeightedResult``'s ``repeat``), or None: once per kept row."""
+    return getattr(result, "repeat", None)
+
+
 def from_drops(n: int, drops: list[tuple[np.ndarray, str]]) -> FilterResult:
     """Reason = the first failing rule, in the order given."""
     reason = np.full(n, "", dtype=object)
@@ -60,6 +75,9 @@ def intersect(*results: FilterResult) -> FilterResult:
         take = ~np.asarray(r.keep, dtype=bool) & ~dropped
         reason[take] = r.reason[take]
         dropped |= take
+    counts = [repeats(r) for r in results if repeats(r) is not None]
+    if counts:  # the weighted part's repeats, on the rows every part keeps
+        return WeightedResult(~dropped, reason, np.where(dropped, 0, counts[0]))
     return FilterResult(keep=~dropped, reason=reason)
 
 

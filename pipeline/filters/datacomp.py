@@ -16,10 +16,10 @@ spec syntax that the build, the filter job and the track run them through. Rules
   and sort last; a cut among them keeps nothing).
 - ``laion2b``: B/32 score ≥ 0.28 AND english by the language model given (DataComp: CLD3).
 - ``image_based``: DataComp's caption pre-filter (english, > 1 fastText token, > 5 chars) AND the
-  pool centroid with the largest dot product lies in the target set (``pipeline.filters.centroids``).
+  pool centroid with the largest dot product lies in the target set (``pipeline.filters.embedding``).
 - ``random``: exactly round(f·n) rows, the ones with the smallest hash of (seed, uid).
 
-The embedding, centroid and target-id file formats for ``image_based`` are in ``pipeline.filters.centroids``.
+The embedding, centroid and target-id file formats for ``image_based`` are in ``pipeline.filters.embedding``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.common.hashing import splitmix64
-from pipeline.filters import centroids as C
+from pipeline.filters import embedding as C
 from pipeline.filters.base import (
     LANG,
     FilterError,

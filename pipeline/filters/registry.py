@@ -14,14 +14,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import Field
 
 from pipeline import schema as S
-from pipeline.common.config import Finite, Fraction, OpenFraction, Positive, Seed, config_class
+from pipeline.common.config import (
+    Finite,
+    Fraction,
+    NonNegativeFloat,
+    OpenFraction,
+    Positive,
+    PositiveFloat,
+    Seed,
+    config_class,
+)
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import FilterConfig
-from pipeline.filters import centroids as C
 from pipeline.filters import datacomp as F
+from pipeline.filters import embedding as C
 from pipeline.filters import scores as SF
 from pipeline.filters import text_based as T
 from pipeline.filters import wordnet as WN
@@ -38,6 +48,7 @@ class Context:
 
     lang: Any = None
     store: Storage = LOCAL
+    metadata: tuple[str, ...] = ()  # the pool's metadata files: DataComp's embeddings sit beside them
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,28 @@ class ImageBasedParams:
 
 
 @config_class
+class NegClipLossParams:
+    fraction: OpenFraction = 0.3  # the paper's top 30% on DataComp small/medium
+    embeddings_file: str = ""  # empty = DataComp's .npz beside each metadata parquet
+    image_key: str = "l14_img"
+    text_key: str = "l14_txt"
+    temperature: PositiveFloat = 0.01  # τ of the teacher CLIP (OpenAI's learned 1/100)
+    batch_size: Positive = 32768
+    batches: Positive = 10  # K random batches per row
+    seed: Seed = 0
+
+
+@config_class
+class NormSimParams:
+    fraction: OpenFraction = 0.3
+    target_file: str = ""  # the target distribution's image embeddings (ImageNet-1k train in the paper)
+    target_key: str = "embedding"
+    embeddings_file: str = ""
+    image_key: str = "l14_img"
+    p: Annotated[float, Field(ge=1)] = 2.0  # 2, or inf for the best match
+
+
+@config_class
 class CsdBestParams:
     fraction: OpenFraction = 0.2
 
@@ -107,6 +140,26 @@ class CsdUncertaintyParams:
     fraction: OpenFraction = 0.2
     text_unc_quantile: OpenFraction = 0.9
     text_unc_low_quantile: Fraction = 0.0  # may be 0; below text_unc_quantile, checked by the rule
+
+
+@config_class
+class CsdUcbParams:
+    fraction: OpenFraction = 0.2
+    k: NonNegativeFloat = 1.0  # standard deviations of ‖z_v − z_t‖² added to CSD
+
+
+@config_class
+class CsdInclusionParams:
+    fraction: OpenFraction = 0.2
+    inclusion_quantile: Annotated[float, Field(ge=0, lt=1)] = 0.1
+
+
+@config_class
+class CsdPosteriorParams:
+    fraction: OpenFraction = 0.2  # entries listed, as a fraction of the scorable rows
+    scale: PositiveFloat = 10.0  # the scorer's logit scale a (exp of its log scale; SigLIP init 10)
+    bias: Finite = -10.0  # and its bias b
+    seed: Seed = 0
 
 
 @config_class
@@ -130,7 +183,8 @@ class SameSizeParams:
 
 def _file(name: str, key: str, path: str) -> str:
     if not path:
-        raise FilterError(f"filter {name!r} needs {key}= (filters.{_CONFIG_KEYS[key]})")
+        hint = f" (filters.{_CONFIG_KEYS[key]})" if key in _CONFIG_KEYS else ""
+        raise FilterError(f"filter {name!r} needs {key}={hint}")
     return path
 
 
@@ -180,6 +234,47 @@ def _image_based(
     return F.image_based(t, emb, centroids, target, ctx.lang)
 
 
+def _pool_embeddings(name: str, ctx: Context, path: str, keys: tuple[str, ...]) -> list[C.Embeddings]:
+    """The embeddings ``keys`` of ``path`` or, when it is empty, of the shards beside the pool's metadata."""
+    sources = [path] if path else list(ctx.metadata)
+    if not sources:
+        raise FilterError(f"filter {name!r} needs embeddings_file= (no metadata files to find them beside)")
+    uids: list[str] = []
+    parts: dict[str, list] = {k: [] for k in keys}
+    try:
+        for src in sources:
+            u, arrays = C.load_embedding_set(src, keys, ctx.store)
+            uids += u
+            for k in keys:
+                parts[k].append(arrays[k])
+    except (FileNotFoundError, ValueError) as exc:
+        raise FilterError(f"filter {name!r}: {exc}") from exc
+    return [C.Embeddings(uids, np.concatenate(parts[k])) for k in keys]
+
+
+def _neg_clip_loss(
+    t: Any, ctx: Context, fraction: float, embeddings_file: str, image_key: str, text_key: str,
+    temperature: float, batch_size: int, batches: int, seed: int,
+) -> FilterResult:  # fmt: skip
+    image, text = _pool_embeddings("neg_clip_loss", ctx, embeddings_file, (image_key, text_key))
+    return C.neg_clip_loss(
+        t, (image, text), fraction, tau=temperature, batch_size=batch_size, batches=batches, seed=seed
+    )
+
+
+def _norm_sim(
+    t: Any, ctx: Context, fraction: float, target_file: str, target_key: str, embeddings_file: str,
+    image_key: str, p: float,
+) -> FilterResult:  # fmt: skip
+    target_file = _file("norm_sim", "target_file", target_file)
+    (image,) = _pool_embeddings("norm_sim", ctx, embeddings_file, (image_key,))
+    try:
+        targets = C.load_targets(target_file, ctx.store, target_key)
+    except (FileNotFoundError, ValueError) as exc:
+        raise FilterError(f"filter 'norm_sim': {exc}") from exc
+    return C.norm_sim(t, image, targets, fraction, p)
+
+
 def _laion2b(t: Any, ctx: Context, threshold: float, language_model: str) -> FilterResult:
     if language_model == "cld3":  # DataComp's laion2b rule used gcld3
         from pipeline.filters.language import Cld3LanguageId
@@ -211,10 +306,23 @@ FILTERS: dict[str, Filter] = {
     "clip_score": Filter(_clip_score, ClipScoreParams),
     "laion2b": Filter(_laion2b, Laion2bParams, (S.CLIP_B32, S.TEXT), language=True),
     "image_based": Filter(_image_based, ImageBasedParams, (S.UID, S.TEXT), language=True),
+    # On embeddings alone, keyed by uid (pipeline.filters.embedding): any table with a uid column.
+    "neg_clip_loss": Filter(_neg_clip_loss, NegClipLossParams, (S.UID,)),
+    "norm_sim": Filter(_norm_sim, NormSimParams, (S.UID,)),
     # Our model's scores (pipeline.filters.scores over training.infer.scoring's table).
     "csd_best": Filter(_on_scores(SF.csd_best), CsdBestParams, (*SCORE_KEYS, "csd"), SCORES),
     "csd_uncertainty_aware": Filter(
         _on_scores(SF.csd_uncertainty_aware), CsdUncertaintyParams, (*SCORE_KEYS, "csd", "text_unc"), SCORES
+    ),
+    "csd_ucb": Filter(_on_scores(SF.csd_ucb), CsdUcbParams, (*SCORE_KEYS, "csd", "csd_std"), SCORES),
+    "csd_inclusion": Filter(
+        _on_scores(SF.csd_inclusion), CsdInclusionParams, (*SCORE_KEYS, "csd", "inclusion"), SCORES
+    ),
+    "csd_posterior": Filter(
+        _on_scores(SF.csd_posterior),
+        CsdPosteriorParams,
+        (*SCORE_KEYS, "csd", "dot", "image_unc", "text_unc"),
+        SCORES,
     ),
     "clip_score_best": Filter(
         _on_scores(SF.clip_score_best), ClipScoreBestParams, (*SCORE_KEYS, "cosine"), SCORES

@@ -27,6 +27,21 @@ Rules (exact counts, so subsets of different filters compare at equal size):
   size, ``of=LABEL`` in a spec): the n_keep smallest seeded uid hashes (``pipeline.filters.datacomp.uid_hash``, the
   draw DataComp's ``random`` baseline uses too), so the choice depends on neither row order nor batching.
 
+Uncertainty-native selection (the scorer's σ² and ProLIP's inclusion used to select or weight data):
+
+- ``csd_ucb(fraction, k=1)``: the round(fraction·n_ok) rows with the smallest CSD + k·``csd_std``, a
+  pessimistic distance: CSD is the mean of ‖z_v − z_t‖² under the two Gaussians and ``csd_std`` its
+  standard deviation (training/infer/scoring.py), so a pair is kept for being close *and* sure.
+- ``csd_inclusion(fraction, inclusion_quantile=0.1)``: first drop the round(q·n_ok) rows whose image is
+  least included in its caption (smallest H(Z_v ⊂ Z_t), ProLIP Eq. 4: the caption does not cover what the
+  picture shows), then keep round(fraction·n_ok) smallest-CSD rows among the rest.
+- ``csd_posterior(fraction, scale, bias, seed)``: no hard cut; each scorable row gets the scorer's own
+  posterior that the pair matches, w = sigmoid(scale·(μ_v·μ_t − ½(Σσ²_v + Σσ²_t)) + bias) (PPCL's logit,
+  ProLIP Eq. 2, with the trained logit scale and bias), and the subset lists round(fraction·n_ok) entries
+  drawn by systematic sampling with probabilities ∝ w: rows are repeated (w large) or dropped (w small),
+  and the entry count equals ``csd_best``'s row count, so a model trained on it sees as many samples.
+  The sampling offset comes from ``seed``; the order is by uid, so it does not depend on row order.
+
 Round is half-up. Each returns ``pipeline.filters.datacomp.FilterResult``; the registry, the spec syntax
 (``csd_best:fraction=0.2``) and the random control's sizing live in ``pipeline.filters.specs``.
 """
@@ -41,7 +56,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import schema as S
-from pipeline.filters.base import FilterResult
+from pipeline.filters.base import FilterResult, WeightedResult
 from pipeline.filters.datacomp import uid_hash
 
 Scores = pa.Table | Mapping[str, Any]
@@ -134,6 +149,67 @@ def csd_uncertainty_aware(
         reason[by_unc[n_ok - n_low :]] = f"text_uncertainty_bottom_{_pct(text_unc_low_quantile)}"
     order = _order(csd, uids, rest, descending=False)
     return _keep_first(order, _round(fraction * n_ok), reason, f"csd_not_in_best_{_pct(fraction)}")
+
+
+def csd_ucb(scores: Scores, fraction: float = 0.2, k: float = 1.0) -> FilterResult:
+    """Keep the round(fraction·n_ok) rows with the smallest CSD + k·csd_std."""
+    _check_fraction("fraction", fraction)
+    uids, csd, reason = _scorable(scores, "csd")
+    spread = _column(scores, "csd_std").astype(np.float64)
+    rows = np.flatnonzero(reason == "")
+    if len(rows) and not np.isfinite(spread[rows]).all():
+        raise ValueError("csd_ucb needs csd_std: score with a probabilistic checkpoint")
+    bound = csd + k * np.nan_to_num(spread)
+    order = _order(bound, uids, rows, descending=False)
+    return _keep_first(order, _round(fraction * len(rows)), reason, f"csd_ucb_not_in_best_{_pct(fraction)}")
+
+
+def csd_inclusion(scores: Scores, fraction: float = 0.2, inclusion_quantile: float = 0.1) -> FilterResult:
+    """Drop the round(q·n_ok) rows with the smallest H(Z_v ⊂ Z_t), then keep round(fraction·n_ok)
+    smallest CSD among the rest."""
+    _check_fraction("fraction", fraction)
+    if not 0.0 <= inclusion_quantile < 1.0:
+        raise ValueError(f"inclusion_quantile must be in [0, 1), got {inclusion_quantile}")
+    uids, csd, reason = _scorable(scores, "csd")
+    inclusion = _column(scores, "inclusion").astype(np.float64)
+    rows = np.flatnonzero(reason == "")
+    if len(rows) and not np.isfinite(inclusion[rows]).all():
+        raise ValueError("csd_inclusion needs inclusion: score with a probabilistic checkpoint")
+    n_low = _round(inclusion_quantile * len(rows))
+    by_inc = _order(inclusion, uids, rows, descending=False)  # least included first
+    reason[by_inc[:n_low]] = f"inclusion_bottom_{_pct(inclusion_quantile)}"
+    order = _order(csd, uids, by_inc[n_low:], descending=False)
+    return _keep_first(order, _round(fraction * len(rows)), reason, f"csd_not_in_best_{_pct(fraction)}")
+
+
+def posterior_weights(scores: Scores, scale: float, bias: float) -> np.ndarray:
+    """sigmoid(scale·(dot − ½(image_unc + text_unc)) + bias) per row: PPCL's match probability."""
+    dot = _column(scores, "dot").astype(np.float64)
+    unc = _column(scores, "image_unc").astype(np.float64) + _column(scores, "text_unc").astype(np.float64)
+    logit = scale * (dot - 0.5 * unc) + bias
+    return 0.5 * (1.0 + np.tanh(0.5 * logit))  # sigmoid without overflow
+
+
+def csd_posterior(
+    scores: Scores, fraction: float = 0.2, scale: float = 10.0, bias: float = -10.0, seed: int = 0
+) -> FilterResult:
+    """round(fraction·n_ok) entries drawn ∝ the scorer's match posterior (systematic sampling, rows in uid
+    order): ``repeat`` says how often each row is listed."""
+    _check_fraction("fraction", fraction)
+    uids, csd, reason = _scorable(scores, "csd")
+    w = posterior_weights(scores, scale, bias)
+    rows = np.flatnonzero((reason == "") & np.isfinite(w))
+    reason[(reason == "") & ~np.isfinite(w)] = "score_missing"
+    rows = rows[np.argsort(uids[rows], kind="stable")]
+    n_draw = _round(fraction * len(rows))
+    count = np.zeros(len(uids), dtype=np.int64)
+    total = w[rows].sum()
+    if n_draw and total > 0:
+        u = np.random.default_rng(np.random.SeedSequence([seed, 7])).random()
+        edges = np.floor(np.cumsum(w[rows]) / total * n_draw + u)  # systematic: one offset for all draws
+        count[rows] = np.diff(np.r_[np.floor(u), edges]).astype(np.int64)
+    reason[(reason == "") & (count == 0)] = "posterior_not_drawn"
+    return WeightedResult(count > 0, reason, count)
 
 
 def clip_score_best(scores: Scores, fraction: float = 0.3) -> FilterResult:

@@ -216,13 +216,14 @@ def run_filters(
     lang: Any = None,
     store: Storage = LOCAL,
     sizes: Mapping[str, int] | None = None,
+    metadata: Sequence[str] = (),
 ) -> dict[str, FilterResult]:
     """Every spec over *all* rows of ``table`` (the whole pool, so fraction thresholds are DataComp's),
     by label. Controls (``of=``) run after the filters they copy the size of; ``sizes`` gives the sizes
     of subsets made elsewhere. A filter with the same parameters in several specs runs once."""
     if lang is not None and callable(lang) and needs_language(specs):
         lang = F.language_labels(table, lang, "english")  # predict once, share across filters
-    ctx = Context(lang, store)
+    ctx = Context(lang, store, tuple(metadata))
     sizes = dict(sizes or {})
     cache: dict[tuple, FilterResult] = {}
     results: dict[str, FilterResult] = {}
@@ -242,11 +243,16 @@ def run_filters(
 
 
 def apply_filters(
-    table: pa.Table | Mapping[str, Any], cfg: FilterConfig, lang: Any = None, store: Storage = LOCAL
+    table: pa.Table | Mapping[str, Any],
+    cfg: FilterConfig,
+    lang: Any = None,
+    store: Storage = LOCAL,
+    metadata: Sequence[str] = (),
 ) -> dict[str, FilterResult]:
-    """The build's stage: ``cfg.names`` (specs) over the pool's metadata, ``cfg``'s fields as defaults."""
+    """The build's stage: ``cfg.names`` (specs) over the pool's metadata, ``cfg``'s fields as defaults;
+    ``metadata``: its files (embedding filters find DataComp's ``.npz`` beside them)."""
     specs = parse_filter_specs(list(cfg.names), "filters.names")
-    return run_filters(table, specs, defaults=config_params(cfg), lang=lang, store=store)
+    return run_filters(table, specs, defaults=config_params(cfg), lang=lang, store=store, metadata=metadata)
 
 
 def apply(spec: str, table: pa.Table | Mapping[str, Any], **kwargs: Any) -> FilterResult:

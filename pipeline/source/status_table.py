@@ -71,7 +71,9 @@ def status_table_of(narrow: pa.Table, pre: np.ndarray, parts: pa.Table, part_sta
             "error": pc.fill_null(errors.cast(pa.string()), ""),
         }
     )
-    extra = [c for c in (S.WIDTH, S.HEIGHT, S.IMAGE_SHA256) if c in parts.column_names]
+    extra = [
+        c for c in (S.WIDTH, S.HEIGHT, S.IMAGE_SHA256, S.DUPLICATE_OF, S.LEAK_OF) if c in parts.column_names
+    ]
     for c in extra:
         part_tab = part_tab.append_column(c, parts.column(c))
     return pa.concat_tables([pre_tab, part_tab], promote_options="permissive").sort_by(S.UID)

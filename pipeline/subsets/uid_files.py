@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from pipeline.common.errors import InputError
 from pipeline.common.storage import Storage
-from pipeline.filters.base import FilterResult
+from pipeline.filters.base import FilterResult, repeats
 from pipeline.schema import UID, UID_DTYPE, u8pairs_to_uids, uids_to_u8pairs
 from pipeline.source.row_checks import valid_uids
 
@@ -144,10 +144,14 @@ def kept_uids(
     table: pa.Table | Mapping[str, Any], result: FilterResult, eligible: np.ndarray | None = None
 ) -> np.ndarray:
     """The sorted distinct uid strings ``result`` keeps (and ``eligible`` allows, e.g. rows that
-    downloaded): a uid on two kept rows is listed once, never read as up-sampling."""
+    downloaded): a uid on two kept rows is listed once, never read as up-sampling. A weighted result
+    (``result.count``) lists each kept row ``count`` times: that is up-sampling, by design."""
     col = table.column(UID) if isinstance(table, pa.Table) else table[UID]
     uids = np.asarray(col.to_pylist() if isinstance(col, (pa.Array, pa.ChunkedArray)) else col, dtype=str)
     keep = np.asarray(result.keep, bool) & (True if eligible is None else np.asarray(eligible, bool))
+    count = repeats(result)
+    if count is not None:
+        return np.sort(np.repeat(uids[keep], count[keep]))
     return np.unique(uids[keep])
 
 

@@ -207,6 +207,11 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     purity = results["purity"]
     assert "| basic (not trained) | " in report and "basic" not in subsets
     assert purity["basic (not trained)"].get("non_english", 0.0) < purity["no_filter"]["non_english"]
+    # The build looked for the pool's planted semantic duplicates and eval leaks (jobs/track/curation_report.py).
+    truth = results["curation"]["build"]["truth"]
+    assert truth["semantic_recall"] >= 0.95 and truth["semantic_precision"] >= 0.95, truth
+    assert truth["leak_recall"] >= 0.95 and truth["false_leaks"] == 0, truth
+    assert "## Curation in the build" in report and "Meets the bar" in report
     assert results["machine"]["cores"] >= 1 and results["machine"]["matmul_gflops"] > 0
     assert "Machine: " in report
     # The scorer's figures come with their intervals over resampled pictures, as the eval wrote them.

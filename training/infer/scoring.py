@@ -6,7 +6,11 @@ builders (``score_shards``, ``embed_shards``) are in training/infer/batch_infere
   ``dot`` = μ_v·μ_t, ``image_unc`` = Σ_d σ²_v,d, ``text_unc`` = Σ_d σ²_t,d (tr Σ, the uncertainty of an
   input in ProLIP), ``csd`` = ‖μ_v − μ_t‖² + Σ_d (σ²_v,d + σ²_t,d) (ProLIP Eq. 1; = 2 − 2·dot + image_unc
   + text_unc for unit μ), ``cosine`` = dot / (‖μ_v‖‖μ_t‖) (DataComp's "CLIP score"). Deterministic
-  models have no σ²: uncertainties are NaN and csd = ‖μ_v − μ_t‖² = 2 − 2·cosine.
+  models have no σ²: uncertainties are NaN and csd = ‖μ_v − μ_t‖² = 2 − 2·cosine. ``inclusion`` =
+  H(Z_v ⊂ Z_t), ProLIP's inclusion hypothesis (Eq. 4, > 0 when the image is included in its caption;
+  ``training.losses.inclusion.inclusion_hypothesis`` with ε = 1); ``csd_std`` = the standard deviation of
+  ‖z_v − z_t‖² for z_v ~ Z_v, z_t ~ Z_t, whose mean is CSD: √(Σ_d 2 s_d² + 4 m_d² s_d) with m = μ_v − μ_t,
+  s = σ²_v + σ²_t (a Gaussian's squared norm). Both NaN for deterministic models.
 - ``score_columns``: an encoded ``{uid | key | __key__ [+ json], jpg, txt}`` batch → ``SCORE_COLUMNS``
   (``Encoder(checkpoint, output=score_columns)`` is the scoring stage). ``text_len`` counts the
   caption's tokens after truncation to the context, special tokens excluded. An image that does not
@@ -35,7 +39,10 @@ from training.infer.encode import as_text, localize_checkpoint
 from training.model.checkpoint import load_checkpoint
 from training.model.config import ModelConfig
 
-SCORE_COLUMNS = ("uid", "ok", "dot", "image_unc", "text_unc", "csd", "cosine", "text_len")
+SCORE_COLUMNS = (
+    "uid", "ok", "dot", "image_unc", "text_unc", "csd", "cosine", "inclusion", "csd_std", "text_len",
+)  # fmt: skip
+_FLOATS = SCORE_COLUMNS[2:9]
 EMBED_COLUMNS = ("uid", "ok", "text", "image_mu", "text_mu", "image_logvar", "text_logvar")
 
 
@@ -54,16 +61,33 @@ def pair_scores(
     dist = np.square(mv - mt).sum(-1)
     if logvar_v is None or logvar_t is None:
         nan = np.full(len(dot), np.nan)
-        return {"dot": dot, "image_unc": nan, "text_unc": nan.copy(), "csd": dist, "cosine": cosine}
-    image_unc = np.exp(np.asarray(logvar_v, np.float64)).sum(-1)
-    text_unc = np.exp(np.asarray(logvar_t, np.float64)).sum(-1)
+        unc = {name: nan.copy() for name in ("image_unc", "text_unc", "inclusion", "csd_std")}
+        return {"dot": dot, "csd": dist, "cosine": cosine, **unc}
+    lv, lt = np.asarray(logvar_v, np.float64), np.asarray(logvar_t, np.float64)
+    var_v, var_t = np.exp(lv), np.exp(lt)
+    image_unc, text_unc = var_v.sum(-1), var_t.sum(-1)
+    s = var_v + var_t
+    spread = np.sqrt((2 * s * s + 4 * np.square(mv - mt) * s).sum(-1))
     return {
         "dot": dot,
         "image_unc": image_unc,
         "text_unc": text_unc,
         "csd": dist + image_unc + text_unc,
         "cosine": cosine,
+        "inclusion": _inclusion(mv, lv, mt, lt),
+        "csd_std": spread,
     }
+
+
+def _inclusion(mu_v: np.ndarray, logvar_v: np.ndarray, mu_t: np.ndarray, logvar_t: np.ndarray) -> np.ndarray:
+    """H(Z_v ⊂ Z_t) per row in float64, through the loss module's one implementation of Eq. 4."""
+    import torch
+
+    from training.losses.inclusion import inclusion_hypothesis
+
+    args = [torch.from_numpy(np.ascontiguousarray(a, np.float64)) for a in (mu_v, logvar_v, mu_t, logvar_t)]
+    with torch.no_grad():
+        return inclusion_hypothesis(*args).double().numpy()
 
 
 def sample_uid(key: str, meta: Any) -> str:
@@ -91,7 +115,7 @@ def score_columns(e: dict[str, Any]) -> dict[str, np.ndarray]:
     """An ``Encoder.encode_batch`` output → ``SCORE_COLUMNS`` (see the module docstring)."""
     scores = pair_scores(e["image_mu"], e.get("image_logvar"), e["text_mu"], e.get("text_logvar"))
     out: dict[str, np.ndarray] = {"uid": batch_uids(e), "ok": e["ok"]}
-    for name in SCORE_COLUMNS[2:7]:
+    for name in _FLOATS:
         values = scores[name].astype(np.float32)
         values[~e["ok"]] = np.nan
         out[name] = values
@@ -133,7 +157,7 @@ class ScoreResult:
 
 
 def score_schema() -> pa.Schema:
-    floats = [pa.field(n, pa.float32()) for n in SCORE_COLUMNS[2:7]]
+    floats = [pa.field(n, pa.float32()) for n in _FLOATS]
     return pa.schema(
         [pa.field("uid", pa.string()), pa.field("ok", pa.bool_()), *floats, pa.field("text_len", pa.int32())]
     )

@@ -13,8 +13,8 @@ from pipeline.common.config import ConfigError
 from pipeline.common.storage import LOCAL
 from pipeline.config import FilterConfig
 from pipeline.filters import base
-from pipeline.filters import centroids as C
 from pipeline.filters import datacomp as F
+from pipeline.filters import embedding as C
 from pipeline.filters import specs as P
 from pipeline.filters import text_based as T
 from pipeline.schema import uids_to_u8pairs

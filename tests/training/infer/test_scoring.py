@@ -20,6 +20,7 @@ from training.infer.scoring import (
     score_columns,
 )
 from training.losses import contrastive as losses
+from training.losses.inclusion import inclusion_hypothesis
 
 
 def _batch(n: int = 8, corrupt: int | None = 3, with_json: bool = False) -> dict[str, np.ndarray]:
@@ -197,3 +198,23 @@ def test_encoder_sees_the_pixels_training_sees(tiny_checkpoint):
     # The train step normalises the decoded uint8 crops on its device (pipeline/ingest/device_augment.py).
     trained_on = DeviceAugment(cfg.mean, cfg.std)({"images": torch.from_numpy(crops)}).numpy()
     np.testing.assert_allclose(pixels, trained_on, rtol=0, atol=1e-6)
+
+
+def test_score_columns_inclusion_and_spread():
+    rng = np.random.default_rng(4)
+    mv, mt = rng.normal(size=(6, 16)), rng.normal(size=(6, 16))
+    mv /= np.linalg.norm(mv, axis=1, keepdims=True)
+    mt /= np.linalg.norm(mt, axis=1, keepdims=True)
+    lv, lt = rng.normal(-4, 0.5, (6, 16)), rng.normal(-3, 0.5, (6, 16))
+    got = pair_scores(mv, lv, mt, lt)
+    want = inclusion_hypothesis(*(torch.from_numpy(a) for a in (mv, lv, mt, lt))).numpy()
+    np.testing.assert_allclose(got["inclusion"], want, rtol=1e-12)
+    # csd_std: the spread of ‖z_v − z_t‖² over samples of the two Gaussians (its mean is CSD)
+    samples = 200_000
+    zv = mv[0] + np.exp(0.5 * lv[0]) * rng.standard_normal((samples, 16))
+    zt = mt[0] + np.exp(0.5 * lt[0]) * rng.standard_normal((samples, 16))
+    dist = ((zv - zt) ** 2).sum(1)
+    assert dist.mean() == pytest.approx(got["csd"][0], rel=5e-3)
+    assert dist.std() == pytest.approx(got["csd_std"][0], rel=2e-2)
+    det = pair_scores(mv, None, mt, None)
+    assert np.isnan(det["inclusion"]).all() and np.isnan(det["csd_std"]).all()

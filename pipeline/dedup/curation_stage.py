@@ -1,0 +1,353 @@
+"""The build's curation stage on Ray: eval-set decontamination, then semantic dedup, over the downloaded rows.
+
+``curate`` runs after the exact and pHash near-duplicate dedupe (``pipeline/source/status_table.py``) on the
+rows still ``success``, and relabels some of them, so every input row keeps exactly one status:
+
+1. **decontamination** (``build.decontam``): a row that is a near-copy of an evaluation picture, by pHash
+   or by embedding (``pipeline.dedup.semantic.eval_leaks``), becomes ``eval_leak:<task>``;
+2. **semantic dedup** (``build.dedupe.semantic``): SemDeDup over the remaining rows' image embeddings;
+   a duplicate becomes ``semantic_duplicate`` and names the uid it duplicates in ``duplicate_of``.
+
+The image embeddings are DataComp's precomputed ones (``l14_img`` in the ``.npz`` beside each metadata
+parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer). The
+driver copies the downloaded rows' vectors into a float16 memory map on local disk, one metadata file at
+a time; k-means is trained on a sample and the rows are assigned in blocks; then the clusters go to Ray
+tasks in groups of about ``_GROUP_ROWS`` rows, a few groups in flight at once, so neither the driver nor a
+task ever holds more than a group's vectors in memory (the map's pages come and go with the disk cache).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import schema as S
+from pipeline.common import storage
+from pipeline.common.storage import Storage
+from pipeline.config import BuildConfig, DedupeConfig
+from pipeline.dedup import semantic as SD
+from pipeline.filters import embedding as E
+
+_GROUP_ROWS = 50_000  # rows of one task's clusters
+_IN_FLIGHT = 4  # tasks submitted ahead of the results
+
+
+@dataclass
+class CurationResult:
+    status: pa.Array  # per part row, relabelled
+    duplicate_of: pa.Array  # per part row: the uid a semantic duplicate duplicates, else null
+    leak_of: pa.Array  # per part row: "<task>/<key>" of the eval picture a leak copies, else null
+    leaks_by_task: dict[str, int] = field(default_factory=dict)
+    n_semantic: int = 0
+    n_clusters: int = 0
+
+
+def reference_path(cfg: BuildConfig) -> str:
+    """``decontam.reference``, with "demo" meaning the demo pool's (generated under ``<output>/pool``)."""
+    ref = cfg.decontam.reference
+    return storage.join(cfg.output, "pool", "eval", "reference.parquet") if ref == "demo" else ref
+
+
+def load_reference(path: str, store: Storage) -> SD.EvalReference:
+    """An eval reference parquet: ``task``, ``key``, ``phash`` (int64) and, optionally, ``embedding``."""
+    try:
+        t = store.read_parquet(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"decontam.reference: no such file {path}") from None
+    missing = [c for c in ("task", "key", "phash") if c not in t.column_names]
+    if missing:
+        raise ValueError(f"decontam.reference: {path} lacks column {missing[0]!r}")
+    vectors = None
+    if "embedding" in t.column_names and t.num_rows:
+        flat = pc.list_flatten(t.column("embedding").combine_chunks()).to_numpy(zero_copy_only=False)
+        vectors = flat.astype(np.float32).reshape(t.num_rows, -1)
+    return SD.EvalReference(
+        np.asarray(t.column("task").to_pylist(), dtype=object),
+        np.asarray(t.column("key").to_pylist(), dtype=object),
+        t.column("phash").to_numpy().astype(np.int64),
+        vectors,
+    )
+
+
+class _Vectors:
+    """The downloaded rows' image embeddings in a float16 memory map, rows in ``uids`` order; ``have``
+    marks the rows the embeddings files cover."""
+
+    def __init__(self, uids: np.ndarray, sources: Sequence[str], key: str, store: Storage) -> None:
+        self.dir = tempfile.mkdtemp(prefix="prolip-semdedup-")
+        self.uids = uids
+        self.have = np.zeros(len(uids), dtype=bool)
+        self.map: np.ndarray | None = None
+        at = pa.array(uids.tolist(), pa.string())
+        for src in sources:
+            got, arrays = E.load_embedding_set(src, (key,), store)
+            vec = arrays[key]
+            if self.map is None and len(vec):
+                path = os.path.join(self.dir, "vectors.f16")
+                self.map = np.memmap(path, dtype=np.float16, mode="w+", shape=(len(uids), vec.shape[1]))
+            pos = pc.index_in(pa.array(got, pa.string()), value_set=at).to_numpy(zero_copy_only=False)
+            found = ~np.isnan(pos.astype(np.float64))
+            rows = pos[found].astype(np.int64)
+            if len(rows):
+                self.map[rows] = SD.normalize(vec[found]).astype(np.float16)
+                self.have[rows] = True
+
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        return np.asarray(self.map[idx], dtype=np.float32)
+
+    def close(self) -> None:
+        self.map = None
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _embedding_sources(cfg: BuildConfig, metadata_files: Sequence[str], store: Storage) -> list[str]:
+    """The files to read one at a time: the metadata shards, or ``dedupe.embeddings`` (a directory: its
+    parquet files), so the driver never holds more than one file's vectors in float32."""
+    src = cfg.dedupe.embeddings
+    if not src:
+        return list(metadata_files)
+    if src.endswith((".npz", ".npy", ".parquet")):
+        return [src]
+    return store.list_files(src, suffix=".parquet") or [src]
+
+
+def check_curation(cfg: BuildConfig, metadata_files: Sequence[str], store: Storage) -> None:
+    """Before any download: the files the curation stage will read exist (one line naming the setting)."""
+    if cfg.decontam.reference and not store.exists(reference_path(cfg)):
+        raise FileNotFoundError(f"decontam.reference: no such file {reference_path(cfg)}")
+    by_embedding = bool(cfg.decontam.reference) and _reference_has_embeddings(cfg, store)
+    if not (cfg.dedupe.semantic or by_embedding):
+        return
+    for src in _embedding_sources(cfg, metadata_files, store):
+        beside = src.endswith(".parquet") and not cfg.dedupe.embeddings  # DataComp's .npz beside its shard
+        path = src[: -len(".parquet")] + ".npz" if beside else src
+        if not store.exists(path):
+            setting = "dedupe.semantic" if cfg.dedupe.semantic else "decontam.reference"
+            raise FileNotFoundError(
+                f"{setting}: no image embeddings at {path} (set dedupe.embeddings to a uid-keyed file"
+                + ("" if cfg.dedupe.semantic else ", or use a reference without an embedding column")
+                + ")"
+            )
+
+
+def _reference_has_embeddings(cfg: BuildConfig, store: Storage) -> bool:
+    import pyarrow.parquet as pq
+
+    fs, path = store.resolve(reference_path(cfg))
+    with fs.open_input_file(path) as fh:
+        return "embedding" in pq.ParquetFile(fh).schema_arrow.names
+
+
+def clip_priority(table: pa.Table) -> Callable[[np.ndarray], np.ndarray | None]:
+    """Keep-first scores for ``curate``: the metadata's CLIP L/14 score of each uid (DataComp's; the best
+    captioned copy of a semantic group stays), or None (uid order) when the pool has none."""
+    if S.CLIP_L14 not in table.column_names or table.column(S.CLIP_L14).null_count == table.num_rows:
+        return lambda uids: None
+    known = table.column(S.UID).combine_chunks()
+    scores = table.column(S.CLIP_L14).combine_chunks().cast(pa.float64())
+
+    def lookup(uids: np.ndarray) -> np.ndarray:
+        at = pc.index_in(pa.array(uids.tolist(), pa.string()), value_set=known)
+        return pc.fill_null(scores.take(at), np.nan).to_numpy(zero_copy_only=False)
+
+    return lookup
+
+
+def leaked_rows(table: pa.Table, status_table: pa.Table) -> np.ndarray:
+    """Rows of ``table`` whose uid ended as an eval leak: no build subset lists them, in either scope
+    (DataComp's pool had its eval near-duplicates removed before anything was listed)."""
+    status = status_table.column(S.STATUS)
+    leak = pc.starts_with(status, S.EVAL_LEAK + ":")
+    uids = pc.filter(status_table.column(S.UID), leak)
+    return pc.is_in(table.column(S.UID), value_set=uids.combine_chunks()).to_numpy(zero_copy_only=False)
+
+
+def curate(
+    parts: pa.Table,
+    status: pa.Array,
+    cfg: BuildConfig,
+    metadata_files: Sequence[str],
+    priority: Callable[[np.ndarray], np.ndarray | None],
+    store: Storage,
+    log: Callable[[str], None],
+) -> CurationResult:
+    """Relabel the ``success`` rows of ``parts`` (module docstring). ``priority(uids)``: the score that
+    decides which copy of a semantic group stays (larger first), or None for uid order."""
+    status = status.cast(pa.string())
+    dup_of = np.full(len(status), None, dtype=object)
+    leak_of = np.full(len(status), None, dtype=object)
+    result = CurationResult(
+        status, pa.array(dup_of.tolist(), pa.string()), pa.array(leak_of.tolist(), pa.string())
+    )
+    want_semantic, want_leaks = cfg.dedupe.semantic, bool(cfg.decontam.reference)
+    if not (want_semantic or want_leaks) or parts.num_rows == 0:
+        return result
+    ok = np.flatnonzero(
+        pc.fill_null(pc.equal(status, S.STATUS_SUCCESS), False).to_numpy(zero_copy_only=False)
+    )
+    taken = pa.array(ok, pa.int64())
+    uids = np.asarray(parts.column(S.UID).combine_chunks().take(taken).to_pylist(), dtype=object)
+    labels = np.asarray(status.to_pylist(), dtype=object)
+    ref = load_reference(reference_path(cfg), store) if want_leaks else None
+    vectors = None
+    if want_semantic or (ref is not None and ref.vectors is not None):
+        sources = _embedding_sources(cfg, metadata_files, store)
+        vectors = _Vectors(uids.astype(str), sources, cfg.dedupe.embedding_key, store)
+    try:
+        alive = np.ones(len(ok), dtype=bool)
+        if want_leaks:
+            task, key = _leaks(cfg, ref, parts.column(S.PHASH).combine_chunks().take(taken), vectors)
+            leaked = task != ""
+            labels[ok[leaked]] = [S.eval_leak(t) for t in task[leaked]]
+            leak_of[ok[leaked]] = [f"{t}/{k}" for t, k in zip(task[leaked], key[leaked], strict=True)]
+            alive &= ~leaked
+            tasks, counts = np.unique(task[leaked].astype(str), return_counts=True)
+            result.leaks_by_task = {str(t): int(c) for t, c in zip(tasks, counts, strict=True)}
+            log(
+                f"decontamination: {int(leaked.sum())} of {len(ok)} downloaded rows leak an eval picture {result.leaks_by_task}"
+            )
+        if want_semantic:
+            rows = np.flatnonzero(alive & vectors.have)
+            target, n_clusters = semantic_stage(vectors, rows, priority(uids[rows].astype(str)), cfg.dedupe)
+            hit = target >= 0
+            labels[ok[rows[hit]]] = S.STATUS_SEMANTIC_DUPLICATE
+            dup_of[ok[rows[hit]]] = uids[rows[target[hit]]]
+            result.n_semantic, result.n_clusters = int(hit.sum()), n_clusters
+            log(
+                f"semantic dedup: {result.n_semantic} of {len(rows)} downloaded images duplicate another "
+                f"({n_clusters} clusters, cosine > {cfg.dedupe.semantic_threshold:g})"
+            )
+    finally:
+        if vectors is not None:
+            vectors.close()
+    result.status = pa.array(labels.tolist(), pa.string())
+    result.duplicate_of = pa.array(dup_of.tolist(), pa.string())
+    result.leak_of = pa.array(leak_of.tolist(), pa.string())
+    return result
+
+
+def _leaks(
+    cfg: BuildConfig, ref: SD.EvalReference, phash: pa.Array, vectors: _Vectors | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per downloaded row the task and key of the eval picture it leaks ("" for none). Rows without a
+    pHash are matched by embedding only; rows without an embedding by pHash only."""
+    d = cfg.decontam
+    task = np.full(len(phash), "", dtype=object)
+    key = np.full(len(phash), "", dtype=object)
+    hashed = phash.is_valid().to_numpy(zero_copy_only=False)
+    h = pc.fill_null(phash.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
+    if hashed.any():
+        task[hashed], key[hashed] = SD.eval_leaks(
+            h[hashed], None, ref, d.phash_threshold, d.embedding_threshold
+        )
+    if vectors is not None and vectors.have.any() and ref.vectors is not None:
+        rows = np.flatnonzero(vectors.have & (task == ""))
+        for a in range(0, len(rows), 1 << 16):
+            block = rows[a : a + (1 << 16)]
+            task[block], key[block] = SD.eval_leaks(
+                None, vectors.rows(block), ref, d.phash_threshold, d.embedding_threshold
+            )
+    return task, key
+
+
+def semantic_stage(
+    vectors: _Vectors, rows: np.ndarray, priority: np.ndarray | None, cfg: DedupeConfig
+) -> tuple[np.ndarray, int]:
+    """SemDeDup of ``rows`` of ``vectors`` with the clusters on Ray tasks: per row the index (into
+    ``rows``) of the kept row it duplicates, −1 for a kept row; and the number of clusters."""
+    n = len(rows)
+    target = np.full(n, -1, dtype=np.int64)
+    if n < 2:
+        return target, min(n, 1)
+    # k-means sees the rows in uid order, so the parts' row order never moves a decision
+    canon = np.argsort(vectors.uids[rows], kind="stable")
+    sorted_target, n_clusters = _semantic_sorted(
+        vectors, rows[canon], None if priority is None else priority[canon], cfg
+    )
+    hit = sorted_target >= 0
+    target[canon[hit]] = canon[sorted_target[hit]]
+    return target, n_clusters
+
+
+def _semantic_sorted(
+    vectors: _Vectors, rows: np.ndarray, priority: np.ndarray | None, cfg: DedupeConfig
+) -> tuple[np.ndarray, int]:
+    import ray
+
+    n = len(rows)
+    target = np.full(n, -1, dtype=np.int64)
+    k = max(1, -(-n // cfg.semantic_cluster_rows))
+    rng = np.random.default_rng(np.random.SeedSequence([cfg.semantic_seed, 1]))
+    sample = np.sort(rng.choice(n, size=min(n, 256 * k), replace=False))
+    centroids = SD.kmeans_centroids(vectors.rows(rows[sample]), k, cfg.semantic_seed)
+    cluster = np.concatenate(
+        [SD.assign_clusters(vectors.rows(rows[a : a + (1 << 18)]), centroids) for a in range(0, n, 1 << 18)]
+    )
+    dedup = ray.remote(num_cpus=1)(_dedup_group)
+    pending: list = []
+    for group in _groups(SD.cluster_members(cluster)):
+        flat = np.concatenate(group)
+        p = None if priority is None else priority[flat]
+        pending.append(
+            dedup.remote(
+                vectors.rows(rows[flat]),
+                vectors.uids[rows[flat]],
+                p,
+                [len(g) for g in group],
+                cfg.semantic_threshold,
+                flat,
+            )
+        )
+        while len(pending) > _IN_FLIGHT:
+            done, pending = ray.wait(pending, num_returns=1)
+            _collect(ray.get(done[0]), target)
+    for ref in pending:
+        _collect(ray.get(ref), target)
+    return target, len(centroids)
+
+
+def _groups(members: list[np.ndarray]) -> list[list[np.ndarray]]:
+    """Clusters in order, packed into groups of about ``_GROUP_ROWS`` rows."""
+    out: list[list[np.ndarray]] = [[]]
+    size = 0
+    for m in members:
+        if size and size + len(m) > _GROUP_ROWS:
+            out.append([])
+            size = 0
+        out[-1].append(m)
+        size += len(m)
+    return [g for g in out if g]
+
+
+def _dedup_group(
+    vecs: np.ndarray,
+    uids: np.ndarray,
+    priority: np.ndarray | None,
+    sizes: list[int],
+    threshold: float,
+    flat: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One task: ``dedup_cluster`` on each of a group's clusters (rows concatenated, ``sizes`` each)."""
+    out = np.full(len(flat), -1, dtype=np.int64)
+    at = 0
+    for m in sizes:
+        sl = slice(at, at + m)
+        p = None if priority is None else priority[sl]
+        local = SD.dedup_cluster(vecs[sl], uids[sl], p, threshold)
+        hit = local >= 0
+        out[at : at + m][hit] = flat[at + local[hit]]
+        at += m
+    return flat, out
+
+
+def _collect(res: tuple[np.ndarray, np.ndarray], target: np.ndarray) -> None:
+    flat, out = res
+    target[flat] = out

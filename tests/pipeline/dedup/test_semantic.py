@@ -1,0 +1,114 @@
+"""Semantic dedup and eval-leak detection (pipeline/dedup/semantic.py) against brute-force references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.dedup import semantic as SD
+from pipeline.dedup.decisions import near_pairs
+from pipeline.dedup.phash import hamming
+
+
+def _uids(n: int, rng: np.random.Generator) -> np.ndarray:
+    return np.array([rng.bytes(16).hex() for _ in range(n)])
+
+
+def _pool(n_base: int, n_copies: int, d: int = 64, seed: int = 0, spread: float = 0.08):
+    """Random unit vectors plus ``n_copies`` near-copies (cosine ≈ 1 − spread²/2) of the first rows."""
+    rng = np.random.default_rng(seed)
+    base = SD.normalize(rng.standard_normal((n_base, d)))
+    src = np.arange(n_copies)
+    copies = SD.normalize(base[src] + spread / 4 * rng.standard_normal((n_copies, d)))
+    vectors = np.concatenate([base, copies])
+    return _uids(len(vectors), rng), vectors, src, np.arange(n_base, n_base + n_copies)
+
+
+def _reference(uids, vectors, priority, threshold):
+    """O(n²) definition: in rank order, drop a row above the threshold with an earlier kept row; it
+    duplicates the most similar such row."""
+    x = SD.normalize(vectors).astype(np.float64)
+    order = SD.rank_order(uids, priority)
+    kept: list[int] = []
+    out = np.full(len(uids), -1)
+    for i in order:
+        sims = [(float(x[i] @ x[k]), -pos, k) for pos, k in enumerate(kept) if float(x[i] @ x[k]) > threshold]
+        if sims:
+            out[i] = max(sims)[2]
+        else:
+            kept.append(i)
+    return out
+
+
+@pytest.mark.parametrize("with_priority", [False, True])
+def test_one_cluster_equals_the_quadratic_definition(with_priority):
+    uids, vectors, _, _ = _pool(120, 40, seed=1)
+    rng = np.random.default_rng(5)
+    # chains: copies of copies, so a row may be near two kept rows
+    vectors = np.concatenate([vectors, SD.normalize(vectors[120:140] + 0.02 * rng.standard_normal((20, 64)))])
+    uids = np.concatenate([uids, _uids(20, rng)])
+    priority = rng.random(len(uids)) if with_priority else None
+    got = SD.dedup_cluster(vectors, uids, priority, 0.9)
+    assert (got >= 0).sum() > 30
+    np.testing.assert_array_equal(got, _reference(uids, vectors, priority, 0.9))
+
+
+def test_decisions_do_not_depend_on_row_order():
+    uids, vectors, _, _ = _pool(300, 60, seed=2)
+    a = SD.semantic_duplicates(uids, vectors, 0.9, cluster_rows=50, seed=0)
+    perm = np.random.default_rng(3).permutation(len(uids))
+    b = SD.semantic_duplicates(uids[perm], vectors[perm], 0.9, cluster_rows=50, seed=0)
+    got_a = dict(zip(uids, a.duplicate_of, strict=True))
+    got_b = dict(zip(uids[perm], b.duplicate_of, strict=True))
+    assert got_a == got_b and a.n_clusters == 8  # ⌈360 / 50⌉
+
+
+def test_clusters_find_planted_copies_and_nothing_else():
+    uids, vectors, src, dup = _pool(2000, 100, d=128, seed=4)
+    res = SD.semantic_duplicates(uids, vectors, 0.9, cluster_rows=200, seed=0)
+    assert res.n_clusters == 11
+    pairs = {frozenset((uids[a], uids[b])) for a, b in zip(src, dup, strict=True)}
+    found = {frozenset((u, d)) for u, d in zip(uids, res.duplicate_of, strict=True) if d}
+    assert len(found & pairs) >= 0.95 * len(pairs)  # a copy may land in another cluster than its source
+    assert found <= pairs  # precision 1: random 128-d vectors are never above 0.9
+
+
+def test_priority_keeps_the_best_copy():
+    uids, vectors, src, dup = _pool(10, 10, seed=6)
+    priority = np.zeros(20)
+    priority[dup] = 1.0  # the copies score higher: they stay, the sources go
+    res = SD.semantic_duplicates(uids, vectors, 0.9, priority=priority, cluster_rows=100)
+    assert list(res.duplicate_of[src]) == list(uids[dup]) and not res.dropped[dup].any()
+
+
+def test_near_pairs_is_exact():
+    rng = np.random.default_rng(7)
+    h = rng.integers(-(2**63), 2**63 - 1, 400, dtype=np.int64)
+    h[200:260] = h[:60] ^ (1 << rng.integers(0, 64, 60))  # one bit off
+    i, j = near_pairs(h, 4)
+    d = hamming(h[:, None], h[None, :])
+    want = {(a, b) for a, b in zip(*np.nonzero(d <= 4), strict=True) if a < b}
+    assert set(zip(i.tolist(), j.tolist(), strict=True)) == want and len(want) >= 60
+
+
+def test_eval_leaks_by_phash_and_embedding():
+    rng = np.random.default_rng(8)
+    ref_vec = SD.normalize(rng.standard_normal((6, 32)))
+    ref = SD.EvalReference(
+        np.array(["shapes", "shapes", "colours", "colours", "retrieval", "retrieval"], dtype=object),
+        np.array(["000000", "000001", "000000", "000001", "000000", "000001"], dtype=object),
+        rng.integers(-(2**63), 2**63 - 1, 6, dtype=np.int64),
+        ref_vec,
+    )
+    pool_vec = SD.normalize(rng.standard_normal((10, 32)))
+    pool_hash = rng.integers(-(2**63), 2**63 - 1, 10, dtype=np.int64)
+    pool_vec[1] = SD.normalize((ref_vec[2] + 0.01 * rng.standard_normal(32))[None])[
+        0
+    ]  # embedding leak of colours/0
+    pool_hash[4] = ref.phash[5] ^ 0b111  # pHash leak (3 bits) of retrieval/1
+    pool_hash[7] = ref.phash[0] ^ 0b11111  # 5 bits: above the threshold of 4
+    task, key = SD.eval_leaks(pool_hash, pool_vec, ref, phash_threshold=4, embedding_threshold=0.95)
+    assert task.tolist() == ["", "colours", "", "", "retrieval", "", "", "", "", ""]
+    assert key[1] == "000000" and key[4] == "000001"
+    only_hash, _ = SD.eval_leaks(pool_hash, None, ref)
+    assert only_hash.tolist().count("") == 9

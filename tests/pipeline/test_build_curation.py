@@ -1,0 +1,104 @@
+"""The build's curation stage end to end on the served demo pool: decontamination and semantic dedup found
+against the planted truth, with every input row still holding exactly one status."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import schema as S
+from pipeline.build import build
+from pipeline.common.config import merge
+from pipeline.config import BUILD_PRESETS
+from pipeline.demo.planted import curation_figures
+from tests.fixtures.build_runs import snapshot
+from tests.fixtures.demo_pool import demo_pool  # noqa: F401
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def curated(ray_local, demo_pool, tmp_path_factory):
+    out = tmp_path_factory.mktemp("curated")
+    ref = str(Path(demo_pool.pool_dir) / "eval" / "reference.parquet")
+    cfg = dataclasses.replace(BUILD_PRESETS["demo"], metadata=str(demo_pool.metadata_path), output=str(out))
+    cfg = merge(
+        cfg,
+        {
+            "samples_per_shard": 200,
+            "part_size": 150,
+            # clusters of ~100 rows, each group a task of its own
+            "dedupe": {"semantic": True, "semantic_cluster_rows": 100},
+            "decontam": {"reference": ref},
+        },
+    )
+    return cfg, build(cfg, log=lambda m: None)
+
+
+def test_planted_duplicates_and_leaks_are_found(curated, demo_pool):
+    cfg, result = curated
+    status = pq.read_table(os.path.join(cfg.output, "metadata", "status.parquet"))
+    fig = curation_figures(demo_pool.truth, status)
+    assert fig["semantic_planted_pairs"] == 12 and fig["leaks_planted"] == 6
+    assert fig["semantic_recall"] >= 0.95 and fig["semantic_precision"] >= 0.95, fig
+    assert fig["leak_recall"] >= 0.95 and fig["false_leaks"] == 0, fig
+    assert result.curation["eval_leaks"] == {"colours": 2, "hierarchy": 1, "retrieval": 1, "shapes": 2}
+    assert result.curation["clusters"] == 6  # ⌈504 rows left after the leaks / 100⌉
+
+
+def test_every_row_keeps_one_status_and_leaks_are_in_no_subset(curated, demo_pool):
+    cfg, result = curated
+    snap = snapshot(cfg.output)
+    assert len(snap["status"]) == demo_pool.truth.num_rows == result.n_input
+    leaks = {u for u, s in snap["status"] if s.startswith(S.EVAL_LEAK + ":")}
+    success = {u for u, s in snap["status"] if s == S.STATUS_SUCCESS}
+    assert set(snap["members"]) == success  # the shards hold the successes, each once
+    for name, uids in snap["subsets"].items():
+        assert not set(uids) & leaks, name
+    # the metadata scope lists every valid uid but the leaks (check_invariants' rule, less the leaks)
+    valid = {u for u, _ in snap["status"] if S.is_valid_uid(u)}
+    assert set(snap["subsets"]["no_filter"]) == valid - leaks
+    # the statuses are the truth's with the curation stage on
+    truth = dict(
+        zip(
+            demo_pool.truth.column("uid").to_pylist(),
+            demo_pool.truth.column("expected_curated_status").to_pylist(),
+            strict=True,
+        )
+    )
+    assert Counter(dict(snap["status"]).values()) == Counter(truth.values())
+    assert result.status_counts == dict(sorted(Counter(truth.values()).items()))
+
+
+def test_a_semantic_duplicate_names_a_kept_row(curated):
+    cfg, _ = curated
+    st = pq.read_table(os.path.join(cfg.output, "metadata", "status.parquet")).to_pydict()
+    status = dict(zip(st["uid"], st["status"], strict=True))
+    for u, s, d in zip(st["uid"], st["status"], st[S.DUPLICATE_OF], strict=True):
+        assert (s == S.STATUS_SEMANTIC_DUPLICATE) == (d is not None)
+        if d is not None:
+            assert status[d] == S.STATUS_SUCCESS and d < u  # no CLIP scores here: the smaller uid stays
+
+
+def test_missing_embeddings_stop_the_build_before_download(ray_local, demo_pool, tmp_path):
+    cfg = dataclasses.replace(
+        BUILD_PRESETS["demo"], metadata=str(demo_pool.metadata_path), output=str(tmp_path)
+    )
+    cfg = merge(cfg, {"dedupe": {"semantic": True, "embeddings": str(tmp_path / "none.npz")}})
+    with pytest.raises(FileNotFoundError, match="dedupe.semantic: no image embeddings at .*none.npz"):
+        build(cfg, log=lambda m: None)
+    cfg = merge(cfg, {"dedupe": {"semantic": False}, "decontam": {"reference": str(tmp_path / "r.parquet")}})
+    with pytest.raises(FileNotFoundError, match="decontam.reference: no such file"):
+        build(cfg, log=lambda m: None)
+    # a reference with embeddings needs the pool's: here dedupe.embeddings points nowhere
+    cfg = merge(
+        cfg, {"decontam": {"reference": str(Path(demo_pool.pool_dir) / "eval" / "reference.parquet")}}
+    )
+    with pytest.raises(FileNotFoundError, match="decontam.reference: no image embeddings at .*none.npz"):
+        build(cfg, log=lambda m: None)
+    assert not (tmp_path / "shards").exists()  # stopped at the start: nothing downloaded

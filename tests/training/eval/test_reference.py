@@ -1,0 +1,46 @@
+"""The eval reference (training/eval/reference.py) read through the harness's own readers: on the demo
+pool's sets it holds every picture with the build's pHash, and it finds the pool's planted leaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from pipeline.dedup.semantic import EvalReference, eval_leaks
+from tests.fixtures.demo_pool import demo_pool  # noqa: F401
+from training.eval.reference import reference_table, write_reference
+from training.eval.sets import load_tasks
+
+
+def test_reference_of_the_demo_task_list(demo_pool, tmp_path):
+    tasks = load_tasks("demo", root=str(Path(demo_pool.pool_dir) / "eval"))
+    table = reference_table(tasks)
+    own = pq.read_table(Path(demo_pool.pool_dir) / "eval" / "reference.parquet")  # the generator's
+    for task in ("colours", "shapes", "retrieval", "hierarchy"):
+        mine = sorted(
+            h for t, h in zip(table["task"].to_pylist(), table["phash"].to_pylist(), strict=True) if t == task
+        )
+        gen = sorted(
+            h for t, h in zip(own["task"].to_pylist(), own["phash"].to_pylist(), strict=True) if t == task
+        )
+        assert mine == gen and len(mine) > 0, task
+    assert "embedding" not in table.column_names  # no checkpoint: pHash only
+    counts = write_reference(tasks, str(tmp_path / "ref.parquet"))
+    assert counts == {"colours": 32, "hierarchy": 16, "retrieval": 16, "shapes": 32}
+
+
+def test_the_harness_reference_finds_the_planted_leaks(demo_pool):
+    tasks = load_tasks("demo", root=str(Path(demo_pool.pool_dir) / "eval"))
+    t = reference_table(tasks)
+    ref = EvalReference(
+        np.asarray(t["task"].to_pylist(), object),
+        np.asarray(t["key"].to_pylist(), object),
+        t["phash"].to_numpy(),
+    )
+    truth = demo_pool.truth.to_pydict()
+    clean = [i for i, n in enumerate(truth["noise"]) if n in ("clean", "small", "elongated")]
+    task, _ = eval_leaks(np.array([truth["phash"][i] for i in clean], np.int64), None, ref)
+    want = [truth["eval_leak"][i] for i in clean]
+    assert list(task) == want and sum(bool(w) for w in want) == 6
