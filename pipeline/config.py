@@ -81,14 +81,14 @@ class DedupeConfig:
     phash_threshold: Annotated[int, Field(ge=0, le=64)] = 4
     # SemDeDup on image embeddings (pipeline/dedup/semantic.py): cosine above which two images of one
     # k-means cluster are one picture; about ``semantic_cluster_rows`` rows per cluster.
-    semantic: bool = False
-    semantic_threshold: OpenFraction = 0.9
-    semantic_cluster_rows: Positive = 1000
-    semantic_seed: Seed = 0
+    semantic: bool = False  # run SemDeDup after the image dedupe
+    semantic_threshold: OpenFraction = 0.9  # cosine above which two images of one cluster are one picture
+    semantic_cluster_rows: Positive = 1000  # about this many rows per k-means cluster (bounds memory)
+    semantic_seed: Seed = 0  # k-means initialisation
     # Where the image embeddings are: empty = DataComp's ``.npz`` beside each metadata parquet, array
     # ``embedding_key``; else a uid-keyed file (.npz uid+embedding, .parquet, .npy + .uid.npy).
     embeddings: str = ""
-    embedding_key: str = "l14_img"
+    embedding_key: str = "l14_img"  # the array of DataComp's .npz that holds the image embeddings
 
 
 @config_class
@@ -99,9 +99,9 @@ class DecontamConfig:
     "demo" = the demo pool's own (pool/eval/reference.parquet), "eval" (``jobs.track`` only) = the track's
     own task list, written before the build."""
 
-    reference: str = ""
-    phash_threshold: Annotated[int, Field(ge=0, le=64)] = 4
-    embedding_threshold: OpenFraction = 0.95
+    reference: str = ""  # eval pictures' parquet; empty = off, "demo" = the demo pool's, "eval" = the track's
+    phash_threshold: Annotated[int, Field(ge=0, le=64)] = 4  # max Hamming distance to an eval picture
+    embedding_threshold: OpenFraction = 0.95  # cosine to an eval picture's embedding that counts as a leak
 
 
 @config_class
