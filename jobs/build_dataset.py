@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import sys
 
+import ray
+
 from jobs.common import init_ray, parse_job_config, print_table
 from pipeline.build import build
 from pipeline.common.config import ConfigError, to_dict
 from pipeline.common.manifest import write_manifest
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 from pipeline.config import BUILD_PRESETS
 from pipeline.demo.source import demo_source
@@ -34,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     init_ray(cfg.num_cpus)
     store = Storage.from_env(cfg.s3_endpoint)
     try:
-        with demo_source(cfg) as run_cfg:
-            result = build(run_cfg, store=store)
+        require_shared_storage({"output": cfg.output, "metadata": cfg.metadata})
+        # The demo pool is served on the driver's address: 127.0.0.1 locally, the head's on a cluster.
+        source = demo_source(cfg, host=ray.util.get_node_ip_address(), store=store)
+        with source as run_cfg:
+            result = build(run_cfg, store=store, allow_hosts=source.allow_hosts)
     except ConfigError as exc:
         return _stop("config error", exc)
     except (MetadataError, SchemaError) as exc:

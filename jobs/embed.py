@@ -28,7 +28,8 @@ import sys
 from dataclasses import fields
 
 from jobs.common import init_ray, parse_job_config, print_table
-from pipeline.common.config import NonNegativeFloat, Positive, PositiveFloat, config_class
+from pipeline.common.config import ConfigError, NonNegativeFloat, Positive, PositiveFloat, config_class
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 from training.infer.batch_inference import embed_shards
 from training.infer.scoring import verify_checkpoint
@@ -62,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embed: {exc}", file=sys.stderr)
         return 2
     init_ray()
+    try:  # the encoding actors read these on every host
+        require_shared_storage({"shards": args.shards, "checkpoint": args.checkpoint})
+    except ConfigError as exc:
+        print(f"embed: {exc}", file=sys.stderr)
+        return 2
     res = embed_shards(
         args.shards,
         args.checkpoint,

@@ -20,6 +20,7 @@ import time
 from jobs.common import init_ray, parse_job_config, print_table
 from pipeline.common.config import ConfigError, to_dict
 from pipeline.common.manifest import write_manifest
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 from training.eval.config import EVAL_PRESETS
 from training.eval.results import AGGREGATES, datacomp_names, main_value
@@ -46,10 +47,20 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     for key in ("checkpoint", "tasks", "eval_root", "out", "s3_endpoint"):
         kwargs.pop(key)
+    # The encoding actors open the checkpoint and every task's files on whichever host they run.
+    shared = {"checkpoint": cfg.checkpoint, **{f"tasks[{t.name}].path": t.path for t in tasks}}
+
+    def init() -> None:
+        init_ray()
+        require_shared_storage(shared)
+
     t0 = time.perf_counter()
     try:
         store = Storage.from_env(cfg.s3_endpoint)
-        report = evaluate(cfg.checkpoint, tasks, cfg.out, store=store, init=init_ray, **kwargs)
+        report = evaluate(cfg.checkpoint, tasks, cfg.out, store=store, init=init, **kwargs)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     except (CheckpointError, EvalSetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

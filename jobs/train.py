@@ -14,7 +14,9 @@ from __future__ import annotations
 import sys
 
 from jobs.common import init_ray, parse_job_config, print_table
+from pipeline.common.config import ConfigError
 from pipeline.common.manifest import write_manifest
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 from training.config import TRAIN_PRESETS, to_plain
 from training.train.trainer import train
@@ -26,6 +28,11 @@ FLAGS = {"--shards": "data.shards", "--tokenizer": "tokenizer"}
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_job_config(argv, __doc__.splitlines()[0], TRAIN_PRESETS, FLAGS)
     init_ray()
+    try:  # the Train workers and the ingest's tasks open these on every host
+        require_shared_storage({"data.shards": cfg.data.shards, "run.storage_path": cfg.run.storage_path})
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     out = train(cfg)
     final = out.metrics[-1] if out.metrics else {}
     write_manifest(

@@ -64,6 +64,7 @@ MAX_FOLDER_MODULES = 10
 # Everything else is plain Python/numpy/torch, testable without a cluster.
 RAY_MODULES = {
     "pipeline.build",
+    "pipeline.common.shared_storage",
     "pipeline.download.phase",
     "pipeline.ingest.dataset",
     "pipeline.shards.ray_reader",

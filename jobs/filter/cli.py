@@ -17,6 +17,7 @@ from jobs.filter.run import FILTER_PRESETS, check_checkpoint, run_filter_job, va
 from pipeline.common import storage
 from pipeline.common.config import ConfigError, merge, to_dict
 from pipeline.common.manifest import write_manifest
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 from training.imports.load import import_checkpoint, is_import_source
 from training.model.checkpoint import CheckpointError
@@ -43,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"filter: {exc}", file=sys.stderr)
         return 2
     init_ray()
+    try:  # the scoring actors read the shards and the checkpoint and write the scores
+        require_shared_storage({"shards": cfg.shards, "checkpoint": cfg.checkpoint, "out": cfg.out})
+    except ConfigError as exc:
+        print(f"filter: {exc}", file=sys.stderr)
+        return 2
     res = run_filter_job(cfg)
     write_manifest(
         cfg.out,

@@ -38,7 +38,7 @@ from pipeline.filters.specs import FilterSpec, parse_filter_specs, required_colu
 from pipeline.subsets.materialize import reshard_subsets
 from pipeline.subsets.uid_files import write_subsets
 from training.infer.batch_inference import score_shards
-from training.infer.scoring import SCORE_COLUMNS, ScoreResult, verify_checkpoint
+from training.infer.scoring import SCORE_COLUMNS, ScoreResult, read_scores, scores_complete, verify_checkpoint
 
 
 @config_class
@@ -136,7 +136,7 @@ def check_checkpoint(cfg: FilterJobConfig, specs: list[FilterSpec]) -> bool:
 
 def _score(cfg: FilterJobConfig, store: Storage, scores_path: str) -> ScoreResult | None:
     """Score the pool into ``scores_path``, unless ``reuse_scores`` and it exists (then None)."""
-    if cfg.reuse_scores and store.exists(scores_path):
+    if cfg.reuse_scores and scores_complete(scores_path, store):
         return None
     return score_shards(
         cfg.shards,
@@ -160,7 +160,7 @@ def run_filter_job(cfg: FilterJobConfig) -> FilterJobResult:
     t0 = time.perf_counter()
     score = _score(cfg, store, scores_path)
     timings["score"] = time.perf_counter() - t0
-    table = store.read_parquet(scores_path)
+    table = read_scores(scores_path, store)
 
     t0 = time.perf_counter()
     results = run_filters(table, specs, store=store)

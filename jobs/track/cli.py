@@ -14,8 +14,9 @@ from jobs.common import init_ray, parse_job_config
 from jobs.track.config import TRACK_PRESETS
 from jobs.track.report import markdown_table
 from jobs.track.run import ResumeMismatch, claim_output, run_track
-from pipeline.common.config import to_dict
+from pipeline.common.config import ConfigError, to_dict
 from pipeline.common.manifest import write_manifest
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage, redact_text
 
 
@@ -27,6 +28,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     init_ray(cfg.num_cpus)
+    try:  # every step's tasks open the run directory; the evaluation reads the eval root
+        require_shared_storage(
+            {"output": cfg.output, "eval_root": cfg.eval_root, "build.metadata": cfg.build.metadata}
+        )
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     result = run_track(cfg)
     write_manifest(
         cfg.output,

@@ -182,6 +182,8 @@ def in_parallel(
 
 def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResult:
     """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
+    import ray
+
     from jobs.track.report import write_report
     from jobs.track.steps import evaluate_models, make_subsets, reshard_subsets, score_pool, train_models
     from pipeline.build import build
@@ -217,8 +219,10 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         bcfg = dataclasses.replace(
             cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
         )
-        with demo_source(bcfg, log) as run_cfg:
-            res = build(run_cfg, log)
+        store = Storage.from_env(bcfg.s3_endpoint)
+        source = demo_source(bcfg, log, host=ray.util.get_node_ip_address(), store=store)
+        with source as run_cfg:
+            res = build(run_cfg, log, store, allow_hosts=source.allow_hosts)
         return {"n_input": res.n_input, "status": res.status_counts, "subsets": res.subsets}
 
     built = step("build", do_build)

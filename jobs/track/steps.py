@@ -15,6 +15,7 @@ from jobs.track.config import TrackConfig, paths, train_config
 from pipeline.common import storage
 from pipeline.common.storage import Storage
 from training.config import TrainConfig
+from training.infer.scoring import read_scores
 
 Log = Callable[[str], None]
 _SCORE_SUBSETS = ("csd", "csd_uncertainty", "clip_score", "random")  # the rest come from the build
@@ -96,7 +97,7 @@ def make_subsets(
     p = paths(cfg)
     store = Storage.from_env(cfg.s3_endpoint)
     from_build = [name for name in cfg.subsets if name not in _SCORE_SUBSETS]
-    scores = store.read_parquet(scores_path)
+    scores = read_scores(scores_path, store)
     scored = set(scores.column("uid").to_pylist())  # every downloaded sample was scored
     listed, sizes = {}, {}
     for name in from_build:

@@ -11,9 +11,10 @@ so a resumed build cuts the same parts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,9 +39,15 @@ class PoolRows:
 
 
 def download_parts(
-    rows: PoolRows, cfg: BuildConfig, store: Storage, paths: dict[str, str], log: Callable[[str], None]
+    rows: PoolRows,
+    cfg: BuildConfig,
+    store: Storage,
+    paths: dict[str, str],
+    log: Callable[[str], None],
+    allow_hosts: Sequence[str] = (),
 ) -> tuple[int, int, int]:
-    """Download the parts not committed yet (Ray actors) → (parts, parts done before, rows retried)."""
+    """Download the parts not committed yet (Ray actors) → (parts, parts done before, rows retried).
+    ``allow_hosts``: address-guard entries for this run only (pipeline/demo/source.py)."""
     n_parts = math.ceil(int(rows.live.sum()) / cfg.part_size)
     store.makedirs(paths["parts"])
     done = R.committed(paths["parts"], store)
@@ -58,7 +65,10 @@ def download_parts(
         return n_parts, len(done), 0
     token = uuid.uuid4().hex[:16]
     finished = 0
-    for part, summary in _run_parts(rows.meta, specs, cfg, store, paths, retry, token):
+    download = dataclasses.replace(cfg.download, allow_hosts=[*cfg.download.allow_hosts, *allow_hosts])
+    for part, summary in _run_parts(
+        rows.meta, specs, dataclasses.replace(cfg, download=download), store, paths, retry, token
+    ):
         R.commit(paths["parts"], part, token, store)  # the driver is alive: the part counts
         finished += 1
         ok = pc.sum(pc.equal(summary.column(S.STATUS), S.STATUS_SUCCESS)).as_py() or 0
