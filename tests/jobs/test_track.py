@@ -12,7 +12,6 @@ from jobs.track.config import TRACK_PRESETS, TrackConfig
 from jobs.track.report import markdown_table
 from jobs.track.results import comparison_table, verdict
 from pipeline.common.config import ConfigError, merge, resolve
-from tests.fixtures.tiny_track import tiny_track  # noqa: F401
 
 
 def test_unknown_subset_is_named():
@@ -118,13 +117,13 @@ def test_verdict_and_table_are_computed_per_seed():
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_tiny_track_end_to_end_and_resume(tiny_track, tmp_path, capsys):
+def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     from jobs.track.cli import main
 
-    out = tiny_track.out  # run once per session (tests/fixtures/tiny_track.py), also the cluster's reference
+    out = tmp_path / "track"
     args = ["--preset", "tiny", "--set", f"output={out}"]
-    assert tiny_track.code == 0
-    printed = tiny_track.printed
+    assert main(args) == 0
+    printed = capsys.readouterr().out
     report = (out / "report.md").read_text()
     results = json.loads((out / "track_results.json").read_text())
     subsets = [r["subset"] for r in results["table"]]
