@@ -81,7 +81,7 @@ def test_training_scales_up_the_train_type_only_and_idle_nodes_are_released(auto
         for t in tasks
         if t.get("job_id") == job
         and t["node_id"]
-        and (t["name"] or "").startswith(("ReadShard", "MapWorker("))
+        and (t["name"] or "").startswith(("ReadShard", "MapBatches(", "MapWorker("))
     ]
     assert ingest and {role for _, role in ingest} == {"data"}, ingest
     assert any("decode" in name for name, _ in ingest), ingest
