@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 export NO_ALBUMENTATIONS_UPDATE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install demo demo-seeds demo-selection test test-fast lint bench clean
+.PHONY: install demo demo-seeds demo-selection test test-fast cluster-test lint bench clean
 
 # Two stamps: `make demo` installs what the track runs; `make test` adds the test and lint tools.
 # pip would byte-compile every module on one core; compileall -j0 does it on every core instead (~20 s
@@ -57,6 +57,11 @@ demo-selection: $(STAMP)
 # failure (only the GPU tests may skip here).
 test: lint
 	PROLIP_STRICT_SKIPS=1 $(BIN)/python -m pytest -q -ra
+
+# The cluster tests alone: a Ray head and worker hosts in Linux namespaces on this machine, S3 the only
+# shared storage; needs root (docs/cluster.md, "Try it on one machine").
+cluster-test: $(TEST_STAMP)
+	PROLIP_STRICT_SKIPS=1 $(BIN)/python -m pytest -q -ra -m cluster tests/cluster
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not ray and not slow"

@@ -13,6 +13,7 @@ from jobs.common import init_ray, job_main, parse_job_config, print_table
 from pipeline.common.config import to_dict
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import input_files, output_location
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 from pipeline.config import BUILD_PRESETS, BuildConfig
 
@@ -55,12 +56,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     store = Storage.from_env(cfg.s3_endpoint)
     check_inputs(cfg, store)
+    import ray
+
     from pipeline.build import build
     from pipeline.demo.source import demo_source
 
     init_ray(cfg.num_cpus)
-    with demo_source(cfg) as run_cfg:
-        result = build(run_cfg, store=store)
+    require_shared_storage({"output": cfg.output, "metadata": cfg.metadata})
+    # The demo pool is served on the driver's address: 127.0.0.1 locally, the head's on a cluster.
+    source = demo_source(cfg, host=ray.util.get_node_ip_address(), store=store)
+    with source as run_cfg:
+        result = build(run_cfg, store=store, allow_hosts=source.allow_hosts)
     write_manifest(
         run_cfg.output,
         job="build_dataset",

@@ -33,6 +33,7 @@ from jobs.common import init_ray, job_main, parse_job_config, print_table
 from pipeline.common import storage
 from pipeline.common.config import NonNegativeFloat, Positive, PositiveFloat, config_class
 from pipeline.common.preflight import input_dir, input_files, output_location
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     verify_checkpoint(args.checkpoint, store)  # before any actor starts, naming the file
     init_ray()
+    require_shared_storage({"shards": args.shards, "checkpoint": args.checkpoint})  # read on every host
     res = embed_shards(
         args.shards,
         args.checkpoint,

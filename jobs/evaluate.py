@@ -23,6 +23,7 @@ from pipeline.common.config import to_dict
 from pipeline.common.errors import naming
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import input_dir, output_location
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 from training.eval.config import EVAL_PRESETS
 
@@ -62,9 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     for key in ("checkpoint", "tasks", "eval_root", "out", "s3_endpoint"):
         kwargs.pop(key)
+    # The encoding actors open the checkpoint and every task's files on whichever host they run.
+    shared = {"checkpoint": cfg.checkpoint, **{f"tasks[{t.name}].path": t.path for t in tasks}}
+
+    def init() -> None:
+        init_ray()
+        require_shared_storage(shared)
+
     t0 = time.perf_counter()
     with naming(f"checkpoint {cfg.checkpoint} or eval sets under {cfg.eval_root or '.'}"):
-        report = evaluate(cfg.checkpoint, tasks, cfg.out, store=store, init=init_ray, **kwargs)
+        report = evaluate(cfg.checkpoint, tasks, cfg.out, store=store, init=init, **kwargs)
     wall = time.perf_counter() - t0
     write_manifest(
         cfg.out,

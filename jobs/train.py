@@ -15,8 +15,10 @@ from __future__ import annotations
 import sys
 
 from jobs.common import init_ray, job_main, parse_job_config, print_table
+from pipeline.common import storage
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import input_files, output_location
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 from training.config import TRAIN_PRESETS, TrainConfig, to_plain
 
@@ -37,8 +39,8 @@ def check_inputs(cfg: TrainConfig) -> None:
     input_files(Storage.from_env(cfg.data.s3_endpoint), cfg.data.shards, "data.shards", "tar", ".tar")
     spec = cfg.tokenizer
     path = spec.partition(":")[2] if spec.startswith("clip:") else ("" if spec == "clip" else spec)
-    if path:
-        local = Storage()
+    if path and not spec.startswith("hf-hub:"):  # a Hub repository is fetched (and cached) by the trainer
+        local = Storage.from_env(cfg.data.s3_endpoint) if storage.is_s3(path) else Storage()
         if local.isdir(path):
             input_files(local, path, "tokenizer", suffix=".json")
         else:
@@ -55,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     from training.train.trainer import train
 
     init_ray()
+    # the Train workers and the ingest's tasks open these on every host
+    require_shared_storage(
+        {
+            "data.shards": cfg.data.shards,
+            "data.subset": cfg.data.subset,
+            "run.storage_path": cfg.run.storage_path,
+        }
+    )
     out = train(cfg)
     final = out.metrics[-1] if out.metrics else {}
     write_manifest(

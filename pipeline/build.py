@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,10 +93,17 @@ class _Pool:
         return read_columns(self.meta, names, self.max_caption_bytes, self.store)
 
 
-def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage | None = None) -> BuildResult:
+def build(
+    cfg: BuildConfig,
+    log: Callable[[str], None] = print,
+    store: Storage | None = None,
+    allow_hosts: Sequence[str] = (),
+) -> BuildResult:
     """Run the whole build for ``cfg`` (Ray must be initialised). Idempotent; resumes at part granularity.
 
     ``store``: the run's storage as the job built it; by default resolved here, once, from ``cfg.s3_endpoint``.
+    ``allow_hosts``: ``download.allow_hosts`` entries for this run only, outside its config and fingerprint
+    (the demo pool's server: pipeline/demo/source.py).
     """
     store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
     paths = run_paths(cfg.output)
@@ -108,7 +115,7 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
 
     t1 = time.perf_counter()
     rows = PoolRows(pool.meta, pool.narrow.column(S.UID), pool.live())
-    n_parts, done, n_retried = download_parts(rows, cfg, store, paths, log)
+    n_parts, done, n_retried = download_parts(rows, cfg, store, paths, log, allow_hosts)
     timings["download"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()

@@ -66,6 +66,7 @@ MAX_FOLDER_MODULES = 10
 RAY_MODULES = {
     "pipeline.build",
     "pipeline.dedup.curation_stage",
+    "pipeline.common.shared_storage",
     "pipeline.download.phase",
     "pipeline.ingest.dataset",
     "pipeline.shards.ray_reader",

@@ -20,6 +20,7 @@ from pipeline.common.config import merge, to_dict
 from pipeline.common.errors import InputError, JobError, naming
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import input_dir, input_files, output_location
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 
 FLAGS = {"--checkpoint": "checkpoint", "--shards": "shards", "--out": "out", "--s3-endpoint": "s3_endpoint"}
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     with naming(f"checkpoint {cfg.checkpoint}"):
         check_checkpoint(cfg, specs)
     init_ray()
+    # the scoring actors read the shards and the checkpoint and write the scores
+    require_shared_storage({"shards": cfg.shards, "checkpoint": cfg.checkpoint, "out": cfg.out})
     res = run_filter_job(cfg)
     write_manifest(
         cfg.out,

@@ -140,7 +140,9 @@ def check_checkpoint(cfg: FilterJobConfig, specs: list[FilterSpec]) -> bool:
 
 def _score(cfg: FilterJobConfig, store: Storage, scores_path: str) -> ScoreResult | None:
     """Score the pool into ``scores_path``, unless ``reuse_scores`` and it exists (then None)."""
-    if cfg.reuse_scores and store.exists(scores_path):
+    from training.infer.scoring import scores_complete
+
+    if cfg.reuse_scores and scores_complete(scores_path, store):
         return None
     from training.infer.batch_inference import score_shards
 
@@ -166,7 +168,9 @@ def run_filter_job(cfg: FilterJobConfig) -> FilterJobResult:
     t0 = time.perf_counter()
     score = _score(cfg, store, scores_path)
     timings["score"] = time.perf_counter() - t0
-    table = store.read_parquet(scores_path)
+    from training.infer.scoring import read_scores
+
+    table = read_scores(scores_path, store)
 
     t0 = time.perf_counter()
     results = run_filters(table, specs, store=store)

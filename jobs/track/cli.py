@@ -16,6 +16,7 @@ from jobs.track.config import TRACK_PRESETS, TrackConfig
 from pipeline.common.config import to_dict
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import input_dir, input_files, output_location
+from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 
 # A preset for real data names no bucket: a forgotten flag must not write to one nobody chose.
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     from jobs.track.run import run_track
 
     init_ray(cfg.num_cpus)
+    # every step's tasks open the run directory; the evaluation reads the eval root
+    require_shared_storage(
+        {"output": cfg.output, "eval_root": cfg.eval_root, "build.metadata": cfg.build.metadata}
+    )
     result = run_track(cfg)
     write_manifest(
         cfg.output,

@@ -87,7 +87,7 @@ class TrackConfig:
     # Subset models trained at once, each with train.scaling's workers and threads
     # (docs/decisions/0007-subset-models-two-at-a-time.md).
     train_parallel: Positive = 1
-    # A BPE trained by the build for every model whose config names no tokenizer (local output only)
+    # A BPE trained by the build for every model whose config names no tokenizer (local or s3:// output)
     share_tokenizer: bool = True
     # How a subset model reads its subset: "subset" = the build's shards, filtered through the subset's .npy
     # as they are read (pipeline/ingest/subset_reader.py, no copy); "reshard" = a resharded copy of every
@@ -125,7 +125,7 @@ class TrackConfig:
 
     def _check_one_tokenizer(self) -> None:
         """Every model of a track reads captions through one tokenizer (DataComp: only the data differs)."""
-        shared = self.share_tokenizer and self.build.tokenizer_vocab > 0 and not storage.is_s3(self.output)
+        shared = self.share_tokenizer and self.build.tokenizer_vocab > 0
         given = {self.scorer.tokenizer, self.train.tokenizer}
         if given == {""} and shared:
             return
@@ -134,7 +134,7 @@ class TrackConfig:
         raise ConfigError(
             f"scorer.tokenizer={self.scorer.tokenizer!r}, train.tokenizer={self.train.tokenizer!r}: every "
             "model of a track needs the same tokenizer — set both to one value (e.g. 'clip'), or leave both "
-            "empty with share_tokenizer=true, build.tokenizer_vocab>0 and a local output"
+            "empty with share_tokenizer=true and build.tokenizer_vocab>0"
         )
 
 
@@ -285,11 +285,6 @@ def train_config(
         },
         "run": {"storage_path": p["train"], "name": name, "s3_endpoint": cfg.s3_endpoint},
     }
-    if (
-        not base.tokenizer
-        and cfg.share_tokenizer
-        and not storage.is_s3(cfg.output)
-        and cfg.build.tokenizer_vocab > 0
-    ):
+    if not base.tokenizer and cfg.share_tokenizer and cfg.build.tokenizer_vocab > 0:
         updates["tokenizer"] = p["tokenizer"]
     return merge(base, updates)

@@ -15,6 +15,7 @@ from jobs.track.config import TrackConfig, paths, train_config
 from pipeline.common import storage
 from pipeline.common.storage import Storage
 from training.config import TrainConfig
+from training.infer.scoring import read_scores
 
 Log = Callable[[str], None]
 # the rest come from the build
@@ -29,6 +30,8 @@ def build_pool(cfg: TrackConfig, log: Log) -> dict[str, Any]:
     subsets and curation counts."""
     import dataclasses
 
+    import ray
+
     from pipeline.build import build
     from pipeline.demo.source import demo_source
 
@@ -36,8 +39,11 @@ def build_pool(cfg: TrackConfig, log: Log) -> dict[str, Any]:
         cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
     )
     bcfg = with_eval_reference(cfg, bcfg, log)
-    with demo_source(bcfg, log) as run_cfg:
-        res = build(run_cfg, log)
+    store = Storage.from_env(bcfg.s3_endpoint)
+    # The demo pool is served on the driver's address: 127.0.0.1 locally, the head's on a cluster.
+    source = demo_source(bcfg, log, host=ray.util.get_node_ip_address(), store=store)
+    with source as run_cfg:
+        res = build(run_cfg, log, store, allow_hosts=source.allow_hosts)
     return {
         "n_input": res.n_input,
         "status": res.status_counts,
@@ -165,7 +171,7 @@ def make_subsets(
     p = paths(cfg)
     store = Storage.from_env(cfg.s3_endpoint)
     from_build = [name for name in cfg.subsets if name not in _SCORE_SUBSETS]
-    scores = store.read_parquet(scores_path)
+    scores = read_scores(scores_path, store)
     scored = set(scores.column("uid").to_pylist())  # every downloaded sample was scored
     listed, sizes = {}, {}
     for name in from_build:

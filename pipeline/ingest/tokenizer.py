@@ -25,13 +25,18 @@ import gzip
 import html
 import importlib.metadata
 import json
+import os
 import string
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from pipeline.common import storage
+from pipeline.common.storage import LOCAL, Storage
 
 TOKENIZER_FILE = "tokenizer.json"
 SPECIAL_IDS_FILE = "special_tokens.json"
@@ -287,19 +292,43 @@ def hf_hub_tokenizer_file(repo: str) -> Path:
         return Path(hf_hub_download(repo, TOKENIZER_FILE))
 
 
-def tokenizer_from_spec(spec: str, clean: str | None = None) -> TextTokenizer:
+def tokenizer_from_spec(spec: str, clean: str | None = None, store: Storage = LOCAL) -> TextTokenizer:
     """The tokenizer a config names: ``clip`` (CLIP's BPE from the installed open_clip_torch),
     ``clip:PATH`` (CLIP's BPE from that ``bpe_simple_vocab_16e6.txt.gz``), ``hf-hub:REPO`` (that Hub
     repository's ``tokenizer.json``), a directory written by ``save``, or any ``tokenizer.json`` (or a
-    directory holding one), e.g. SigLIP's, cleaned by ``clean``."""
+    directory holding one), e.g. SigLIP's, cleaned by ``clean``. Every path may be ``s3://`` (read through
+    ``store``), so a tokenizer a build wrote beside its shards on S3 serves a training submitted from
+    anywhere."""
     if spec == CLIP_SPEC or spec.startswith(CLIP_SPEC + ":"):
-        return clip_bpe_tokenizer(spec[len(CLIP_SPEC) + 1 :] or None)
+        vocab = spec[len(CLIP_SPEC) + 1 :]
+        if storage.is_s3(vocab):
+            with tempfile.TemporaryDirectory() as d:
+                return clip_bpe_tokenizer(_fetch(vocab, d, store))
+        return clip_bpe_tokenizer(vocab or None)
     if spec.startswith(HF_HUB_SPEC):
         return TextTokenizer.from_file(hf_hub_tokenizer_file(spec[len(HF_HUB_SPEC) :]), clean=clean)
+    if storage.is_s3(spec):
+        with tempfile.TemporaryDirectory() as d:  # the tokenizer is in memory once loaded
+            return tokenizer_from_spec(_fetch(spec, d, store), clean)
     path = Path(spec)
     if path.is_dir() and (path / SPECIAL_IDS_FILE).is_file():
         return TextTokenizer.load(path)
     return TextTokenizer.from_file(path, clean=clean)
+
+
+def _fetch(url: str, local_dir: str, store: Storage) -> str:
+    """Copy an ``s3://`` file, or the files of an ``s3://`` directory, into ``local_dir``; the local path."""
+    if not store.isdir(url):
+        if not store.exists(url):
+            raise FileNotFoundError(f"tokenizer file missing: {url}")
+        dest = os.path.join(local_dir, url.rstrip("/").rsplit("/", 1)[-1])
+        with open(dest, "wb") as fh:
+            fh.write(store.read_bytes(url))
+        return dest
+    for src in store.list_files(url):
+        with open(os.path.join(local_dir, src.rsplit("/", 1)[-1]), "wb") as fh:
+            fh.write(store.read_bytes(src))
+    return local_dir
 
 
 def clip_vocab_path() -> Path:

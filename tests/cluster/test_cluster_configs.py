@@ -1,7 +1,7 @@
 """Offline checks of the cluster configs in cluster/ (no cloud, no Kubernetes, no Ray cluster).
 
 - Cluster launcher YAMLs go through Ray's own ``prepare_config`` + ``validate_config`` (the JSON schema in
-  the wheel): a misspelled key fails. The fake-cluster YAML is validated as the v1 autoscaler reads it.
+  the wheel): a misspelled key fails. The fake-cluster YAML is read as autoscaler v2 reads it.
 - KubeRay manifests: there is no CRD schema offline, so a whitelist of the fields KubeRay's ray.io/v1 types
   accept (RayCluster, RayJob; KubeRay 1.5+) plus structural rules, and the RayJobs against our job list.
 - Every ``--set`` in a RayJob entrypoint resolves against the job's presets, so a renamed config key fails
@@ -101,6 +101,9 @@ def test_aws_layout_head_without_tasks_labelled_cpu_and_gpu_types() -> None:
     assert "--num-cpus=0" in head_start and "--dashboard-host=127.0.0.1" in head_start
     assert "0.0.0.0" not in (CLUSTER / "aws.yaml").read_text()  # the dashboard only through a tunnel
     assert "RAY_enable_autoscaler_v2=1" in head_start  # label-aware scale-up
+    worker_start = " ".join(config["worker_start_ray_commands"])
+    assert "RAY_AUTH_MODE=token" in head_start and "RAY_AUTH_MODE=token" in worker_start  # token auth
+    assert config["file_mounts"]["/home/ray/.ray/auth_token"] == "~/.ray/prolip-auth-token"
     # The project's image (cluster/Dockerfile, FROM Ray's): the same one the KubeRay manifests run.
     kuberay = load(CLUSTER / "kuberay" / "raycluster.yaml")
     images = {c["image"] for g in [kuberay["spec"]["headGroupSpec"], *kuberay["spec"]["workerGroupSpecs"]]
@@ -124,16 +127,23 @@ def test_aws_layout_head_without_tasks_labelled_cpu_and_gpu_types() -> None:
     assert "aws_secret_access_key" not in text.lower() and "AKIA" not in text
 
 
-def test_fake_cluster_yaml_is_what_the_v1_autoscaler_accepts() -> None:
-    from ray.autoscaler._private.util import validate_config
+def test_fake_cluster_yaml_is_what_autoscaler_v2_reads() -> None:
+    """v2 reads the file through ``prepare_config`` (defaults merged) and the schema, as for a cloud."""
+    from ray.autoscaler.v2.instance_manager.config import AutoscalingConfig
 
     config = load(CLUSTER / "fake_cluster.yaml")
-    validate_config(config)  # read as is by the autoscaler: every field present, none unknown
-    assert config["provider"]["type"] == "fake_multinode"
+    prepared = AutoscalingConfig(copy.deepcopy(config), skip_content_hash=True)
+    assert config["provider"]["module"].endswith("fake_multi_node.node_provider.FakeMultiNodeProvider")
     types = config["available_node_types"]
     assert types[config["head_node_type"]]["resources"]["CPU"] == 0
-    workers = [t for n, t in types.items() if n != config["head_node_type"]]
-    assert len(workers) == 1 and workers[0]["min_workers"] == 0
+    workers = {n: t for n, t in types.items() if n != config["head_node_type"]}
+    assert {n: t["labels"] for n, t in workers.items()} == {
+        "data": {LABEL_KEY: DATA_ROLE},
+        "train": {LABEL_KEY: TRAIN_ROLE},
+    }
+    assert prepared.get_node_labels("train") == {LABEL_KEY: TRAIN_ROLE}
+    assert workers["train"]["resources"]["fake_gpu"] == 1 and "fake_gpu" not in workers["data"]["resources"]
+    assert workers["data"]["min_workers"] == 1 and workers["train"]["min_workers"] == 0
     assert 0 < config["idle_timeout_minutes"] <= 0.5
 
 

@@ -6,8 +6,10 @@ Every pipeline is ``map_batches(Encoder, compute=ActorPoolStrategy(size=num_acto
 per-use ``output`` function:
 
 - ``score_shards``: the shards (``pipeline.shards.ray_reader.read_shards``, the one shard reader; damaged shards
-  keep their intact samples and are logged) → ``training.infer.scoring.score_columns`` → ONE parquet file
-  sorted by uid (≈60 B per row in driver memory).
+  keep their intact samples and are logged) → ``training.infer.scoring.score_columns`` → one parquet part
+  per batch, written by the encoding actor that scored it (``ScorePartWriter``), and an index of the parts
+  written last by the driver, which receives one summary row per batch and no score row
+  (``read_scores`` reads them back sorted by uid).
 - ``embed_shards``: the same read → ``embedding_columns`` → ONE parquet written batch by batch in
   arrival order (memory: one batch); its schema is in jobs/embed.py.
 - ``encode_items``: items (eval shards and prompt lists) → rows by a Ray-free ``reader`` → encoded
@@ -17,11 +19,11 @@ per-use ``output`` function:
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict, Unpack
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 
@@ -29,12 +31,12 @@ from pipeline.common.storage import LOCAL, Storage
 from pipeline.shards.ray_reader import read_shards
 from training.infer.encode import BatchOutput, Encoder
 from training.infer.scoring import (
-    SCORE_COLUMNS,
+    ScorePartWriter,
     ScoreResult,
+    clear_scores,
     embedding_columns,
     embedding_table,
-    score_columns,
-    score_schema,
+    write_score_index,
 )
 
 READ_CPUS = 0.25  # logical CPUs per read task of encode_items (reads bytes only)
@@ -101,19 +103,20 @@ def score_shards(
     store: Storage = LOCAL,
     **pool: Unpack[PoolOptions],
 ) -> ScoreResult:
-    """Score every pair of ``shards`` and write ``out`` (one parquet, SCORE_COLUMNS, sorted by uid)."""
+    """Score every pair of ``shards`` into the directory ``out``: SCORE_COLUMNS parts written by the actors
+    and their index (``training.infer.scoring.read_scores`` reads them, sorted by uid)."""
     t0 = time.perf_counter()
-    ds = _encoded_shards(shards, checkpoint, store, score_columns, pool)
-    tables = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
-    if tables:
-        table = pa.concat_tables([t.select(list(SCORE_COLUMNS)) for t in tables]).combine_chunks()
-    else:
-        table = score_schema().empty_table()
-    table = table.cast(score_schema()).sort_by([("uid", "ascending")])
-    store.write_parquet(table, out)
+    clear_scores(out, store)
+    writer = ScorePartWriter(out, store, uuid.uuid4().hex[:8])
+    ds = _encoded_shards(shards, checkpoint, store, writer, pool)
+    files, rows, failed = [], 0, 0
+    for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+        files += [str(f) for f in batch["file"]]
+        rows += int(np.asarray(batch["rows"]).sum())
+        failed += int(np.asarray(batch["failed"]).sum())
+    write_score_index(out, files, rows, failed, store)
     wall = time.perf_counter() - t0
-    n_failed = int(table.num_rows - np.asarray(table.column("ok")).sum())
-    return ScoreResult(out, table.num_rows, n_failed, wall, table.num_rows / max(wall, 1e-9))
+    return ScoreResult(out, rows, failed, wall, rows / max(wall, 1e-9))
 
 
 def embed_shards(

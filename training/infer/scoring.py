@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import schema as S
+from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
 from training.infer.encode import as_text, localize_checkpoint
 from training.model.checkpoint import load_checkpoint
@@ -175,3 +177,59 @@ def embedding_table(batch: dict[str, np.ndarray]) -> pa.Table:
             arr = np.ascontiguousarray(batch[name], np.float32)
             cols[name] = pa.FixedSizeListArray.from_arrays(pa.array(arr.reshape(-1)), arr.shape[1])
     return pa.table(cols)
+
+
+# --- scores written where they are computed -----------------------------------------------------------
+
+SCORES_INDEX = "_scores.json"  # hidden (leading "_"): directory readers skip it
+
+
+class ScorePartWriter:
+    """``Encoder`` output stage of scoring: an encoded batch → ``score_columns`` → one parquet part
+    (sorted by uid) written *by the encoding actor* into ``out``; the batch becomes one summary row
+    (``file``, ``rows``, ``failed``). The driver only collects those rows, so it holds ~100 bytes per
+    batch, not one row per pair. ``token`` names this run's parts: files of a killed run are never
+    listed in the index (``write_score_index``) and are removed by the next run."""
+
+    def __init__(self, out: str, store: Storage, token: str) -> None:
+        self.out, self.store, self.token = out, store, token
+
+    def __call__(self, e: dict[str, Any]) -> dict[str, np.ndarray]:
+        cols = score_columns(e)
+        table = pa.table({k: cols[k] for k in SCORE_COLUMNS}).cast(score_schema()).sort_by("uid")
+        name = f"part-{self.token}-{uuid.uuid4().hex[:12]}.parquet"
+        self.store.write_parquet(table, storage.join(self.out, name))
+        failed = int((~np.asarray(cols["ok"], bool)).sum())
+        return {"file": np.array([name]), "rows": np.array([table.num_rows]), "failed": np.array([failed])}
+
+
+def write_score_index(out: str, files: list[str], rows: int, failed: int, store: Storage) -> None:
+    """The run's list of parts, written last: scores count as complete only once it exists."""
+    store.write_json(
+        {"files": sorted(files), "rows": rows, "failed": failed}, storage.join(out, SCORES_INDEX)
+    )
+
+
+def scores_complete(out: str, store: Storage = LOCAL) -> bool:
+    """A finished scoring's output: an index over its parts, or a single parquet file."""
+    return store.exists(storage.join(out, SCORES_INDEX)) or (store.exists(out) and not store.isdir(out))
+
+
+def read_scores(out: str, store: Storage = LOCAL, columns: list[str] | None = None) -> pa.Table:
+    """The scores at ``out`` (the parts its index lists, or one parquet file), sorted by uid."""
+    index = storage.join(out, SCORES_INDEX)
+    if store.exists(index):
+        files = [storage.join(out, f) for f in store.read_json(index)["files"]]
+        table = store.read_parquet(files, columns) if files else score_schema().empty_table()
+    else:
+        table = store.read_parquet(out, columns)
+    return table.sort_by("uid")
+
+
+def clear_scores(out: str, store: Storage) -> None:
+    """Remove what an earlier scoring left at ``out`` (its index first, then its parts or file)."""
+    if store.isdir(out):
+        store.remove(storage.join(out, SCORES_INDEX))
+        store.remove_files(store.list_files(out))
+    elif store.exists(out):
+        store.remove(out)

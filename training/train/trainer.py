@@ -91,7 +91,7 @@ def storage_target(path: str, store: Storage) -> tuple[str, Any]:
 def prepare_tokenizer(cfg: TrainConfig, run_store: Storage, data_store: Storage) -> TextTokenizer:
     """The run's tokenizer (see module docstring for the order of preference)."""
     if cfg.tokenizer:
-        return tokenizer_from_spec(cfg.tokenizer, cfg.tokenizer_clean or None)
+        return tokenizer_from_spec(cfg.tokenizer, cfg.tokenizer_clean or None, data_store)
     saved = storage.join(run_dir(cfg), "tokenizer")
     if run_store.exists(storage.join(saved, SPECIAL_IDS_FILE)):
         with tempfile.TemporaryDirectory() as d:

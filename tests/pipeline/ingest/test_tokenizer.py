@@ -118,3 +118,20 @@ def test_from_file_explicit_names(tmp_path) -> None:
 def test_context_too_small_raises(tok: TextTokenizer) -> None:
     with pytest.raises(ValueError, match="context_length"):
         tok.encode_batch(["a"], 0)
+
+
+def test_a_tokenizer_on_s3_loads_like_the_local_one(tok: TextTokenizer, tmp_path, s3_server) -> None:
+    """A build on S3 saves its BPE beside the shards; a training submitted from anywhere reads it there."""
+    from pipeline.common.storage import Storage
+    from pipeline.ingest.tokenizer import TOKENIZER_FILE, tokenizer_from_spec
+
+    store = Storage.from_env(s3_server.endpoint)
+    local = tok.save(tmp_path / "saved")
+    for f in sorted(local.iterdir()):
+        store.write_bytes(f.read_bytes(), s3_server.url("tok", "saved", f.name))
+    assert tokenizer_from_spec(s3_server.url("tok", "saved"), store=store).to_state() == tok.to_state()
+    # a bare tokenizer.json on S3 is wrapped the way a local one is
+    bare = tokenizer_from_spec(s3_server.url("tok", "saved", TOKENIZER_FILE), store=store)
+    assert bare.encode_batch(["a red circle"], 8).tolist() == tok.encode_batch(["a red circle"], 8).tolist()
+    with pytest.raises(FileNotFoundError, match="tokenizer file missing: s3://"):
+        tokenizer_from_spec(s3_server.url("tok", "nothing-here.json"), store=store)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.common.storage import LOCAL
 from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures.train_shards import demo_samples
 from training.infer.encode import Encoder
@@ -218,3 +219,33 @@ def test_score_columns_inclusion_and_spread():
     assert dist.std() == pytest.approx(got["csd_std"][0], rel=2e-2)
     det = pair_scores(mv, None, mt, None)
     assert np.isnan(det["inclusion"]).all() and np.isnan(det["csd_std"]).all()
+
+
+def test_score_parts_written_by_the_encoder_read_back_sorted_with_stale_parts_ignored(
+    tiny_checkpoint, tmp_path
+):
+    """Each batch becomes a part written where it was scored; only the parts the index lists are read."""
+    from training.infer.scoring import (
+        ScorePartWriter,
+        clear_scores,
+        read_scores,
+        scores_complete,
+        write_score_index,
+    )
+
+    out = str(tmp_path / "scores.parquet")
+    whole = Encoder(tiny_checkpoint, batch_size=4, output=score_columns)(_batch(8, corrupt=3))
+    writer = Encoder(tiny_checkpoint, batch_size=4, output=ScorePartWriter(out, LOCAL, "run1"))
+    summaries = [writer(_batch(8, corrupt=3))]
+    (tmp_path / "scores.parquet" / "part-killed-0.parquet").write_bytes(b"half a file of a killed run")
+    assert not scores_complete(out)  # no index yet: a reuse would rescore
+    files = [str(f) for s in summaries for f in s["file"]]
+    assert summaries[0]["rows"].tolist() == [8] and summaries[0]["failed"].tolist() == [1]
+    write_score_index(out, files, 8, 1, LOCAL)
+    assert scores_complete(out)
+    table = read_scores(out)
+    order = np.argsort(whole["uid"])
+    assert table.column("uid").to_pylist() == sorted(whole["uid"].tolist())
+    np.testing.assert_allclose(table.column("csd").to_numpy(zero_copy_only=False), whole["csd"][order])
+    clear_scores(out, LOCAL)
+    assert not scores_complete(out) and not list((tmp_path / "scores.parquet").iterdir())
