@@ -15,7 +15,6 @@ from typing import Any
 
 from pipeline.common import storage
 from pipeline.common.storage import Storage
-from training.infer.scoring import read_scores
 
 Row = dict[str, Any]
 
@@ -154,6 +153,8 @@ def noise_detection(cfg: Any, scores_path: str, store: Storage) -> dict[str, flo
         return None
     noise = dict(zip(truth["uid"], truth["caption_noise"], strict=True))
     level = dict(zip(truth["uid"], truth["level"], strict=True))
+    from training.infer.scoring import read_scores  # loads torch: not on the --help path
+
     sc = read_scores(scores_path, store).to_pydict()
     rows = [i for i, ok in enumerate(sc["ok"]) if ok and sc["uid"][i] in noise]
     kinds = [noise[sc["uid"][i]] for i in rows]

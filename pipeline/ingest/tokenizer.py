@@ -7,16 +7,12 @@
   are given by name or detected among common spellings; a missing pad or mask token is *added* (CLIP's BPE
   has neither; padding with a real token id would hide that token from attention), which grows
   ``vocab_size`` — build the model config from ``tok.vocab_size`` and ``tok.pad_id``.
-- ``clip_bpe_tokenizer()`` builds CLIP's BPE (the vocabulary ``bpe_simple_vocab_16e6.txt.gz`` that ships in
-  the ``open_clip_torch`` wheel, or a path to that file) as a ``tokenizers`` model with open_clip's text
-  cleaning (``clean="lower"``: ftfy, HTML unescape twice, whitespace collapse, lower-case), its split
-  pattern and ``<start_of_text>``/``<end_of_text>``; ``encode_batch(texts, 77)`` then gives open_clip's ids
-  (its pad 0 aside: ours is an added ``<pad>``). Captions spelling a special token stay plain text here,
-  where open_clip would emit the special id.
+- ``clip_bpe_tokenizer()`` builds CLIP's BPE (``bpe_simple_vocab_16e6.txt.gz`` from the ``open_clip_torch``
+  wheel, or a path to it) as a ``tokenizers`` model with open_clip's cleaning (``clean="lower"``: ftfy, HTML
+  unescape twice, whitespace collapse, lower-case), split pattern and start/end tokens: ``encode_batch(texts,
+  77)`` gives open_clip's ids (its pad 0 aside: ours is an added ``<pad>``; spelled special tokens stay text).
 - ``encode_batch(texts, C)`` → int64 (B, C): ``[start?] tokens… <end> <pad>…``, truncated so that the end
-  token always fits (the text tower pools CLS/UNC, not the end token, but the end token marks where a
-  truncated caption stops and is never masked, ProLIP §4.1 / docs/math.md "Objective").
-  Special-token spellings inside captions are encoded as plain text, so a caption cannot inject ``<pad>``.
+  token (never masked: ProLIP §4.1, docs/math.md "Objective") always fits; a caption cannot inject ``<pad>``.
 """
 
 from __future__ import annotations
@@ -296,9 +292,7 @@ def tokenizer_from_spec(spec: str, clean: str | None = None, store: Storage = LO
     """The tokenizer a config names: ``clip`` (CLIP's BPE from the installed open_clip_torch),
     ``clip:PATH`` (CLIP's BPE from that ``bpe_simple_vocab_16e6.txt.gz``), ``hf-hub:REPO`` (that Hub
     repository's ``tokenizer.json``), a directory written by ``save``, or any ``tokenizer.json`` (or a
-    directory holding one), e.g. SigLIP's, cleaned by ``clean``. Every path may be ``s3://`` (read through
-    ``store``), so a tokenizer a build wrote beside its shards on S3 serves a training submitted from
-    anywhere."""
+    directory holding one), e.g. SigLIP's, cleaned by ``clean``. Every path may be ``s3://`` (``store``)."""
     if spec == CLIP_SPEC or spec.startswith(CLIP_SPEC + ":"):
         vocab = spec[len(CLIP_SPEC) + 1 :]
         if storage.is_s3(vocab):
@@ -318,17 +312,12 @@ def tokenizer_from_spec(spec: str, clean: str | None = None, store: Storage = LO
 
 def _fetch(url: str, local_dir: str, store: Storage) -> str:
     """Copy an ``s3://`` file, or the files of an ``s3://`` directory, into ``local_dir``; the local path."""
-    if not store.isdir(url):
-        if not store.exists(url):
-            raise FileNotFoundError(f"tokenizer file missing: {url}")
-        dest = os.path.join(local_dir, url.rstrip("/").rsplit("/", 1)[-1])
-        with open(dest, "wb") as fh:
-            fh.write(store.read_bytes(url))
-        return dest
-    for src in store.list_files(url):
+    if not store.isdir(url) and not store.exists(url):
+        raise FileNotFoundError(f"tokenizer file missing: {url}")
+    for src in [url] if not store.isdir(url) else store.list_files(url):
         with open(os.path.join(local_dir, src.rsplit("/", 1)[-1]), "wb") as fh:
             fh.write(store.read_bytes(src))
-    return local_dir
+    return local_dir if store.isdir(url) else os.path.join(local_dir, url.rstrip("/").rsplit("/", 1)[-1])
 
 
 def clip_vocab_path() -> Path:
