@@ -193,7 +193,7 @@ class RunOutputConfig:
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333; else AWS_ENDPOINT_URL(_S3)
     max_failures: NonNegative = 0  # automatic worker-group restarts from the last checkpoint
     checkpoint_every: Positive = 100  # optimizer steps
-    keep_checkpoints: NonNegative = 2
+    keep_checkpoints: Positive = 2  # Ray Train keeps this many; it needs at least the latest
     log_every: Positive = 10
     tensorboard: bool = True
     fail_at_step: NonNegative = 0  # test hook: rank `fail_rank` raises at this step on a run not resumed
