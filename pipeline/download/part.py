@@ -22,10 +22,10 @@ import pyarrow.compute as pc
 from pipeline import schema as S
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import BuildConfig, DownloadConfig
-from pipeline.download.worker import DownloadWorker
+from pipeline.download.worker import DownloadWorker, memory_bound
 from pipeline.shards.reader import iter_shard
 from pipeline.shards.writer import ShardWriter, sample_members
-from pipeline.source.metadata import read_rows
+from pipeline.source.metadata import READ_BATCH_ROWS, read_rows
 from pipeline.source.row_checks import ROW_KEY
 from pipeline.source.run_state import part_file
 
@@ -40,6 +40,24 @@ PART_COLUMNS = [
     S.IMAGE_SHA256,
     S.PHASH,
 ]
+
+
+# A row's bytes besides its caption as a part holds it: uid, URL (DataComp's are < 2 kB), sha256, face
+# boxes, the derived columns and Arrow's offsets.
+ROW_BYTES = 4096
+
+
+def part_memory_bound(cfg: BuildConfig) -> int:
+    """Bytes a download actor may hold above its idle resident size while it runs one part.
+
+    ``memory_bound(cfg.download)`` (the images in flight, docs/download.md) plus the part's rows: its
+    ``part_size`` rows and one read batch of ``READ_BATCH_ROWS`` (pipeline/source/metadata.py
+    ``read_rows``), each a caption of at most ``max_caption_bytes`` and ``ROW_BYTES`` more, twice (the
+    table as read and as prepared). No term grows with the input's row groups or its other columns;
+    a caption over ``max_caption_bytes`` (decided before download) is still decoded with its read batch.
+    """
+    rows = cfg.part_size + READ_BATCH_ROWS
+    return memory_bound(cfg.download) + 2 * rows * (cfg.max_caption_bytes + ROW_BYTES)
 
 
 class DownloadPart:
