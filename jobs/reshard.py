@@ -5,6 +5,8 @@ Like every job it also takes ``--preset``, ``--config FILE.yaml`` and ``--set ke
 Thin entry point over ``pipeline.subsets.reshard.reshard`` (DataComp's resharder semantics: semi-join on uid,
 repeated uids up-sampled, bytes copied as they are). No Ray: one streaming pass, optional read-ahead
 threads. The summary (written, missing, shards) is printed and written to ``OUT/reshard.json``.
+``--verify`` checks every selected sample against the checksums of its stored bytes that the build
+recorded (pipeline/shards/checksums.py): a mismatch is not copied, counted and named.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ReshardJobConfig:
     workers: Positive = 1  # input tars read ahead in parallel
     overwrite: bool = False  # replace shards already in out
     skip_corrupt: bool = False  # keep going past a damaged input tar
+    verify: bool = False  # copy only samples whose bytes match their stored checksums; name the others
 
 
 PRESETS = {"demo": ReshardJobConfig()}
@@ -43,6 +46,7 @@ FLAGS = {
     "--workers": "workers",
     "--overwrite": "overwrite",
     "--skip-corrupt": "skip_corrupt",
+    "--verify": "verify",
 }
 
 
@@ -60,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=args.workers,
             overwrite=args.overwrite,
             skip_corrupt=args.skip_corrupt,
+            verify=args.verify,
         )
     except (FileExistsError, FileNotFoundError, ShardError, SubsetError, ReshardError, ValueError) as exc:
         print(f"reshard: {exc}", file=sys.stderr)
@@ -75,7 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if res.corrupt_inputs:
         rows.append(("corrupt inputs", len(res.corrupt_inputs)))
+    if args.verify:
+        rows.append(("checksum mismatches", len(res.mismatched)))
     print_table(f"reshard → {args.out}", rows, ("", "count"))
+    for line in res.mismatched[:20]:
+        print(f"reshard: checksum mismatch, not copied: {line}", file=sys.stderr)
     return 0
 
 

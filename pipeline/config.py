@@ -116,7 +116,7 @@ class BuildConfig:
     output: str = "runs/demo"  # run directory, local or s3://
     samples_per_shard: Positive = 10_000
     part_size: Positive = 1_000  # input rows per download task (the unit of resume)
-    download_actors: Positive = 2
+    download_actors: NonNegative = 2  # 0: the parts run in the driver's process, without Ray
     download_cpus: PositiveFloat = 0.5  # Ray CPUs reserved per download actor (I/O-bound; see build.py)
     num_cpus: NonNegative = 0  # local Ray: 0 = all cores
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server

@@ -87,6 +87,8 @@ class DataConfig:
     cache_decoded: bool = False
     trim_text_padding: bool = True  # cut all-padding token columns per batch (exact; off for static shapes)
     max_bad_shards: NonNegative = 10  # distinct corrupt/truncated shards tolerated before the job stops
+    # Drop (and count) samples whose bytes differ from the checksums the build stored (pipeline/shards/checksums.py)
+    verify_checksums: bool = False
     mask_fraction: Unit = 0.125  # samples per batch with a masked variant (ProLIP §4.1)
     text_mask_ratio: Unit = 0.75  # text tokens replaced by [MASK] (§4.1)
     # "mask": the masked text tokens become [MASK] (§4.1); "drop": they are removed, so the masked caption is

@@ -23,6 +23,7 @@ from pipeline import schema as S
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import BuildConfig, DownloadConfig
 from pipeline.download.worker import DownloadWorker, memory_bound
+from pipeline.shards.checksums import CHECKSUM_FIELD, stored_checksums
 from pipeline.shards.reader import iter_shard
 from pipeline.shards.writer import ShardWriter, sample_members
 from pipeline.source.metadata import READ_BATCH_ROWS, read_rows
@@ -160,7 +161,7 @@ def _samples(rows: pa.Table, out: pa.Table) -> list[tuple[str, list[tuple[str, b
             "sha256": r[S.IMAGE_SHA256],
             "key": m[S.UID],
         }
-        samples.append(
-            sample_members({"__key__": m[S.UID], "jpg": r[S.IMAGE], "txt": m.get(S.TEXT) or "", "json": info})
-        )
+        stored = {"jpg": r[S.IMAGE], "txt": (m.get(S.TEXT) or "").encode("utf-8")}
+        info[CHECKSUM_FIELD] = stored_checksums(stored)  # of the bytes the shard holds (checksums.py)
+        samples.append(sample_members({"__key__": m[S.UID], **stored, "json": info}))
     return samples

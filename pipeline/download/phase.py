@@ -126,15 +126,20 @@ def _run_parts(
     stats and autoscaling actors and idle workers cost 14% of a build's CPU on 2 cores
     (docs/decisions/0014-download-parts-on-plain-ray-actors.md).
     """
+    # The Storage object travels to the actors with its credentials: their processes need no AWS env.
+    args = (cfg.download, paths["parts"], token, {p: _done_token(paths, p, store) for p in retry}, store,
+            list(meta.files), cfg.max_caption_bytes)  # fmt: skip
+    if cfg.download_actors == 0:  # in the driver's own process, no Ray: a tiny pool, the kill suite
+        local = DownloadPart(*args)
+        for spec in specs:
+            yield int(spec.column("part")[0].as_py()), local(spec)
+        return
     import ray
 
     options: dict = {"num_cpus": cfg.download_cpus, "max_restarts": ACTOR_RESTARTS,
                      "max_task_retries": ACTOR_RESTARTS}  # fmt: skip
     if cfg.data_label_selector:  # pipeline/common/placement.py: downloads run on the data nodes
         options["label_selector"] = {str(k): str(v) for k, v in cfg.data_label_selector.items()}
-    # The Storage object travels to the actors with its credentials: their processes need no AWS env.
-    args = (cfg.download, paths["parts"], token, {p: _done_token(paths, p, store) for p in retry}, store,
-            list(meta.files), cfg.max_caption_bytes)  # fmt: skip
     remote = ray.remote(DownloadPart).options(**options)
     actors = [remote.remote(*args) for _ in range(max(1, min(cfg.download_actors, len(specs))))]
     todo = list(reversed(specs))
