@@ -37,6 +37,8 @@ from pipeline.download.phase import PoolRows, download_parts
 from pipeline.filters import rerun_cache as FR
 from pipeline.filters.specs import apply_filters, check_build_filters, needs_language, parse_filter_specs
 from pipeline.source import run_state as R
+from pipeline.source.content import COLUMNS as CONTENT_COLUMNS
+from pipeline.source.content import content_digests
 from pipeline.source.metadata import Metadata, open_metadata, read_columns
 from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, pre_statuses
 from pipeline.source.status_table import decide_image_duplicates, status_table_of
@@ -100,12 +102,15 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     pool = _read_pool(cfg, store, log)
-    R.claim(cfg, R.fingerprint(cfg, pool.narrow.column(S.UID), pool.live()), store, log)
+    content = pool_content(pool)
+    fp = R.fingerprint(cfg, pool.narrow.column(S.UID), pool.live(), content)
+    R.claim(cfg, fp, store, log)
     timings["metadata_and_row_checks"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    rows = PoolRows(pool.meta, pool.narrow.column(S.UID), pool.live())
+    rows = PoolRows(pool.meta, pool.narrow.column(S.UID), pool.live(), content)
     n_parts, done, n_retried = download_parts(rows, cfg, store, paths, log)
+    R.record(cfg, fp, store)  # every part now holds this pool's content
     timings["download"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -151,6 +156,16 @@ def _read_pool(cfg: BuildConfig, store: Storage, log: Callable[[str], None]) -> 
         f"{int((status_pre != '').sum())} decided before download"
     )
     return _Pool(meta, narrow, status_pre, cfg.max_caption_bytes, store)
+
+
+def pool_content(pool: _Pool) -> np.ndarray:
+    """Every live row's content digest (0 for rows decided before download), read as the parts read them."""
+    content = np.zeros(pool.narrow.num_rows, np.uint64)
+    live = np.flatnonzero(pool.live())
+    if len(live):
+        rows = pool.columns([S.UID, *CONTENT_COLUMNS]).take(pa.array(live))
+        content[live] = content_digests(rows)
+    return content
 
 
 def _part_files(paths: dict[str, str], n_parts: int, store: Storage, ext: str) -> list[str]:

@@ -125,9 +125,12 @@ class BuildConfig:
     # what one row can put into a shard and into the driver; 16 KiB is ~50× a 77-token CLIP caption.
     max_caption_bytes: Positive = 16_384
     # Actions, not settings (outside the run fingerprint): discard an earlier run's outputs in ``output``
-    # first; download again the rows whose status is transient (schema.is_transient).
+    # first; download again the rows whose status is transient (schema.is_transient); the changed rows.
     overwrite: bool = False
     retry_failed: bool = False
+    # download again the rows whose URL, caption, sha256 or face boxes changed since their part was made
+    # (a pool that changed only so is refused without it: pipeline/source/run_state.py)
+    refresh_changed: bool = False
     tokenizer_vocab: NonNegative = (
         0  # >0: train a BPE tokenizer on the successful captions into <output>/tokenizer
     )

@@ -26,6 +26,7 @@ from pipeline.download.worker import DownloadWorker, memory_bound
 from pipeline.shards.checksums import CHECKSUM_FIELD, stored_checksums
 from pipeline.shards.reader import iter_shard
 from pipeline.shards.writer import ShardWriter, sample_members
+from pipeline.source.content import CONTENT, content_digests
 from pipeline.source.metadata import READ_BATCH_ROWS, read_rows
 from pipeline.source.row_checks import ROW_KEY
 from pipeline.source.run_state import part_file
@@ -101,6 +102,8 @@ class DownloadPart:
         out = self.worker(rows)
         out = out if isinstance(out, pa.Table) else pa.table(out)
         summary = out.select([c for c in PART_COLUMNS if c in out.column_names])
+        # What each row baked in, for a later run to see whether the pool changed (source/content.py).
+        summary = summary.append_column(CONTENT, pa.array(content_digests(rows), pa.uint64()))
         samples: Iterator[tuple[str, list[tuple[str, bytes]]]] = iter(_samples(rows, out))
         if part in self.retry:
             summary, samples = self._merge(part, summary, samples)

@@ -35,6 +35,7 @@ class PoolRows:
     meta: Metadata
     uids: pa.ChunkedArray | pa.Array
     live: np.ndarray
+    content: np.ndarray | None = None  # every row's content digest (pipeline/source/content.py)
 
 
 def download_parts(
@@ -47,11 +48,15 @@ def download_parts(
     done = {p: t for p, t in done.items() if p < n_parts}
     R.remove_uncommitted(paths["parts"], done, store)
     retry = _transient_rows(paths["parts"], done, store) if cfg.retry_failed else {}
+    if cfg.refresh_changed and rows.content is not None:  # rows whose URL, caption, sha256 or boxes changed
+        pool = (rows.uids, rows.live, rows.content)
+        for part, uids in R.changed_rows(paths["parts"], done, pool, cfg.part_size, store).items():
+            retry[part] = retry.get(part, set()) | uids
     todo = sorted(set(range(n_parts)) - set(done))
     n_retry = sum(len(u) for u in retry.values())
     log(
         f"download: {n_parts} parts of {cfg.part_size} rows, {len(done)} already done"
-        + (f"; retrying {n_retry} transient rows in {len(retry)} parts" if cfg.retry_failed else "")
+        + (f"; downloading {n_retry} rows of {len(retry)} parts again" if retry else "")
     )
     specs = part_specs(rows, cfg.part_size, todo, retry)
     if not specs:
