@@ -40,6 +40,7 @@ from pipeline.source import run_state as R
 from pipeline.source.content import COLUMNS as CONTENT_COLUMNS
 from pipeline.source.content import content_digests
 from pipeline.source.metadata import Metadata, open_metadata, read_columns
+from pipeline.source.output_lock import exclusive
 from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, pre_statuses
 from pipeline.source.status_table import decide_image_duplicates, status_table_of
 from pipeline.subsets import eligibility as SR
@@ -98,11 +99,21 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
     ``store``: the run's storage as the job built it; by default resolved here, once, from ``cfg.s3_endpoint``.
     """
     store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
-    paths = run_paths(cfg.output)
-    timings: dict[str, float] = {}
     t0 = time.perf_counter()
     pool = _read_pool(cfg, store, log)
     content = pool_content(pool)
+    # One build per output, from the fingerprint check to the last file (pipeline/source/output_lock.py).
+    with exclusive(cfg.output, store, log) as lock:
+        return _build_locked(cfg, log, store, (pool, content), lock, t0)
+
+
+def _build_locked(
+    cfg: BuildConfig, log: Callable[[str], None], store: Storage, read: tuple, lock, t0: float
+) -> BuildResult:
+    """The build once the output is ours: ``read`` = (the pool, its content digests)."""
+    pool, content = read
+    paths = run_paths(cfg.output)
+    timings: dict[str, float] = {}
     fp = R.fingerprint(cfg, pool.narrow.column(S.UID), pool.live(), content)
     R.claim(cfg, fp, store, log)
     timings["metadata_and_row_checks"] = time.perf_counter() - t0
@@ -110,6 +121,7 @@ def build(cfg: BuildConfig, log: Callable[[str], None] = print, store: Storage |
     t1 = time.perf_counter()
     rows = PoolRows(pool.meta, pool.narrow.column(S.UID), pool.live(), content)
     n_parts, done, n_retried = download_parts(rows, cfg, store, paths, log)
+    lock.check()
     R.record(cfg, fp, store)  # every part now holds this pool's content
     timings["download"] = time.perf_counter() - t1
 
