@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
+from pipeline.common import faults
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import BuildConfig, DownloadConfig
 from pipeline.download.worker import DownloadWorker, memory_bound
@@ -100,6 +101,7 @@ class DownloadPart:
         """Download ``rows`` as part ``part``: its tar + parquet under this run's token; its rows back."""
         rows = one_row_per_uid(rows)
         out = self.worker(rows)
+        faults.point("part.fetched")
         out = out if isinstance(out, pa.Table) else pa.table(out)
         summary = out.select([c for c in PART_COLUMNS if c in out.column_names])
         # What each row baked in, for a later run to see whether the pool changed (source/content.py).
@@ -110,6 +112,7 @@ class DownloadPart:
         with ShardWriter(part_file(self.parts_dir, part, self.token, "tar"), self.store) as w:
             for key, members in samples:
                 w.write_members(key, members)
+        faults.point("part.tar_written")
         self.store.write_parquet(summary, part_file(self.parts_dir, part, self.token, "parquet"))
         return summary.append_column("part", pa.array([part] * summary.num_rows, pa.int64()))
 

@@ -136,8 +136,11 @@ def _run_parts(
             list(meta.files), cfg.max_caption_bytes)  # fmt: skip
     if cfg.download_actors == 0:  # in the driver's own process, no Ray: a tiny pool, the kill suite
         local = DownloadPart(*args)
-        for spec in specs:
-            yield int(spec.column("part")[0].as_py()), local(spec)
+        try:
+            for spec in specs:
+                yield int(spec.column("part")[0].as_py()), local(spec)
+        finally:
+            local.worker.close()
         return
     import ray
 

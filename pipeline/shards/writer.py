@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pipeline import schema as S
-from pipeline.common import storage
+from pipeline.common import faults, storage
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.shards.tar_format import BLOCK, MEMBER_ORDER, RECORD, member_header, shard_name, stats_name
 
@@ -85,6 +85,7 @@ class ShardWriter:
 
     def write_members(self, key: str, members: Sequence[tuple[str, bytes]]) -> None:
         """Low-level: members written as given (bytes untouched) — resharding copies through this."""
+        faults.point("shard.sample")
         for ext, data in members:
             self._put(member_header(f"{key}.{ext}", len(data)))
             self._put(data)

@@ -27,8 +27,10 @@ moves the marker last, so a crash mid-retry leaves the previous, consistent part
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
-from pipeline.common import storage
+from pipeline.common import faults, storage
 from pipeline.common.config import to_dict
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
@@ -181,8 +183,33 @@ def claim(cfg: BuildConfig, fp: dict[str, Any], store: Storage, log: Callable[[s
             f"{cfg.output} holds download parts without a fingerprint (an older build); "
             "use a new output or --set overwrite=true to discard them"
         )
+    # Temp files of writes a killed build left: ours to delete, the output's lock is held.
+    dirs = [d[k] for k in ("work", "parts", "shards", "subsets")] + [storage.join(cfg.output, "metadata")]
+    gone = sum(remove_temporaries(p, store) for p in dirs)
+    if gone:
+        log(f"resume: removed {gone} unfinished temporary files of an interrupted run")
     store.makedirs(d["work"])
     store.write_json(fp, d["fingerprint"])
+
+
+_TEMP_NAME = re.compile(r"^\..+\.tmp-[0-9a-f]{12}$")  # an AtomicOutput's hidden name while it writes
+
+
+def remove_temporaries(directory: str, store: Storage) -> int:
+    """Delete the hidden temp files that writes killed half-way left directly in a local ``directory``;
+    returns how many. Only under the output's lock: no other writer is at work there. S3 leaves none (an
+    upload that never completed is no object)."""
+    if storage.is_s3(directory):
+        return 0
+    path = store.resolve(directory)[1]
+    try:
+        names = [e.name for e in os.scandir(path) if e.is_file() and _TEMP_NAME.match(e.name)]
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, name))
+    return len(names)
 
 
 def record(cfg: BuildConfig, fp: dict[str, Any], store: Storage) -> None:
@@ -213,6 +240,7 @@ def marker(parts_dir: str, part: int) -> str:
 
 def commit(parts_dir: str, part: int, token: str, store: Storage) -> None:
     """The driver's word that ``part`` is done, naming the token of the files it stands for."""
+    faults.point("part.commit")
     store.write_json({"token": token}, marker(parts_dir, part))
 
 
@@ -241,7 +269,9 @@ def remove_uncommitted(parts_dir: str, done: dict[int, str], store: Storage) -> 
         m = _PART_FILE.match(path.rsplit("/", 1)[-1])
         if m and done.get(int(m.group(1))) != m.group(2):
             stale.append(path)
-    store.remove_files(stale)
+    for path in stale:
+        faults.point("parts.remove")
+        store.remove(path)
     return len(stale)
 
 

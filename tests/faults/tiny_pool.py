@@ -3,7 +3,8 @@ builds with a clean one status for status and byte for byte, so nothing here dep
 
 Rows: JPEGs of random colours (most), a 404, a private address (``blocked_address``), a non-http URL
 (``invalid_url``), a body that is not an image (``failed_to_resize``), a sha256 that does not match, a
-row repeating an earlier URL (``duplicate_url``), a repeated uid and an empty caption. The files are
+row repeating an earlier URL (``duplicate_url``), a repeated uid, an empty caption and a refused
+connection (``failed_to_download:connection_error``, transient: what ``retry_failed`` fetches again). The files are
 served by Python's own ``http.server`` in a subprocess bound to 127.0.0.1 (``serve``), stopped by PID;
 the URLs carry the server's port, which the run fingerprint ignores for loopback URLs.
 """
@@ -62,6 +63,7 @@ def write_files(root: Path, n: int = 48, seed: int = 0) -> list[dict]:
     rows[13][S.URL] = rows[12][S.URL]  # duplicate_url
     rows[15][S.UID] = rows[14][S.UID]  # duplicate_uid
     rows[17][S.TEXT] = ""
+    rows[19][S.URL] = "http://127.0.0.1:1/img/refused.jpg"  # connection refused: transient, every time
     return rows
 
 
