@@ -16,7 +16,9 @@ import sys
 from jobs.common import init_ray, parse_job_config, print_table
 from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import Storage
+from pipeline.shards.reader import TooManyBadShards
 from training.config import TRAIN_PRESETS, to_plain
+from training.model.checkpoint import CheckpointError
 from training.train.trainer import train
 
 # clip, clip:VOCAB, a tokenizer directory or tokenizer.json; a shard directory, glob or list
@@ -26,7 +28,11 @@ FLAGS = {"--shards": "data.shards", "--tokenizer": "tokenizer"}
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_job_config(argv, __doc__.splitlines()[0], TRAIN_PRESETS, FLAGS)
     init_ray()
-    out = train(cfg)
+    try:
+        out = train(cfg)
+    except (TooManyBadShards, CheckpointError) as exc:  # the project's own reason, in one line
+        print(f"input error: {exc}", file=sys.stderr)
+        return 3
     final = out.metrics[-1] if out.metrics else {}
     write_manifest(
         out.run_dir,
@@ -35,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         counts={"steps": out.return_value.get("final_step"), "ingest": out.ingest},
         timings={"train": out.wall_s},
         store=Storage.from_env(cfg.run.s3_endpoint),
-        extra={"checkpoint": out.checkpoint_path, "final_metrics": final},
+        extra={
+            "checkpoint": out.checkpoint_path,
+            "final_metrics": final,
+            "checkpoint_warnings": out.warnings,
+        },
     )
     rows = [(k, f"{v:.4g}" if isinstance(v, float) else v) for k, v in final.items()]
     print_table(

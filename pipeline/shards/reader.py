@@ -43,6 +43,18 @@ class TooManyBadShards(RuntimeError):
     """More distinct corrupt/truncated shards than ``max_bad_shards``; names the last one."""
 
 
+def stop_reason(counts: dict[str, Any], max_bad_shards: int) -> TooManyBadShards | None:
+    """The ingest's own reason for a job that stopped, from the counters every read task reports to
+    (``bad_shards``, ``bad_shard_paths``): the error a distributed run's framework cuts short."""
+    n, paths = int(counts.get("bad_shards", 0)), list(counts.get("bad_shard_paths", []))
+    if n <= max_bad_shards or not paths:
+        return None
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    return TooManyBadShards(
+        f"{n} damaged shards exceed data.max_bad_shards={max_bad_shards}: {', '.join(paths[:3])}{more}"
+    )
+
+
 # --- the streaming tar parser ------------------------------------------------------------------------------------------
 
 
