@@ -3,14 +3,14 @@
 On main, a run (checkpoint every 10, keep 2) whose registered ``checkpoint_00000040`` had a truncated
 ``weights.pt`` fell back to step 30, wrote ``checkpoint_00000040`` again into the corrupt one's directory
 and died at step 60 with Ray Train's ``Path not found``; the fallback warning never reached the console.
-Here one Ray Train run on local storage is killed (SIGKILL of a worker, pipeline/common/faults.py) while
-rank 0 writes checkpoint 20 and again half-way through the upload of checkpoint 30, restarts each time
-from the last registered checkpoint, and finishes with every step committed once; each restore
+Here one Ray Train run on SeaweedFS S3 is killed (SIGKILL of a worker, pipeline/common/faults.py) while
+rank 0 writes checkpoint 20 and again half-way through the S3 upload of checkpoint 30, restarts each
+time from the last registered checkpoint, and finishes with every step committed once; each restore
 downloads one copy per node (two workers here); a bad picture is counted once over four epochs. The run
-directory is then copied to SeaweedFS S3, its latest checkpoint truncated, and ``jobs.train`` resumed
-there to step 60, killed once more mid-upload: the corrupt checkpoint is deregistered and set aside
-before training (one line on the console and in the manifest), no directory is written twice, and the
-run ends at step 60 with the samples of steps 1..60 seen.
+directory is then copied to local storage, its latest checkpoint truncated, and ``jobs.train`` resumed
+there to step 60: the corrupt checkpoint is deregistered and set aside before training (one line on the
+console and in the manifest), no directory is written twice, and the run ends at step 60 with the
+samples of steps 1..60 seen. The local save and upload cut by a kill: tests/faults/test_checkpoint_files.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pipeline.shards.writer import write_shard
 from tests.fixtures.s3_server import s3_server  # noqa: F401
 from tests.fixtures.train_shards import demo_samples, write_demo_shards
 from training.config import TRAIN_PRESETS
+from training.train.run_checkpoints import SNAPSHOT_FILE
 from training.train.trainer import train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -64,47 +65,56 @@ def _extra(run: Path, name: str) -> dict:
     return json.loads((run / name / "extra.json").read_text())
 
 
-def test_kills_during_save_and_upload_then_a_corrupt_latest_on_s3(ray_local, s3_server, tmp_path, monkeypatch,
-                                                                 capfd) -> None:  # fmt: skip
+def test_kills_during_save_and_s3_upload_then_a_corrupt_latest_resumed(ray_local, s3_server, tmp_path,
+                                                                      monkeypatch, capfd) -> None:  # fmt: skip
     shards = _shards(tmp_path / "shards")
     trace, state = tmp_path / "trace.txt", tmp_path / "fired.txt"
     monkeypatch.setenv(faults.ARM, "checkpoint.save@2,checkpoint.upload@12")
     monkeypatch.setenv(faults.STATE, str(state))
     monkeypatch.setenv(faults.TRACE, str(trace))
     sets = {**SETS, "samples_seen": 40 * B, "data.shards": shards, "run.max_failures": 2,
-            "run.storage_path": str(tmp_path / "train"), "run.name": "kills"}  # fmt: skip
+            "run.storage_path": s3_server.url("train"), "run.s3_endpoint": s3_server.endpoint,
+            "run.name": "kills"}  # fmt: skip
     out = train(merge(TRAIN_PRESETS["demo"], _nested(sets)))
-    run = tmp_path / "train" / "kills"
+    client, bucket = s3_server.client(), s3_server.bucket
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="train/kills/")["Contents"])
+
+    def extra_of(name: str) -> dict:
+        return json.loads(
+            client.get_object(Bucket=bucket, Key=f"train/kills/{name}/extra.json")["Body"].read()
+        )
+
     assert state.read_text().split() == ["checkpoint.save@2", "checkpoint.upload@12"]  # both kills happened
     final = out.checkpoint_path.rsplit("/", 1)[-1]
-    extra = _extra(run, final)
+    extra = extra_of(final)
     assert final == "checkpoint_00000040" and extra["history"] == [[1, 40]]
     assert extra["attempts"] == [0, 10, 20]  # restarted from the last registered checkpoint each time
     assert extra["samples_seen"] == 40 * B
-    # The cut upload left checkpoint_00000030 behind; the retrained step 30 went to a fresh directory.
-    assert (run / "checkpoint_00000030").is_dir() and not (
-        run / "checkpoint_00000030" / "checksums.json"
-    ).exists()
-    names = sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint_0"))
-    assert names == ["checkpoint_00000030", "checkpoint_00000030.1", "checkpoint_00000040"], names
+    # The S3 upload cut after a few files left checkpoint_00000030 without its checksums; the retrained
+    # step 30 went to a fresh directory, and only whole checkpoints were ever registered.
+    dirs = sorted(
+        {k.split("/")[2] for k in keys if k.count("/") >= 3 and k.split("/")[2].startswith("checkpoint_")}
+    )
+    assert dirs == ["checkpoint_00000030", "checkpoint_00000030.1", "checkpoint_00000040"], dirs
+    assert "train/kills/checkpoint_00000030/checksums.json" not in keys
     fetches = trace.read_text().split().count("checkpoint.fetch")
     print(f"restores: 2, downloads: {fetches} (2 workers on one node); "
           f"bad images counted: {out.ingest['bad_images']} over 4 epochs")  # fmt: skip
     assert fetches == 2
     assert out.ingest["bad_images"] == 1
 
-    # --- the same run on S3, its latest checkpoint truncated, resumed to step 60 by the job ------------
-    client, bucket = s3_server.client(), s3_server.bucket
-    for p in sorted(run.rglob("*")):
-        if p.is_file():
-            client.upload_file(str(p), bucket, f"train/kills/{p.relative_to(run)}")
-    key = "train/kills/checkpoint_00000040/weights.pt"
-    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    client.put_object(Bucket=bucket, Key=key, Body=body[: len(body) // 3])
-    monkeypatch.setenv(faults.ARM, "checkpoint.upload@3")  # the first upload after the resume is cut
+    # --- the same run copied to local storage, its latest checkpoint truncated, resumed to 60 by the job
+    run = tmp_path / "train" / "kills"
+    for key in keys:
+        dest = run / key.split("/", 2)[2]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        client.download_file(bucket, key, str(dest))
+    weights = run / "checkpoint_00000040" / "weights.pt"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    for k in (faults.ARM, faults.STATE, faults.TRACE):
+        monkeypatch.delenv(k)
     argv = ["--preset", "demo", "--set", f"samples_seen={60 * B}", "--set", f"data.shards={shards}",
-            "--set", f"run.storage_path={s3_server.url('train')}", "--set", "run.name=kills",
-            "--set", f"run.s3_endpoint={s3_server.endpoint}", "--set", "run.max_failures=1"]  # fmt: skip
+            "--set", f"run.storage_path={tmp_path / 'train'}", "--set", "run.name=kills"]  # fmt: skip
     for k, v in SETS.items():
         argv += ["--set", f"{k}={v}"]
     capfd.readouterr()
@@ -112,21 +122,19 @@ def test_kills_during_save_and_upload_then_a_corrupt_latest_on_s3(ray_local, s3_
     err = capfd.readouterr().err
     said = [line for line in err.splitlines() if "is corrupt" in line]
     assert len(said) == 1 and "checkpoint_00000040" in said[0] and "deregistered" in said[0], err[-2000:]
-    listing = client.list_objects_v2(Bucket=bucket, Prefix="train/kills/")["Contents"]
-    dirs = sorted({o["Key"].split("/")[2] for o in listing if o["Key"].count("/") >= 3})
-    assert any(d.startswith("corrupt-checkpoint_00000040-") for d in dirs), dirs
-    snapshot = json.loads(
-        client.get_object(Bucket=bucket, Key="train/kills/checkpoint_manager_snapshot.json")["Body"].read()
-    )
-    registered = [r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]]
-    assert registered[-1] == "checkpoint_00000060" and len(registered) == 2
-    manifest = json.loads(client.get_object(Bucket=bucket, Key="train/kills/manifest.json")["Body"].read())
-    assert [w for w in manifest["extra"]["checkpoint_warnings"] if "is corrupt" in w] == said_lines(said)
-    final = json.loads(
-        client.get_object(Bucket=bucket, Key="train/kills/checkpoint_00000060/extra.json")["Body"].read()
-    )
+    assert len(list(run.glob("corrupt-checkpoint_00000040-*"))) == 1
+    registered = [
+        r["checkpoint_dir_name"] for r in json.loads((run / SNAPSHOT_FILE).read_text())["checkpoint_results"]
+    ]
+    assert registered == ["checkpoint_00000050", "checkpoint_00000060"], registered
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert [w for w in manifest["checkpoint_warnings"] if "is corrupt" in w] == said_lines(said)
+    final = _extra(run, "checkpoint_00000060")
     assert final["history"] == [[1, 60]] and final["samples_seen"] == 60 * B
-    assert final["attempts"][:3] == [0, 10, 20] and final["attempts"][3] == 30  # resumed from 30, not 40
+    assert final["attempts"] == [0, 10, 20, 30]  # resumed from 30, not from the corrupt 40
+    assert (
+        run / "checkpoint_00000040"
+    ).is_dir()  # the new step 40: a fresh directory where the old was moved
 
 
 def said_lines(said: list[str]) -> list[str]:

@@ -149,23 +149,27 @@ def preflight(fs: pafs.FileSystem, run_path: str, warn: Callable[[str], None]) -
     with fs.open_input_stream(snap_path) as f:
         snap = json.loads(f.read())
     order = sorted(range(len(snap["checkpoint_results"])), key=lambda i: snap["checkpoint_report_indices"][i])
-    warnings, corrupt = [], []
+    corrupt: dict[str, str] = {}  # name → problem, newest first
     for i in reversed(order):
         name = snap["checkpoint_results"][i]["checkpoint_dir_name"]
         problem = listing_problem(fs, posixpath.join(run_path, name))
         if problem is None:
             break
-        moved = _set_aside(fs, run_path, name)
-        corrupt.append(name)
-        warnings.append(f"checkpoint {posixpath.join(run_path, name)} is corrupt ({problem}): deregistered "
-                        f"and moved to {moved}")  # fmt: skip
+        corrupt[name] = problem
     if not corrupt:
         return []
-    if len(corrupt) == len(order):
-        raise CheckpointError(f"no usable checkpoint in {run_path}: " + "; ".join(warnings))
+    if len(corrupt) == len(order):  # nothing to resume from: left as it is, for the user to decide
+        raise CheckpointError(f"no usable checkpoint in {run_path}: "
+                              + "; ".join(f"{n} ({p})" for n, p in corrupt.items()))  # fmt: skip
+    # Deregistered first: a crash between the two steps leaves an unregistered directory, never a
+    # snapshot naming a directory that is gone (which Ray Train refuses to start from).
     _write_snapshot(fs, snap_path, _without(snap, set(corrupt)))
-    for line in warnings:
-        warn(line)
+    warnings = []
+    for name, problem in corrupt.items():
+        moved = _set_aside(fs, run_path, name)
+        warnings.append(f"checkpoint {posixpath.join(run_path, name)} is corrupt ({problem}): deregistered "
+                        f"and moved to {moved}")  # fmt: skip
+        warn(warnings[-1])
     return warnings
 
 
