@@ -13,6 +13,7 @@ from pipeline.build import build
 from pipeline.common.config import ConfigError, to_dict
 from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import Storage
+from pipeline.common.storage_errors import explain
 from pipeline.config import BUILD_PRESETS
 from pipeline.demo.source import demo_source
 from pipeline.filters.specs import check_build_filters
@@ -42,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         return _stop("metadata error", exc)
     except FingerprintMismatch as exc:
         return _stop("refused", exc)
+    except (
+        Exception
+    ) as exc:  # a full disk or an unreachable store: one line; anything else keeps its traceback
+        line = explain(exc, cfg.output)
+        if line is None:
+            raise
+        return _stop("storage error", line)
     write_manifest(
         run_cfg.output,
         job="build_dataset",
@@ -72,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 _ALL_COLUMNS = [f.name for f in METADATA_SCHEMA]
 
 
-def _stop(kind: str, exc: Exception) -> int:
+def _stop(kind: str, exc: Exception | str) -> int:
     """One line on stderr naming the field or file, exit code 2 (no traceback: the message is the fix)."""
     print(f"{kind}: {exc}", file=sys.stderr)
     return 2

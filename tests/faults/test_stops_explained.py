@@ -4,10 +4,16 @@
   ``TooManyBadShards``, naming the shards, was only in worker logs. The job now prints it in one line.
 - A parquet file naming a column twice was a ``KeyError`` traceback from the schema check; it is one
   line naming the file and the column.
+- A full disk and an unreachable object store were ~40-line tracebacks; each is one line naming the
+  output (the state they leave is consistent: the re-run resumes).
 """
 
 from __future__ import annotations
 
+import errno
+import shutil
+import socket
+import subprocess
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,6 +23,13 @@ import pytest
 from jobs import build_dataset as build_job
 from jobs import train as train_job
 from pipeline import schema as S
+from pipeline.build import build
+from pipeline.common.config import merge
+from pipeline.common.storage import Storage
+from pipeline.common.storage_errors import explain
+from pipeline.config import BUILD_PRESETS
+from tests.faults.tiny_pool import serve, write_files, write_metadata
+from tests.fixtures.build_runs import check_invariants, snapshot
 from tests.fixtures.train_shards import write_demo_shards
 
 
@@ -59,3 +72,80 @@ def test_too_many_bad_shards_stop_the_job_in_one_line_naming_them(ray_local, tmp
     assert stops[0].startswith("input error: 2 damaged shards exceed data.max_bad_shards=1: ")
     assert paths[1] in stops[0] and paths[2] in stops[0]
     assert "WorkerGroupError" not in err and "Traceback" not in err
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 64 KiB filesystem (tmpfs, mounted as root and unmounted after): the build's disk fills up."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _tiny_build_argv(meta: str, output: str) -> list[str]:
+    return ["--preset", "demo", "--set", f"metadata={meta}", "--set", f"output={output}",
+            "--set", "download_actors=0", "--set", "part_size=8", "--set", "filters.names=[no_filter]",
+            "--set", "download.retries=0"]  # fmt: skip
+
+
+@pytest.mark.ray
+def test_a_full_disk_stops_the_build_in_one_line_and_a_rerun_resumes(ray_local, tmp_path, small_disk, capsys):
+    rows = write_files(tmp_path / "pool", n=48, seed=5)
+    with serve(tmp_path / "pool") as base:
+        meta = write_metadata(tmp_path, rows, base)
+        rc = build_job.main(_tiny_build_argv(meta, str(small_disk / "out")))
+        line = _one_line(capsys.readouterr().err)
+        assert rc == 2 and line.startswith("storage error: disk full: no space left on the device of "), line
+        assert str(small_disk) in line and "a re-run resumes" in line
+        out = tmp_path / "out"  # the same build, moved to a disk with room, finishes from the copied state
+        shutil.copytree(small_disk / "out", out)
+        assert build_job.main(_tiny_build_argv(meta, str(out))) == 0, capsys.readouterr().err[-3000:]
+    check_invariants(
+        snapshot(out), len(rows)
+    )  # every input row in exactly one status, each uid once per subset
+
+
+@pytest.mark.ray
+def test_an_unreachable_object_store_stops_the_build_in_one_line(ray_local, tmp_path, monkeypatch, capsys):
+    with socket.socket() as s:  # a port of 127.0.0.1 nothing listens on: the store is down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
+    rows = write_files(tmp_path / "pool", n=8, seed=5)
+    meta = write_metadata(tmp_path, rows, "http://127.0.0.1:1")
+    argv = [*_tiny_build_argv(meta, "s3://bucket/out"), "--set", f"s3_endpoint=http://127.0.0.1:{port}"]
+    rc = build_job.main(argv)
+    line = _one_line(capsys.readouterr().err)
+    assert rc == 2 and line.startswith("storage error: storage unreachable: s3://bucket/out: "), line
+    assert f"127.0.0.1:{port}" in line and "s3cr3t-value" not in line
+
+
+def test_the_storage_errors_a_build_meets_are_explained_and_others_are_not(tmp_path, small_disk, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    rows = write_files(tmp_path / "pool", n=48, seed=5)
+    with serve(tmp_path / "pool") as base:
+        meta = write_metadata(tmp_path, rows, base)
+        cfg = merge(BUILD_PRESETS["demo"], {"metadata": meta, "output": str(small_disk / "out"),
+                                            "download_actors": 0, "part_size": 8})  # fmt: skip
+        with pytest.raises(OSError) as full:  # the build itself, without Ray, on the 64 KiB disk
+            build(cfg, log=lambda _: None)
+    line = explain(full.value, cfg.output)
+    assert full.value.errno == errno.ENOSPC or "[errno 28]" in str(full.value).lower()
+    assert line is not None and line.startswith("disk full: no space left on the device of ")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = Storage.from_env(f"http://127.0.0.1:{port}")
+    with pytest.raises(Exception) as down:
+        store.write_bytes(b"x", "s3://bucket/x")
+    line = explain(down.value, "s3://bucket/x")
+    assert line is not None and line.startswith("storage unreachable: s3://bucket/x: "), repr(down.value)
+    assert (
+        explain(KeyError("text"), "out") is None and explain(OSError(errno.EACCES, "denied"), "out") is None
+    )
