@@ -116,7 +116,7 @@ def test_an_unreachable_object_store_stops_the_build_in_one_line(ray_local, tmp_
         port = s.getsockname()[1]
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-value")
-    rows = write_files(tmp_path / "pool", n=8, seed=5)
+    rows = write_files(tmp_path / "pool", seed=5)
     meta = write_metadata(tmp_path, rows, "http://127.0.0.1:1")
     argv = [*_tiny_build_argv(meta, "s3://bucket/out"), "--set", f"s3_endpoint=http://127.0.0.1:{port}"]
     rc = build_job.main(argv)
