@@ -106,6 +106,8 @@ def test_kills_during_save_and_s3_upload_then_a_corrupt_latest_resumed(ray_local
     # --- the same run copied to local storage, its latest checkpoint truncated, resumed to 60 by the job
     run = tmp_path / "train" / "kills"
     for key in keys:
+        if key.endswith("/"):  # a directory marker object, no file
+            continue
         dest = run / key.split("/", 2)[2]
         dest.parent.mkdir(parents=True, exist_ok=True)
         client.download_file(bucket, key, str(dest))

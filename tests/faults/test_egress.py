@@ -63,7 +63,7 @@ def test_a_job_and_its_ray_open_no_connection_beyond_loopback(tmp_path) -> None:
     hook_dir, log = tmp_path / "hook", tmp_path / "egress.jsonl"
     hook_dir.mkdir()
     (hook_dir / "sitecustomize.py").write_text(HOOK)
-    rows = write_files(tmp_path / "pool", n=16, seed=2)
+    rows = write_files(tmp_path / "pool", n=24, seed=2)  # its planted rows reach index 19
     with serve(tmp_path / "pool") as base:
         meta = write_metadata(tmp_path, rows, base)
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray, as a user's
