@@ -11,10 +11,12 @@ import sys
 
 from jobs.common import init_ray, job_main, parse_job_config, print_table
 from pipeline.common.config import to_dict
+from pipeline.common.errors import StorageError
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import input_files, output_location
 from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
+from pipeline.common.storage_errors import explain
 from pipeline.config import BUILD_PRESETS, BuildConfig
 
 FLAGS = {"--metadata": "metadata", "--output": "output", "--s3-endpoint": "s3_endpoint"}
@@ -65,8 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     require_shared_storage({"output": cfg.output, "metadata": cfg.metadata})
     # The demo pool is served on the driver's address: 127.0.0.1 locally, the head's on a cluster.
     source = demo_source(cfg, host=ray.util.get_node_ip_address(), store=store)
-    with source as run_cfg:
-        result = build(run_cfg, store=store, allow_hosts=source.allow_hosts)
+    try:
+        with source as run_cfg:
+            result = build(run_cfg, store=store, allow_hosts=source.allow_hosts)
+    except Exception as exc:  # a full disk or an unreachable store: one line naming what to fix
+        line = explain(exc, cfg.output)
+        if line is None:
+            raise
+        raise StorageError(line) from None
     write_manifest(
         run_cfg.output,
         job="build_dataset",

@@ -246,6 +246,7 @@ def init_ray(num_cpus: int = 0, **kwargs: Any) -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], **kwargs)
     else:
         loopback_only(ray)
+        no_cloud_probe(ray)
         kwargs.setdefault("_node_ip_address", LOOPBACK)
         kwargs.setdefault("dashboard_host", LOOPBACK)
         ray.init(
@@ -372,6 +373,30 @@ def loopback_only(ray: Any) -> None:
     constants = ray._private.ray_constants
     if hasattr(constants, "ENABLE_RAY_CLUSTER"):
         constants.ENABLE_RAY_CLUSTER = False
+
+
+def no_cloud_probe(ray: Any) -> None:
+    """Start no dashboard process when there is no dashboard: it would probe the cloud's metadata service.
+
+    With ``include_dashboard=False`` Ray 2.60 still starts its dashboard process, to host one module,
+    usage stats, whose start asks ``169.254.169.254`` and ``metadata.google.internal`` which cloud this
+    is before it reads that usage stats are off (``usage_stats_head.py``, ``get_cluster_config_to_report``).
+    Usage stats are always off in our jobs, so that process has nothing to do: Ray's start is left
+    without it (it handles a dashboard that did not start). A job asked for a dashboard keeps Ray's own.
+    tests/faults/test_egress.py records every lookup and connection of the job's processes.
+    """
+    services = ray._private.services
+    if getattr(services.start_api_server, "no_cloud_probe", False):
+        return
+    start = services.start_api_server
+
+    def start_api_server(include_dashboard: Any, *args: Any, **kwargs: Any) -> Any:
+        if include_dashboard is False:
+            return None, None  # (dashboard URL, process): none started
+        return start(include_dashboard, *args, **kwargs)
+
+    start_api_server.no_cloud_probe = True  # type: ignore[attr-defined]
+    services.start_api_server = start_api_server
 
 
 def print_table(title: str, rows: Sequence[tuple[Any, ...]], headers: Sequence[str]) -> None:

@@ -6,6 +6,8 @@ Thin entry point over ``pipeline.subsets.reshard.reshard`` (DataComp's resharder
 repeated uids up-sampled, bytes copied as they are). No Ray: one streaming pass, optional read-ahead
 threads. The summary (written, missing, shards) is printed and written to ``OUT/reshard.json``. The
 shards, the subset and the output are checked before the first tar is read.
+``--verify`` checks every selected sample against the checksums of its stored bytes that the build
+recorded (pipeline/shards/checksums.py): a mismatch is not copied, counted and named.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ReshardJobConfig:
     workers: Positive = 1  # input tars read ahead in parallel
     overwrite: bool = False  # replace shards already in out
     skip_corrupt: bool = False  # keep going past a damaged input tar
+    verify: bool = False  # copy only samples whose bytes match their stored checksums; name the others
 
 
 PRESETS = {"demo": ReshardJobConfig()}
@@ -43,6 +46,7 @@ FLAGS = {
     "--workers": "workers",
     "--overwrite": "overwrite",
     "--skip-corrupt": "skip_corrupt",
+    "--verify": "verify",
 }
 SUMMARY = """\
 Materialise a DataComp subset (a sorted u8,u8 uid .npy) as new webdataset shards: DataComp's resharder
@@ -76,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=args.workers,
             overwrite=args.overwrite,
             skip_corrupt=args.skip_corrupt,
+            verify=args.verify,
         )
     except JobError:
         raise
@@ -94,7 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if res.corrupt_inputs:
         rows.append(("corrupt inputs", len(res.corrupt_inputs)))
+    if args.verify:
+        rows.append(("checksum mismatches", len(res.mismatched)))
     print_table(f"reshard → {args.out}", rows, ("", "count"))
+    for line in res.mismatched[:20]:
+        print(f"reshard: checksum mismatch, not copied: {line}", file=sys.stderr)
     return 0
 
 

@@ -74,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         counts={"steps": out.return_value.get("final_step"), "ingest": out.ingest},
         timings={"train": out.wall_s},
         store=Storage.from_env(cfg.run.s3_endpoint),
-        extra={"checkpoint": out.checkpoint_path, "final_metrics": final},
+        extra={
+            "checkpoint": out.checkpoint_path,
+            "final_metrics": final,
+            "checkpoint_warnings": out.warnings,
+        },
     )
     rows = [(k, f"{v:.4g}" if isinstance(v, float) else v) for k, v in final.items()]
     print_table(

@@ -38,7 +38,10 @@ from pipeline.download.phase import PoolRows, download_parts
 from pipeline.filters import rerun_cache as FR
 from pipeline.filters.specs import apply_filters, check_build_filters, needs_language, parse_filter_specs
 from pipeline.source import run_state as R
+from pipeline.source.content import COLUMNS as CONTENT_COLUMNS
+from pipeline.source.content import content_digests
 from pipeline.source.metadata import Metadata, open_metadata, read_columns
+from pipeline.source.output_lock import exclusive
 from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, pre_statuses
 from pipeline.source.status_table import decide_image_duplicates, status_table_of
 from pipeline.subsets import eligibility as SR
@@ -106,16 +109,36 @@ def build(
     (the demo pool's server: pipeline/demo/source.py).
     """
     store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
-    paths = run_paths(cfg.output)
-    timings: dict[str, float] = {}
     t0 = time.perf_counter()
     pool = _read_pool(cfg, store, log)
-    R.claim(cfg, R.fingerprint(cfg, pool.narrow.column(S.UID), pool.live()), store, log)
+    content = pool_content(pool)
+    # One build per output, from the fingerprint check to the last file (pipeline/source/output_lock.py).
+    with exclusive(cfg.output, store, log) as lock:
+        return _build_locked(cfg, log, store, (pool, content), lock, t0, allow_hosts)
+
+
+def _build_locked(
+    cfg: BuildConfig,
+    log: Callable[[str], None],
+    store: Storage,
+    read: tuple,
+    lock,
+    t0: float,
+    allow_hosts: Sequence[str] = (),
+) -> BuildResult:
+    """The build once the output is ours: ``read`` = (the pool, its content digests)."""
+    pool, content = read
+    paths = run_paths(cfg.output)
+    timings: dict[str, float] = {}
+    fp = R.fingerprint(cfg, pool.narrow.column(S.UID), pool.live(), content)
+    R.claim(cfg, fp, store, log)
     timings["metadata_and_row_checks"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    rows = PoolRows(pool.meta, pool.narrow.column(S.UID), pool.live())
+    rows = PoolRows(pool.meta, pool.narrow.column(S.UID), pool.live(), content)
     n_parts, done, n_retried = download_parts(rows, cfg, store, paths, log, allow_hosts)
+    lock.check()
+    R.record(cfg, fp, store)  # every part now holds this pool's content
     timings["download"] = time.perf_counter() - t1
 
     t2 = time.perf_counter()
@@ -167,6 +190,16 @@ def _read_pool(cfg: BuildConfig, store: Storage, log: Callable[[str], None]) -> 
         f"{int((status_pre != '').sum())} decided before download"
     )
     return _Pool(meta, narrow, status_pre, cfg.max_caption_bytes, store)
+
+
+def pool_content(pool: _Pool) -> np.ndarray:
+    """Every live row's content digest (0 for rows decided before download), read as the parts read them."""
+    content = np.zeros(pool.narrow.num_rows, np.uint64)
+    live = np.flatnonzero(pool.live())
+    if len(live):
+        rows = pool.columns([S.UID, *CONTENT_COLUMNS]).take(pa.array(live))
+        content[live] = content_digests(rows)
+    return content
 
 
 def _part_files(paths: dict[str, str], n_parts: int, store: Storage, ext: str) -> list[str]:

@@ -142,7 +142,7 @@ class BuildConfig:
     output: str = "runs/demo"  # run directory, local or s3:// (required by jobs.build_dataset)
     samples_per_shard: Positive = 10_000  # samples per output .tar (img2dataset's 10,000)
     part_size: Positive = 1_000  # input rows per download task (the unit of resume)
-    download_actors: Positive = 2  # Ray actors downloading parts at once
+    download_actors: NonNegative = 2  # Ray actors downloading parts at once; 0: in the driver, no Ray
     download_cpus: PositiveFloat = 0.5  # Ray CPUs reserved per download actor (I/O-bound; see build.py)
     num_cpus: NonNegative = 0  # local Ray: 0 = all cores
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server
@@ -151,9 +151,12 @@ class BuildConfig:
     # what one row can put into a shard and into the driver; 16 KiB is ~50× a 77-token CLIP caption.
     max_caption_bytes: Positive = 16_384
     # Actions, not settings (outside the run fingerprint): discard an earlier run's outputs in ``output``
-    # first; download again the rows whose status is transient (schema.is_transient).
+    # first; download again the rows whose status is transient (schema.is_transient); the changed rows.
     overwrite: bool = False  # discard an earlier run's parts and outputs in output first
     retry_failed: bool = False  # download again the rows whose status is transient (timeouts, 429, 5xx)
+    # download again the rows whose URL, caption, sha256 or face boxes changed since their part was made
+    # (a pool that changed only so is refused without it: pipeline/source/run_state.py)
+    refresh_changed: bool = False
     tokenizer_vocab: NonNegative = (
         0  # >0: train a BPE tokenizer on the successful captions into <output>/tokenizer
     )

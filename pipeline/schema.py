@@ -8,6 +8,7 @@ Every input uid ends in exactly one status; ``STATUS_*`` constants and the ``fai
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,9 +124,16 @@ def check_metadata_schema(schema: pa.Schema) -> list[SchemaProblem]:
 
     Optional DataComp columns may be absent (our demo pool has them; user pools may not), but when
     present they must have a compatible type, so a mistyped column stops the job before any download.
+    A column name that appears twice is a problem of its own (reported alone: no column is unambiguous).
     """
     problems: list[SchemaProblem] = []
     names = set(schema.names)
+    # A repeated name makes every read of that column ambiguous (pyarrow's field() refuses it): say which.
+    for col, n in sorted(Counter(schema.names).items()):
+        if n > 1:
+            problems.append(SchemaProblem(col, f"column name appears {n} times"))
+    if problems:
+        return problems
     for col in REQUIRED_COLUMNS:
         if col not in names:
             problems.append(SchemaProblem(col, "missing required column"))

@@ -104,6 +104,8 @@ class DataConfig:
     cache_decoded: bool = False
     trim_text_padding: bool = True  # cut all-padding token columns per batch (exact; off for static shapes)
     max_bad_shards: NonNegative = 10  # distinct corrupt/truncated shards tolerated before the job stops
+    # Drop (and count) samples whose bytes differ from the checksums the build stored (pipeline/shards/checksums.py)
+    verify_checksums: bool = False
     mask_fraction: Unit = 0.125  # samples per batch with a masked variant (ProLIP §4.1)
     text_mask_ratio: Unit = 0.75  # text tokens replaced by [MASK] (§4.1)
     # "mask": the masked text tokens become [MASK] (§4.1); "drop": they are removed, so the masked caption is
@@ -216,7 +218,9 @@ class RunOutputConfig:
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333; else AWS_ENDPOINT_URL(_S3)
     max_failures: NonNegative = 0  # automatic worker-group restarts from the last checkpoint
     checkpoint_every: Positive = 100  # optimizer steps
-    keep_checkpoints: NonNegative = 2  # newest checkpoints kept in storage_path/name
+    keep_checkpoints: Positive = (
+        2  # newest checkpoints kept in storage_path/name (Ray Train needs at least the latest)
+    )
     log_every: Positive = 10  # optimizer steps between progress lines and metrics
     tensorboard: bool = True  # TensorBoard event files in the run directory
     fail_at_step: NonNegative = 0  # test hook: rank `fail_rank` raises at this step on a run not resumed

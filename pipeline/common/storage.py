@@ -31,6 +31,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.common import faults
+
 S3_PREFIX = "s3://"
 # Sequential reads (tar shards) go through a buffer this large so one S3 GET serves many small reads.
 READ_BUFFER_BYTES = 8 * 1024 * 1024
@@ -318,6 +320,7 @@ class AtomicOutput(io.RawIOBase):
     def close(self) -> None:
         if self._done:
             return
+        faults.point("storage.publish")  # a crash before the file appears (pipeline/common/faults.py)
         self._done = True
         self._stream.close()
         if self._local:

@@ -174,41 +174,68 @@ def _read_body(resp: http.client.HTTPResponse, max_bytes: int) -> FetchResult:
     return FetchResult(S.STATUS_SUCCESS, bytes(buf), "", code)
 
 
-def _attempt(url: str, deadline: float, max_bytes: int, guard: UrlGuard, headers: dict[str, str],
-             honor_robots: bool) -> FetchResult:  # fmt: skip
-    timeout_s = round(deadline - time.monotonic(), 3)
+def _attempt(url: str, deadline: float, timeout_s: float, max_bytes: int, guard: UrlGuard,
+             headers: dict[str, str], honor_robots: bool, hosts: HostSlots | None) -> FetchResult:  # fmt: skip
+    """One attempt: every redirect hop checked by the guard and holding its server's slots.
+
+    The first hop may wait for its slots until ``deadline`` (the part's: ``TimeoutError``); the attempt's
+    ``timeout_s`` starts once it holds them and covers every later hop, slot waits included."""
+    ends: float | None = None  # the attempt's own deadline, set when the first hop holds its slots
+    code = 0
     for _hop in range(MAX_REDIRECTS + 1):
         decision = guard.resolve(url)
         if decision.status is not None:
             cls = _Transient if decision.transient else FetchResult
             return cls(decision.status, None, decision.error)
-        tls = _TLS if decision.scheme == "https" else None
-        conn = _PinnedConnection(decision, deadline, tls)
+        # The slots are the server's: its name and the address the connection goes to first.
+        keys = [HostSlots.key(url), HostSlots.address_key(str(decision.addresses[0][1][0]))]
+        slots = hosts.hold(keys, deadline if ends is None else ends) if hosts else nullcontext()
         try:
-            try:
-                conn.request("GET", decision.target, headers=headers)
-                resp = conn.getresponse()
-            except TimeoutError:
-                return _Transient(S.failed_download("timeout"), None, f"timed out ({timeout_s} s)")
-            except ssl.SSLCertVerificationError as exc:
-                return FetchResult(S.failed_download("connection_error"), None, f"TLS: {exc}")
-            except (OSError, http.client.HTTPException, UnicodeError, ValueError) as exc:
-                return _Transient(S.failed_download("connection_error"), None, repr(exc))
-            code = resp.status
-            if code in REDIRECT_CODES and resp.getheader("Location"):
-                url = urljoin(url, resp.getheader("Location", "").strip())
-                continue
-            if not 200 <= code < 300:
-                cls = _Transient if S.is_transient(S.failed_download(f"http_{code}")) else FetchResult
-                wait = parse_retry_after(resp.getheader("Retry-After")) if code in RETRY_AFTER_CODES else None
-                return cls(S.failed_download(f"http_{code}"), None, resp.reason or "", code, wait)
-            # Decided on the headers alone: the body of an opted-out image is never read (the close drops it).
-            if honor_robots and is_opted_out(resp.headers.get_all("X-Robots-Tag") or []):
-                return FetchResult(S.STATUS_OPTED_OUT, None, "X-Robots-Tag opt-out", code)
-            return _read_body(resp, max_bytes)
+            slots.__enter__()
+        except TimeoutError:
+            if ends is None:
+                raise
+            return _Transient(S.failed_download("timeout"), None, f"no slot for {decision.host} in time")
+        try:
+            ends = min(deadline, time.monotonic() + timeout_s) if ends is None else ends
+            result = _request(decision, ends, max_bytes, headers, honor_robots)
         finally:
-            conn.close()
+            slots.__exit__(None, None, None)
+        if isinstance(result, FetchResult):
+            return result
+        url, code = urljoin(url, result[0]), result[1]
     return FetchResult(S.failed_download(f"http_{code}"), None, f"more than {MAX_REDIRECTS} redirects", code)
+
+
+def _request(decision: GuardDecision, deadline: float, max_bytes: int, headers: dict[str, str],
+             honor_robots: bool) -> FetchResult | tuple[str, int]:  # fmt: skip
+    """GET on the checked addresses: the result, or (Location, code) of a redirect to follow."""
+    timeout_s = round(deadline - time.monotonic(), 3)
+    tls = _TLS if decision.scheme == "https" else None
+    conn = _PinnedConnection(decision, deadline, tls)
+    try:
+        try:
+            conn.request("GET", decision.target, headers=headers)
+            resp = conn.getresponse()
+        except TimeoutError:
+            return _Transient(S.failed_download("timeout"), None, f"timed out ({timeout_s} s)")
+        except ssl.SSLCertVerificationError as exc:
+            return FetchResult(S.failed_download("connection_error"), None, f"TLS: {exc}")
+        except (OSError, http.client.HTTPException, UnicodeError, ValueError) as exc:
+            return _Transient(S.failed_download("connection_error"), None, repr(exc))
+        code = resp.status
+        if code in REDIRECT_CODES and resp.getheader("Location"):
+            return resp.getheader("Location", "").strip(), code
+        if not 200 <= code < 300:
+            cls = _Transient if S.is_transient(S.failed_download(f"http_{code}")) else FetchResult
+            wait = parse_retry_after(resp.getheader("Retry-After")) if code in RETRY_AFTER_CODES else None
+            return cls(S.failed_download(f"http_{code}"), None, resp.reason or "", code, wait)
+        # Decided on the headers alone: the body of an opted-out image is never read (the close drops it).
+        if honor_robots and is_opted_out(resp.headers.get_all("X-Robots-Tag") or []):
+            return FetchResult(S.STATUS_OPTED_OUT, None, "X-Robots-Tag opt-out", code)
+        return _read_body(resp, max_bytes)
+    finally:
+        conn.close()
 
 
 def fetch(
@@ -228,8 +255,8 @@ def fetch(
     """Download ``url``; never raises for network or server misbehaviour (those become statuses).
 
     ``deadline`` (``time.monotonic()``) bounds everything, retries and waits included: reaching it gives
-    ``failed_to_download:deadline``. ``hosts`` caps concurrent connections per host (a slot is held for
-    one attempt, not while waiting to retry).
+    ``failed_to_download:deadline``. ``hosts`` caps concurrent connections per server (its name and its
+    resolved address: a slot is held for one hop of one attempt, not while waiting to retry).
     """
     # http.client adds "Accept-Encoding: identity": the bytes we hash are the bytes the sha256 was taken on.
     headers = {"User-Agent": user_agent, "Accept": "image/*,*/*;q=0.8", "Connection": "close"}
@@ -241,9 +268,7 @@ def fetch(
                 break  # not allowed, or no time left, for another attempt: keep the last failure
             time.sleep(wait)
         try:
-            with hosts.hold(url, deadline) if hosts else nullcontext():
-                result = _attempt(url, min(deadline, time.monotonic() + timeout_s), max_bytes, guard, headers,
-                                  honor_robots)  # fmt: skip
+            result = _attempt(url, deadline, timeout_s, max_bytes, guard, headers, honor_robots, hosts)
         except TimeoutError as exc:
             return FetchResult(DEADLINE, None, str(exc))
         if not isinstance(result, _Transient):

@@ -20,12 +20,17 @@ Decisions (docs/download.md explains them):
   whatever it resolves to — it is an explicit operator decision (the demo and tests allow ``127.0.0.1``).
   An entry with a port (``127.0.0.1:8080``, ``[::1]:8080``, ``images.internal:443``, ``10.0.0.0/8:80``)
   allows that port only; a bare entry allows every port (``parse_allow_entry``).
-- A name that does not resolve is ``failed_to_download:connection_error`` (transient: DNS hiccups happen).
+- A host name that cannot be one (an empty or over-long label, a character outside letters, digits,
+  ``-`` and ``_``, a label starting or ending with ``-``, over 253 characters) is ``invalid_url``. A name
+  the resolver says does not exist (``EAI_NONAME``, ``EAI_NODATA``) is ``failed_to_download:unknown_host``,
+  final like a 404: a ``retry_failed`` pass would ask again and get the same answer. Only a resolver that
+  could not answer (``EAI_AGAIN``, a socket error) leaves the row transient, ``connection_error``.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,6 +49,12 @@ METADATA_ADDRESSES = frozenset(
 )
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _TARGET_SAFE = "/%?=&;:@!$'()*+,~-._[]"
+# One DNS label after IDNA encoding (RFC 1123, plus "_", which real CDN host names carry).
+_LABEL = re.compile(r"(?!-)[a-z0-9_-]{1,63}(?<!-)")
+# The resolver's "this name has no address" answers (glibc: NXDOMAIN, or a name without A/AAAA records).
+_NO_SUCH_NAME = frozenset(
+    code for code in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)) if code is not None
+)
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,23 @@ def is_forbidden_ip(ip: IPAddress) -> bool:
     )
 
 
+def host_name_problem(host: str) -> str | None:
+    """Why ``host`` (lower-cased, brackets stripped) cannot be a host name; None if it can be one."""
+    if _parse_ip(host) is not None:
+        return None
+    name = host.rstrip(".")
+    try:
+        ascii_name = name.encode("idna").decode("ascii")
+    except UnicodeError as exc:
+        return f"host name {host!r} is not valid ({exc})"
+    if not ascii_name or len(ascii_name) > 253:
+        return f"host name {host!r} is empty or longer than 253 characters"
+    bad = next((label for label in ascii_name.split(".") if not _LABEL.fullmatch(label)), None)
+    if bad is not None:
+        return f"host name {host!r} has an invalid label {bad!r}"
+    return None
+
+
 def _parse_ip(text: str) -> IPAddress | None:
     try:
         return ipaddress.ip_address(text.split("%", 1)[0])  # drop an IPv6 zone id
@@ -134,6 +162,12 @@ def _port(text: str, entry: str) -> int:
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise ValueError(f"allow_hosts entry {entry!r}: port must be 1..65535")
     return int(text)
+
+
+def _unresolved(host: str, exc: Exception) -> GuardDecision:
+    """The resolver could not answer (no DNS server reachable, a timeout): worth asking again later."""
+    why = f"cannot resolve {host!r}: {exc}"
+    return GuardDecision(failed_download("connection_error"), why, transient=True)
 
 
 class UrlGuard:
@@ -185,12 +219,17 @@ class UrlGuard:
             target += "?" + parts.query
         # Web URLs in the wild carry raw spaces and UTF-8; http.client refuses those, browsers escape them.
         target = quote(target, safe=_TARGET_SAFE)
+        problem = host_name_problem(host)
+        if problem is not None:
+            return GuardDecision(STATUS_INVALID_URL, problem)
         try:
             infos = self._resolve(host, port, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError, OSError) as exc:
-            return GuardDecision(
-                failed_download("connection_error"), f"cannot resolve {host!r}: {exc}", transient=True
-            )
+        except socket.gaierror as exc:
+            if exc.errno in _NO_SUCH_NAME:
+                return GuardDecision(failed_download("unknown_host"), f"{host!r} does not resolve: {exc}")
+            return _unresolved(host, exc)
+        except (UnicodeError, OSError) as exc:
+            return _unresolved(host, exc)
         name_allowed = self._name_allowed(host.rstrip("."), port)
         allowed: list[tuple[int, tuple]] = []
         refused: list[str] = []

@@ -20,12 +20,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
+from pipeline.common import faults
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.config import BuildConfig, DownloadConfig
-from pipeline.download.worker import DownloadWorker
+from pipeline.download.worker import DownloadWorker, memory_bound
+from pipeline.shards.checksums import CHECKSUM_FIELD, stored_checksums
 from pipeline.shards.reader import iter_shard
 from pipeline.shards.writer import ShardWriter, sample_members
-from pipeline.source.metadata import read_rows
+from pipeline.source.content import CONTENT, content_digests
+from pipeline.source.metadata import READ_BATCH_ROWS, read_rows
 from pipeline.source.row_checks import ROW_KEY
 from pipeline.source.run_state import part_file
 
@@ -40,6 +43,24 @@ PART_COLUMNS = [
     S.IMAGE_SHA256,
     S.PHASH,
 ]
+
+
+# A row's bytes besides its caption as a part holds it: uid, URL (DataComp's are < 2 kB), sha256, face
+# boxes, the derived columns and Arrow's offsets.
+ROW_BYTES = 4096
+
+
+def part_memory_bound(cfg: BuildConfig) -> int:
+    """Bytes a download actor may hold above its idle resident size while it runs one part.
+
+    ``memory_bound(cfg.download)`` (the images in flight, docs/download.md) plus the part's rows: its
+    ``part_size`` rows and one read batch of ``READ_BATCH_ROWS`` (pipeline/source/metadata.py
+    ``read_rows``), each a caption of at most ``max_caption_bytes`` and ``ROW_BYTES`` more, twice (the
+    table as read and as prepared). No term grows with the input's row groups or its other columns;
+    a caption over ``max_caption_bytes`` (decided before download) is still decoded with its read batch.
+    """
+    rows = cfg.part_size + READ_BATCH_ROWS
+    return memory_bound(cfg.download) + 2 * rows * (cfg.max_caption_bytes + ROW_BYTES)
 
 
 class DownloadPart:
@@ -80,14 +101,18 @@ class DownloadPart:
         """Download ``rows`` as part ``part``: its tar + parquet under this run's token; its rows back."""
         rows = one_row_per_uid(rows)
         out = self.worker(rows)
+        faults.point("part.fetched")
         out = out if isinstance(out, pa.Table) else pa.table(out)
         summary = out.select([c for c in PART_COLUMNS if c in out.column_names])
+        # What each row baked in, for a later run to see whether the pool changed (source/content.py).
+        summary = summary.append_column(CONTENT, pa.array(content_digests(rows), pa.uint64()))
         samples: Iterator[tuple[str, list[tuple[str, bytes]]]] = iter(_samples(rows, out))
         if part in self.retry:
             summary, samples = self._merge(part, summary, samples)
         with ShardWriter(part_file(self.parts_dir, part, self.token, "tar"), self.store) as w:
             for key, members in samples:
                 w.write_members(key, members)
+        faults.point("part.tar_written")
         self.store.write_parquet(summary, part_file(self.parts_dir, part, self.token, "parquet"))
         return summary.append_column("part", pa.array([part] * summary.num_rows, pa.int64()))
 
@@ -142,7 +167,7 @@ def _samples(rows: pa.Table, out: pa.Table) -> list[tuple[str, list[tuple[str, b
             "sha256": r[S.IMAGE_SHA256],
             "key": m[S.UID],
         }
-        samples.append(
-            sample_members({"__key__": m[S.UID], "jpg": r[S.IMAGE], "txt": m.get(S.TEXT) or "", "json": info})
-        )
+        stored = {"jpg": r[S.IMAGE], "txt": (m.get(S.TEXT) or "").encode("utf-8")}
+        info[CHECKSUM_FIELD] = stored_checksums(stored)  # of the bytes the shard holds (checksums.py)
+        samples.append(sample_members({"__key__": m[S.UID], **stored, "json": info}))
     return samples

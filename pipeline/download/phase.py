@@ -40,6 +40,7 @@ class PoolRows:
     meta: Metadata
     uids: pa.ChunkedArray | pa.Array
     live: np.ndarray
+    content: np.ndarray | None = None  # every row's content digest (pipeline/source/content.py)
 
 
 def download_parts(
@@ -58,11 +59,15 @@ def download_parts(
     done = {p: t for p, t in done.items() if p < n_parts}
     R.remove_uncommitted(paths["parts"], done, store)
     retry = _transient_rows(paths["parts"], done, store) if cfg.retry_failed else {}
+    if cfg.refresh_changed and rows.content is not None:  # rows whose URL, caption, sha256 or boxes changed
+        pool = (rows.uids, rows.live, rows.content)
+        for part, uids in R.changed_rows(paths["parts"], done, pool, cfg.part_size, store).items():
+            retry[part] = retry.get(part, set()) | uids
     todo = sorted(set(range(n_parts)) - set(done))
     n_retry = sum(len(u) for u in retry.values())
     log(
         f"download: {n_parts} parts of {cfg.part_size} rows, {len(done)} already done"
-        + (f"; retrying {n_retry} transient rows in {len(retry)} parts" if cfg.retry_failed else "")
+        + (f"; downloading {n_retry} rows of {len(retry)} parts again" if retry else "")
     )
     specs = part_specs(rows, cfg.part_size, todo, retry)
     if not specs:
@@ -193,15 +198,24 @@ def _run_parts(meta: Metadata, specs: list[pa.Table], cfg: BuildConfig, store: S
     stats and autoscaling actors and idle workers cost 14% of a build's CPU on 2 cores
     (docs/decisions/0014-download-parts-on-plain-ray-actors.md).
     """
+    # The Storage object travels to the actors with its credentials: their processes need no AWS env.
+    args = (cfg.download, paths["parts"], {p: _done_token(paths, p, store) for p in retry}, store,
+            list(meta.files), cfg.max_caption_bytes)  # fmt: skip
+    if cfg.download_actors == 0:  # in the driver's own process, no Ray: a tiny pool, the kill suite
+        token = uuid.uuid4().hex[:16]
+        local = DownloadPart(args[0], args[1], token, *args[2:])
+        try:
+            for spec in specs:
+                yield int(spec.column("part")[0].as_py()), token, local(spec)
+        finally:
+            local.worker.close()
+        return
     import ray
     from ray.exceptions import ObjectLostError, RayActorError
 
     options: dict = {"num_cpus": cfg.download_cpus, "max_restarts": 0, "max_task_retries": 0}
     if cfg.data_label_selector:  # pipeline/common/placement.py: downloads run on the data nodes
         options["label_selector"] = {str(k): str(v) for k, v in cfg.data_label_selector.items()}
-    # The Storage object travels to the actors with its credentials: their processes need no AWS env.
-    args = (cfg.download, paths["parts"], {p: _done_token(paths, p, store) for p in retry}, store,
-            list(meta.files), cfg.max_caption_bytes)  # fmt: skip
     remote = ray.remote(DownloadPart).options(**options)
     pool = _ActorPool(remote, args, specs, max(1, min(cfg.download_actors, len(specs))), log)
     try:

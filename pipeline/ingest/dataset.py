@@ -39,8 +39,9 @@ class IngestCounters:
 
     def __init__(self) -> None:
         self.bad_shards: dict[str, str] = {}
-        self.bad_images = 0
+        self.bad_image_keys: set[str] = set()  # distinct: a bad picture is met again every epoch
         self.bad_image_examples: list[str] = []
+        self.mismatches: dict[str, str] = {}  # "shard key" → members whose stored checksum differs
         self.progress: dict[str, Any] = {}
 
     def set_progress(self, metrics: dict[str, Any]) -> None:
@@ -54,16 +55,23 @@ class IngestCounters:
         self.bad_shards.setdefault(path, error)
         return len(self.bad_shards)
 
-    def add_bad_images(self, n: int, examples: Sequence[str]) -> None:
-        self.bad_images += n
-        self.bad_image_examples = (self.bad_image_examples + list(examples))[:20]
+    def add_bad_images(self, keys: Sequence[str], examples: Sequence[str]) -> None:
+        new = [k for k in keys if k not in self.bad_image_keys]
+        self.bad_image_keys.update(keys)
+        if new:
+            self.bad_image_examples = (self.bad_image_examples + list(examples))[:20]
+
+    def checksum_mismatch(self, path: str, key: str, members: Sequence[str]) -> None:
+        self.mismatches.setdefault(f"{path} {key}", "+".join(members))
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "bad_shards": len(self.bad_shards),
             "bad_shard_paths": sorted(self.bad_shards),
-            "bad_images": self.bad_images,
+            "bad_images": len(self.bad_image_keys),
             "bad_image_examples": list(self.bad_image_examples),
+            "checksum_mismatches": len(self.mismatches),
+            "checksum_mismatch_examples": sorted(self.mismatches)[:20],
         }
 
 
@@ -118,15 +126,27 @@ class BadShardCounter:
 
 
 @dataclasses.dataclass(frozen=True)
+class MismatchCounter:
+    """``ShardReader``'s ``on_mismatch`` (``data.verify_checksums``): fire-and-forget, like bad images."""
+
+    counters: str
+
+    def __call__(self, path: str, key: str, members: list[str]) -> None:
+        handle = counters_handle(self.counters)
+        if handle is not None:
+            handle.checksum_mismatch.remote(path, key, members)
+
+
+@dataclasses.dataclass(frozen=True)
 class BadImageCounter:
     """``DecodeAugment``'s ``on_bad_images``: fire-and-forget, decoding never waits on the actor."""
 
     counters: str
 
-    def __call__(self, n: int, examples: list[str]) -> None:
+    def __call__(self, keys: list[str], examples: list[str]) -> None:
         handle = counters_handle(self.counters)
         if handle is not None:
-            handle.add_bad_images.remote(n, examples)
+            handle.add_bad_images.remote(keys, examples)
 
 
 class ProgressPrinter:
@@ -189,14 +209,16 @@ def build_train_dataset(
         else ray.data.FileShuffleConfig(seed=data.shuffle_seed, reseed_after_execution=True)
     )
     report = BadShardCounter(counters) if counters else None
+    mismatch = MismatchCounter(counters) if counters else None
     if data.subset:  # the build's shards, filtered to the subset's rows inside each read task
-        reader = SubsetShardReader(data.subset, store, max_bad_shards=data.max_bad_shards, report=report)
+        reader = SubsetShardReader(data.subset, store, max_bad_shards=data.max_bad_shards, report=report,
+                                   verify=data.verify_checksums, on_mismatch=mismatch)  # fmt: skip
         source = ShardDatasource(list_shards(data.shards, store), reader, shuffle=shuffle)
         ds = ray.data.read_datasource(source, num_cpus=data.read_cpus)
     else:
         ds = read_shards(
             data.shards, store, report=report, max_bad_shards=data.max_bad_shards, shuffle=shuffle,
-            num_cpus=data.read_cpus,
+            num_cpus=data.read_cpus, verify=data.verify_checksums, on_mismatch=mismatch,
         )  # fmt: skip
     ds = scope_dataset(ds, data.label_selector)
     if data.shuffle_window > 1:

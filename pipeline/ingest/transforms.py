@@ -53,7 +53,7 @@ from pipeline.ingest.masking import choose_kept_patches, mask_text_tokens, sampl
 
 log = logging.getLogger(__name__)
 
-BadImageReport = Callable[[int, list[str]], None]  # (n dropped, a few "key: error" examples)
+BadImageReport = Callable[[list[str], list[str]], None]  # (keys dropped, a few "key: error" examples)
 PIXEL_PARAMS = ("jitter", "jitter_order", "gray")  # per-image draws applied on the training device
 # Samples/s one core decodes, crops and tokenizes at 224 px with uint8 output (bench/ingest_224.py's
 # per-core limit on photos, 2-core x86 VM): what the trainer sizes the decode cores of a GPU run by.
@@ -115,7 +115,7 @@ class DecodeAugment:
         return np.asarray(Image.fromarray(arr).resize((self.size, self.size), Image.BICUBIC, box=box))
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        keep, images, errors = [], [], []
+        keep, images, errors, bad_keys = [], [], [], []
         for i, data in enumerate(batch["jpg"]):
             try:
                 arr = decode_for_size(bytes(data), self.size)
@@ -125,8 +125,9 @@ class DecodeAugment:
                 keep.append(i)
             except Exception as exc:  # any decoder error: a bad image must never stop training
                 errors.append(f"{batch['key'][i]}: {type(exc).__name__}: {exc}"[:200])
+                bad_keys.append(str(batch["key"][i]))
         if errors:
-            self._count_bad(errors)
+            self._count_bad(bad_keys, errors)
         n = len(keep)
         texts = [str(batch["txt"][i]) for i in keep]
         out = {
@@ -149,11 +150,11 @@ class DecodeAugment:
             out["gray"] = draw_grayscale(n, cfg.grayscale_p, self.rng)
         return out
 
-    def _count_bad(self, errors: list[str]) -> None:
+    def _count_bad(self, keys: list[str], errors: list[str]) -> None:
         self.bad_images += len(errors)
         log.warning("dropped %d undecodable image(s), e.g. %s", len(errors), errors[0])
         if self.on_bad_images is not None:
-            self.on_bad_images(len(errors), errors[:3])
+            self.on_bad_images(keys, errors[:3])  # by key: the counters count each image once, every epoch
 
 
 _STAGE_CACHE: dict[tuple, DecodeAugment] = {}

@@ -18,7 +18,7 @@ from ray.data.datasource import FileBasedDatasource
 from pipeline.common import storage
 from pipeline.common.placement import scope_dataset
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.shards.reader import BadShardReport, ShardReader, list_shards
+from pipeline.shards.reader import BadShardReport, MismatchReport, ShardReader, list_shards
 
 # --- the read -----------------------------------------------------------------------------------
 
@@ -51,14 +51,17 @@ def read_shards(
     with_json: bool = False,
     shuffle: Any = None,
     num_cpus: float | None = None,
+    verify: bool = False,
+    on_mismatch: MismatchReport | None = None,
 ) -> Any:
     """A ``ray.data.Dataset`` of raw samples, one read task per shard (directory, glob, list).
 
     ``report`` counts damaged shards across tasks (the ingest's counters actor, pipeline/ingest/dataset.py);
-    ``max_bad_shards`` (None: no limit) and ``with_json`` as in ``ShardReader``.
+    ``max_bad_shards`` (None: no limit), ``with_json``, ``verify`` and ``on_mismatch`` as in ``ShardReader``.
     """
     spec = shards if isinstance(shards, str) else ",".join(shards)
-    reader = ShardReader(store, max_bad_shards=max_bad_shards, report=report, with_json=with_json)
+    reader = ShardReader(store, max_bad_shards=max_bad_shards, report=report, with_json=with_json,
+                         verify=verify, on_mismatch=on_mismatch)  # fmt: skip
     source = ShardDatasource(list_shards(spec, store), reader, shuffle=shuffle)
     return ray.data.read_datasource(source, **({} if num_cpus is None else {"num_cpus": num_cpus}))
 

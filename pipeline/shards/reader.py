@@ -21,12 +21,14 @@ import json
 import logging
 import tarfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
 from pipeline.common.errors import InputError
 from pipeline.common.storage import LOCAL, Storage
+from pipeline.shards.checksums import CHECKSUM_FIELD, mismatched_members, sample_meta
 from pipeline.shards.tar_format import BLOCK, NAME_HEADERS, REGULAR, ShardError, parse_header
 
 log = logging.getLogger(__name__)
@@ -35,10 +37,23 @@ READ_CHUNK_ROWS = 256  # rows per table yielded for one shard: a few MB of JPEG 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")  # image members, in order of preference (webdataset's)
 
 BadShardReport = Callable[[str, str], int]  # (shard path, error) → distinct damaged shards so far
+MismatchReport = Callable[[str, str, list[str]], None]  # (shard path, sample key, members that differ)
 
 
 class TooManyBadShards(InputError, RuntimeError):
     """More distinct corrupt/truncated shards than ``max_bad_shards``; names the last one."""
+
+
+def stop_reason(counts: dict[str, Any], max_bad_shards: int) -> TooManyBadShards | None:
+    """The ingest's own reason for a job that stopped, from the counters every read task reports to
+    (``bad_shards``, ``bad_shard_paths``): the error a distributed run's framework cuts short."""
+    n, paths = int(counts.get("bad_shards", 0)), list(counts.get("bad_shard_paths", []))
+    if n <= max_bad_shards or not paths:
+        return None
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    return TooManyBadShards(
+        f"{n} damaged shards exceed data.max_bad_shards={max_bad_shards}: {', '.join(paths[:3])}{more}"
+    )
 
 
 # --- the streaming tar parser ------------------------------------------------------------------------------------------
@@ -197,6 +212,38 @@ def list_shards(spec: str, store: Storage = LOCAL) -> list[str]:
     return sorted(set(out))
 
 
+@dataclass
+class ShardCheck:
+    """One shard verified against its stored checksums (pipeline/shards/checksums.py)."""
+
+    path: str
+    samples: int = 0
+    checked: int = 0  # samples that record checksums
+    mismatched: dict[str, list[str]] = field(default_factory=dict)  # sample key → members that differ
+    error: str = ""  # the shard is damaged from some byte on (ShardError); "" when read to its end
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatched and not self.error
+
+
+def verify_shard(path: str, store: Storage = LOCAL) -> ShardCheck:
+    """Read every sample of ``path`` and compare its members with the checksums its json records."""
+    check = ShardCheck(path)
+    try:
+        for sample in iter_shard(path, store, decode=False):
+            check.samples += 1
+            bad = mismatched_members(sample, sample_meta(sample))
+            if bad is None:
+                continue
+            check.checked += 1
+            if bad:
+                check.mismatched[sample["__key__"]] = bad
+    except ShardError as exc:
+        check.error = str(exc)
+    return check
+
+
 def _text(value: bytes | None) -> str:
     return "" if value is None else bytes(value).decode("utf-8", "replace")
 
@@ -206,7 +253,9 @@ class ShardReader:
 
     ``max_bad_shards=None`` logs damaged shards and goes on (scoring: every intact pair still gets a
     score); an int stops the read once ``report`` says more distinct shards than that are damaged.
-    Without ``report`` each damaged shard counts as the first one.
+    Without ``report`` each damaged shard counts as the first one. ``verify=True`` drops every sample
+    whose bytes differ from the checksums its json records (pipeline/shards/checksums.py), counted in
+    ``mismatched`` and reported through ``on_mismatch`` (else logged).
     """
 
     def __init__(
@@ -217,10 +266,14 @@ class ShardReader:
         report: BadShardReport | None = None,
         with_json: bool = False,
         chunk_rows: int = READ_CHUNK_ROWS,
+        verify: bool = False,
+        on_mismatch: MismatchReport | None = None,
     ) -> None:
         self.store, self.max_bad, self.report = store, max_bad_shards, report
         self.with_json, self.chunk_rows = with_json, chunk_rows
-        self.extensions = {*IMAGE_EXTS, "txt", *(("json",) if with_json else ())}
+        self.verify, self.on_mismatch = verify, on_mismatch
+        self.mismatched = 0  # samples dropped because their bytes differ from their stored checksums
+        self.extensions = {*IMAGE_EXTS, "txt", *(("json",) if with_json or verify else ())}
 
     def __call__(self, path: str) -> Iterator[pa.Table]:
         rows: list[dict[str, bytes | None]] = []
@@ -229,6 +282,8 @@ class ShardReader:
                 image = next((s[e] for e in IMAGE_EXTS if e in s), None)
                 if image is None:
                     continue  # a sample without an image cannot train or be scored; webdataset skips it
+                if self.verify and self._mismatch(path, s):
+                    continue
                 rows.append({"key": s["__key__"], "jpg": image, "txt": s.get("txt"), "json": s.get("json")})
                 if len(rows) >= self.chunk_rows:
                     yield self._table(rows)
@@ -237,6 +292,19 @@ class ShardReader:
             self._bad_shard(path, exc)
         if rows:
             yield self._table(rows)
+
+    def _mismatch(self, path: str, sample: dict[str, Any]) -> bool:
+        """True (and reported) when the sample's bytes differ from the checksums its json records."""
+        bad = mismatched_members(sample, sample_meta(sample))
+        if not bad:
+            return False
+        self.mismatched += 1
+        if self.on_mismatch is not None:
+            self.on_mismatch(path, sample["__key__"], bad)
+        else:
+            log.warning("dropped sample %s of %s: %s differ from its %s", sample["__key__"], path,
+                        "+".join(bad), CHECKSUM_FIELD)  # fmt: skip
+        return True
 
     def _table(self, rows: list[dict[str, bytes | None]]) -> pa.Table:
         cols = {

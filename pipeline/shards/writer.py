@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pipeline import schema as S
-from pipeline.common import storage
+from pipeline.common import faults, storage
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.shards.tar_format import BLOCK, MEMBER_ORDER, RECORD, member_header
+from pipeline.shards.tar_format import BLOCK, MEMBER_ORDER, RECORD, member_header, shard_name, stats_name
 
 # --- writing ------------------------------------------------------------------------------------------
 
@@ -85,6 +85,7 @@ class ShardWriter:
 
     def write_members(self, key: str, members: Sequence[tuple[str, bytes]]) -> None:
         """Low-level: members written as given (bytes untouched) — resharding copies through this."""
+        faults.point("shard.sample")
         for ext, data in members:
             self._put(member_header(f"{key}.{ext}", len(data)))
             self._put(data)
@@ -165,3 +166,46 @@ def write_sizes(directory: str, counts: Mapping[str, int], store: Storage = LOCA
     path = storage.join(directory, SIZES_NAME)
     store.write_json({str(k).rsplit("/", 1)[-1]: int(v) for k, v in counts.items()}, path)
     return path
+
+
+class RollingWriter:
+    """Numbered shards ``{i:08d}.tar`` of ``samples_per_shard`` samples in ``out``, each closed one with its
+    stats file; ``close()`` writes ``sizes.json`` for the set (the resharder's output)."""
+
+    def __init__(self, out: str, samples_per_shard: int, store: Storage) -> None:
+        self.out, self.per_shard, self.store = out, samples_per_shard, store
+        self.total = 0
+        self.shards: list[str] = []
+        self.counts: list[int] = []
+        self._writer: ShardWriter | None = None
+        self._started = 0.0
+
+    def write(self, key: str, members: list[tuple[str, bytes]]) -> None:
+        if self._writer is None:
+            path = storage.join(self.out, shard_name(len(self.shards)))
+            self._writer, self._started = ShardWriter(path, self.store), time.time()
+        self._writer.write_members(key, members)
+        self.total += 1
+        if self._writer.count == self.per_shard:
+            self._finish()
+
+    def _finish(self) -> None:
+        assert self._writer is not None
+        self._writer.close()
+        i = len(self.shards)
+        self.shards.append(self._writer.path)
+        self.counts.append(self._writer.count)
+        stats = shard_stats({S.STATUS_SUCCESS: self._writer.count}, self._started)
+        write_stats(storage.join(self.out, stats_name(i)), stats, self.store)
+        self._writer = None
+
+    def close(self) -> None:
+        """Finish the open shard and write ``sizes.json`` for the whole set."""
+        if self._writer is not None:
+            self._finish()
+        write_sizes(self.out, dict(zip(self.shards, self.counts, strict=True)), self.store)
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None

@@ -6,7 +6,9 @@ columns), so it reads them straight from the parquet files, file by file in ``St
 with pyarrow's threads: no Ray Data execution, and the schema check reads only the footers. That read
 order is the pool's *row order*, which defines the download parts (pipeline/download/phase.py): a row is
 named by its position, ``(file index, row index in the file)``, and a download actor reads its part's
-rows back from the same files (the row groups that cover them, then ``take``). Every read goes through
+rows back from the same files — only the columns a part needs, in bounded batches of the row groups that
+cover them (``read_rows``), so its memory does not grow with the row groups or the extra columns of the
+input. Every read goes through
 ``rows.prepare_batch``, so the driver and the actors see the same decoded strings and row keys.
 """
 
@@ -109,27 +111,64 @@ def read_columns(
     return table.select([c for c in columns if c in table.column_names])
 
 
+# The columns a download part reads: what the fetch, the sha256 check, the face blur and the shard's txt and
+# json members need. Nothing else of a row reaches the actor, however wide the metadata is.
+PART_READ_COLUMNS = (S.UID, S.URL, S.TEXT, S.SHA256, S.FACE_BBOXES)
+READ_BATCH_ROWS = 1024  # rows decoded at a time while a part's rows are read, whatever the row groups
+_READ_BUFFER = 1 << 20  # column chunks are streamed through a buffer this large, never read whole
+
+
 def read_rows(
     files: Sequence[str],
     file_idx: np.ndarray,
     row_idx: np.ndarray,
     max_caption_bytes: int,
     store: Storage = LOCAL,
+    columns: Sequence[str] = PART_READ_COLUMNS,
 ) -> pa.Table:
-    """All columns of the given rows, in the given order (rows of one file consecutive), prepared: the
-    download actor's read of its part — only the row groups covering the rows are read."""
+    """``columns`` of the given rows, in the given order (rows of one file consecutive), prepared: the
+    download actor's read of its part.
+
+    Memory is bounded by construction: only ``columns`` (those a file has) are read, decoded
+    ``READ_BATCH_ROWS`` rows at a time from the row groups covering the rows, the column chunks streamed
+    rather than buffered whole, so one huge row group or a wide extra column costs what small ones do."""
     file_idx, row_idx = np.asarray(file_idx, np.int64), np.asarray(row_idx, np.int64)
     fs, fs_paths = store.filesystem_for(list(files))
     tables = []
     for f in dict.fromkeys(file_idx.tolist()):  # files in first-seen order
         local = row_idx[file_idx == f]
-        pf = pq.ParquetFile(fs_paths[f], filesystem=fs)
-        sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
-        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        first = int(np.searchsorted(starts, local.min(), side="right") - 1)
-        last = int(np.searchsorted(starts, local.max(), side="right") - 1)
-        groups = pf.read_row_groups(list(range(first, last + 1)), use_threads=True)
-        tables.append(_prepared(groups.take(pa.array(local - starts[first])), None, max_caption_bytes))
+        pf = pq.ParquetFile(fs_paths[f], filesystem=fs, pre_buffer=False, buffer_size=_READ_BUFFER)
+        names = pf.schema_arrow.names
+        wanted = [c for c in dict.fromkeys([*columns, *_RAW_NEEDED]) if c in names]
+        tables.append(_prepared(_take_rows(pf, local, wanted), None, max_caption_bytes))
     if not tables:
         raise ValueError("read_rows: no rows given")
     return _concat(tables)
+
+
+def _take_rows(pf: pq.ParquetFile, rows: np.ndarray, columns: list[str]) -> pa.Table:
+    """Rows ``rows`` of one file in that order, ``columns`` only, read in batches of ``READ_BATCH_ROWS``."""
+    order = np.argsort(rows, kind="stable")
+    local = rows[order]
+    sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    first = int(np.searchsorted(starts, local.min(), side="right") - 1)
+    last = int(np.searchsorted(starts, local.max(), side="right") - 1)
+    offset, pieces = int(starts[first]), []
+    batches = pf.iter_batches(
+        batch_size=READ_BATCH_ROWS,
+        row_groups=list(range(first, last + 1)),
+        columns=columns,
+        use_threads=False,
+    )
+    for batch in batches:
+        lo, hi = np.searchsorted(local, [offset, offset + batch.num_rows])
+        if hi > lo:
+            pieces.append(pa.Table.from_batches([batch.take(pa.array(local[lo:hi] - offset))]))
+        offset += batch.num_rows
+        if offset > local[-1]:
+            break  # past the part's last row: the rest of the group is never decoded
+    table = _concat(pieces)
+    if (order != np.arange(len(order))).any():
+        table = table.take(pa.array(np.argsort(order)))  # back to the order asked
+    return table

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.dedup.decisions import url_duplicates
+from pipeline.source.content import without_loopback_port
 
 CAPTION_STATUS = "caption_status"
 ROW_KEY = "row_key"
@@ -132,7 +133,8 @@ def prepare_batch(batch: pa.Table, max_caption_bytes: int) -> pa.Table:
         if name not in out:
             out[name] = batch.column(name)
     out[CAPTION_STATUS] = status
-    out[ROW_KEY] = row_keys(raw_urls, raw_text)
+    # The loopback port is left out, as in the run fingerprint: it must not pick another canonical row.
+    out[ROW_KEY] = row_keys(without_loopback_port(raw_urls), raw_text)
     return pa.table(out)
 
 

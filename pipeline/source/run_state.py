@@ -27,8 +27,10 @@ moves the marker last, so a crash mid-retry leaves the previous, consistent part
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,13 +39,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.common import storage
+from pipeline import schema as S
+from pipeline.common import faults, storage
 from pipeline.common.config import to_dict
 from pipeline.common.errors import RefusedError
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
+from pipeline.source.content import CONTENT, pool_digest
 
-FINGERPRINT_VERSION = 2  # 2: parts are row ranges in read order (1: uid-hash buckets)
+FINGERPRINT_VERSION = 3  # 3: the pool's content is in it (2: row ranges in read order; 1: uid-hash buckets)
 _PART_FILE = re.compile(r"^part-(\d{6})\.([0-9a-f]+)\.(tar|parquet)$")
 _MARKER = re.compile(r"^part-(\d{6})\.done$")
 
@@ -84,14 +88,20 @@ RETRY_KNOBS = (
 
 
 def fingerprint(
-    cfg: BuildConfig, uids: Sequence[str | None], live: np.ndarray | None = None
+    cfg: BuildConfig,
+    uids: Sequence[str | None],
+    live: np.ndarray | None = None,
+    content: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """``uids`` in read order; ``live``: the rows that go on to download (default: all)."""
+    """``uids`` in read order; ``live``: the rows that go on to download (default: all); ``content``: every
+    row's digest (pipeline/source/content.py; default: all zero)."""
     download = {k: v for k, v in to_dict(cfg.download).items() if k not in RETRY_KNOBS}
     live = np.ones(len(uids), dtype=bool) if live is None else live
+    content = np.zeros(len(uids), np.uint64) if content is None else content
+    pool = {"rows": len(uids), "uids_sha256": uid_digest(uids), "live_sha256": mask_digest(live)}
     return {
         "version": FINGERPRINT_VERSION,
-        "pool": {"rows": len(uids), "uids_sha256": uid_digest(uids), "live_sha256": mask_digest(live)},
+        "pool": {**pool, "content_sha256": pool_digest(np.asarray(content)[live])},
         "parts": {
             "part_size": cfg.part_size,
             "max_caption_bytes": cfg.max_caption_bytes,
@@ -135,7 +145,12 @@ def run_dirs(output: str) -> dict[str, str]:
 
 
 def claim(cfg: BuildConfig, fp: dict[str, Any], store: Storage, log: Callable[[str], None]) -> None:
-    """Check ``fp`` against the run directory and record it (see the module docstring)."""
+    """Check ``fp`` against the run directory and record it (see the module docstring).
+
+    A pool whose content alone changed (same uids, order and live rows; other URLs, captions, sha256 or
+    face boxes) is refused unless ``refresh_changed``; then the recorded content stays the old one until
+    ``record`` writes the new one, once every part holds it, so a refresh killed half-way is a refresh
+    still to finish, never a mix that passes for current."""
     d = run_dirs(cfg.output)
     if cfg.overwrite:
         n = discard_outputs(cfg.output, store)
@@ -143,11 +158,21 @@ def claim(cfg: BuildConfig, fp: dict[str, Any], store: Storage, log: Callable[[s
             log(f"overwrite: discarded {n} files of the earlier run in {cfg.output}")
     elif store.exists(d["fingerprint"]):
         old = store.read_json(d["fingerprint"])
-        diff = differences(
-            {k: old.get(k) for k in ("version", "pool", "parts")},
-            {k: fp[k] for k in ("version", "pool", "parts")},
-        )
-        if diff:
+        keys = ("version", "pool", "parts")
+        diff = differences({k: old.get(k) for k in keys}, {k: fp[k] for k in keys})
+        content_only = bool(diff) and all(line.startswith("pool.content_sha256") for line in diff)
+        if content_only and cfg.refresh_changed:
+            log(
+                "refresh: the pool's URLs, captions, sha256 or face boxes changed; changed rows download again"
+            )
+            fp = {**fp, "pool": {**fp["pool"], "content_sha256": old["pool"]["content_sha256"]}}
+        elif content_only:
+            raise FingerprintMismatch(
+                f"{cfg.output} holds a build of the same {fp['pool']['rows']} uids with other URLs, captions, "
+                "sha256 or face boxes; use --set refresh_changed=true to download the changed rows again, "
+                "a new output or --set overwrite=true to discard it"
+            )
+        elif diff:
             raise FingerprintMismatch(
                 f"{cfg.output} holds another build ({'; '.join(diff[:4])}{'; …' if len(diff) > 4 else ''}); "
                 "use a new output or --set overwrite=true to discard it"
@@ -159,8 +184,38 @@ def claim(cfg: BuildConfig, fp: dict[str, Any], store: Storage, log: Callable[[s
             f"{cfg.output} holds download parts without a fingerprint (an older build); "
             "use a new output or --set overwrite=true to discard them"
         )
+    # Temp files of writes a killed build left: ours to delete, the output's lock is held.
+    dirs = [d[k] for k in ("work", "parts", "shards", "subsets")] + [storage.join(cfg.output, "metadata")]
+    gone = sum(remove_temporaries(p, store) for p in dirs)
+    if gone:
+        log(f"resume: removed {gone} unfinished temporary files of an interrupted run")
     store.makedirs(d["work"])
     store.write_json(fp, d["fingerprint"])
+
+
+_TEMP_NAME = re.compile(r"^\..+\.tmp-[0-9a-f]{12}$")  # an AtomicOutput's hidden name while it writes
+
+
+def remove_temporaries(directory: str, store: Storage) -> int:
+    """Delete the hidden temp files that writes killed half-way left directly in a local ``directory``;
+    returns how many. Only under the output's lock: no other writer is at work there. S3 leaves none (an
+    upload that never completed is no object)."""
+    if storage.is_s3(directory):
+        return 0
+    path = store.resolve(directory)[1]
+    try:
+        names = [e.name for e in os.scandir(path) if e.is_file() and _TEMP_NAME.match(e.name)]
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, name))
+    return len(names)
+
+
+def record(cfg: BuildConfig, fp: dict[str, Any], store: Storage) -> None:
+    """Record ``fp`` once every part is downloaded (a refresh's new content becomes the run's here)."""
+    store.write_json(fp, run_dirs(cfg.output)["fingerprint"])
 
 
 def discard_outputs(output: str, store: Storage) -> int:
@@ -186,6 +241,7 @@ def marker(parts_dir: str, part: int) -> str:
 
 def commit(parts_dir: str, part: int, token: str, store: Storage) -> None:
     """The driver's word that ``part`` is done, naming the token of the files it stands for."""
+    faults.point("part.commit")
     store.write_json({"token": token}, marker(parts_dir, part))
 
 
@@ -214,5 +270,38 @@ def remove_uncommitted(parts_dir: str, done: dict[int, str], store: Storage) -> 
         m = _PART_FILE.match(path.rsplit("/", 1)[-1])
         if m and done.get(int(m.group(1))) != m.group(2):
             stale.append(path)
-    store.remove_files(stale)
+    for path in stale:
+        faults.point("parts.remove")
+        store.remove(path)
     return len(stale)
+
+
+def changed_rows(
+    parts_dir: str,
+    done: dict[int, str],
+    pool: tuple[Any, np.ndarray, np.ndarray],
+    part_size: int,
+    store: Storage,
+) -> dict[int, set[str]]:
+    """Committed part → its uids whose content digest differs from the pool's now: what a
+    ``refresh_changed`` run downloads again (only parts that have some). ``pool`` = (every row's uid,
+    the live mask, every row's content digest), in read order; part k is the k-th ``part_size`` live rows."""
+    uids, live, content = pool
+    idx = np.flatnonzero(live)
+    out = {}
+    for part, token in sorted(done.items()):
+        mine = idx[part * part_size : (part + 1) * part_size]
+        t = store.read_parquet(part_file(parts_dir, part, token, "parquet"))
+        old = dict(zip(t.column(S.UID).to_pylist(), _digests(t), strict=True))
+        now = zip(uids.take(pa.array(mine, pa.int64())).to_pylist(), content[mine].tolist(), strict=True)
+        changed = {u for u, c in now if old.get(u) != c}
+        if changed:
+            out[part] = changed
+    return out
+
+
+def _digests(t: pa.Table) -> list[int | None]:
+    """A part's per-row content digests (None for every row of a part written without them)."""
+    if CONTENT not in t.column_names:
+        return [None] * t.num_rows
+    return t.column(CONTENT).to_pylist()

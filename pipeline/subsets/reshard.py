@@ -40,9 +40,10 @@ import numpy as np
 from pipeline import schema as S
 from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
+from pipeline.shards.checksums import mismatched_members
 from pipeline.shards.reader import iter_shard
-from pipeline.shards.tar_format import ShardError, shard_name, stats_name
-from pipeline.shards.writer import SIZES_NAME, ShardWriter, shard_stats, write_sizes, write_stats
+from pipeline.shards.tar_format import ShardError
+from pipeline.shards.writer import SIZES_NAME, RollingWriter
 from pipeline.subsets.uid_files import read_subset
 
 SUMMARY_NAME = "reshard.json"
@@ -69,6 +70,8 @@ class ReshardResult:
     n_input_duplicates: int = 0
     n_unkeyed: int = 0  # input samples with neither a json uid nor a uid key
     corrupt_inputs: list[str] = field(default_factory=list)
+    # verify=True: "path key (members)" of each selected sample whose bytes differ from its checksums
+    mismatched: list[str] = field(default_factory=list)
 
     def missing_uids(self) -> list[str]:
         return S.u8pairs_to_uids(self.uids[self.written == 0])
@@ -158,9 +161,10 @@ class _Scanned:
     selected: Iterator[tuple[int, dict[str, Any], dict[str, Any] | None]] | list
     counts: dict[str, int] = field(default_factory=lambda: {"samples": 0, "unkeyed": 0})
     corrupt: str = ""
+    mismatched: list[str] = field(default_factory=list)
 
 
-def _select(path: str, lookup: _Lookup, scanned: _Scanned, store: Storage, skip_corrupt: bool):
+def _select(path: str, lookup: _Lookup, scanned: _Scanned, store: Storage, skip_corrupt: bool, verify: bool):
     try:
         for sample in iter_shard(path, store, decode=False):
             scanned.counts["samples"] += 1
@@ -170,6 +174,10 @@ def _select(path: str, lookup: _Lookup, scanned: _Scanned, store: Storage, skip_
                 continue
             idx = lookup.find(uid)
             if idx >= 0:
+                bad = mismatched_members(sample, meta) if verify else None
+                if bad:  # damaged since the build: not copied, named in the summary
+                    scanned.mismatched.append(f"{path} {sample['__key__']} ({'+'.join(bad)})")
+                    continue
                 if meta is None:
                     meta = {}
                 meta.setdefault(S.UID, uid)
@@ -180,81 +188,54 @@ def _select(path: str, lookup: _Lookup, scanned: _Scanned, store: Storage, skip_
         scanned.corrupt = str(exc)
 
 
-def _scan(path: str, lookup: _Lookup, store: Storage, skip_corrupt: bool, eager: bool) -> _Scanned:
+def _scan(path: str, lookup: _Lookup, store: Storage, flags: tuple[bool, bool], eager: bool) -> _Scanned:
+    """``flags`` = (skip_corrupt, verify)."""
     scanned = _Scanned(path, iter(()))
-    gen = _select(path, lookup, scanned, store, skip_corrupt)
+    gen = _select(path, lookup, scanned, store, *flags)
     scanned.selected = list(gen) if eager else gen
     return scanned
 
 
 def _scanned_inputs(
-    paths: list[str], lookup: _Lookup, store: Storage, skip_corrupt: bool, workers: int
+    paths: list[str], lookup: _Lookup, store: Storage, flags: tuple[bool, bool], workers: int
 ) -> Iterator[_Scanned]:
     if workers <= 1:
         for p in paths:
-            yield _scan(p, lookup, store, skip_corrupt, eager=False)
+            yield _scan(p, lookup, store, flags, eager=False)
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-read") as pool:
         window: deque[Future[_Scanned]] = deque()
         todo = iter(paths)
         for p in todo:
-            window.append(pool.submit(_scan, p, lookup, store, skip_corrupt, True))
+            window.append(pool.submit(_scan, p, lookup, store, flags, True))
             if len(window) >= workers:
                 break
         while window:
             done = window.popleft().result()
             nxt = next(todo, None)
             if nxt is not None:
-                window.append(pool.submit(_scan, nxt, lookup, store, skip_corrupt, True))
+                window.append(pool.submit(_scan, nxt, lookup, store, flags, True))
             yield done
 
 
+@dataclass
+class _Tally:
+    """What the inputs held besides the selected samples: counts, damaged inputs, checksum mismatches."""
+
+    samples: int = 0
+    duplicates: int = 0
+    unkeyed: int = 0
+    corrupt: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    def add(self, scanned: _Scanned) -> None:
+        self.samples += scanned.counts["samples"]
+        self.unkeyed += scanned.counts["unkeyed"]
+        self.corrupt += [scanned.corrupt] if scanned.corrupt else []
+        self.mismatched += scanned.mismatched
+
+
 # --- outputs ------------------------------------------------------------------------------------------
-
-
-class _RollingWriter:
-    """Numbered output shards of ``samples_per_shard``; each closed shard gets its stats file."""
-
-    def __init__(self, out: str, samples_per_shard: int, store: Storage) -> None:
-        self.out, self.per_shard, self.store = out, samples_per_shard, store
-        self.total = 0
-        self.shards: list[str] = []
-        self.counts: list[int] = []
-        self._writer: ShardWriter | None = None
-        self._started = 0.0
-
-    def next_key(self) -> str:
-        return output_key(self.total, self.per_shard)
-
-    def write(self, key: str, members: list[tuple[str, bytes]]) -> None:
-        if self._writer is None:
-            path = storage.join(self.out, shard_name(len(self.shards)))
-            self._writer, self._started = ShardWriter(path, self.store), time.time()
-        self._writer.write_members(key, members)
-        self.total += 1
-        if self._writer.count == self.per_shard:
-            self._finish()
-
-    def _finish(self) -> None:
-        assert self._writer is not None
-        self._writer.close()
-        i = len(self.shards)
-        self.shards.append(self._writer.path)
-        self.counts.append(self._writer.count)
-        stats = shard_stats({S.STATUS_SUCCESS: self._writer.count}, self._started)
-        write_stats(storage.join(self.out, stats_name(i)), stats, self.store)
-        self._writer = None
-
-    def close(self) -> None:
-        """Finish the open shard and write ``sizes.json`` for the whole set."""
-        if self._writer is not None:
-            self._finish()
-        write_sizes(self.out, dict(zip(self.shards, self.counts, strict=True)), self.store)
-
-    def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
-            self._writer = None
 
 
 def _inside(path: str, directory: str) -> bool:
@@ -291,12 +272,15 @@ def reshard(
     workers: int = 1,
     overwrite: bool = False,
     skip_corrupt: bool = False,
+    verify: bool = False,
 ) -> ReshardResult:
     """Write the samples of ``inputs`` whose uid is in ``subset`` to ``out/{:08d}.tar`` (see module doc).
 
     ``inputs``: tar paths, directories or globs, local or s3://. ``subset``: a ``.npy`` path (DataComp
     format, local or s3://) or a ``u8,u8`` array. ``skip_corrupt``: a damaged input keeps the samples
-    before the damage and is listed in ``corrupt_inputs`` instead of stopping the job.
+    before the damage and is listed in ``corrupt_inputs`` instead of stopping the job. ``verify``: a
+    selected sample whose bytes differ from the checksums its json records is not copied (its uid counts
+    as missing unless another input holds a good copy) and is named in ``mismatched``.
     """
     if samples_per_shard < 1:
         raise ValueError("samples_per_shard must be ≥ 1")
@@ -314,24 +298,20 @@ def reshard(
     lookup = _Lookup(uids)
     _prepare_output(out, paths, overwrite, store)
 
-    writer = _RollingWriter(out, samples_per_shard, store)
-    n_samples = n_dups = n_unkeyed = 0
-    corrupt: list[str] = []
+    writer = RollingWriter(out, samples_per_shard, store)
+    tally = _Tally()
     try:
-        for scanned in _scanned_inputs(paths, lookup, store, skip_corrupt, workers):
+        for scanned in _scanned_inputs(paths, lookup, store, (skip_corrupt, verify), workers):
             for idx, sample, meta in scanned.selected:
                 if written[idx]:
-                    n_dups += 1
+                    tally.duplicates += 1
                     continue
                 first_index[idx] = writer.total
                 for _ in range(expected[idx]):
-                    key = writer.next_key()
+                    key = output_key(writer.total, samples_per_shard)
                     writer.write(key, _renamed(sample, meta, key))
                 written[idx] = expected[idx]
-            n_samples += scanned.counts["samples"]
-            n_unkeyed += scanned.counts["unkeyed"]
-            if scanned.corrupt:
-                corrupt.append(scanned.corrupt)
+            tally.add(scanned)
         writer.close()
     except BaseException:
         writer.abort()
@@ -350,10 +330,11 @@ def reshard(
         written=written,
         first_index=first_index,
         samples_per_shard=samples_per_shard,
-        n_input_samples=n_samples,
-        n_input_duplicates=n_dups,
-        n_unkeyed=n_unkeyed,
-        corrupt_inputs=corrupt,
+        n_input_samples=tally.samples,
+        n_input_duplicates=tally.duplicates,
+        n_unkeyed=tally.unkeyed,
+        corrupt_inputs=tally.corrupt,
+        mismatched=tally.mismatched,
     )
     store.write_json(
         _summary(result, paths, subset, n_rows, time.time() - t0), storage.join(out, SUMMARY_NAME)
@@ -389,5 +370,7 @@ def _summary(res: ReshardResult, paths: list[str], subset: Any, n_rows: int, dur
         "shards": [p.rsplit("/", 1)[-1] for p in res.shards],
         "missing_uids_first": res.missing_uids()[:_MISSING_IN_SUMMARY],
         "corrupt_inputs": res.corrupt_inputs,
+        "checksum_mismatches": len(res.mismatched),
+        "mismatched_first": res.mismatched[:_MISSING_IN_SUMMARY],
         "duration_s": round(duration, 3),
     }

@@ -1,20 +1,26 @@
 """A training run's checkpoint: the model checkpoint plus optimizer, scheduler and loss state, and the
-restore that falls back past an unusable one. ``state`` is a ``training.train.step.TrainState``."""
+restore that falls back past an unusable one, checked against its checksums first
+(training/train/run_checkpoints.py). ``state`` is a ``training.train.step.TrainState``."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
+from pipeline.common import faults
 from training.model.checkpoint import CheckpointError, load_checkpoint, load_extra, save_checkpoint
+from training.train.run_checkpoints import CHECKSUMMED, verify_checkpoint, write_checksums
 
 _log = logging.getLogger(__name__)
 TRAIN_STATE_FILE = "train_state.pt"
+METRICS_FILE = "metrics.json"
 T = TypeVar("T")
 
 
@@ -37,12 +43,15 @@ def checkpoint_extra(state: Any) -> dict[str, Any]:
     }
 
 
-def save_state(directory: str, state: Any, tokenizer: Any) -> None:
-    """Weights, model config, tokenizer and extra (training/model/two_tower.py) plus optimizer/scheduler/loss state."""
+def save_state(directory: str, state: Any, tokenizer: Any, metrics: dict[str, Any] | None = None) -> None:
+    """Weights, model config, tokenizer and extra (training/model/two_tower.py) plus optimizer/scheduler/loss
+    state (and ``metrics.json``), then ``checksums.json`` (training/train/run_checkpoints.py): a save cut
+    short has none."""
     module = state.module
     loss_values = {k: float(v) for k, v in module.loss.state_dict().items() if v.numel() == 1}
-    extra = {**checkpoint_extra(state), "loss_state": loss_values}
+    extra = {**checkpoint_extra(state), "loss_state": loss_values, CHECKSUMMED: True}
     save_checkpoint(directory, module.model, state.mcfg, tokenizer, extra)
+    faults.point("checkpoint.save")
     torch.save(
         {
             "optimizer": state.opt.state_dict(),
@@ -51,6 +60,10 @@ def save_state(directory: str, state: Any, tokenizer: Any) -> None:
         },
         os.path.join(directory, TRAIN_STATE_FILE),
     )
+    if metrics is not None:
+        with open(os.path.join(directory, METRICS_FILE), "w") as f:
+            json.dump(metrics, f)
+    write_checksums(directory)
 
 
 def restore(module: Any, directory: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -62,27 +75,57 @@ def restore(module: Any, directory: str) -> tuple[dict[str, Any], dict[str, Any]
     return load_extra(directory), saved
 
 
+class SingleProcess:
+    """How one process restores alone: a private temp copy per candidate, its own verdict."""
+
+    @contextlib.contextmanager
+    def shared_dir(self, index: int) -> Iterator[str]:
+        with tempfile.TemporaryDirectory(prefix="prolip-restore-") as d:
+            yield d
+
+    def agree(self, check: Callable[[], str | None]) -> str | None:
+        return check()
+
+
 def restore_with_fallback(
     candidates: Sequence[str],
     fetch: Callable[[str, str], None],
     build: Callable[[str], T],
     warn: Callable[[str], None] = _log.warning,
+    verify: Callable[[str], str | None] = verify_checkpoint,
+    node: Any = None,
 ) -> tuple[T, str]:
     """``build`` from the newest usable checkpoint of ``candidates`` (newest first): (result, its path).
 
-    Each candidate is ``fetch``ed (path, private temp dir) and ``build`` reads the copy; a candidate that
-    fails (corrupt or missing file, weights that do not match) is skipped with a warning naming the
-    checkpoint's own path, never the temp copy. None usable: ``CheckpointError`` naming every path.
+    Each candidate is ``fetch``ed (path, a temp dir) and checked against its checksums (``verify``) before
+    ``build`` reads the copy; a candidate that fails (corrupt or missing file, weights that do not match)
+    is skipped with a warning naming the checkpoint's own path, never the temp copy. None usable:
+    ``CheckpointError`` naming every path. ``node`` shares the work between the workers of one machine
+    (training/train/loop.py: one download per node, one verdict for all); default: this process alone.
     """
+    node = node or SingleProcess()
     failures = []
     for i, path in enumerate(candidates):
-        with tempfile.TemporaryDirectory(prefix="prolip-restore-") as d:
-            try:
-                fetch(path, d)
-                return build(d), path
-            except Exception as exc:  # any unreadable checkpoint: try the older one
-                why = f"{type(exc).__name__}: {exc}".replace(d, path)
+        with node.shared_dir(i) as d:
+            why = node.agree(lambda p=path, d=d: _fetched_problem(fetch, verify, p, d))
+            if why is None:
+                try:
+                    return build(d), path
+                except Exception as exc:  # any unreadable checkpoint: try the older one
+                    why = f"{type(exc).__name__}: {exc}"
+            why = why.replace(d, path)
         failures.append(f"{path} ({why})")
         nxt = candidates[i + 1] if i + 1 < len(candidates) else None
         warn(f"checkpoint {path} is unusable ({why}); " + (f"falling back to {nxt}" if nxt else "none left"))
     raise CheckpointError("no usable checkpoint: " + "; ".join(failures or ["none given"]))
+
+
+def _fetched_problem(fetch: Callable[[str, str], None], verify: Callable[[str], str | None], path: str,
+                     d: str) -> str | None:  # fmt: skip
+    """Fetch ``path`` into ``d`` and verify the copy: what is wrong, or None."""
+    try:
+        faults.point("checkpoint.fetch")
+        fetch(path, d)
+    except Exception as exc:  # a missing or unreadable checkpoint in storage
+        return f"{type(exc).__name__}: {exc}"
+    return verify(d)

@@ -23,12 +23,15 @@ alone every 10 fast steps held a demo model at ~1 s per report: 64 s against 45 
 
 from __future__ import annotations
 
-import json
+import contextlib
+import logging
 import os
 import posixpath
+import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -36,6 +39,8 @@ import pyarrow.fs as pafs
 import ray.train
 import ray.train.torch
 import torch
+import torch.distributed as dist
+from ray.train import CheckpointUploadMode
 
 from pipeline.ingest.dataset import RayTrainCollate, publish_progress, read_counters
 from pipeline.ingest.masking import drop_masked_tokens
@@ -45,18 +50,23 @@ from training.config import from_plain
 from training.train.checkpointing import restore_with_fallback, save_state
 from training.train.distributed import EpochEnd, local_batch_sizes
 from training.train.metrics import Window, window_metrics
+from training.train.run_checkpoints import fresh_name, upload_checkpoint
 from training.train.step import TrainState, setup_state, train_step
+
+_log = logging.getLogger(__name__)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     """Ray Train entry point. ``config``: ``train`` (plain TrainConfig), ``tokenizer`` (state),
     ``counters`` (IngestCounters actor name or None), ``tensorboard_dir`` (local path or None)."""
     cfg = from_plain(config["train"])
+    os.environ.update(config.get("faults") or {})  # the fault suite's kill points (pipeline/common/faults.py)
     tokenizer = tokenizer_from_state(config["tokenizer"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = _worker_device(cfg)
-    state = _restored_state(cfg, tokenizer, device, rank, world)
+    warnings: list[str] = []
+    state = _restored_state(cfg, tokenizer, device, rank, world, warnings)
     writer = _tensorboard(config.get("tensorboard_dir")) if rank == 0 else None
     cache = DecodedCache() if cfg.data.cache_decoded else None
     masker = _masker(state, tokenizer) if state.module.spec.uses_masked else None
@@ -73,6 +83,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         "world_size": world,
         "cached_rows": cache.n_rows if cache is not None else 0,
         "metrics": state.logged,
+        "restore_warnings": warnings,  # the driver prints them: worker logs do not reach its console
     }
 
 
@@ -92,25 +103,68 @@ def _worker_device(cfg: Any) -> torch.device:
     return device
 
 
-def _restored_state(cfg: Any, tokenizer: Any, device: torch.device, rank: int, world: int) -> TrainState:
+def _restored_state(
+    cfg: Any, tokenizer: Any, device: torch.device, rank: int, world: int, warnings: list[str]
+) -> TrainState:
     checkpoint = ray.train.get_checkpoint()
     wrap = ray.train.torch.prepare_model
     if checkpoint is None:
         return setup_state(cfg, tokenizer, device, rank, wrap=wrap, world=world)
     fs = checkpoint.filesystem
 
-    # A private copy per worker: ``as_directory()`` downloads a remote checkpoint into one temp path per
-    # node, and two workers of a node reading it while it is being written saw a torn weights.pt.
     def fetch(path: str, d: str) -> None:
         ray.train.Checkpoint(path, filesystem=fs).to_directory(d)
 
     def build(d: str) -> TrainState:
         return setup_state(cfg, tokenizer, device, rank, restore_dir=d, wrap=wrap, world=world)
 
-    # A corrupt latest checkpoint falls back to the previous kept one (every rank reads the same files,
-    # so every rank makes the same choice); the warning and the error name the checkpoint, not the copy.
-    state, _ = restore_with_fallback(checkpoint_candidates(checkpoint.path, fs), fetch, build)
+    def warn(line: str) -> None:
+        warnings.append(line)
+        _log.warning(line)
+
+    # A corrupt latest checkpoint falls back to the previous kept one. One download per node, into a
+    # directory its workers share once it is whole, and one verdict for every rank (``NodeGroup``); the
+    # warning and the error name the checkpoint, not the copy.
+    node = NodeGroup(device) if dist.is_available() and dist.is_initialized() else None
+    state, _ = restore_with_fallback(
+        checkpoint_candidates(checkpoint.path, fs), fetch, build, warn, node=node
+    )
     return state
+
+
+class NodeGroup:
+    """The workers of one run restoring together: the first worker of each node downloads a candidate
+    into a directory named by a token rank 0 draws, the node's other workers read that copy once every
+    worker has passed a collective (so no one reads a file still being written), and the verdict on a
+    candidate is the same on every rank (a ``MAX`` all-reduce of "unusable")."""
+
+    def __init__(self, device: torch.device) -> None:
+        ctx = ray.train.get_context()
+        self.leader = ctx.get_local_rank() == 0
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+        token = [uuid.uuid4().hex[:12]]
+        dist.broadcast_object_list(token, src=0, device=self.device if device.type == "cuda" else None)
+        self.prefix = os.path.join(tempfile.gettempdir(), f"prolip-restore-{token[0]}-n{ctx.get_node_rank()}")
+
+    @contextlib.contextmanager
+    def shared_dir(self, index: int) -> Iterator[str]:
+        path = f"{self.prefix}-{index}"
+        if self.leader:
+            os.makedirs(path, exist_ok=True)
+        try:
+            yield path
+        finally:
+            dist.barrier()  # every worker of the node has read the copy (or given up on it)
+            if self.leader:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def agree(self, check: Callable[[], str | None]) -> str | None:
+        problem = check() if self.leader else None
+        flag = torch.tensor([1 if problem else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # also the barrier before the others read the copy
+        if flag.item() and problem is None:
+            return "unusable on another node"
+        return problem
 
 
 def checkpoint_candidates(latest: str, fs: pafs.FileSystem) -> list[str]:
@@ -266,15 +320,28 @@ def _report(
     if rank != 0:
         ray.train.report(metrics)
         return
-    with tempfile.TemporaryDirectory(prefix="prolip-ckpt-") as d:
-        save_state(d, state, tokenizer)
-        with open(os.path.join(d, "metrics.json"), "w") as f:
-            json.dump(metrics, f)
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(d),
-            checkpoint_dir_name=f"checkpoint_{state.step:08d}",
-        )
+    # Saved locally, then uploaded by Ray Train's upload thread while training goes on (ASYNC), through
+    # our upload (checksums.json last) into a directory name no checkpoint used before; Ray deletes the
+    # local copy once it is uploaded (training/train/run_checkpoints.py).
+    d = tempfile.mkdtemp(prefix="prolip-ckpt-")
+    save_state(d, state, tokenizer, metrics)
+    storage = ray.train.get_context().get_storage()
+    ray.train.report(
+        metrics,
+        checkpoint=ray.train.Checkpoint.from_directory(d),
+        checkpoint_dir_name=fresh_name(storage.storage_filesystem, storage.experiment_fs_path, state.step),
+        checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+        delete_local_checkpoint_after_upload=True,
+        checkpoint_upload_fn=_upload,
+    )
+
+
+def _upload(checkpoint: Any, dir_name: str) -> Any:
+    """Ray Train's ``checkpoint_upload_fn``: our upload into the run's ``dir_name``; the stored checkpoint."""
+    storage = ray.train.get_context().get_storage()
+    dest = posixpath.join(storage.experiment_fs_path, dir_name)
+    upload_checkpoint(checkpoint.path, storage.storage_filesystem, dest)
+    return ray.train.Checkpoint(dest, filesystem=storage.storage_filesystem)
 
 
 def _tensorboard(log_dir: str | None) -> Any:

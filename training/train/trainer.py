@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import posixpath
 import signal
 import sys
 import tempfile
@@ -32,7 +33,7 @@ import time
 from itertools import islice
 from typing import Any
 
-from pipeline.common import storage
+from pipeline.common import faults, storage
 from pipeline.common.placement import worker_label_selector
 from pipeline.common.storage import Storage
 from pipeline.ingest.dataset import (
@@ -51,9 +52,10 @@ from pipeline.ingest.tokenizer import (
     train_tokenizer,
 )
 from pipeline.ingest.transforms import tokenizer_state
-from pipeline.shards.reader import list_shards
+from pipeline.shards.reader import list_shards, stop_reason
 from training.config import TrainConfig, to_plain
 from training.train.loop import train_loop_per_worker
+from training.train.run_checkpoints import preflight
 
 TOKENIZER_CAPTIONS = 200_000  # captions read to train a BPE when none is given
 
@@ -69,6 +71,8 @@ class TrainResult:
     tokenizer: TextTokenizer
     ingest: dict[str, Any]
     wall_s: float
+    # checkpoints found corrupt and set aside or skipped (also in the manifest: they change what resumed)
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def metrics(self) -> list[dict[str, Any]]:
@@ -153,6 +157,7 @@ def build_trainer(
             "tokenizer": tokenizer_state(tokenizer),
             "counters": counters,
             "tensorboard_dir": tensorboard,
+            "faults": {k: os.environ[k] for k in (faults.ARM, faults.STATE, faults.TRACE) if k in os.environ},
         },
         scaling_config=ScalingConfig(
             num_workers=num_workers,
@@ -230,6 +235,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     data_store = Storage.from_env(cfg.data.s3_endpoint)
     tokenizer = prepare_tokenizer(cfg, run_store, data_store)
     mcfg = model_config(cfg.model)
+    warnings = check_checkpoints(cfg, run_store)
     if cfg.scaling.use_gpu:
         probabilistic = LOSS_SPECS[cfg.loss.name].probabilistic
         sized = dataclasses.replace(mcfg, vocab_size=tokenizer.vocab_size, probabilistic=probabilistic)
@@ -239,10 +245,19 @@ def train(cfg: TrainConfig) -> TrainResult:
         size, context = mcfg.image_size, mcfg.context_length
         dataset = build_train_dataset(cfg.data, data_store, tokenizer, size, context, counters)
         with ProgressPrinter(counters, cfg.run.name), interrupt_reported(cfg.run.name):
-            result = build_trainer(cfg, tokenizer, dataset, counters, run_store).fit()
+            try:
+                result = build_trainer(cfg, tokenizer, dataset, counters, run_store).fit()
+            except Exception:  # Ray's WorkerGroupError cuts the worker's own message short
+                reason = stop_reason(read_counters(counters), cfg.data.max_bad_shards)
+                if reason is None:
+                    raise
+                raise reason from None
         ingest = read_counters(counters)
     finally:
         stop_counters(counters)
+    for line in (result.return_value or {}).get("restore_warnings", []):
+        print(f"[train {cfg.run.name}] {line}", file=sys.stderr, flush=True)
+        warnings.append(line)
     ckpt = result.checkpoint
     ckpt_path = None
     if ckpt is not None:
@@ -255,4 +270,15 @@ def train(cfg: TrainConfig) -> TrainResult:
         tokenizer=tokenizer,
         ingest=ingest,
         wall_s=time.perf_counter() - t0,
+        warnings=warnings,
     )
+
+
+def check_checkpoints(cfg: TrainConfig, run_store: Storage) -> list[str]:
+    """Before Ray Train reads the run: its corrupt newest checkpoints deregistered and set aside, each
+    with one line on the console (training/train/run_checkpoints.py ``preflight``)."""
+    import pyarrow.fs as pafs
+
+    path, fs = storage_target(cfg.run.storage_path, run_store)
+    say = lambda line: print(f"[train {cfg.run.name}] {line}", file=sys.stderr, flush=True)  # noqa: E731
+    return preflight(fs or pafs.LocalFileSystem(), posixpath.join(path, cfg.run.name), say)

@@ -77,7 +77,7 @@ def test_train_config_range_errors_name_the_field(key, value):
         ("download.retries=-1", "download.retries"),
         ("part_size=0", "part_size"),
         ("samples_per_shard=0", "samples_per_shard"),
-        ("download_actors=0", "download_actors"),
+        ("download_actors=-1", "download_actors"),
         ("filters.random_fraction=5", "filters.random_fraction"),
         ("filters.random_fraction=0", "filters.random_fraction"),
         ("filters.clip_fraction=1.5", "filters.clip_fraction"),

@@ -102,8 +102,14 @@ def test_allow_listed_name_allows_what_it_resolves_to() -> None:
     assert guard.check("http://demo.local:8000/x.jpg") is None
 
 
-def test_unresolvable_host_is_a_transient_connection_error() -> None:
+def test_a_name_that_does_not_exist_is_final_and_a_resolver_outage_transient() -> None:
     decision = UrlGuard([], resolver=_fake_resolver({})).resolve("http://nonexistent.invalid/")
+    assert decision.status == "failed_to_download:unknown_host" and not decision.transient
+
+    def outage(*_a, **_kw):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    decision = UrlGuard([], resolver=outage).resolve("http://example.com/")
     assert decision.status == "failed_to_download:connection_error" and decision.transient
 
 

@@ -201,7 +201,7 @@ def test_pre_statuses_one_per_row_and_canonical_row_independent_of_order():
         (BuildConfig, "part_size", 0),
         (BuildConfig, "samples_per_shard", 0),
         (BuildConfig, "max_caption_bytes", 0),
-        (BuildConfig, "download_actors", 0),
+        (BuildConfig, "download_actors", -1),
         (BuildConfig, "download_cpus", math.nan),
     ],
 )

@@ -4,6 +4,7 @@ replaced (kept below as the references), on pools holding every kind of bad row,
 from __future__ import annotations
 
 import random
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -42,6 +43,15 @@ def ref_caption_status(raw, max_bytes):
     return ("", text or "") if ok else (S.invalid_caption(S.CAPTION_UTF8), "")
 
 
+def _no_loopback_port(url):
+    """The row key leaves a loopback URL's port out (pipeline/source/content.py), per row here."""
+    if url is None:
+        return None
+    return re.sub(
+        rb"^((?i:https?)://(?:127(?:\.[0-9]{1,3}){3}|(?i:localhost)|\[::1\]))(:[0-9]+)", rb"\1", url
+    )
+
+
 def ref_prepare(batch, max_caption_bytes):
     n = batch.num_rows
     uids = [_decode(u)[0] for u in ref_raw(batch.column(S.UID))]
@@ -49,7 +59,7 @@ def ref_prepare(batch, max_caption_bytes):
     urls = [_decode(u)[0] if u is not None and _decode(u)[1] else None for u in raw_urls]
     raw_text = ref_raw(batch.column(S.TEXT)) if S.TEXT in batch.column_names else [None] * n
     checked = [ref_caption_status(t, max_caption_bytes) for t in raw_text]
-    keys = [row_key(u, t) for u, t in zip(raw_urls, raw_text, strict=True)]
+    keys = [row_key(_no_loopback_port(u), t) for u, t in zip(raw_urls, raw_text, strict=True)]
     return {
         S.UID: uids,
         S.URL: urls,

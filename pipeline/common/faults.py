@@ -1,0 +1,53 @@
+"""Kill points: named places where a test makes this process die exactly as a crash would (SIGKILL).
+
+The fault suite (tests/faults/) proves that a build or a training killed at any of these points resumes
+into what an uninterrupted run gives. A point costs one environment lookup when nothing is armed.
+
+- ``PROLIP_KILL_AT="name@n,other@m"``: the n-th time this process reaches ``name`` (``@n`` left out:
+  the first), it sends itself SIGKILL. With ``PROLIP_KILL_STATE=file`` each armed point fires once
+  across processes (a restarted worker does not die at the same point again): the file lists the points
+  that fired, written before the signal.
+- ``PROLIP_KILL_TRACE=file``: every point reached is appended to ``file`` (how often each is reached, so
+  a suite can pick a random occurrence).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ARM, STATE, TRACE = "PROLIP_KILL_AT", "PROLIP_KILL_STATE", "PROLIP_KILL_TRACE"
+_hits: dict[str, int] = {}
+
+
+def point(name: str) -> None:
+    """Die here if ``name`` is armed for this occurrence (module docstring); otherwise nothing."""
+    env = os.environ
+    if TRACE in env:
+        with open(env[TRACE], "a") as f:
+            f.write(name + "\n")
+    armed = env.get(ARM)
+    if not armed:
+        return
+    entries = [e.strip() for e in armed.split(",") if e.strip().partition("@")[0] == name]
+    if not entries:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    for entry in entries:
+        if int(entry.partition("@")[2] or 1) != _hits[name] or _fired(entry):
+            continue
+        state = env.get(STATE)
+        if state:
+            with open(state, "a") as f:
+                f.write(entry + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fired(entry: str) -> bool:
+    state = os.environ.get(STATE)
+    if not state or not os.path.exists(state):
+        return False
+    with open(state) as f:
+        return entry in {line.strip() for line in f}

@@ -1,0 +1,77 @@
+"""What a download part bakes in of each row, as one 64-bit digest per row: the run fingerprint's view of
+the pool's *content* (pipeline/source/run_state.py).
+
+A part stores the picture fetched from the row's URL, checked against its ``sha256``, blurred at its face
+boxes, and its caption in the shard's txt and json members. A pool whose rows keep their uids but change
+any of these would resume into parts made from other rows; the digest covers exactly these four columns
+(as the actor reads them: pipeline/source/metadata.py ``read_rows``, after ``prepare_batch``).
+
+One exception, documented in docs/formats.md: the port of a loopback URL (``127.x.x.x``, ``localhost``,
+``[::1]``) is left out, so the demo pool served again on another free port is the same pool. Such URLs
+reach a download only when allow-listed, which only the demo and tests do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import schema as S
+
+CONTENT = "content"  # the per-row digest column of a part's parquet (uint64)
+COLUMNS = (S.URL, S.TEXT, S.SHA256, S.FACE_BBOXES)
+_LOOPBACK_PORT = r"(?i)^(https?://(?:127(?:\.\d{1,3}){3}|localhost|\[::1\]))(:\d+)"
+
+
+def without_loopback_port(urls: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
+    """``http://127.0.0.1:8123/x`` → ``http://127.0.0.1/x``; every other URL unchanged."""
+    return pc.replace_substring_regex(urls, pattern=_LOOPBACK_PORT, replacement=r"\1")
+
+
+def _bytes_column(table: pa.Table, name: str) -> list[bytes | None]:
+    if name not in table.column_names:
+        return [None] * table.num_rows
+    col = table.column(name)
+    if name == S.URL:
+        col = without_loopback_port(col.cast(pa.string()))
+    return col.cast(pa.large_binary()).to_pylist()
+
+
+def _boxes(table: pa.Table) -> list[bytes | None]:
+    """Each row's face boxes as bytes: the number of boxes, each box's length, the float64 values."""
+    if S.FACE_BBOXES not in table.column_names:
+        return [None] * table.num_rows
+    col = table.column(S.FACE_BBOXES)
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if pa.types.is_null(col.type):
+        return [None] * table.num_rows
+    out: list[bytes | None] = []
+    for boxes in col.to_pylist():
+        if boxes is None:
+            out.append(None)
+            continue
+        flat = [len(boxes)] + [len(b) if b is not None else -1 for b in boxes]
+        values = [v for b in boxes if b is not None for v in b]
+        out.append(np.asarray(flat, "<i8").tobytes() + np.asarray(values, "<f8").tobytes())
+    return out
+
+
+def content_digests(table: pa.Table) -> np.ndarray:
+    """The uint64 digest of each row's URL (loopback port left out), caption, sha256 and face boxes."""
+    columns = [_bytes_column(table, c) for c in (S.URL, S.TEXT, S.SHA256)] + [_boxes(table)]
+    out = np.empty(table.num_rows, np.uint64)
+    blake, little = hashlib.blake2b, int.to_bytes
+    for i, row in enumerate(zip(*columns, strict=True)):
+        h = blake(digest_size=8)
+        for part in row:
+            h.update(b"\x01" if part is None else b"\x00" + little(len(part), 8, "little") + part)
+        out[i] = int.from_bytes(h.digest(), "little")
+    return out
+
+
+def pool_digest(digests: np.ndarray) -> str:
+    """One hex digest of a pool's row digests in order."""
+    return hashlib.sha256(np.asarray(digests, "<u8").tobytes()).hexdigest()
