@@ -11,12 +11,11 @@ import sys
 
 from jobs.common import init_ray, job_main, parse_job_config, print_table
 from pipeline.common.config import to_dict
-from pipeline.common.errors import StorageError
+from pipeline.common.errors import StorageError, explain
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import input_files, output_location
 from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
-from pipeline.common.storage_errors import explain
 from pipeline.config import BUILD_PRESETS, BuildConfig
 
 FLAGS = {"--metadata": "metadata", "--output": "output", "--s3-endpoint": "s3_endpoint"}

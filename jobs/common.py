@@ -282,10 +282,9 @@ _DEPRECATED = r"`ExecutionOptions.exclude_resources` is deprecated"  # Ray Train
 def quiet_ray() -> None:
     """Silence ``RAY_NOISE`` in this process's output (set ``PROLIP_RAY_NOISE=1`` to keep it).
 
-    The lines come from Ray's C++ core worker, its Python loggers and its log monitor, so they are
-    filtered where they all meet: file descriptors 1 and 2, through a pipe read by a thread that forwards
-    every other line. Only when this process's streams are its own (not a test's capture). Call it after
-    ``import ray``: Ray's import puts its own filter for its deprecation warnings in front of ours.
+    Ray's C++ core worker, Python loggers and log monitor all write to file descriptors 1 and 2, so those
+    go through a pipe whose thread forwards every other line, when the streams are this process's own (not
+    a test's capture). Call it after ``import ray``, whose own warnings filter would otherwise come first.
     """
     warnings.filterwarnings("ignore", message=_DEPRECATED)
     if os.environ.get("PROLIP_RAY_NOISE") == "1" or _LineFilter.installed:
@@ -360,15 +359,10 @@ class _LineFilter:
 
 
 def loopback_only(ray: Any) -> None:
-    """Make a private local Ray listen on 127.0.0.1 only (docs/download.md, "Local Ray").
-
-    Ray 2.60 turns an explicit ``_node_ip_address="127.0.0.1"`` back into the machine's routable address
-    (``services.resolve_ip_for_localhost``), and its GCS, raylet, workers and agents then listen on all
-    interfaces. Its single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, the default on macOS
-    and Windows) uses the loopback address as the node address instead, and every component binds to
-    the node address. The env var reaches the processes Ray starts; the driver read it at import, so its
-    copy is set too. tests/jobs/test_local_ray_bind.py lists every listening socket of the process tree.
-    """
+    """Make a private local Ray listen on 127.0.0.1 only (docs/download.md, "Local Ray"): Ray 2.60 turns
+    ``_node_ip_address="127.0.0.1"`` back into the routable address and binds every interface, except in its
+    single-machine mode (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``), set here for its processes and the
+    driver's copy. tests/jobs/test_local_ray_bind.py lists every listening socket of the process tree."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     constants = ray._private.ray_constants
     if hasattr(constants, "ENABLE_RAY_CLUSTER"):
@@ -376,15 +370,10 @@ def loopback_only(ray: Any) -> None:
 
 
 def no_cloud_probe(ray: Any) -> None:
-    """Start no dashboard process when there is no dashboard: it would probe the cloud's metadata service.
-
-    With ``include_dashboard=False`` Ray 2.60 still starts its dashboard process, to host one module,
-    usage stats, whose start asks ``169.254.169.254`` and ``metadata.google.internal`` which cloud this
-    is before it reads that usage stats are off (``usage_stats_head.py``, ``get_cluster_config_to_report``).
-    Usage stats are always off in our jobs, so that process has nothing to do: Ray's start is left
-    without it (it handles a dashboard that did not start). A job asked for a dashboard keeps Ray's own.
-    tests/faults/test_egress.py records every lookup and connection of the job's processes.
-    """
+    """Start no dashboard process when there is no dashboard (docs/decisions/0033): with
+    ``include_dashboard=False`` Ray 2.60 still starts one for usage stats, which asks ``169.254.169.254`` and
+    ``metadata.google.internal`` which cloud this is before reading that usage stats are off. A job asked
+    for a dashboard keeps Ray's own; tests/faults/test_egress.py records every connection of the job."""
     services = ray._private.services
     if getattr(services.start_api_server, "no_cloud_probe", False):
         return
@@ -400,16 +389,12 @@ def no_cloud_probe(ray: Any) -> None:
 
 
 def print_table(title: str, rows: Sequence[tuple[Any, ...]], headers: Sequence[str]) -> None:
-    cols = [headers, *[tuple(str(c) for c in r) for r in rows]]
-    widths = [max(len(str(r[i])) for r in cols) for i in range(len(headers))]
-    print(f"\n{title}")
-    line = "  ".join(str(h).ljust(w) for h, w in zip(headers, widths, strict=True))
-    print(line)
-    print("-" * len(line))
-    for r in cols[1:]:
-        print(
-            "  ".join(
-                str(c).rjust(w) if str(c).replace(".", "").isdigit() else str(c).ljust(w)
-                for c, w in zip(r, widths, strict=True)
-            )
-        )
+    cols = [tuple(map(str, headers)), *[tuple(str(c) for c in r) for r in rows]]
+    widths = [max(len(r[i]) for r in cols) for i in range(len(headers))]
+    pad = [
+        [c.rjust(w) if c.replace(".", "").isdigit() else c.ljust(w) for c, w in zip(r, widths, strict=True)]
+        for r in cols
+    ]
+    print(f"\n{title}\n{'  '.join(h.ljust(w) for h, w in zip(cols[0], widths, strict=True))}")
+    print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    print("\n".join("  ".join(r) for r in pad[1:]))

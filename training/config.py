@@ -218,9 +218,7 @@ class RunOutputConfig:
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333; else AWS_ENDPOINT_URL(_S3)
     max_failures: NonNegative = 0  # automatic worker-group restarts from the last checkpoint
     checkpoint_every: Positive = 100  # optimizer steps
-    keep_checkpoints: Positive = (
-        2  # newest checkpoints kept in storage_path/name (Ray Train needs at least the latest)
-    )
+    keep_checkpoints: Positive = 2  # newest checkpoints kept in storage_path/name (at least the latest)
     log_every: Positive = 10  # optimizer steps between progress lines and metrics
     tensorboard: bool = True  # TensorBoard event files in the run directory
     fail_at_step: NonNegative = 0  # test hook: rank `fail_rank` raises at this step on a run not resumed

@@ -3,9 +3,8 @@
 Every stage reads and writes through one ``Storage`` object so the same code runs on a laptop (local run
 directory) and on a cluster (S3 run directory). S3 goes through ``pyarrow.fs.S3FileSystem``: credentials
 come from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` env vars, config files,
-instance profile) and are never logged; a custom endpoint (SeaweedFS, MinIO) comes from the job's
-``s3_endpoint`` setting or else the ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` env vars (the AWS SDKs'
-names). ``Storage.from_env`` reads all of that once, in the job; library functions take the object.
+instance profile) and are never logged; a custom endpoint (SeaweedFS, MinIO) is the job's ``s3_endpoint``
+or else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``. ``Storage.from_env`` reads it all once, in the job.
 
 Writes are atomic per file: local files are written to a hidden temp name in the same directory and renamed
 on a successful close; an S3 object appears only when its (multipart) upload completes, and an output that

@@ -25,8 +25,8 @@ from jobs import train as train_job
 from pipeline import schema as S
 from pipeline.build import build
 from pipeline.common.config import merge
+from pipeline.common.errors import explain
 from pipeline.common.storage import Storage
-from pipeline.common.storage_errors import explain
 from pipeline.config import BUILD_PRESETS
 from tests.faults.tiny_pool import serve, write_files, write_metadata
 from tests.fixtures.build_runs import check_invariants, snapshot
@@ -99,7 +99,7 @@ def test_a_full_disk_stops_the_build_in_one_line_and_a_rerun_resumes(ray_local, 
         meta = write_metadata(tmp_path, rows, base)
         rc = build_job.main(_tiny_build_argv(meta, str(small_disk / "out")))
         line = _one_line(capsys.readouterr().err)
-        assert rc == 2 and line.startswith("storage error: disk full: no space left on the device of "), line
+        assert rc == 4 and line.startswith("storage error: disk full: no space left on the device of "), line
         assert str(small_disk) in line and "a re-run resumes" in line
         out = tmp_path / "out"  # the same build, moved to a disk with room, finishes from the copied state
         shutil.copytree(small_disk / "out", out)
@@ -121,7 +121,7 @@ def test_an_unreachable_object_store_stops_the_build_in_one_line(ray_local, tmp_
     argv = [*_tiny_build_argv(meta, "s3://bucket/out"), "--set", f"s3_endpoint=http://127.0.0.1:{port}"]
     rc = build_job.main(argv)
     line = _one_line(capsys.readouterr().err)
-    assert rc == 2 and line.startswith("storage error: storage unreachable: s3://bucket/out: "), line
+    assert rc == 4 and line.startswith("storage error: storage unreachable: s3://bucket/out: "), line
     assert f"127.0.0.1:{port}" in line and "s3cr3t-value" not in line
 
 
