@@ -39,7 +39,7 @@ from pipeline.filters import rerun_cache as FR
 from pipeline.filters.specs import apply_filters, check_build_filters, needs_language, parse_filter_specs
 from pipeline.source import run_state as R
 from pipeline.source.content import COLUMNS as CONTENT_COLUMNS
-from pipeline.source.content import content_digests
+from pipeline.source.content import content_digests, served_hosts
 from pipeline.source.metadata import Metadata, open_metadata, read_columns
 from pipeline.source.output_lock import exclusive
 from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, pre_statuses
@@ -111,7 +111,7 @@ def build(
     store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
     t0 = time.perf_counter()
     pool = _read_pool(cfg, store, log)
-    content = pool_content(pool)
+    content = pool_content(pool, served_hosts([*cfg.download.allow_hosts, *allow_hosts]))
     # One build per output, from the fingerprint check to the last file (pipeline/source/output_lock.py).
     with exclusive(cfg.output, store, log) as lock:
         return _build_locked(cfg, log, store, (pool, content), lock, t0, allow_hosts)
@@ -192,13 +192,13 @@ def _read_pool(cfg: BuildConfig, store: Storage, log: Callable[[str], None]) -> 
     return _Pool(meta, narrow, status_pre, cfg.max_caption_bytes, store)
 
 
-def pool_content(pool: _Pool) -> np.ndarray:
+def pool_content(pool: _Pool, served: Sequence[str] = ()) -> np.ndarray:
     """Every live row's content digest (0 for rows decided before download), read as the parts read them."""
     content = np.zeros(pool.narrow.num_rows, np.uint64)
     live = np.flatnonzero(pool.live())
     if len(live):
         rows = pool.columns([S.UID, *CONTENT_COLUMNS]).take(pa.array(live))
-        content[live] = content_digests(rows)
+        content[live] = content_digests(rows, served)
     return content
 
 

@@ -113,8 +113,9 @@ NOT_STEPS = ("timings", "config", "plan")  # the state's entries that are not fi
 def planned_steps(cfg: TrackConfig) -> list[str]:
     """Every step ``run_track`` records, in its order (one ``train/`` and ``evaluate/`` per model)."""
     models = [f"{name}-seed{seed}" for name in cfg.subsets for seed in cfg.seeds]
+    reshard = ["reshard"] if cfg.train_from == "reshard" else []  # else the subsets train through their .npy
     return [
-        "build", "scorer", "score", "filters", "reshard", *[f"train/{m}" for m in models], "evaluate/scorer",
+        "build", "scorer", "score", "filters", *reshard, *[f"train/{m}" for m in models], "evaluate/scorer",
         *[f"evaluate/{m}" for m in models],
     ]  # fmt: skip
 

@@ -27,7 +27,7 @@ from pipeline.download.worker import DownloadWorker, memory_bound
 from pipeline.shards.checksums import CHECKSUM_FIELD, stored_checksums
 from pipeline.shards.reader import iter_shard
 from pipeline.shards.writer import ShardWriter, sample_members
-from pipeline.source.content import CONTENT, content_digests
+from pipeline.source.content import CONTENT, content_digests, served_hosts
 from pipeline.source.metadata import READ_BATCH_ROWS, read_rows
 from pipeline.source.row_checks import ROW_KEY
 from pipeline.source.run_state import part_file
@@ -83,6 +83,7 @@ class DownloadPart:
         max_caption_bytes: int = BuildConfig.max_caption_bytes,
     ):
         self.worker = DownloadWorker(download)
+        self.served = served_hosts(download.allow_hosts)  # content digests as the driver's (build.py)
         self.parts_dir, self.token, self.store = parts_dir, token, store
         self.retry = dict(retry or {})
         self.files, self.max_caption_bytes = list(files), max_caption_bytes
@@ -105,7 +106,7 @@ class DownloadPart:
         out = out if isinstance(out, pa.Table) else pa.table(out)
         summary = out.select([c for c in PART_COLUMNS if c in out.column_names])
         # What each row baked in, for a later run to see whether the pool changed (source/content.py).
-        summary = summary.append_column(CONTENT, pa.array(content_digests(rows), pa.uint64()))
+        summary = summary.append_column(CONTENT, pa.array(content_digests(rows, self.served), pa.uint64()))
         samples: Iterator[tuple[str, list[tuple[str, bytes]]]] = iter(_samples(rows, out))
         if part in self.retry:
             summary, samples = self._merge(part, summary, samples)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import ray
 from ray.data.collate_fn import NumpyBatchCollateFn
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.common.placement import scope_dataset
 from pipeline.common.storage import Storage
@@ -90,8 +91,11 @@ def counters_handle(name: str | None) -> Any:
 def start_counters(name: str | None = None) -> str:
     """Start the shared ``IngestCounters`` actor and return its name."""
     name = name or f"prolip-ingest-{uuid.uuid4().hex[:12]}"
-    # A named actor is still garbage-collected once no handle exists: the driver keeps one.
-    _LIVE_COUNTERS[name] = ray.remote(num_cpus=0)(IngestCounters).options(name=name).remote()
+    # A named actor is still garbage-collected once no handle exists: the driver keeps one. It lives on the
+    # driver's node, so a lost worker host (a spot reclaim) does not take the run's counters with it.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    actor = ray.remote(num_cpus=0)(IngestCounters).options(name=name, scheduling_strategy=here)
+    _LIVE_COUNTERS[name] = actor.remote()
     return name
 
 

@@ -7,13 +7,16 @@ any of these would resume into parts made from other rows; the digest covers exa
 (as the actor reads them: pipeline/source/metadata.py ``read_rows``, after ``prepare_batch``).
 
 One exception, documented in docs/formats.md: the port of a loopback URL (``127.x.x.x``, ``localhost``,
-``[::1]``) is left out, so the demo pool served again on another free port is the same pool. Such URLs
-reach a download only when allow-listed, which only the demo and tests do.
+``[::1]``) is left out, so the demo pool served again on another free port is the same pool, and so is
+the host of an allow-listed ``host:port`` server (``served_hosts``: the demo pool served by a cluster's
+head, which a new head serves elsewhere). Such URLs reach a download only when allow-listed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +26,7 @@ from pipeline import schema as S
 
 CONTENT = "content"  # the per-row digest column of a part's parquet (uint64)
 COLUMNS = (S.URL, S.TEXT, S.SHA256, S.FACE_BBOXES)
-_LOOPBACK_PORT = r"(?i)^(https?://(?:127(?:\.\d{1,3}){3}|localhost|\[::1\]))(:\d+)"
+_LOOPBACK_PORT = r"(?i)^([a-z][a-z0-9+.-]*://(?:127(?:\.\d{1,3}){3}|localhost|\[::1\]))(:\d+)"  # any scheme
 
 
 def without_loopback_port(urls: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
@@ -31,12 +34,21 @@ def without_loopback_port(urls: pa.Array | pa.ChunkedArray) -> pa.Array | pa.Chu
     return pc.replace_substring_regex(urls, pattern=_LOOPBACK_PORT, replacement=r"\1")
 
 
-def _bytes_column(table: pa.Table, name: str) -> list[bytes | None]:
+def served_hosts(allow_hosts: Sequence[str]) -> tuple[str, ...]:
+    """The ``host:port`` entries of an allow list: servers of one run (the demo pool's on a cluster head)."""
+    return tuple(sorted({h for h in allow_hosts if re.fullmatch(r"[^:/\s]+:\d+", h)}))
+
+
+def _bytes_column(table: pa.Table, name: str, served: Sequence[str] = ()) -> list[bytes | None]:
     if name not in table.column_names:
         return [None] * table.num_rows
     col = table.column(name)
     if name == S.URL:
         col = without_loopback_port(col.cast(pa.string()))
+        for host in served:  # the same pool served again elsewhere (a new head) is the same pool
+            col = pc.replace_substring_regex(
+                col, pattern=rf"(?i)^([a-z][a-z0-9+.-]*://){re.escape(host)}/", replacement=r"\1served/"
+            )
     return col.cast(pa.large_binary()).to_pylist()
 
 
@@ -59,9 +71,10 @@ def _boxes(table: pa.Table) -> list[bytes | None]:
     return out
 
 
-def content_digests(table: pa.Table) -> np.ndarray:
-    """The uint64 digest of each row's URL (loopback port left out), caption, sha256 and face boxes."""
-    columns = [_bytes_column(table, c) for c in (S.URL, S.TEXT, S.SHA256)] + [_boxes(table)]
+def content_digests(table: pa.Table, served: Sequence[str] = ()) -> np.ndarray:
+    """The uint64 digest of each row's URL (loopback port and the ``served`` hosts left out), caption, sha256
+    and face boxes."""
+    columns = [_bytes_column(table, c, served) for c in (S.URL, S.TEXT, S.SHA256)] + [_boxes(table)]
     out = np.empty(table.num_rows, np.uint64)
     blake, little = hashlib.blake2b, int.to_bytes
     for i, row in enumerate(zip(*columns, strict=True)):

@@ -104,3 +104,19 @@ def test_urls_to_other_pictures_are_refreshed_and_a_new_port_is_the_same_pool(po
         lines = _run(_cfg(write_metadata(root, swapped, other_port, "v3"), out))
     assert any(re.search(r"download: \d+ parts .*?, (\d+) already done", line) for line in lines), lines
     assert not any("again" in line for line in lines)
+
+
+def test_a_pool_served_again_by_another_host_is_the_same_pool() -> None:
+    """The demo pool a new cluster head serves elsewhere keeps its content; another picture does not."""
+    import pyarrow as pa
+
+    from pipeline.source.content import content_digests, served_hosts
+
+    def digest(url: str, allow: list[str]) -> int:
+        table = pa.table({S.URL: [url], S.TEXT: ["a caption"], S.SHA256: [None]})
+        return int(content_digests(table, served_hosts(allow))[0])
+
+    first = digest("http://198.18.0.10:4000/img/1.jpg", ["127.0.0.1", "198.18.0.10:4000"])
+    assert first == digest("http://198.18.0.11:5000/img/1.jpg", ["127.0.0.1", "198.18.0.11:5000"])
+    assert first != digest("http://198.18.0.11:5000/img/2.jpg", ["127.0.0.1", "198.18.0.11:5000"])
+    assert first != digest("http://198.18.0.11:5000/img/1.jpg", ["127.0.0.1"])  # not served by this run

@@ -180,7 +180,7 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     # Killed once its build is recorded: jobs.status says what is done and what is not ...
     _killed_after(args, lambda: "build" in _state(out))
     half = status_lines(str(out), LOCAL)
-    assert half[0] == "track: 1 of 12 steps finished" and "  done  build" in half[1], half
+    assert half[0] == "track: 1 of 11 steps finished" and "  done  build" in half[1], half
     assert (
         "  to do scorer" in half
         and "  to do evaluate/random-seed0" in half
@@ -231,7 +231,7 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
     assert len(refs.refs) == report.count("![") >= 9
     assert all(tag == "img" and value.startswith("data:image/png;base64,") for tag, _, value in refs.refs)
     done = status_lines(str(out), LOCAL)
-    assert done[0] == "track: 12 of 12 steps finished" and done[-1] == f"report: {out}/report.md", done
+    assert done[0] == "track: 11 of 11 steps finished" and done[-1] == f"report: {out}/report.md", done
     for name in ("scorer", "no_filter-seed0", "csd-seed0", "random-seed0"):
         assert (out / "eval" / name / "eval_results.jsonl").is_file()
     state = json.loads((out / "track_state.json").read_text())
