@@ -6,7 +6,9 @@ into what an uninterrupted run gives. A point costs one environment lookup when 
 - ``PROLIP_KILL_AT="name@n,other@m"``: the n-th time this process reaches ``name`` (``@n`` left out:
   the first), it sends itself SIGKILL. With ``PROLIP_KILL_STATE=file`` each armed point fires once
   across processes (a restarted worker does not die at the same point again): the file lists the points
-  that fired, written before the signal.
+  that fired, written before the signal. ``PROLIP_KILL_ORDERED=1`` arms only the first entry that has not
+  fired yet, so the n-th process of a restarting run dies at the n-th entry (a kill sequence that does
+  not depend on which process reaches a point first).
 - ``PROLIP_KILL_TRACE=file``: every point reached is appended to ``file`` (how often each is reached, so
   a suite can pick a random occurrence).
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import os
 import signal
 
-ARM, STATE, TRACE = "PROLIP_KILL_AT", "PROLIP_KILL_STATE", "PROLIP_KILL_TRACE"
+ARM, STATE, TRACE, ORDERED = "PROLIP_KILL_AT", "PROLIP_KILL_STATE", "PROLIP_KILL_TRACE", "PROLIP_KILL_ORDERED"
 _hits: dict[str, int] = {}
 
 
@@ -29,10 +31,13 @@ def point(name: str) -> None:
     armed = env.get(ARM)
     if not armed:
         return
-    entries = [e.strip() for e in armed.split(",") if e.strip().partition("@")[0] == name]
+    entries = [e.strip() for e in armed.split(",") if e.strip()]
+    if env.get(ORDERED) == "1":
+        entries = [e for e in entries if not _fired(e)][:1]
+    entries = [e for e in entries if e.partition("@")[0] == name]
+    _hits[name] = _hits.get(name, 0) + 1
     if not entries:
         return
-    _hits[name] = _hits.get(name, 0) + 1
     for entry in entries:
         if int(entry.partition("@")[2] or 1) != _hits[name] or _fired(entry):
             continue

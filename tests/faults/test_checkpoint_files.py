@@ -1,7 +1,8 @@
 """A checkpoint's files under kills and damage, without Ray: the save and the upload Ray Train's workers
 run (training/train/checkpointing.py, run_checkpoints.py), killed half-way in forked children of a fresh
 interpreter (pipeline/common/faults.py), leave something the restore and the re-run's check recognise,
-and the previous checkpoint stays usable. The re-run's check deregisters a corrupt newest checkpoint
+and the previous checkpoint stays usable; a restore killed as its download starts is redone whole by
+the next process. The re-run's check deregisters a corrupt newest checkpoint
 from a snapshot in Ray Train's format and sets its directory aside.
 """
 
@@ -57,6 +58,11 @@ fetch = lambda src, dst: shutil.copytree(src, dst, dirs_exist_ok=True)
 got, path = restore_with_fallback([f"{root}/ckpt_20", f"{root}/ckpt_10"], fetch,
                                   lambda d: setup_state(cfg, tok, torch.device("cpu"), 0, restore_dir=d), warnings.append)
 out["restored_step"], out["restored_from"], out["warnings"] = got.step, path, warnings
+restore = lambda: restore_with_fallback([f"{root}/ckpt_10"], fetch,
+                                        lambda d: setup_state(cfg, tok, torch.device("cpu"), 0, restore_dir=d), warnings.append)
+out["fetch_killed"] = killed("checkpoint.fetch", restore)
+again, _ = restore()  # the next process's restore: the killed download left nothing it reads
+out["restored_again"] = again.step
 fs = pafs.LocalFileSystem()
 out["upload_killed"] = killed("checkpoint.upload@3", lambda: upload_checkpoint(f"{root}/ckpt_10", fs, f"{root}/run/checkpoint_00000010"))
 out["listing_cut_upload"] = listing_problem(fs, f"{root}/run/checkpoint_00000010")
@@ -74,6 +80,7 @@ def test_a_cut_save_and_a_cut_upload_are_recognised_and_the_previous_checkpoint_
     assert out["save_killed"] and "no checksums.json" in out["verify_cut_save"]
     assert out["restored_step"] == 10 and out["restored_from"].endswith("ckpt_10")
     assert len(out["warnings"]) == 1 and "ckpt_20" in out["warnings"][0]
+    assert out["fetch_killed"] and out["restored_again"] == 10
     assert out["upload_killed"] and "no checksums.json" in out["listing_cut_upload"]
     assert out["listing_whole"] is None
     assert fresh_name(pafs.LocalFileSystem(), str(tmp_path / "run"), 10) == "checkpoint_00000010.2"

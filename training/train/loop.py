@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from ray.train import CheckpointUploadMode
 
+from pipeline.common import faults
 from pipeline.ingest.dataset import RayTrainCollate, publish_progress, read_counters
 from pipeline.ingest.masking import drop_masked_tokens
 from pipeline.ingest.prefetch import device_batches
@@ -129,6 +130,7 @@ def _restored_state(
     state, _ = restore_with_fallback(
         checkpoint_candidates(checkpoint.path, fs), fetch, build, warn, node=node
     )
+    faults.point("checkpoint.restored")  # every rank: the fault suite counts restores against downloads
     return state
 
 
@@ -277,6 +279,7 @@ def _run_epochs(
                 break
             terms, feats = train_step(state, batch)
             in_epoch += 1
+            faults.point("train.step")
             window.add(terms, feats, wait, time.perf_counter() - t0)
             if fail_armed and state.step == cfg.run.fail_at_step:
                 raise RuntimeError(f"injected failure at step {state.step} on rank {rank} (run.fail_at_step)")

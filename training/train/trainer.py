@@ -157,7 +157,11 @@ def build_trainer(
             "tokenizer": tokenizer_state(tokenizer),
             "counters": counters,
             "tensorboard_dir": tensorboard,
-            "faults": {k: os.environ[k] for k in (faults.ARM, faults.STATE, faults.TRACE) if k in os.environ},
+            "faults": {
+                k: os.environ[k]
+                for k in (faults.ARM, faults.STATE, faults.TRACE, faults.ORDERED)
+                if k in os.environ
+            },
         },
         scaling_config=ScalingConfig(
             num_workers=num_workers,
