@@ -56,7 +56,7 @@ demo-selection: $(STAMP)
 # Lint first, then every test; PROLIP_STRICT_SKIPS=1 turns a skip on a missing optional dependency into a
 # failure (only the GPU tests may skip here).
 test: lint
-	PROLIP_STRICT_SKIPS=1 $(BIN)/python -m pytest -q -ra
+	PROLIP_STRICT_SKIPS=1 $(BIN)/python -m pytest -q -ra --durations=30
 
 # The cluster tests alone: a Ray head and worker hosts in Linux namespaces on this machine, S3 the only
 # shared storage; needs root (docs/cluster.md, "Try it on one machine").

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.train.run_checkpoints import upload_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    (work / "s3").mkdir()
     proc, server = start_seaweedfs(work / "s3")
     records = []
     try:
