@@ -191,7 +191,7 @@ def meta_stages(n: int, min_free_gb: float, child_out: str = "") -> dict:
     status_table = pa.table(
         {"uid": narrow.column("uid"), "status": np.where(status == "", "success", status)}
     )
-    pool = B._Pool(meta, narrow, status, cfg.max_caption_bytes, LOCAL)
+    pool = B._Pool(meta, narrow, status, cfg.max_caption_bytes, LOCAL, ())
     shutil.rmtree(CACHE / f"out-{n}", ignore_errors=True)  # an earlier run's results would be reused
     paths = B.run_paths(str(CACHE / f"out-{n}"))
     stage("filters basic + clip_score, subset .npy (build.run_filters)",

@@ -86,6 +86,7 @@ class _Pool:
     status_pre: np.ndarray  # "" = goes on to download
     max_caption_bytes: int
     store: Storage
+    served: tuple[str, ...]  # the run's served hosts (pipeline/source/content.py)
 
     def live(self) -> np.ndarray:
         return self.status_pre == ""
@@ -93,7 +94,7 @@ class _Pool:
     def columns(self, names: list[str]) -> pa.Table:
         """``names`` of every row in read order, prepared (read again from the files: cheap, and the
         driver never holds the wide columns longer than a stage needs them)."""
-        return read_columns(self.meta, names, self.max_caption_bytes, self.store)
+        return read_columns(self.meta, names, self.max_caption_bytes, self.store, self.served)
 
 
 def build(
@@ -110,8 +111,8 @@ def build(
     """
     store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
     t0 = time.perf_counter()
-    pool = _read_pool(cfg, store, log)
-    content = pool_content(pool, served_hosts([*cfg.download.allow_hosts, *allow_hosts]))
+    pool = _read_pool(cfg, store, log, served_hosts([*cfg.download.allow_hosts, *allow_hosts]))
+    content = pool_content(pool)
     # One build per output, from the fingerprint check to the last file (pipeline/source/output_lock.py).
     with exclusive(cfg.output, store, log) as lock:
         return _build_locked(cfg, log, store, (pool, content), lock, t0, allow_hosts)
@@ -177,28 +178,30 @@ def _build_locked(
     )
 
 
-def _read_pool(cfg: BuildConfig, store: Storage, log: Callable[[str], None]) -> _Pool:
+def _read_pool(
+    cfg: BuildConfig, store: Storage, log: Callable[[str], None], served: tuple[str, ...] = ()
+) -> _Pool:
     """Read and check the metadata and the filters it must feed; decide the rows that need no download."""
     meta = open_metadata(cfg.metadata, store)
     for name, columns in zip(meta.files, meta.names, strict=True):
         check_build_filters(cfg.filters, columns, name)
     CS.check_curation(cfg, meta.files, store)
-    narrow = read_columns(meta, _NARROW, cfg.max_caption_bytes, store)
+    narrow = read_columns(meta, _NARROW, cfg.max_caption_bytes, store, served)
     status_pre = pre_statuses(narrow)
     log(
         f"metadata: {narrow.num_rows} rows in {len(meta.files)} files; "
         f"{int((status_pre != '').sum())} decided before download"
     )
-    return _Pool(meta, narrow, status_pre, cfg.max_caption_bytes, store)
+    return _Pool(meta, narrow, status_pre, cfg.max_caption_bytes, store, served)
 
 
-def pool_content(pool: _Pool, served: Sequence[str] = ()) -> np.ndarray:
+def pool_content(pool: _Pool) -> np.ndarray:
     """Every live row's content digest (0 for rows decided before download), read as the parts read them."""
     content = np.zeros(pool.narrow.num_rows, np.uint64)
     live = np.flatnonzero(pool.live())
     if len(live):
         rows = pool.columns([S.UID, *CONTENT_COLUMNS]).take(pa.array(live))
-        content[live] = content_digests(rows, served)
+        content[live] = content_digests(rows, pool.served)
     return content
 
 

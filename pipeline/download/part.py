@@ -94,7 +94,9 @@ class DownloadPart:
         out = []
         for part in dict.fromkeys(parts.tolist()):  # a batch is one part's block; split if Ray bundles more
             mine = parts == part
-            table = read_rows(self.files, files[mine], rows[mine], self.max_caption_bytes, self.store)
+            table = read_rows(
+                self.files, files[mine], rows[mine], self.max_caption_bytes, self.store, served=self.served
+            )
             out.append(self.download(int(part), table))
         return out[0] if len(out) == 1 else pa.concat_tables(out)
 

@@ -39,16 +39,23 @@ def served_hosts(allow_hosts: Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted({h for h in allow_hosts if re.fullmatch(r"[^:/\s]+:\d+", h)}))
 
 
+def comparable_urls(urls: pa.Array | pa.ChunkedArray, served: Sequence[str] = ()) -> pa.Array | pa.ChunkedArray:
+    """URLs as a run compares them: the loopback port left out and each ``served`` host spelled ``served``
+    (the same pool served again elsewhere, by a new head, is the same pool)."""
+    out = without_loopback_port(urls)
+    for host in served:
+        out = pc.replace_substring_regex(
+            out, pattern=rf"(?i)^([a-z][a-z0-9+.-]*://){re.escape(host)}/", replacement=r"\1served/"
+        )
+    return out
+
+
 def _bytes_column(table: pa.Table, name: str, served: Sequence[str] = ()) -> list[bytes | None]:
     if name not in table.column_names:
         return [None] * table.num_rows
     col = table.column(name)
     if name == S.URL:
-        col = without_loopback_port(col.cast(pa.string()))
-        for host in served:  # the same pool served again elsewhere (a new head) is the same pool
-            col = pc.replace_substring_regex(
-                col, pattern=rf"(?i)^([a-z][a-z0-9+.-]*://){re.escape(host)}/", replacement=r"\1served/"
-            )
+        col = comparable_urls(col.cast(pa.string()), served)
     return col.cast(pa.large_binary()).to_pylist()
 
 

@@ -79,8 +79,10 @@ def open_metadata(path: str, store: Storage = LOCAL) -> Metadata:
     return Metadata(tuple(files), tuple(names), tuple(rows))
 
 
-def _prepared(table: pa.Table, columns: Sequence[str] | None, max_caption_bytes: int) -> pa.Table:
-    table = prepare_batch(table, max_caption_bytes)
+def _prepared(
+    table: pa.Table, columns: Sequence[str] | None, max_caption_bytes: int, served: Sequence[str]
+) -> pa.Table:
+    table = prepare_batch(table, max_caption_bytes, served)
     return table if columns is None else table.select([c for c in columns if c in table.column_names])
 
 
@@ -98,15 +100,20 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
 
 
 def read_columns(
-    meta: Metadata, columns: Sequence[str], max_caption_bytes: int, store: Storage = LOCAL
+    meta: Metadata,
+    columns: Sequence[str],
+    max_caption_bytes: int,
+    store: Storage = LOCAL,
+    served: Sequence[str] = (),
 ) -> pa.Table:
     """``columns`` of every row in read order, after ``prepare_batch`` (``caption_status`` and ``row_key``
-    included when asked). A column some files lack is null in their rows; one no file has is left out."""
+    included when asked, ``served``: the run's served hosts). A column some files lack is null in their
+    rows; one no file has is left out."""
     fs, fs_paths = store.filesystem_for(list(meta.files))
     tables = []
     for fs_path, names in zip(fs_paths, meta.names, strict=True):
         raw = pq.read_table(fs_path, filesystem=fs, columns=_raw_columns(names, columns), use_threads=True)
-        tables.append(_prepared(raw, columns, max_caption_bytes))
+        tables.append(_prepared(raw, columns, max_caption_bytes, served))
     table = _concat(tables)  # a column the first file lacks comes last: back to the order asked
     return table.select([c for c in columns if c in table.column_names])
 
@@ -125,6 +132,7 @@ def read_rows(
     max_caption_bytes: int,
     store: Storage = LOCAL,
     columns: Sequence[str] = PART_READ_COLUMNS,
+    served: Sequence[str] = (),
 ) -> pa.Table:
     """``columns`` of the given rows, in the given order (rows of one file consecutive), prepared: the
     download actor's read of its part.
@@ -140,7 +148,7 @@ def read_rows(
         pf = pq.ParquetFile(fs_paths[f], filesystem=fs, pre_buffer=False, buffer_size=_READ_BUFFER)
         names = pf.schema_arrow.names
         wanted = [c for c in dict.fromkeys([*columns, *_RAW_NEEDED]) if c in names]
-        tables.append(_prepared(_take_rows(pf, local, wanted), None, max_caption_bytes))
+        tables.append(_prepared(_take_rows(pf, local, wanted), None, max_caption_bytes, served))
     if not tables:
         raise ValueError("read_rows: no rows given")
     return _concat(tables)

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.dedup.decisions import url_duplicates
-from pipeline.source.content import without_loopback_port
+from pipeline.source.content import comparable_urls
 
 CAPTION_STATUS = "caption_status"
 ROW_KEY = "row_key"
@@ -118,9 +118,9 @@ def row_keys(urls: pa.Array, captions: pa.Array) -> pa.Array:
     return pa.array(out, pa.string())
 
 
-def prepare_batch(batch: pa.Table, max_caption_bytes: int) -> pa.Table:
+def prepare_batch(batch: pa.Table, max_caption_bytes: int, served: Sequence[str] = ()) -> pa.Table:
     """uid, url and text as valid strings (bad bytes → U+FFFD / "" / null), plus ``caption_status`` and
-    ``row_key``; other columns pass through."""
+    ``row_key`` (of the URL as ``comparable_urls`` spells it with ``served``); other columns pass through."""
     n = batch.num_rows
     uids, _ = _utf8(_binary(batch.column(S.UID)))
     raw_urls = _binary(batch.column(S.URL))
@@ -133,8 +133,9 @@ def prepare_batch(batch: pa.Table, max_caption_bytes: int) -> pa.Table:
         if name not in out:
             out[name] = batch.column(name)
     out[CAPTION_STATUS] = status
-    # The loopback port is left out, as in the run fingerprint: it must not pick another canonical row.
-    out[ROW_KEY] = row_keys(without_loopback_port(raw_urls), raw_text)
+    # The loopback port and a served host are left out, as in the run fingerprint: a pool served again
+    # elsewhere must not pick another canonical row.
+    out[ROW_KEY] = row_keys(comparable_urls(raw_urls, served), raw_text)
     return pa.table(out)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline import schema as S
@@ -120,3 +121,25 @@ def test_a_pool_served_again_by_another_host_is_the_same_pool() -> None:
     assert first == digest("http://198.18.0.11:5000/img/1.jpg", ["127.0.0.1", "198.18.0.11:5000"])
     assert first != digest("http://198.18.0.11:5000/img/2.jpg", ["127.0.0.1", "198.18.0.11:5000"])
     assert first != digest("http://198.18.0.11:5000/img/1.jpg", ["127.0.0.1"])  # not served by this run
+
+
+def test_a_pool_served_again_by_another_host_keeps_each_repeated_uids_row() -> None:
+    """Which row of a repeated uid goes on (the smallest row key) does not change when a new head serves
+    the pool elsewhere: 40 uids of two rows each, whose choice flips for about half of them when the
+    served host is part of the key."""
+    import pyarrow as pa
+
+    from pipeline.source.content import served_hosts
+    from pipeline.source.row_checks import ROW_KEY, canonical_rows, prepare_batch
+
+    def chosen(host: str) -> list[str]:
+        n = 40
+        urls = [f"http://{host}/img/{i}-{v}.jpg" for i in range(n) for v in "ab"]
+        batch = pa.table({S.UID: [f"{i:032x}" for i in range(n) for _ in "ab"], S.URL: urls,
+                          S.TEXT: [f"caption {i}" for i in range(n) for _ in "ab"]})  # fmt: skip
+        prepared = prepare_batch(batch, 100, served_hosts(["127.0.0.1", host]))
+        keep = canonical_rows(prepared.column(S.UID), prepared.column(ROW_KEY), np.ones(2 * n, bool))
+        return [u.rsplit("/", 1)[1] for u, k in zip(urls, keep, strict=True) if k]
+
+    first = chosen("198.18.0.10:4000")
+    assert len(first) == 40 and first == chosen("198.18.0.11:5000")
