@@ -39,7 +39,9 @@ def served_hosts(allow_hosts: Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted({h for h in allow_hosts if re.fullmatch(r"[^:/\s]+:\d+", h)}))
 
 
-def comparable_urls(urls: pa.Array | pa.ChunkedArray, served: Sequence[str] = ()) -> pa.Array | pa.ChunkedArray:
+def comparable_urls(
+    urls: pa.Array | pa.ChunkedArray, served: Sequence[str] = ()
+) -> pa.Array | pa.ChunkedArray:
     """URLs as a run compares them: the loopback port left out and each ``served`` host spelled ``served``
     (the same pool served again elsewhere, by a new head, is the same pool)."""
     out = without_loopback_port(urls)
