@@ -80,7 +80,7 @@ def _one_train_step(precision: str, reduction: str) -> tuple[dict[str, float], l
     }
     terms, _ = train_step(state, batch)
     grads = [p.grad.detach().float() for p in state.module.parameters() if p.grad is not None]
-    return {k: float(v) for k, v in terms.items()}, grads, state
+    return {k: float(v.detach()) for k, v in terms.items()}, grads, state
 
 
 @pytest.mark.parametrize("reduction", ["joint", "official"])
