@@ -87,7 +87,9 @@ class DataConfig:
     shuffle_seed: Seed | None = None
     local_shuffle_buffer: NonNegative = 0  # extra per-worker buffer (decoded rows) in iter_torch_batches
     augment_seed: Seed | None = None  # None: fresh entropy per decode actor
-    read_cpus: PositiveFloat = 0.25  # CPUs reserved per shard-read task (I/O bound)
+    # CPUs reserved per shard-read task; None: decode_cpus, so Ray runs no more worker processes than decode
+    # tasks and starts none anew each epoch (docs/decisions/0085-shard-reads-reserve-the-decode-cpus.md)
+    read_cpus: PositiveFloat | None = None
     decode_batch_size: Positive = 64  # samples per decode/augment task call
     # Concurrent decode tasks at most; 0 = no cap: Ray Data runs as many as the ingest nodes' free CPUs
     # allow and the autoscaler adds nodes from the backlog (the cluster presets; the train workers' CPUs

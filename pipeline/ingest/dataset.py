@@ -212,17 +212,18 @@ def build_train_dataset(
         if data.shuffle_seed is None
         else ray.data.FileShuffleConfig(seed=data.shuffle_seed, reseed_after_execution=True)
     )
+    read_cpus = data.read_cpus or data.decode_cpus  # no worker churn: decision 0085
     report = BadShardCounter(counters) if counters else None
     mismatch = MismatchCounter(counters) if counters else None
     if data.subset:  # the build's shards, filtered to the subset's rows inside each read task
         reader = SubsetShardReader(data.subset, store, max_bad_shards=data.max_bad_shards, report=report,
                                    verify=data.verify_checksums, on_mismatch=mismatch)  # fmt: skip
         source = ShardDatasource(list_shards(data.shards, store), reader, shuffle=shuffle)
-        ds = ray.data.read_datasource(source, num_cpus=data.read_cpus)
+        ds = ray.data.read_datasource(source, num_cpus=read_cpus)
     else:
         ds = read_shards(
             data.shards, store, report=report, max_bad_shards=data.max_bad_shards, shuffle=shuffle,
-            num_cpus=data.read_cpus, verify=data.verify_checksums, on_mismatch=mismatch,
+            num_cpus=read_cpus, verify=data.verify_checksums, on_mismatch=mismatch,
         )  # fmt: skip
     ds = scope_dataset(ds, data.label_selector)
     if data.shuffle_window > 1:
@@ -231,7 +232,7 @@ def build_train_dataset(
             fn_kwargs={"seed": data.shuffle_seed},
             batch_size=data.shuffle_window,
             batch_format="pyarrow",
-            num_cpus=data.read_cpus,
+            num_cpus=read_cpus,
         )
     return ds.map_batches(
         decode_augment_batch,

@@ -160,8 +160,8 @@ def encode_items(
 ) -> list[dict[str, np.ndarray]]:
     """One read task per item (``reader``: item → rows for ``Encoder``), encoded on one actor pool;
     the encoded batches, gathered on the driver in arrival order."""
-    # The read tasks only read bytes (the Encoder decodes), so they reserve a quarter CPU as the training
-    # ingest's shard reads do (DataConfig.read_cpus): at Ray's default of one, an eval beside a half-CPU
+    # The read tasks only read bytes (the Encoder decodes), so they reserve a quarter CPU (the training
+    # ingest's reads take the decode's, decision 0085): at Ray's default of one, an eval beside a half-CPU
     # training on 2 CPUs would hold its encoder actor with no CPU left for a read task until the training
     # ended (docs/decisions/0007-subset-models-two-at-a-time.md).
     ds = ray.data.from_items(items, override_num_blocks=len(items)).flat_map(reader, num_cpus=READ_CPUS)
