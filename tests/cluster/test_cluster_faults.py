@@ -13,6 +13,7 @@ shards. Each test leaves the cluster whole again for the next.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -71,6 +72,10 @@ def whole_again(cluster, specs=HOSTS) -> None:
             cluster.add_host(spec)
     wanted = {cluster.hosts[s.name].ip for s in specs} | {cluster.head.ip}
     wait_for("the hosts to register", lambda: wanted <= _alive_ips(cluster), timeout=120)
+    # and the killed ones marked dead: a host still registered would count as room for the next run
+    running = sorted({h.ip for h in cluster.hosts.values() if h.alive} | {cluster.head.ip})
+    alive = lambda: sorted(n["node_ip"] for n in cluster.nodes() if n["state"] == "ALIVE")  # noqa: E731
+    wait_for("the killed hosts to be marked dead", lambda: alive() == running, timeout=120)
 
 
 def _alive_ips(cluster) -> set[str]:
@@ -203,7 +208,12 @@ def test_elastic_a_train_host_lost_the_run_continues_at_world_one(cluster, train
     elastic = {"scaling.min_workers": 1, "scaling.resources.train_slot": 1}
     cluster.submit(_train(cluster, train_shards, name, **elastic), "train-elastic", wait=False)
     failed = lambda: cluster.job("train-elastic")["status"] in ("FAILED", "STOPPED")  # noqa: E731
-    wait_for("a committed checkpoint", lambda: _committed_checkpoints(store, storage, name), failed=failed)
+    try:
+        wait_for(
+            "a committed checkpoint", lambda: _committed_checkpoints(store, storage, name), failed=failed
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{cluster.job_logs('train-elastic')[-6000:]}") from None
     t_kill = time.monotonic()
     cluster.kill_host("train2")
     info = cluster.wait_job("train-elastic", timeout=420)
@@ -225,6 +235,9 @@ def test_elastic_a_train_host_lost_the_run_continues_at_world_one(cluster, train
     )
     workers = actors_by_host(cluster, "RayTrainWorker", job_ray_id(cluster, "train-elastic"))
     assert workers == {"train1": 2, "train2": 1}, workers  # the second attempt alone on train1
-    print(f"\nelastic: train2 killed, resumed at step {resumed} at world 1 {waited:.0f} s later, "
-          f"history {extra['history']}, workers {dict(workers)}")  # fmt: skip
+    started = re.findall(r"Started training worker group of size (\d+)", logs)
+    assert started == ["2", "1"], started
+    timeouts = logs.count("WorkerGroupStartupTimeoutError")  # a restart sized before the loss was seen
+    print(f"\nelastic: train2 killed, resumed at step {resumed} at world 1, done {waited:.0f} s after the "
+          f"kill; history {extra['history']}, workers {dict(workers)}, start timeouts {timeouts}")  # fmt: skip
     whole_again(cluster)
