@@ -28,8 +28,10 @@ checkpoint at whatever size the cluster then holds (a lost node, a spot reclaim)
 first ``global_batch_size % world`` ranks (training/train/distributed.py ``local_batch_sizes``), so no size
 has to divide it; ``scaling.max_local_batch`` caps what one device may take (checked for the smallest
 world at start). Steps, the LR schedule and the checkpoint cadence count optimizer steps of one global
-batch. A restart at a smaller world after a lost worker is not working yet (docs/gpu.md): Ray Train kept
-trying to start the old size and timed out, so elastic training is not offered as a working feature.
+batch. A run that loses one of its two Train hosts continues at world 1 when the Train workers ask for
+a resource only train nodes hold (GPUs, or ``scaling.resources`` on CPU train nodes): Ray Train 2.60
+counts the workers a cluster can hold without its label selectors, so data nodes' CPUs would count
+(docs/decisions/0065-elastic-with-uneven-local-batches.md).
 """
 
 from __future__ import annotations
@@ -195,6 +197,9 @@ class WorkersConfig:
     cpus_per_worker: PositiveFloat = 1.0  # Ray CPUs reserved per Train worker
     gpus_per_worker: PositiveFloat = 1.0  # only with use_gpu
     label_selector: dict[str, str] = field(default_factory=dict)  # Train worker nodes; empty = anywhere
+    # Custom Ray resources each Train worker also asks for, e.g. {"train_slot": 1} on CPU-only train nodes:
+    # Ray Train's elastic count ignores label selectors (docs/decisions/0065-elastic-with-uneven-local-batches.md)
+    resources: dict[str, PositiveFloat] = field(default_factory=dict)
     # Intra-op threads per worker: 0 = Ray's default (OMP_NUM_THREADS = the worker's CPUs), -1 = every core
     # of the node (one CPU worker on a laptop, with the ingest tasks taking turns on the same cores).
     torch_threads: Annotated[int, Field(ge=-1)] = 0
@@ -208,6 +213,13 @@ class WorkersConfig:
     def __post_init__(self) -> None:
         require(
             self.min_workers <= self.num_workers, "min_workers", "must be <= num_workers", self.min_workers
+        )
+        builtin = sorted(set(self.resources) & {"CPU", "GPU", "memory", "object_store_memory"})
+        require(
+            not builtin,
+            "resources",
+            "takes custom resources only (cpus_per_worker, gpus_per_worker)",
+            builtin,
         )
 
 

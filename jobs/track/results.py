@@ -124,7 +124,8 @@ def subset_purity(cfg: Any, subsets: dict[str, Any], store: Storage) -> dict[str
     noise = dict(zip(truth["uid"], truth["caption_noise"], strict=True))
     out: dict[str, dict[str, float]] = {}
     for name, info in subsets.items():
-        uids = subset_uids(info["path"])
+        with store.open_input(info["path"]) as fh:  # the run directory may be on S3
+            uids = subset_uids(fh)
         kinds = [noise.get(u, "unknown") or "clean" for u in uids]
         n = max(len(kinds), 1)
         out[name] = {k: kinds.count(k) / n for k in sorted(set(kinds))}

@@ -10,13 +10,18 @@ Every path is ``s3://``, every job goes in through the head's job API from the m
   download actors only on the data host;
 - a local output on this cluster: refused at the job's start with one line;
 - training with two Train workers on the two train hosts equals one worker to 1e-5, step by step;
-- filter (scoring actors writing their parts to S3), embed, reshard and evaluate with eval sets on S3.
+- filter (scoring actors writing their parts to S3), embed, reshard and evaluate with eval sets on S3;
+- the ``tiny`` track end to end, whose report equals the single-node run's (tests/fixtures/tiny_track.py)
+  to every printed digit: the build serves its generated pool from the driver on the head and puts the
+  metadata, eval sets and ground truth in ``<output>/pool/``, the BPE the build trains serves every model,
+  scoring writes its parts from the scoring actors.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -45,6 +50,7 @@ from tests.cluster.helpers import (
     wait_for,
 )
 from tests.fixtures.netns_cluster import HostSpec, netns_cluster
+from tests.fixtures.tiny_track import tiny_track  # noqa: F401
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 POOL = 300
@@ -208,3 +214,41 @@ def test_filter_embed_reshard_and_evaluate_on_s3(cluster, built, parity) -> None
                                "--no-analyses"], "evaluate")  # fmt: skip
     lines = [json.loads(line) for line in store.read_bytes(f"{ev}/eval_results.jsonl").decode().splitlines()]
     assert {r["dataset"] for r in lines} >= {"colours", "shapes", "retrieval", "hierarchy"}, logs[-2000:]
+
+
+def comparable_report(text: str, run_dir: str) -> str:
+    """``report.md`` without what says where and how long: the run directory and the timings section."""
+    return text.split("\n## Timings")[0].replace(f"Run directory `{run_dir}`", "Run directory `RUN`")
+
+
+def comparable_results(text: str, run_dir: str) -> dict:
+    """``track_results.json`` without its timings and machine figures, its paths relative to the run."""
+    results = json.loads(text.replace(run_dir, "RUN"))
+    return {k: v for k, v in results.items() if k not in ("timings", "machine")}
+
+
+def printed_results(printed: str) -> list[str]:
+    """What the track prints after its report's path: the verdicts and the table."""
+    lines = printed.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("report: "))
+    return [line for line in lines[start + 1 :] if line.strip()]
+
+
+def test_the_tiny_track_on_three_hosts_reports_what_one_node_reports(cluster, tiny_track) -> None:
+    assert tiny_track.code == 0
+    out, store = cluster.s3.url("track"), store_of(cluster)
+    t0 = time.perf_counter()
+    logs = submit_ok(cluster, ["python", "-m", "jobs.track", "--preset", "tiny", "--set", f"output={out}"],
+                     "tiny-track", timeout=900)  # fmt: skip
+    wall = time.perf_counter() - t0
+    assert "[track] build …" in logs and f"served at http://{cluster.head.ip}:" in logs
+    one = tiny_track.out
+    report = store.read_bytes(f"{out}/report.md").decode()
+    assert comparable_report(report, out) == comparable_report((one / "report.md").read_text(), str(one))
+    results = store.read_bytes(f"{out}/track_results.json").decode()
+    single = (one / "track_results.json").read_text()
+    assert comparable_results(results, out) == comparable_results(single, str(one))
+    assert printed_results(logs) == printed_results(tiny_track.printed)
+    figures = len(re.findall(r"\d+\.\d+", comparable_report(report, out)))
+    print(f"\ntiny track: {wall:.0f} s on 3 hosts (submit to end) against {tiny_track.wall_s:.0f} s on one "
+          f"node (killed after its build and resumed); {figures} printed figures equal")  # fmt: skip

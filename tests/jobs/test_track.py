@@ -4,12 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +12,8 @@ from jobs.track.config import TRACK_PRESETS, TrackConfig
 from jobs.track.report import markdown_table
 from jobs.track.results import comparison_table, verdict
 from pipeline.common.config import ConfigError, merge, resolve
+from tests.fixtures.s3_server import s3_server  # noqa: F401
+from tests.fixtures.tiny_track import tiny_track  # noqa: F401
 
 
 def test_unknown_subset_is_named():
@@ -121,65 +117,17 @@ def test_verdict_and_table_are_computed_per_seed():
     assert "| csd | 50 | 40 | 1000 | 0.265 | 0.465 | 0.365 ± 0.021 |" in text
 
 
-def _killed_after(args: list[str], done: Callable[[], bool], deadline_s: float = 300) -> None:
-    """Run ``python -m jobs.track ARGS`` in its own process group (its own local Ray) and SIGKILL the
-    group once ``done()``; returns when no process of the group is left."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jobs.track", *args], env=env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
-        end = time.monotonic() + deadline_s
-        while not done() and proc.poll() is None and time.monotonic() < end:
-            time.sleep(0.2)
-        assert proc.poll() is None, "the track ended before it could be killed"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    end = time.monotonic() + 30
-    while _group(proc.pid) and time.monotonic() < end:
-        time.sleep(0.5)
-    left = _group(proc.pid)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes of the killed track still alive: {left}"
-
-
-def _group(pgid: int) -> list[int]:
-    """Live (not zombie) processes in process group ``pgid``."""
-    out = []
-    for d in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = open(f"/proc/{d}/stat").read()
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2 :].split()
-        if int(rest[2]) == pgid and rest[0] != "Z":
-            out.append(int(d))
-    return out
-
-
-def _state(out) -> dict:
-    try:
-        return json.loads((out / "track_state.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 @pytest.mark.ray
 @pytest.mark.slow
-def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
+def test_tiny_track_end_to_end_and_resume(tiny_track, tmp_path, capsys):
     from jobs.status import status_lines
     from jobs.track.cli import main
     from pipeline.common.storage import LOCAL
     from tests.jobs.test_track_report import _Refs
 
-    out = tmp_path / "track"
-    args = ["--preset", "tiny", "--set", f"output={out}"]
+    # Run once per session (tests/fixtures/tiny_track.py), also the cluster's reference.
+    out, args, half = tiny_track.out, tiny_track.args, tiny_track.half
     # Killed once its build is recorded: jobs.status says what is done and what is not ...
-    _killed_after(args, lambda: "build" in _state(out))
-    half = status_lines(str(out), LOCAL)
     assert half[0] == "track: 1 of 11 steps finished" and "  done  build" in half[1], half
     assert (
         "  to do scorer" in half
@@ -187,8 +135,8 @@ def test_tiny_track_end_to_end_and_resume(ray_local, tmp_path, capsys):
         and half[-1] == "report: not written yet"
     )
     # ... and the same command resumes from there.
-    assert main(args) == 0
-    printed = capsys.readouterr().out
+    assert tiny_track.code == 0
+    printed = tiny_track.printed
     report = (out / "report.md").read_text()
     results = json.loads((out / "track_results.json").read_text())
     subsets = [r["subset"] for r in results["table"]]
@@ -320,6 +268,34 @@ def test_noise_detection_groups_uninformative_and_non_english_captions(tmp_path)
     assert out["text_unc_mean_clean_specific"] == pytest.approx(0.15)
     assert out["text_unc_mean_non_english"] == pytest.approx(0.5)
     assert out["csd_auroc_mismatched"] == 1.0
+
+
+def test_subset_purity_reads_subsets_from_s3(s3_server):
+    """The report's purity table opens each subset .npy through the run's store: a run directory on S3
+    (the track submitted to a cluster) has no local path to open."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.track.results import subset_purity
+    from pipeline.common.storage import Storage
+    from pipeline.subsets.uid_files import write_subset
+
+    store = Storage(
+        endpoint=s3_server.endpoint, access_key=s3_server.access_key, secret_key=s3_server.secret_key
+    )
+    out = s3_server.url("purity")
+    uids = [f"{i:032x}" for i in range(4)]
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"uid": uids, "caption_noise": ["", "mismatched", "", "non_english"]}), buf)
+    store.write_bytes(buf.getvalue(), f"{out}/pool/truth.parquet")
+    npy = io.BytesIO()
+    write_subset(uids[:2], npy)
+    store.write_bytes(npy.getvalue(), f"{out}/subsets/two.npy")
+    cfg = SimpleNamespace(output=out, build=SimpleNamespace(metadata=""))
+    got = subset_purity(cfg, {"two": {"path": f"{out}/subsets/two.npy"}}, store)
+    assert got == {"two": {"clean": 0.5, "mismatched": 0.5}}
 
 
 def test_baseline_subsets_must_be_built():

@@ -1,7 +1,8 @@
 """Builds and runs the Ray Train ``TorchTrainer`` for a ``TrainConfig``: ``train(cfg) -> TrainResult``.
 
-- Scaling: ``ScalingConfig(num_workers, use_gpu, resources_per_worker)``; with ``scaling.min_workers > 0``
-  the range ``(min_workers, num_workers)`` (Ray Train elastic). The global batch is constant: rank r takes
+- Scaling: ``ScalingConfig(num_workers, use_gpu, resources_per_worker)``, the worker's CPUs, GPUs and
+  ``scaling.resources``; with ``scaling.min_workers > 0`` the range ``(min_workers, num_workers)`` (Ray
+  Train elastic). The global batch is constant: rank r takes
   its share of ``global_batch_size`` (training/train/distributed.py ``local_batch_sizes``; uneven when the
   world does not divide it), and the loop reads the world size at each (re)start. The process group's
   collective timeout is ``scaling.collective_timeout_s`` (``TorchConfig(timeout_s)``).
@@ -142,7 +143,7 @@ def build_trainer(
     from ray.train.torch import TorchConfig, TorchTrainer
 
     s = cfg.scaling
-    resources = {"CPU": s.cpus_per_worker}
+    resources = {"CPU": s.cpus_per_worker, **s.resources}
     if s.use_gpu:
         resources["GPU"] = s.gpus_per_worker
     num_workers: int | tuple[int, int] = (s.min_workers, s.num_workers) if s.min_workers else s.num_workers

@@ -53,6 +53,19 @@ def test_history_ranges_expose_repeats_and_gaps() -> None:
     assert h == [[1, 4], [4, 4], [6, 6]]
 
 
+def test_train_workers_custom_resources_are_checked() -> None:
+    """``scaling.resources``: custom Ray resources only, each above 0, named by key in one line."""
+    from pipeline.common.config import ConfigError, merge
+    from training.config import TRAIN_PRESETS
+
+    cfg = merge(TRAIN_PRESETS["demo"], {"scaling": {"resources": {"train_slot": "1"}}})
+    assert cfg.scaling.resources == {"train_slot": 1.0}
+    with pytest.raises(ConfigError, match=r"scaling\.resources takes custom resources only .* \['GPU'\]"):
+        merge(TRAIN_PRESETS["demo"], {"scaling": {"resources": {"GPU": "1"}}})
+    with pytest.raises(ConfigError, match=r"scaling\.resources\.train_slot: input should be greater than 0"):
+        merge(TRAIN_PRESETS["demo"], {"scaling": {"resources": {"train_slot": "0"}}})
+
+
 def test_lr_warmup_then_cosine() -> None:
     f = lr_lambda(total_steps=100, warmup_steps=10, min_ratio=0.1)
     assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
