@@ -57,6 +57,19 @@ def test_bf16_autocast_step_on_cuda_matches_fp32(name: str) -> None:
     _compare(name, "cuda")
 
 
+def _step_batch() -> dict[str, torch.Tensor]:
+    """Eight 64-px samples of the ``tiny`` model, two of them masked, the same at every call."""
+    g = torch.Generator().manual_seed(2)
+    small = global_batch()
+    return {
+        "images": torch.randn(8, 3, 64, 64, generator=g),
+        "tokens": small["tokens"],
+        "masked_tokens": small["masked_tokens"],
+        "keep_idx": torch.stack([torch.randperm(64, generator=g)[:16].sort().values for _ in range(8)]),
+        "masked_index": torch.tensor([0, 3]),
+    }
+
+
 def _one_train_step(precision: str, reduction: str) -> tuple[dict[str, float], list[torch.Tensor], Any]:
     """``training.train.step.train_step`` (forward, loss, backward, clipping, AdamW, schedule) on the ``tiny``
     model, from the same initial weights whatever the precision."""
@@ -69,16 +82,7 @@ def _one_train_step(precision: str, reduction: str) -> tuple[dict[str, float], l
         optim=OptimConfig(warmup_steps=1, grad_clip=1.0, unc_lr_mult=10.0),
     )
     state = setup_state(cfg, SimpleNamespace(vocab_size=64, pad_id=PAD), torch.device("cpu"), 0)
-    g = torch.Generator().manual_seed(2)
-    small = global_batch()
-    batch = {
-        "images": torch.randn(8, 3, 64, 64, generator=g),
-        "tokens": small["tokens"],
-        "masked_tokens": small["masked_tokens"],
-        "keep_idx": torch.stack([torch.randperm(64, generator=g)[:16].sort().values for _ in range(8)]),
-        "masked_index": torch.tensor([0, 3]),
-    }
-    terms, _ = train_step(state, batch)
+    terms, _ = train_step(state, _step_batch())
     grads = [p.grad.detach().float() for p in state.module.parameters() if p.grad is not None]
     return {k: float(v.detach()) for k, v in terms.items()}, grads, state
 
@@ -164,16 +168,7 @@ def _step_with_fixed_head_inputs(precision: str) -> tuple[dict[str, torch.Tensor
         getattr(model, tower).head.register_forward_pre_hook(
             lambda _m, args, tower=tower: states(tower, args[0].shape[0], args[0].shape[1])
         )
-    small = global_batch()
-    g = torch.Generator().manual_seed(2)
-    batch = {
-        "images": torch.randn(8, 3, 64, 64, generator=g),
-        "tokens": small["tokens"],
-        "masked_tokens": small["masked_tokens"],
-        "keep_idx": torch.stack([torch.randperm(64, generator=g)[:16].sort().values for _ in range(8)]),
-        "masked_index": torch.tensor([0, 3]),
-    }
-    train_step(state, batch)
+    train_step(state, _step_batch())
     assert state.update.skipped == 0
     trunk = [n for n, p in model.named_parameters() if ".head." not in n and p.grad is not None]
     assert not [n for n in trunk if n.startswith(("visual.transformer", "text.transformer"))], trunk
