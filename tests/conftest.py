@@ -11,6 +11,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from tests.fixtures.local_ray import ray_local  # noqa: E402,F401
 from tests.fixtures.s3_server import s3_server  # noqa: E402,F401
+from tests.fixtures.tiny_track import tiny_track  # noqa: E402,F401  (one run a session, not one a module)
 
 # Set by `make test` (and so by CI): a test skipped for a missing optional dependency or tool fails instead,
 # so a broken install cannot pass as skips. Only the GPU tests may skip (no CUDA here).

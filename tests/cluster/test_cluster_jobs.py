@@ -50,7 +50,6 @@ from tests.cluster.helpers import (
     wait_for,
 )
 from tests.fixtures.netns_cluster import HostSpec, netns_cluster
-from tests.fixtures.tiny_track import tiny_track  # noqa: F401
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 POOL = 300
