@@ -2,9 +2,9 @@
 
 - Scaling: ``ScalingConfig(num_workers, use_gpu, resources_per_worker)``, the worker's CPUs, GPUs and
   ``scaling.resources``; with ``scaling.min_workers > 0`` the range ``(min_workers, num_workers)`` (Ray
-  Train elastic). The global batch is constant: rank r takes
-  its share of ``global_batch_size`` (training/train/distributed.py ``local_batch_sizes``; uneven when the
-  world does not divide it), and the loop reads the world size at each (re)start. The process group's
+  Train elastic). The global batch is constant: rank r takes its share of ``global_batch_size``
+  (training/train/distributed.py ``local_batch_sizes``; uneven when the world does not divide it), and
+  the loop reads the world size at each (re)start. The process group's
   collective timeout is ``scaling.collective_timeout_s`` (``TorchConfig(timeout_s)``).
 - Storage: ``RunConfig(storage_path, name)``, local or ``s3://`` (a ``pyarrow.fs.S3FileSystem`` from the run's
   ``Storage``: its endpoint and, when set in the environment, explicit credentials, so the controller and the
