@@ -92,8 +92,9 @@ def start_counters(name: str | None = None) -> str:
     """Start the shared ``IngestCounters`` actor and return its name."""
     name = name or f"prolip-ingest-{uuid.uuid4().hex[:12]}"
     # A named actor is still garbage-collected once no handle exists: the driver keeps one. It lives on the
-    # driver's node, so a lost worker host (a spot reclaim) does not take the run's counters with it.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # driver's node, so a lost worker host (a spot reclaim) does not take the run's counters with it. Hard
+    # affinity: a soft one spills a zero-CPU actor off a head started with --num-cpus=0.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = ray.remote(num_cpus=0)(IngestCounters).options(name=name, scheduling_strategy=here)
     _LIVE_COUNTERS[name] = actor.remote()
     return name

@@ -97,6 +97,9 @@ def test_elastic_a_train_host_lost_the_run_continues_at_world_one(cluster, tmp_p
     )
     workers = actors_by_host(cluster, "RayTrainWorker", job_ray_id(cluster, "train-elastic"))
     assert workers == {"train1": 2, "train2": 1}, workers  # the second attempt alone on train1
+    # the run's counters live beside the driver, so losing a train host does not take them along
+    counters = actors_by_host(cluster, "IngestCounters", job_ray_id(cluster, "train-elastic"))
+    assert counters == {"head": 1}, counters
     started = re.findall(r"Started training worker group of size (\d+)", logs)
     assert started == ["2", "1"], started
     timeouts = logs.count("WorkerGroupStartupTimeoutError")  # a restart sized before the loss was seen
