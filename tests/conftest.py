@@ -1,4 +1,4 @@
-"""Shared fixtures (each lives in a ``tests/fixtures_*.py`` module) and marker handling."""
+"""Shared fixtures (each lives in a ``tests/fixtures/`` module) and marker handling."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import pytest
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+# Session fixtures are imported here only: one a test module imports itself is built again for that module.
+from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: E402,F401
+from tests.fixtures.demo_pool import demo_pool  # noqa: E402,F401
 from tests.fixtures.local_ray import ray_local  # noqa: E402,F401
 from tests.fixtures.s3_server import s3_server  # noqa: E402,F401
-from tests.fixtures.tiny_track import tiny_track  # noqa: E402,F401  (one run a session, not one a module)
+from tests.fixtures.tiny_track import tiny_track  # noqa: E402,F401
 
 # Set by `make test` (and so by CI): a test skipped for a missing optional dependency or tool fails instead,
 # so a broken install cannot pass as skips. Only the GPU tests may skip (no CUDA here).

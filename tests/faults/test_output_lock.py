@@ -24,7 +24,6 @@ from pipeline.config import BUILD_PRESETS
 from pipeline.source import output_lock as L
 from tests.faults.tiny_pool import serve, write_files, write_metadata
 from tests.fixtures.build_runs import check_invariants, snapshot
-from tests.fixtures.s3_server import s3_server  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 HOLD = """

@@ -33,7 +33,6 @@ from pipeline.common import faults
 from pipeline.common.config import merge
 from pipeline.common.storage import Storage
 from pipeline.shards.writer import write_shard
-from tests.fixtures.s3_server import s3_server  # noqa: F401
 from tests.fixtures.train_shards import demo_samples, write_demo_shards
 from training.config import TRAIN_PRESETS
 from training.train.run_checkpoints import SNAPSHOT_FILE, listing_problem

@@ -12,8 +12,6 @@ from scipy.stats import spearmanr
 
 from jobs.evaluate import main
 from pipeline.shards.reader import iter_shard
-from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: F401
-from tests.fixtures.demo_pool import demo_pool  # noqa: F401
 from training.eval.uncertainty.measures import NOT_APPLICABLE
 
 

@@ -15,7 +15,6 @@ from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.shards.reader import iter_shard
 from pipeline.subsets.uid_files import read_subset, subset_uids
-from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures.train_shards import write_demo_shards
 
 pytestmark = pytest.mark.ray

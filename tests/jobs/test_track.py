@@ -12,7 +12,6 @@ from jobs.track.config import TRACK_PRESETS, TrackConfig
 from jobs.track.report import markdown_table
 from jobs.track.results import comparison_table, verdict
 from pipeline.common.config import ConfigError, merge, resolve
-from tests.fixtures.s3_server import s3_server  # noqa: F401
 
 
 def test_unknown_subset_is_named():

@@ -28,7 +28,6 @@ from pipeline.config import BUILD_PRESETS
 from pipeline.shards.reader import iter_shard
 from pipeline.subsets.reshard import reshard
 from pipeline.subsets.uid_files import read_subset
-from tests.fixtures.demo_pool import demo_pool  # noqa: F401
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

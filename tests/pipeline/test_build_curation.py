@@ -17,7 +17,6 @@ from pipeline.common.config import merge
 from pipeline.config import BUILD_PRESETS
 from pipeline.demo.planted import curation_figures
 from tests.fixtures.build_runs import snapshot
-from tests.fixtures.demo_pool import demo_pool  # noqa: F401
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

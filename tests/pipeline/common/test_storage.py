@@ -16,7 +16,6 @@ import pytest
 from pipeline.common import storage
 from pipeline.common.manifest import write_manifest
 from pipeline.common.storage import LOCAL, Storage
-from tests.fixtures.s3_server import s3_server  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[3]
 _AWS_ENV = (

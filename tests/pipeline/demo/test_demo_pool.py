@@ -39,7 +39,6 @@ from pipeline.demo.images import (
 from pipeline.demo.plan import CAPTION_NOISE_RATES, FAULT_STATUS, LEVEL_P, NOISE_RATES, noise_count, plan_pool
 from pipeline.demo.pool import expected_statuses, generate_pool
 from pipeline.demo.render import Scene, decode, encode_jpeg
-from tests.fixtures.demo_pool import demo_pool  # noqa: F401
 
 DEMO_CLIENT_TIMEOUT_S = 1.0  # BUILD_PRESETS["demo"].download.timeout_s
 

@@ -12,7 +12,6 @@ from pipeline.shards import writer as shards
 from pipeline.shards.reader import iter_shard
 from pipeline.shards.tar_format import ShardError
 from pipeline.shards.writer import PartWriter, shard_stats, write_shard
-from tests.fixtures.s3_server import s3_server  # noqa: F401
 
 
 def _samples(n: int = 4) -> list[tuple]:

@@ -18,7 +18,6 @@ from pipeline.shards.tar_format import ShardError
 from pipeline.shards.writer import PartWriter, write_shard
 from pipeline.subsets.reshard import output_key, reshard
 from pipeline.subsets.uid_files import write_subset
-from tests.fixtures.s3_server import s3_server  # noqa: F401
 
 
 def _uid(rng: random.Random) -> str:

@@ -15,7 +15,6 @@ from datasets import Dataset, Features, Image, List, Value
 from datasets.arrow_writer import ArrowWriter
 from PIL import Image as PILImage
 
-from tests.fixtures.checkpoints import clip_checkpoint  # noqa: F401
 from training.eval import hf_sets
 from training.eval.metrics import association_metrics
 from training.eval.run import evaluate

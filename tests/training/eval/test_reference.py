@@ -9,7 +9,6 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline.dedup.semantic import EvalReference, eval_leaks
-from tests.fixtures.demo_pool import demo_pool  # noqa: F401
 from training.eval.reference import reference_table, write_reference
 from training.eval.sets import load_tasks
 

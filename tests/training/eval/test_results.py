@@ -10,7 +10,6 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.fixtures.checkpoints import tiny_checkpoint  # noqa: F401
 from training.eval.results import aggregates, datacomp_names, main_value, read_results, result_line
 from training.eval.run import evaluate
 from training.eval.sets import EvalSetError, Task, load_tasks

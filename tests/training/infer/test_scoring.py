@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from pipeline.common.storage import LOCAL
-from tests.fixtures.checkpoints import clip_checkpoint, tiny_checkpoint  # noqa: F401
 from tests.fixtures.train_shards import demo_samples
 from training.infer.encode import Encoder
 from training.infer.scoring import (

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.s3_server import s3_server  # noqa: F401
 from tests.fixtures.train_shards import write_demo_shards
 from training.train.step import extend_history, lr_lambda
 
