@@ -284,6 +284,32 @@ def test_dataset_counts_damaged_shards_and_stops_past_the_limit(ray_local, tmp_p
     assert "max_bad_shards=0" in str(err.value) and "0000000" in str(err.value)
 
 
+@pytest.mark.ray
+def test_ingest_tasks_reserve_the_decode_cpus_unless_reads_are_set(ray_local, tmp_path, tokenizer) -> None:
+    """``data.read_cpus`` None = ``data.decode_cpus``: no extra read workers to start again every epoch
+    (docs/decisions/0085-shard-reads-reserve-the-decode-cpus.md); a value of its own is kept."""
+    from pipeline.common.storage import LOCAL
+    from pipeline.ingest.dataset import build_train_dataset
+
+    write_demo_shards(tmp_path / "src", n_shards=2, per_shard=8, size=48)
+
+    def cpus_per_stage(cfg: DataConfig) -> dict[str, float]:
+        ds, out, todo = build_train_dataset(cfg, LOCAL, tokenizer, 32, 16), {}, []
+        todo.append(ds._logical_plan.dag)
+        while todo:
+            op = todo.pop()
+            todo += op.input_dependencies
+            out[op.name] = op.ray_remote_args.get("num_cpus")
+        return out
+
+    base = {"shards": str(tmp_path / "src"), "shuffle_window": 8, "decode_batch_size": 8, "decode_cpus": 0.5}
+    assert DataConfig().read_cpus is None
+    stages = cpus_per_stage(DataConfig(**base))
+    assert len(stages) == 3 and set(stages.values()) == {0.5}, stages  # read, window shuffle, decode
+    stages = cpus_per_stage(DataConfig(**base, read_cpus=0.25))
+    assert sorted(stages.values()) == [0.25, 0.25, 0.5], stages
+
+
 def test_decoded_cache_serves_every_kept_row_in_a_fresh_order(tokenizer) -> None:
     from pipeline.ingest.transforms import DecodedCache
 
