@@ -93,7 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--models", default=",".join(CASES))
+    ap.add_argument("--models", default=",".join(CASES), help="MODEL[:BATCH],... (batch: CASES' by default)")
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--allow-loaded", action="store_true")
     args = ap.parse_args()
@@ -104,11 +104,14 @@ def main() -> None:
     date = datetime.datetime.now().isoformat(timespec="seconds")
     counted = flops()
     results, records, loads = {}, [], []
-    cmd = f"python bench/train_step_ratio.py --rounds {args.rounds}" + (
-        f" --threads {args.threads}" if args.threads else ""
+    cmd = (
+        f"python bench/train_step_ratio.py --rounds {args.rounds}"
+        + (f" --threads {args.threads}" if args.threads else "")
+        + (f" --models {args.models}" if args.models != ",".join(CASES) else "")
     )
-    for model in args.models.split(","):
-        r = results[model] = step_ratio(model, CASES[model], args.rounds)
+    for case in args.models.split(","):
+        model, _, batch = case.partition(":")
+        r = results[case] = step_ratio(model, int(batch or CASES[model]), args.rounds)
         q = r["prolip_over_clip"]
         loads += [q["load_min"], q["load_max"]]
         note = loads_note([q["load_min"], q["load_max"]], os.cpu_count() or 1)
