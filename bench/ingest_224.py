@@ -154,6 +154,18 @@ class CpuGroup:
         stat = dict(line.split() for line in (self.path / "cpu.stat").read_text().splitlines())
         return int(stat["usage_usec"]) / 1e6
 
+    def process_cpu(self) -> dict[int, tuple[float, str]]:
+        """Live member pid → (its user + system CPU seconds, its command line)."""
+        tick, out = os.sysconf("SC_CLK_TCK"), {}
+        for pid in map(int, (self.path / "cgroup.procs").read_text().split()):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:  # exited meanwhile: the group's total still counts it
+                continue
+            out[pid] = ((int(fields[11]) + int(fields[12])) / tick, cmd)
+        return out
+
     def remove(self) -> None:
         try:
             self.path.rmdir()
@@ -325,7 +337,7 @@ class Server:
                                      cwd=ROOT, stderr=subprocess.DEVNULL, preexec_fn=self.group.enter)  # fmt: skip
 
     def ask(self, cmd: str) -> dict:
-        cpu = self.group.cpu_s()
+        cpu, procs = self.group.cpu_s(), self.group.process_cpu()
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
@@ -334,6 +346,7 @@ class Server:
         out = json.loads(line)
         if cmd == "epoch":  # the whole tree's CPU: the contender, its Ray session or DataLoader workers
             out["cpu_s"] = self.group.cpu_s() - cpu
+            out["roles_cpu_s"] = roles(procs, self.group.process_cpu(), self.proc.pid, out["cpu_s"])
         return out
 
     def close(self) -> None:
@@ -344,6 +357,33 @@ class Server:
         except Exception:
             self.proc.kill()
         self.group.remove()
+
+
+RAY_OWN_ACTORS = ("ray::_StatsActor", "ray::DashboardAgent", "ray::_AutoscalingCoordinatorActor")
+
+
+def roles(before: dict, after: dict, main: int, total: float) -> dict[str, float]:
+    """An epoch's CPU by role: ``main`` (the contender's process: the batch iterator and the collate),
+    ``workers`` (ingest workers: Ray task workers or DataLoader workers, live through the epoch) and
+    ``other`` (the rest of the group's count: Ray's daemons and its own actors, processes that exited)."""
+    delta = {pid: cpu - before.get(pid, (0.0, ""))[0] for pid, (cpu, _) in after.items()}
+    is_worker = {pid: (cmd.startswith("ray::") and not cmd.startswith(RAY_OWN_ACTORS)) or
+                 (pid != main and cmd == after.get(main, (0.0, ""))[1]) for pid, (_, cmd) in after.items()}  # fmt: skip
+    main_s = delta.get(main, 0.0)
+    workers_s = sum(d for pid, d in delta.items() if is_worker[pid] and pid != main)
+    # at least 0: /proc counts in clock ticks, the group in nanoseconds
+    return {"main": main_s, "workers": workers_s, "other": max(0.0, total - main_s - workers_s)}
+
+
+def h100_samples_per_s(recipe: str) -> float:
+    """The preset model's training samples/s on an H100 at 30% MFU (FLOPs counted on the meta device)."""
+    from training.config import TRAIN_PRESETS
+    from training.model.config import model_config
+    from training.model.flops import samples_per_s, train_flops_per_sample
+
+    preset = TRAIN_PRESETS[recipe]
+    mcfg = model_config(preset.model, vocab_size=49410 if recipe == "datacomp-small" else 32001)
+    return samples_per_s(train_flops_per_sample(mcfg, masked=preset.loss.name == "prolip")["total"])
 
 
 def per_core(r: dict, procs: int) -> dict[str, float]:
@@ -377,6 +417,11 @@ def run_recipe(recipe: str, args: argparse.Namespace, shards: str, env: dict[str
                                     for r in rounds])  # fmt: skip
     out["limit_ratio"] = spread([(r["ours_limit"]["n"] / r["ours_limit"]["cpu_s"])
                                  / (r["open_clip_limit"]["n"] / r["open_clip_limit"]["cpu_s"]) for r in rounds])  # fmt: skip
+    for name in ("ours", "open_clip"):  # where each tree's CPU goes, per sample
+        out[f"{name}_roles_ms_per_sample"] = {
+            role: spread([1e3 * r[name]["roles_cpu_s"][role] / r[name]["n"] for r in rounds])
+            for role in ("main", "workers", "other")
+        }
     out["loads"] = [r[c]["load"] for r in rounds for c in r]
     return out
 
@@ -412,7 +457,10 @@ def device_augment_cpu(n: int = 256) -> dict:
 
 
 def records(results: dict, args: argparse.Namespace, date: str) -> list[dict]:
-    cmd = f"python bench/ingest_224.py --samples {args.samples} --rounds {args.rounds} --procs {args.procs}"
+    cmd = (
+        f"python bench/ingest_224.py --samples {args.samples} --rounds {args.rounds} --procs {args.procs}"
+        + (f" --recipes {args.recipes}" if args.recipes != ",".join(RECIPES) else "")
+    )
     out = []
     for recipe, r in results.items():
         load = f"{min(r['loads']):.1f}–{max(r['loads']):.1f} on {os.cpu_count()} cores"
@@ -424,6 +472,17 @@ def records(results: dict, args: argparse.Namespace, date: str) -> list[dict]:
                               f"open_clip {theirs['cpu']['median']:.0f} samples per CPU s; wall clock per process "
                               f"{rw['median']:.2f}× ({rw['min']:.2f}–{rw['max']:.2f}; ours {ours['wall']['median']:.0f}, "
                               f"open_clip {theirs['wall']['median']:.0f} samples/s)",
+                    "load": load, "date": date})  # fmt: skip
+        ro, rt = r["ours_roles_ms_per_sample"], r["open_clip_roles_ms_per_sample"]
+        fmt = lambda x: "/".join(f"{x[k]['median']:.2f}" for k in ("main", "workers", "other"))  # noqa: E731
+        workers_rate = 1e3 / ro["workers"]["median"]
+        gpu = h100_samples_per_s(recipe)
+        out.append({"what": f"{recipe}: where each tree's CPU goes, ms per sample: the contender's process (batch "
+                            "iterator, collate) / ingest workers (Ray tasks, DataLoader workers) / the rest (Ray's "
+                            "daemons and own actors)", "command": cmd,
+                    "figure": f"ours {fmt(ro)}; open_clip {fmt(rt)}",
+                    "spread": f"ours' workers alone {workers_rate:.0f} samples per CPU s: "
+                              f"{gpu / workers_rate:.1f} worker cores per H100 at 30% MFU ({gpu:.0f} samples/s)",
                     "load": load, "date": date})  # fmt: skip
         lim = r["ours_limit"]
         out.append({"what": f"{recipe}: per-core decode + crop + tokenize limit, uint8 out (one core, in process)",

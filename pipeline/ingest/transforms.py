@@ -55,9 +55,10 @@ log = logging.getLogger(__name__)
 
 BadImageReport = Callable[[list[str], list[str]], None]  # (keys dropped, a few "key: error" examples)
 PIXEL_PARAMS = ("jitter", "jitter_order", "gray")  # per-image draws applied on the training device
-# Samples/s one core decodes, crops and tokenizes at 224 px with uint8 output (bench/ingest_224.py's
-# per-core limit on photos, 2-core x86 VM): what the trainer sizes the decode cores of a GPU run by.
-DECODE_SAMPLES_PER_CORE_224 = 440.0
+# Samples per CPU second of the decode tasks inside the Ray Data ingest (read, window shuffle, decode, crop,
+# tokenize; uint8 out at 224 px; bench/ingest_224.py on photos, datacomp-small, 2-core x86 VM; one core
+# alone, without the pipeline, reaches ~440): what the trainer sizes the decode cores of a GPU run by.
+DECODE_SAMPLES_PER_CORE_224 = 344.0
 
 
 # --- 2. windowed shuffle ------------------------------------------------------------------------------
