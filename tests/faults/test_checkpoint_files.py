@@ -2,7 +2,7 @@
 run (training/train/checkpointing.py, run_checkpoints.py), killed half-way in forked children of a fresh
 interpreter (pipeline/common/faults.py), leave something the restore and the re-run's check recognise,
 and the previous checkpoint stays usable; a restore killed as its download starts is redone whole by
-the next process. The re-run's check deregisters a corrupt newest checkpoint
+the next process; the local directory of a killed save is removed by the host's next save. The re-run's check deregisters a corrupt newest checkpoint
 from a snapshot in Ray Train's format and sets its directory aside.
 """
 
@@ -29,7 +29,7 @@ from pipeline.ingest.tokenizer import train_tokenizer
 from tests.fixtures.checkpoints import DEMO_CAPTIONS
 from training.config import TRAIN_PRESETS
 from training.train.checkpointing import restore_with_fallback, save_state
-from training.train.run_checkpoints import listing_problem, upload_checkpoint, verify_checkpoint
+from training.train.run_checkpoints import listing_problem, local_save_dir, upload_checkpoint, verify_checkpoint
 from training.train.step import setup_state
 
 root = sys.argv[1]
@@ -68,6 +68,13 @@ out["upload_killed"] = killed("checkpoint.upload@3", lambda: upload_checkpoint(f
 out["listing_cut_upload"] = listing_problem(fs, f"{root}/run/checkpoint_00000010")
 upload_checkpoint(f"{root}/ckpt_10", fs, f"{root}/run/checkpoint_00000010.1")
 out["listing_whole"] = listing_problem(fs, f"{root}/run/checkpoint_00000010.1")
+saves = f"{root}/saves"
+os.makedirs(f"{saves}/prolip-ckpt-1@elsewhere-x")  # another host's: not this host's to judge
+out["mine"] = os.path.basename(local_save_dir(saves))  # a live process's: kept
+out["local_save_killed"] = killed("checkpoint.save", lambda: save_state(local_save_dir(saves), state, tok, {}))
+out["saves_after_kill"] = sorted(os.listdir(saves))
+out["fresh"] = os.path.basename(local_save_dir(saves))  # the next save on this host
+out["saves_after_next"] = sorted(os.listdir(saves))
 print(json.dumps(out))
 """
 
@@ -83,6 +90,9 @@ def test_a_cut_save_and_a_cut_upload_are_recognised_and_the_previous_checkpoint_
     assert out["fetch_killed"] and out["restored_again"] == 10
     assert out["upload_killed"] and "no checksums.json" in out["listing_cut_upload"]
     assert out["listing_whole"] is None
+    # a worker killed mid-save leaves its local directory; the next save on the host removes it, no other
+    assert out["local_save_killed"] and len(out["saves_after_kill"]) == 3, out["saves_after_kill"]
+    assert out["saves_after_next"] == sorted([out["mine"], out["fresh"], "prolip-ckpt-1@elsewhere-x"])
     assert fresh_name(pafs.LocalFileSystem(), str(tmp_path / "run"), 10) == "checkpoint_00000010.2"
 
 

@@ -51,7 +51,7 @@ from training.config import from_plain
 from training.train.checkpointing import restore_with_fallback, save_state
 from training.train.distributed import EpochEnd, local_batch_sizes
 from training.train.metrics import Window, window_metrics
-from training.train.run_checkpoints import fresh_name, upload_checkpoint
+from training.train.run_checkpoints import fresh_name, local_save_dir, upload_checkpoint
 from training.train.step import TrainState, setup_state, train_step
 
 _log = logging.getLogger(__name__)
@@ -326,7 +326,7 @@ def _report(
     # Saved locally, then uploaded by Ray Train's upload thread while training goes on (ASYNC), through
     # our upload (checksums.json last) into a directory name no checkpoint used before; Ray deletes the
     # local copy once it is uploaded (training/train/run_checkpoints.py).
-    d = tempfile.mkdtemp(prefix="prolip-ckpt-")
+    d = local_save_dir()  # also removes what killed workers of this host left
     save_state(d, state, tokenizer, metrics)
     storage = ray.train.get_context().get_storage()
     ray.train.report(

@@ -7,6 +7,9 @@ re-run makes before Ray Train reads them.
 - **Names never reused**: a checkpoint's directory is ``checkpoint_{step:08d}``, or with a suffix
   (``.1``, ``.2``, …) when that name already exists (a run that went back to an earlier checkpoint
   reaches the same step again; a cut upload left a directory behind): ``fresh_name``.
+- **Local saves** (``local_save_dir``): a save goes to a temporary directory named by its process and
+  host, which Ray Train deletes once uploaded; one a killed worker left (mid-save or mid-upload, up to a
+  checkpoint's size) is removed at the next save on that host.
 - **Pre-flight** (``preflight``, on the driver before ``fit()``): Ray Train's checkpoint manager keeps
   every checkpoint its snapshot lists and prunes them by name; a corrupt one left there was restored
   from again, and pruning deleted the directory a later checkpoint of the same step had reused (the run
@@ -22,6 +25,9 @@ import hashlib
 import json
 import os
 import posixpath
+import shutil
+import socket
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +41,7 @@ CHECKSUMS_FILE = "checksums.json"
 CHECKSUMMED = "checksummed"  # the extra.json key of a checkpoint that ends with checksums.json
 SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of registered checkpoints
 _CHUNK = 8 << 20
+LOCAL_SAVE_PREFIX = "prolip-ckpt-"
 
 
 def _sha256(path: str) -> str:
@@ -215,3 +222,25 @@ def _write_snapshot(fs: pafs.FileSystem, path: str, snap: dict[str, Any]) -> Non
         return
     with fs.open_output_stream(path) as f:  # an S3 object appears whole or not at all
         f.write(data)
+
+
+def local_save_dir(root: str | None = None) -> str:
+    """A fresh directory for one local save, ``prolip-ckpt-<pid>@<host>-<random>`` under ``root`` (the
+    temp directory); first removes those of this host whose process is gone."""
+    root, host = root or tempfile.gettempdir(), socket.gethostname()
+    for name in os.listdir(root):
+        pid, at, rest = name.removeprefix(LOCAL_SAVE_PREFIX).partition("@")
+        if name.startswith(LOCAL_SAVE_PREFIX) and at and pid.isdigit() and rest.startswith(host + "-"):
+            if not _alive(int(pid)):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{LOCAL_SAVE_PREFIX}{os.getpid()}@{host}-", dir=root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
