@@ -24,8 +24,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,7 +35,7 @@ from pipeline.common.storage import Storage
 from pipeline.shards.writer import write_shard
 from tests.fixtures.train_shards import demo_samples, write_demo_shards
 from training.config import TRAIN_PRESETS
-from training.train.run_checkpoints import LOCAL_SAVE_PREFIX, SNAPSHOT_FILE, listing_problem
+from training.train.run_checkpoints import SNAPSHOT_FILE, listing_problem, stale_local_saves
 from training.train.trainer import train
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -84,19 +82,6 @@ def draw_kills(seed: int) -> list[str]:
         "checkpoint.save@2",
         f"checkpoint.upload@{rng.randint(9, 16)}",
     ]
-
-
-def stale_local_saves() -> list[str]:
-    """This host's local save directories whose process is gone."""
-    host, out = socket.gethostname(), []
-    for name in os.listdir(tempfile.gettempdir()):
-        pid, at, rest = name.removeprefix(LOCAL_SAVE_PREFIX).partition("@")
-        if name.startswith(LOCAL_SAVE_PREFIX) and at and rest.startswith(host + "-"):
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                out.append(name)
-    return out
 
 
 def test_kills_at_a_step_a_save_and_an_s3_upload_then_a_corrupt_latest_resumed(ray_local, s3_server, tmp_path,

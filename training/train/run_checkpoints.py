@@ -227,13 +227,21 @@ def _write_snapshot(fs: pafs.FileSystem, path: str, snap: dict[str, Any]) -> Non
 def local_save_dir(root: str | None = None) -> str:
     """A fresh directory for one local save, ``prolip-ckpt-<pid>@<host>-<random>`` under ``root`` (the
     temp directory); first removes those of this host whose process is gone."""
-    root, host = root or tempfile.gettempdir(), socket.gethostname()
+    root = root or tempfile.gettempdir()
+    for name in stale_local_saves(root):
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{LOCAL_SAVE_PREFIX}{os.getpid()}@{socket.gethostname()}-", dir=root)
+
+
+def stale_local_saves(root: str | None = None) -> list[str]:
+    """The names of this host's local save directories under ``root`` whose process is gone."""
+    root, host, out = root or tempfile.gettempdir(), socket.gethostname(), []
     for name in os.listdir(root):
         pid, at, rest = name.removeprefix(LOCAL_SAVE_PREFIX).partition("@")
         if name.startswith(LOCAL_SAVE_PREFIX) and at and pid.isdigit() and rest.startswith(host + "-"):
             if not _alive(int(pid)):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{LOCAL_SAVE_PREFIX}{os.getpid()}@{host}-", dir=root)
+                out.append(name)
+    return out
 
 
 def _alive(pid: int) -> bool:
