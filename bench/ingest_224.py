@@ -376,14 +376,13 @@ def roles(before: dict, after: dict, main: int, total: float) -> dict[str, float
 
 
 def h100_samples_per_s(recipe: str) -> float:
-    """The preset model's training samples/s on an H100 at 30% MFU (FLOPs counted on the meta device)."""
+    """The preset's training samples/s on an H100 at 30% MFU, as the trainer sizes a run (trainer.h100_rate)."""
     from training.config import TRAIN_PRESETS
     from training.model.config import model_config
-    from training.model.flops import samples_per_s, train_flops_per_sample
+    from training.train.trainer import h100_rate
 
     preset = TRAIN_PRESETS[recipe]
-    mcfg = model_config(preset.model, vocab_size=49410 if recipe == "datacomp-small" else 32001)
-    return samples_per_s(train_flops_per_sample(mcfg, masked=preset.loss.name == "prolip")["total"])
+    return h100_rate(preset, model_config(preset.model))[1]
 
 
 def per_core(r: dict, procs: int) -> dict[str, float]:

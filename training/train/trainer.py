@@ -211,16 +211,23 @@ def interrupt_reported(name: str):
             signal.signal(signal.SIGINT, previous)
 
 
+def h100_rate(cfg: TrainConfig, mcfg: Any, mfu: float = 0.30) -> tuple[float, float]:
+    """(training FLOPs a sample, counted on the meta device; the samples/s an H100 trains at ``mfu``)."""
+    from training.losses.registry import LOSS_SPECS
+    from training.model.flops import samples_per_s, train_flops_per_sample
+
+    masked = LOSS_SPECS[cfg.loss.name].uses_masked
+    flops = train_flops_per_sample(mcfg, masked, cfg.data.mask_fraction, cfg.data.patch_keep_ratio)["total"]
+    return flops, samples_per_s(flops, mfu=mfu)
+
+
 def decode_sizing(cfg: TrainConfig, mcfg: Any, mfu: float = 0.30) -> str:
     """One line: the decode cores the run's GPUs need at ``mfu`` of an H100 from the measured per-core rate
     (the FLOPs counted on the meta device, training/model/flops.py; docs/gpu.md)."""
     from pipeline.ingest.transforms import DECODE_SAMPLES_PER_CORE_224
-    from training.losses.registry import LOSS_SPECS
-    from training.model.flops import cores_needed, samples_per_s, train_flops_per_sample
+    from training.model.flops import cores_needed
 
-    masked = LOSS_SPECS[cfg.loss.name].uses_masked
-    flops = train_flops_per_sample(mcfg, masked, cfg.data.mask_fraction, cfg.data.patch_keep_ratio)["total"]
-    rate = samples_per_s(flops, mfu=mfu)
+    flops, rate = h100_rate(cfg, mcfg, mfu)
     per_gpu = cores_needed(rate, DECODE_SAMPLES_PER_CORE_224 * (mcfg.image_size / 224) ** -2)
     return (
         f"[train {cfg.run.name}] {flops / 1e9:.1f} GFLOP a sample: an H100 at {100 * mfu:.0f}% MFU trains "
