@@ -246,9 +246,9 @@ def stale_local_saves(root: str | None = None) -> list[str]:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: another user's process, so alive
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's: alive
-        return True
+    except PermissionError:
+        pass
     return True
