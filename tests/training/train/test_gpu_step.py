@@ -278,3 +278,17 @@ def test_decode_cores_per_h100_fit_what_a_gpu_node_supplies() -> None:
         assert need <= most, (preset, need)
         for where, cpus in per_gpu.items():
             assert need <= cpus - cfg.scaling.cpus_per_worker, (preset, where, need, cpus)
+
+
+def test_the_sizing_line_a_gpu_run_prints_at_start() -> None:
+    """``decode_sizing`` (printed only when ``scaling.use_gpu``): the preset's FLOPs, its H100 rate and the
+    decode cores at the measured rate, the same figures as docs/gpu.md's table."""
+    from training.config import TRAIN_PRESETS
+    from training.model.config import model_config
+    from training.train.trainer import decode_sizing, h100_rate
+
+    cfg = TRAIN_PRESETS["datacomp-small"]
+    flops, rate = h100_rate(cfg, model_config(cfg.model))
+    assert flops == pytest.approx(48.3e9, rel=1e-3) and rate == pytest.approx(6145, rel=1e-3)
+    line = decode_sizing(cfg, model_config(cfg.model))
+    assert "48.3 GFLOP a sample" in line and "trains 6145 samples/s" in line and "≈17.9 decode cores" in line
