@@ -36,6 +36,9 @@ class DownloadConfig:
     jpeg_quality: Annotated[int, Field(ge=1, le=100)] = 95  # of the re-encoded JPEG (img2dataset's 95)
     timeout_s: PositiveFloat = 10.0  # per request (DataComp's 10 s)
     retries: NonNegative = 2  # further attempts after a transient failure (timeout, 429, 5xx)
+    # Passes over the transient rows once every part is done, when an outage or a host cut off the
+    # network has had time to pass (docs/download.md, "Late retries"); 0 = none.
+    late_retries: Annotated[int, Field(ge=0, le=5)] = 1
     threads_per_actor: Positive = 16  # concurrent downloads per download actor
     max_bytes: Positive = 20 * 1024 * 1024  # a larger body is refused as image_too_large
     max_pixels: Positive = 89_478_485  # Pillow's decompression-bomb limit

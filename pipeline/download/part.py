@@ -5,14 +5,14 @@ them); the actor receives the part's row positions only and reads the rows' colu
 metadata files (pipeline/source/metadata.py ``read_rows``), so no row travels through the driver or a shuffle.
 The files are ``part-{i:06d}.{token}.tar`` (successes only, keys = uids, sorted by uid) and ``.parquet``
 (one row per uid, sorted by uid). The driver commits the part once it receives the rows this call returns
-(pipeline/source/run_state.py). In a ``retry_failed`` run an already committed part's spec lists only its
-transient failures; they are downloaded again and merged with the rest of the committed part, so the new
-part holds exactly what a clean download would: the same uids, in the same order.
+(pipeline/source/run_state.py). A retry (``retry_failed``, or a late retry pass) lists only a committed
+part's transient failures and the token of its files; they are downloaded again and merged with the rest of
+the committed part, so the new part holds exactly what a clean download would: the same uids, in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,10 +66,9 @@ def part_memory_bound(cfg: BuildConfig) -> int:
 class DownloadPart:
     """The download actor (a plain Ray actor, pipeline/download/phase.py), called on part specs (columns
     ``part``, ``file``, ``row``: one row per metadata row of the part, its file's index in ``files`` and its
-    row in that file): reads each part's rows, downloads them, writes tar + parquet, returns the rows +
-    ``part``.
-
-    ``retry``: part → token of its committed files, for the parts whose transient rows are re-fetched.
+    row in that file; ``merge``: the token of the part's committed files when these rows are fetched again
+    and merged into them, else ""): reads each part's rows, downloads them, writes tar + parquet, returns
+    the rows + ``part``.
     """
 
     def __init__(
@@ -77,7 +76,6 @@ class DownloadPart:
         download: DownloadConfig,
         parts_dir: str,
         token: str,
-        retry: Mapping[int, str] | None = None,
         store: Storage = LOCAL,
         files: Sequence[str] = (),
         max_caption_bytes: int = BuildConfig.max_caption_bytes,
@@ -85,23 +83,24 @@ class DownloadPart:
         self.worker = DownloadWorker(download)
         self.served = served_hosts(download.allow_hosts)  # content digests as the driver's (build.py)
         self.parts_dir, self.token, self.store = parts_dir, token, store
-        self.retry = dict(retry or {})
         self.files, self.max_caption_bytes = list(files), max_caption_bytes
 
     def __call__(self, specs: pa.Table) -> pa.Table:
         parts = specs.column("part").to_numpy()
         files, rows = specs.column("file").to_numpy(), specs.column("row").to_numpy()
+        merge = specs.column("merge").to_pylist() if "merge" in specs.column_names else [""] * len(parts)
         out = []
         for part in dict.fromkeys(parts.tolist()):  # a batch is one part's block; split if Ray bundles more
             mine = parts == part
             table = read_rows(
                 self.files, files[mine], rows[mine], self.max_caption_bytes, self.store, served=self.served
             )
-            out.append(self.download(int(part), table))
+            out.append(self.download(int(part), table, merge[int(np.argmax(mine))]))
         return out[0] if len(out) == 1 else pa.concat_tables(out)
 
-    def download(self, part: int, rows: pa.Table) -> pa.Table:
-        """Download ``rows`` as part ``part``: its tar + parquet under this run's token; its rows back."""
+    def download(self, part: int, rows: pa.Table, merge: str = "") -> pa.Table:
+        """Download ``rows`` as part ``part``: its tar + parquet under this run's token; its rows back.
+        ``merge``: the token of the part's committed files these rows replace rows of (a retry)."""
         rows = one_row_per_uid(rows)
         out = self.worker(rows)
         faults.point("part.fetched")
@@ -110,8 +109,8 @@ class DownloadPart:
         # What each row baked in, for a later run to see whether the pool changed (source/content.py).
         summary = summary.append_column(CONTENT, pa.array(content_digests(rows, self.served), pa.uint64()))
         samples: Iterator[tuple[str, list[tuple[str, bytes]]]] = iter(_samples(rows, out))
-        if part in self.retry:
-            summary, samples = self._merge(part, summary, samples)
+        if merge:
+            summary, samples = self._merge(part, merge, summary, samples)
         with ShardWriter(part_file(self.parts_dir, part, self.token, "tar"), self.store) as w:
             for key, members in samples:
                 w.write_members(key, members)
@@ -119,9 +118,10 @@ class DownloadPart:
         self.store.write_parquet(summary, part_file(self.parts_dir, part, self.token, "parquet"))
         return summary.append_column("part", pa.array([part] * summary.num_rows, pa.int64()))
 
-    def _merge(self, part: int, new: pa.Table, samples: Iterator) -> tuple[pa.Table, Iterator]:
-        """The committed part with the re-fetched rows replaced, both sorted by uid."""
-        old_token = self.retry[part]
+    def _merge(
+        self, part: int, old_token: str, new: pa.Table, samples: Iterator
+    ) -> tuple[pa.Table, Iterator]:
+        """The committed part (files ``old_token``) with the re-fetched rows replaced, both sorted by uid."""
         old = self.store.read_parquet(part_file(self.parts_dir, part, old_token, "parquet"))
         again = set(new.column(S.UID).to_pylist())
         kept = old.filter(pa.array([u not in again for u in old.column(S.UID).to_pylist()], pa.bool_()))

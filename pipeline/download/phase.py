@@ -10,7 +10,9 @@ so a resumed build cuts the same parts.
 
 A lost host costs only its unfinished parts: each actor writes under a token of its own, the marker names
 the token of the attempt whose rows reached the driver, and a part whose actor was lost (host killed or cut
-off, process dead) runs again on another actor, within the same build (``_ActorPool``).
+off, process dead) runs again on another actor, within the same build (``_ActorPool``). Once every part is
+done, the late retry passes fetch the transient rows again on the same actors (``_LatePasses``): a host
+cut off the network while its actor lived on wrote timeouts, not losses, and by then the cut has passed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline import schema as S
+from pipeline.common.errors import StorageError, os_error
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
 from pipeline.download.part import DownloadPart
@@ -51,60 +54,129 @@ def download_parts(
     log: Callable[[str], None],
     allow_hosts: Sequence[str] = (),
 ) -> tuple[int, int, int]:
-    """Download the parts not committed yet (Ray actors) → (parts, parts done before, rows retried).
-    ``allow_hosts``: address-guard entries for this run only (pipeline/demo/source.py)."""
+    """Download the parts not committed yet (Ray actors), then the late retry passes → (parts, parts done
+    before, rows retried by ``retry_failed``). ``allow_hosts``: address-guard entries for this run only
+    (pipeline/demo/source.py)."""
     n_parts = math.ceil(int(rows.live.sum()) / cfg.part_size)
     store.makedirs(paths["parts"])
-    done = R.committed(paths["parts"], store)
-    done = {p: t for p, t in done.items() if p < n_parts}
-    R.remove_uncommitted(paths["parts"], done, store)
-    retry = _transient_rows(paths["parts"], done, store) if cfg.retry_failed else {}
+    markers = {p: m for p, m in R.committed_markers(paths["parts"], store).items() if p < n_parts}
+    R.remove_uncommitted(paths["parts"], {p: m.token for p, m in markers.items()}, store)
+    retry = _transient_rows(paths["parts"], markers, store) if cfg.retry_failed else {}
     if cfg.refresh_changed and rows.content is not None:  # rows whose URL, caption, sha256 or boxes changed
         pool = (rows.uids, rows.live, rows.content)
+        done = {p: m.token for p, m in markers.items()}
         for part, uids in R.changed_rows(paths["parts"], done, pool, cfg.part_size, store).items():
             retry[part] = retry.get(part, set()) | uids
-    todo = sorted(set(range(n_parts)) - set(done))
+    todo = sorted(set(range(n_parts)) - set(markers))
     n_retry = sum(len(u) for u in retry.values())
     log(
-        f"download: {n_parts} parts of {cfg.part_size} rows, {len(done)} already done"
+        f"download: {n_parts} parts of {cfg.part_size} rows, {len(markers)} already done"
         + (f"; downloading {n_retry} rows of {len(retry)} parts again" if retry else "")
     )
-    specs = part_specs(rows, cfg.part_size, todo, retry)
-    if not specs:
-        return n_parts, len(done), 0
-    finished = 0
+    late = _LatePasses(rows, cfg, store, paths, markers, log)
+    specs = part_specs(rows, cfg.part_size, todo, retry, {p: m.token for p, m in markers.items()})
+    late.total = len(specs)
+    if not specs and not late.due():
+        return n_parts, len(markers), 0
     download = dataclasses.replace(cfg.download, allow_hosts=[*cfg.download.allow_hosts, *allow_hosts])
-    for part, token, summary in _run_parts(
-        rows.meta, specs, dataclasses.replace(cfg, download=download), store, paths, retry, log
-    ):
-        R.commit(paths["parts"], part, token, store)  # the driver is alive: the part counts
-        finished += 1
-        ok = pc.sum(pc.equal(summary.column(S.STATUS), S.STATUS_SUCCESS)).as_py() or 0
-        log(f"  part(s) done: {finished}/{len(specs)} (+{summary.num_rows} rows, {ok} images)")
+    cfg = dataclasses.replace(cfg, download=download)
+    for spec, token, summary in _run_parts(rows.meta, specs, cfg, store, paths, late.next_pass, log):
+        late.commit(spec, token, summary)
     R.remove_uncommitted(paths["parts"], R.committed(paths["parts"], store), store)
-    return n_parts, len(done), n_retry
+    return n_parts, len(markers), n_retry
 
 
-def _transient_rows(parts_dir: str, done: dict[int, str], store: Storage) -> dict[int, set[str]]:
-    """Committed part → its uids whose status is transient (only parts that have some)."""
-    out = {}
-    for part, token in sorted(done.items()):
-        t = store.read_parquet(R.part_file(parts_dir, part, token, "parquet"), columns=[S.UID, S.STATUS])
-        uids = {
-            u
-            for u, s in zip(t.column(S.UID).to_pylist(), t.column(S.STATUS).to_pylist(), strict=True)
-            if S.is_transient(s)
+class _LatePasses:
+    """The driver's side of the parts: commits each part as its rows arrive, and once every part is done
+    hands out the late retry passes — each part's transient rows fetched again (``download.late_retries``
+    times at most), when an outage or a host cut off the network has had time to pass. A part's marker
+    counts its transient rows and its late passes, so a resumed build runs exactly the passes a clean one
+    would (docs/download.md, "Late retries")."""
+
+    def __init__(
+        self, rows, cfg: BuildConfig, store: Storage, paths, markers: dict[int, R.Marker], log
+    ) -> None:
+        self.rows, self.cfg, self.store, self.parts, self.log = rows, cfg, store, paths["parts"], log
+        self.markers = dict(markers)
+        self.transient: dict[int, set[str]] = {}  # part → its transient uids, for parts committed here
+        self.passes, self.finished, self.total = 0, 0, 0  # late passes run; parts done of this pass's
+
+    def commit(self, spec: pa.Table, token: str, summary: pa.Table) -> None:
+        """Part ``spec``'s rows ``summary`` arrived (written under ``token``): the driver is alive, it counts."""
+        part = int(spec.column("part")[0].as_py())
+        statuses = summary.column(S.STATUS).to_pylist()
+        self.transient[part] = {
+            u for u, s in zip(summary.column(S.UID).to_pylist(), statuses, strict=True) if S.is_transient(s)
         }
-        if uids:
+        old = self.markers.get(part)
+        late = 0 if old is None else old.late + (self.passes > 0)
+        R.commit(self.parts, part, token, self.store, len(self.transient[part]), late)
+        self.markers[part] = R.Marker(token, len(self.transient[part]), late)
+        self.finished += 1
+        ok = statuses.count(S.STATUS_SUCCESS)
+        self.log(f"  part(s) done: {self.finished}/{self.total} (+{summary.num_rows} rows, {ok} images)")
+
+    def due(self) -> dict[int, set[str]]:
+        """Part → its transient uids, for every part still owed a late pass."""
+        parts = [
+            p for p, m in self.markers.items() if m.late < self.cfg.download.late_retries and m.transient != 0
+        ]
+        unknown = {p: self.markers[p] for p in parts if p not in self.transient}
+        self.transient.update(_transient_rows(self.parts, unknown, self.store, keep_empty=True))
+        return {p: self.transient[p] for p in parts if self.transient[p]}
+
+    def next_pass(self) -> list[pa.Table]:
+        """The next late pass's specs (none: the download is over)."""
+        retry = self.due()
+        if not retry:
+            return []
+        self.passes += 1
+        self.log(
+            f"download: late retry pass {self.passes}: {sum(map(len, retry.values()))} transient rows of "
+            f"{len(retry)} parts again"
+        )
+        tokens = {p: m.token for p, m in self.markers.items()}
+        specs = part_specs(self.rows, self.cfg.part_size, [], retry, tokens)
+        self.finished, self.total = 0, len(specs)
+        return specs
+
+
+def _transient_rows(
+    parts_dir: str, markers: dict[int, R.Marker], store: Storage, keep_empty: bool = False
+) -> dict[int, set[str]]:
+    """Committed part → its uids whose status is transient (only parts that have some, unless
+    ``keep_empty``)."""
+    out = {}
+    for part, m in sorted(markers.items()):
+        if m.transient == 0:
+            uids: set[str] = set()
+        else:
+            t = store.read_parquet(
+                R.part_file(parts_dir, part, m.token, "parquet"), columns=[S.UID, S.STATUS]
+            )
+            uids = {
+                u
+                for u, s in zip(t.column(S.UID).to_pylist(), t.column(S.STATUS).to_pylist(), strict=True)
+                if S.is_transient(s)
+            }
+        if uids or keep_empty:
             out[part] = uids
     return out
 
 
-def part_specs(rows: PoolRows, part_size: int, todo: list[int], retry: dict[int, set[str]]) -> list[pa.Table]:
+def part_specs(
+    rows: PoolRows,
+    part_size: int,
+    todo: list[int],
+    retry: dict[int, set[str]],
+    tokens: dict[int, str] | None = None,
+) -> list[pa.Table]:
     """One small table per part to download: ``part`` and the (``file``, ``row``) position of each of its
     rows — part k is the k-th range of ``part_size`` live rows in read order; a retried part lists only its
-    transient rows."""
+    transient rows, and ``merge`` names the token of its committed files (``tokens``), which they replace
+    rows of ("" for a part downloaded whole)."""
     live = np.flatnonzero(rows.live)
+    tokens = tokens or {}
     specs = []
     for part in sorted(set(todo) | set(retry)):
         mine = live[part * part_size : (part + 1) * part_size]
@@ -116,12 +188,14 @@ def part_specs(rows: PoolRows, part_size: int, todo: list[int], retry: dict[int,
         if not len(mine):
             continue
         file_idx, row_idx = rows.meta.locate(mine)
+        merge = tokens.get(part, "") if part in retry else ""
         specs.append(
             pa.table(
                 {
                     "part": pa.array(np.full(len(mine), part), pa.int64()),
                     "file": pa.array(file_idx, pa.int32()),
                     "row": pa.array(row_idx, pa.int64()),
+                    "merge": pa.array([merge] * len(mine), pa.string()),
                 }
             )
         )
@@ -151,6 +225,14 @@ class _ActorPool:
         self.attempts: dict[int, int] = {}
         for _ in range(n_actors):
             self._start_actor()
+
+    def extend(self, specs: list[pa.Table]) -> bool:
+        """More parts (the next late pass) for the actors already running; whether any call runs now."""
+        self.todo = list(reversed(specs)) + self.todo
+        for actor in list(self.actors):
+            for _ in range(1 + QUEUED_PER_ACTOR):
+                self.submit(actor)
+        return bool(self.running)
 
     def _start_actor(self) -> None:
         token = uuid.uuid4().hex[:16]
@@ -190,36 +272,40 @@ class _ActorPool:
             ray.kill(actor)
 
 
-def _run_parts(meta: Metadata, specs: list[pa.Table], cfg: BuildConfig, store: Storage, paths, retry, log):
-    """Each part's spec on a pool of ``DownloadPart`` Ray actors; yields (part, token of the files it
-    wrote, its rows) as each finishes. A part lost with its actor runs again on another one.
+def _run_parts(meta: Metadata, specs: list[pa.Table], cfg: BuildConfig, store: Storage, paths, more, log):
+    """Each part's spec on a pool of ``DownloadPart`` Ray actors; yields (spec, token of the files it
+    wrote, its rows) as each finishes. A part lost with its actor runs again on another one. When every
+    part yielded so far is done (and committed by the caller), ``more()`` gives the next specs, run on the
+    same actors; none ends the download.
 
     Plain actors rather than a Ray Data actor pool: a download part is one call, and Ray Data's executor,
     stats and autoscaling actors and idle workers cost 14% of a build's CPU on 2 cores
     (docs/decisions/0014-download-parts-on-plain-ray-actors.md).
     """
     # The Storage object travels to the actors with its credentials: their processes need no AWS env.
-    args = (cfg.download, paths["parts"], {p: _done_token(paths, p, store) for p in retry}, store,
-            list(meta.files), cfg.max_caption_bytes)  # fmt: skip
+    args = (cfg.download, paths["parts"], store, list(meta.files), cfg.max_caption_bytes)
     if cfg.download_actors == 0:  # in the driver's own process, no Ray: a tiny pool, the kill suite
         token = uuid.uuid4().hex[:16]
         local = DownloadPart(args[0], args[1], token, *args[2:])
         try:
-            for spec in specs:
-                yield int(spec.column("part")[0].as_py()), token, local(spec)
+            while specs:
+                for spec in specs:
+                    yield spec, token, local(spec)
+                specs = more()
         finally:
             local.worker.close()
         return
     import ray
-    from ray.exceptions import ObjectLostError, RayActorError
+    from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 
     options: dict = {"num_cpus": cfg.download_cpus, "max_restarts": 0, "max_task_retries": 0}
     if cfg.data_label_selector:  # pipeline/common/placement.py: downloads run on the data nodes
         options["label_selector"] = {str(k): str(v) for k, v in cfg.data_label_selector.items()}
     remote = ray.remote(DownloadPart).options(**options)
+    specs = specs or more()
     pool = _ActorPool(remote, args, specs, max(1, min(cfg.download_actors, len(specs))), log)
     try:
-        while pool.running:
+        while pool.running or pool.extend(more()):
             [ref], _ = ray.wait(list(pool.running), num_returns=1)
             actor, spec = pool.running.pop(ref)
             try:
@@ -228,11 +314,25 @@ def _run_parts(meta: Metadata, specs: list[pa.Table], cfg: BuildConfig, store: S
                 pool.running[ref] = (actor, spec)
                 pool.lost(actor, exc)
                 continue
+            except RayTaskError as exc:
+                if not _storage_out_of_reach(exc.cause):
+                    raise
+                pool.running[ref] = (
+                    actor,
+                    spec,
+                )  # its host is cut off from the store: so are its other calls
+                pool.lost(actor, exc.cause)
+                continue
             pool.submit(actor)
-            yield int(spec.column("part")[0].as_py()), pool.actors.get(actor, ""), summary
+            yield spec, pool.actors.get(actor, ""), summary
     finally:
         pool.close()
 
 
-def _done_token(paths: dict[str, str], part: int, store: Storage) -> str:
-    return store.read_json(R.marker(paths["parts"], part))["token"]
+def _storage_out_of_reach(exc: BaseException | None) -> bool:
+    """Whether a part call failed reaching storage (the store unreachable, refusing or full), as from a host
+    cut off the network: such a part goes to another actor, and a store out of reach for every host stops
+    the build once a part has been lost ``PART_ATTEMPTS`` times."""
+    if isinstance(exc, StorageError):
+        return True
+    return isinstance(exc, OSError) and isinstance(os_error(exc, ""), StorageError)

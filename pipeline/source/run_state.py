@@ -17,7 +17,8 @@ are rewritten from the parts every run anyway.
 
 **Parts and run tokens.** Every run draws a token. A download actor writes its part as
 ``part-{i:06d}.{token}.tar`` and ``.parquet`` and returns its rows; the *driver*, on receiving them,
-writes ``part-{i:06d}.done`` holding that token. A part therefore counts as done only if the driver of
+writes ``part-{i:06d}.done`` holding that token (and the part's count of transient rows and of late
+retry passes: pipeline/download/phase.py). A part therefore counts as done only if the driver of
 the run that downloaded it was alive when the part finished: actors that outlive a killed driver (on a
 shared cluster, Ray stops a dead driver's actors only after a while) write files under a token no marker
 names, which no reader opens and the next run deletes. Two runs can never mix files of one part, because
@@ -33,6 +34,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -79,6 +81,7 @@ RETRY_KNOBS = (
     "threads_per_actor",
     "timeout_s",
     "retries",
+    "late_retries",
     "part_deadline_s",
     "per_host_connections",
     "retry_backoff_s",
@@ -239,14 +242,30 @@ def marker(parts_dir: str, part: int) -> str:
     return storage.join(parts_dir, f"part-{part:06d}.done")
 
 
-def commit(parts_dir: str, part: int, token: str, store: Storage) -> None:
-    """The driver's word that ``part`` is done, naming the token of the files it stands for."""
+def commit(parts_dir: str, part: int, token: str, store: Storage, transient: int = 0, late: int = 0) -> None:
+    """The driver's word that ``part`` is done, naming the token of the files it stands for; ``transient``:
+    how many of its rows hold a transient status, ``late``: the late retry passes it has had."""
     faults.point("part.commit")
-    store.write_json({"token": token}, marker(parts_dir, part))
+    store.write_json({"token": token, "transient": transient, "late": late}, marker(parts_dir, part))
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A committed part's marker: its files' token, its transient rows (None: a marker that does not say),
+    the late retry passes it has had (pipeline/download/phase.py)."""
+
+    token: str
+    transient: int | None = None
+    late: int = 0
 
 
 def committed(parts_dir: str, store: Storage) -> dict[int, str]:
     """part → token of every committed part (a marker whose files are missing does not count)."""
+    return {part: m.token for part, m in committed_markers(parts_dir, store).items()}
+
+
+def committed_markers(parts_dir: str, store: Storage) -> dict[int, Marker]:
+    """part → marker of every committed part (a marker whose files are missing does not count)."""
     files = {p.rsplit("/", 1)[-1] for p in store.list_files(parts_dir)}
     out = {}
     for name in sorted(files):
@@ -254,12 +273,13 @@ def committed(parts_dir: str, store: Storage) -> dict[int, str]:
         if not m:
             continue
         try:
-            token = store.read_json(storage.join(parts_dir, name))["token"]
-        except (ValueError, KeyError, TypeError):
+            doc = store.read_json(storage.join(parts_dir, name))
+            found = Marker(str(doc["token"]), doc.get("transient"), int(doc.get("late", 0)))
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue  # an empty marker of an older format, or a damaged one: download the part again
         part = int(m.group(1))
-        if {f"part-{part:06d}.{token}.tar", f"part-{part:06d}.{token}.parquet"} <= files:
-            out[part] = token
+        if {f"part-{part:06d}.{found.token}.tar", f"part-{part:06d}.{found.token}.parquet"} <= files:
+            out[part] = found
     return out
 
 

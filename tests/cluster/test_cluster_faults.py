@@ -132,7 +132,10 @@ def test_a_host_cut_off_for_30s_recovers_or_fails_clearly_and_a_rerun_resumes(cl
         rerun = submit_ok(cluster, slow_build(out), "cut-host-rerun")
         assert "0 already done" not in rerun
     counts = check_build(cluster, out)
-    print(f"\ncut {victim} for 30 s: job {outcome}; {counts}")
+    lines = [line for line in logs.splitlines() if line.strip()]
+    said = [line for line in lines if "late retry pass" in line] if outcome == "SUCCEEDED" else lines[-1:]
+    lost = logs.count("a download actor was lost")
+    print(f"\ncut {victim} for 30 s: job {outcome}; {lost} actor(s) lost; {counts}; {said or 'no late pass'}")
     cluster.kill_host(victim)  # marked dead while cut off, it may be on its way out: start it afresh
     whole_again(cluster)
 

@@ -150,8 +150,9 @@ def snapshot_of_clean(meta: str, out: Path, **kw) -> dict:
     return snapshot(out)
 
 
-@pytest.mark.slow  # three builds
-def test_retry_failed_turns_recovered_transient_failures_into_successes(ray_local, http_server, tmp_path):
+def flaky_pool(http_server, tmp_path) -> tuple[str, list[str], list[str]]:
+    """A pool of 8 good images, 6 that fail once (503, 429, 500) and then serve, and one 404:
+    (metadata, good URLs, flaky URLs)."""
     ok = serve_images(http_server, 8, "ok")
     flaky = serve_images(http_server, 3, "f503", fail_first=1, fail_status=503)
     flaky += serve_images(http_server, 2, "f429", fail_first=1, fail_status=429)
@@ -159,17 +160,23 @@ def test_retry_failed_turns_recovered_transient_failures_into_successes(ray_loca
     gone = [http_server.route("/gone.jpg", Route(status=404, body=b"no"))]
     urls = ok + flaky + gone
     uids = [uid_of(i, 3) for i in range(len(urls))]
-    meta = write_meta(tmp_path / "m.parquet", uids, urls, [f"c{i}" for i in range(len(urls))])
-    out = tmp_path / "out"
-    first = build(config(meta, out), log=lambda m: None)
+    return write_meta(tmp_path / "m.parquet", uids, urls, [f"c{i}" for i in range(len(urls))]), ok, flaky
+
+
+@pytest.mark.slow  # three builds
+def test_retry_failed_turns_recovered_transient_failures_into_successes(ray_local, http_server, tmp_path):
+    meta, ok, flaky = flaky_pool(http_server, tmp_path)
+    urls = ok + flaky + ["gone"]
+    out, no_late = tmp_path / "out", {"download": {"late_retries": 0}}
+    first = build(config(meta, out, **no_late), log=lambda m: None)
     n_flaky = len(flaky)
     assert sum(v for k, v in first.status_counts.items() if S.is_transient(k)) == n_flaky
     assert first.status_counts[S.STATUS_SUCCESS] == len(ok)
     check_invariants(snapshot(out), len(urls))
 
-    again = build(config(meta, out), log=lambda m: None)  # a plain resume keeps the recorded statuses
+    again = build(config(meta, out, **no_late), log=lambda m: None)  # a plain resume keeps the statuses
     assert again.status_counts == first.status_counts and again.n_retried == 0
-    retried = build(config(meta, out, retry_failed=True), log=lambda m: None)
+    retried = build(config(meta, out, retry_failed=True, **no_late), log=lambda m: None)
     assert retried.n_retried == n_flaky
     assert retried.status_counts == {S.STATUS_SUCCESS: len(ok) + n_flaky, S.failed_download("http_404"): 1}
     snap = snapshot(out)
@@ -177,6 +184,35 @@ def test_retry_failed_turns_recovered_transient_failures_into_successes(ray_loca
     assert snap == snapshot_of_clean(meta, tmp_path / "clean")  # uid for uid, status for status, bytes
     hits = {p: http_server.hits[p] for p in ("/f5030.jpg", "/ok0.jpg", "/gone.jpg")}
     assert hits == {"/f5030.jpg": 3, "/ok0.jpg": 2, "/gone.jpg": 2}  # the retry fetched only the transient
+
+
+def test_the_late_pass_fetches_transient_rows_again_once_every_part_is_done(ray_local, http_server, tmp_path):
+    """One build: the six rows that fail once get a transient status in their parts, and once every part
+    is done the late pass downloads them again (an outage or a partition has passed by then): the result
+    equals a clean build's. The markers count the pass, so a re-run fetches nothing; a build that stopped
+    before its late pass (here: run with none) gets it from the next run."""
+    meta, ok, flaky = flaky_pool(http_server, tmp_path)
+    out, lines = tmp_path / "out", []
+    first = build(config(meta, out), log=lines.append)
+    assert first.status_counts == {S.STATUS_SUCCESS: len(ok) + len(flaky), S.failed_download("http_404"): 1}
+    assert "download: late retry pass 1: 6 transient rows of 2 parts again" in lines, lines
+    snap = snapshot(out)
+    check_invariants(snap, len(ok) + len(flaky) + 1)
+    hits = {p: http_server.hits[p] for p in ("/f5030.jpg", "/f4290.jpg", "/ok0.jpg", "/gone.jpg")}
+    assert hits == {"/f5030.jpg": 2, "/f4290.jpg": 2, "/ok0.jpg": 1, "/gone.jpg": 1}  # a 404 is final
+    before = dict(http_server.hits)
+    again = build(config(meta, out), log=lines.append)  # every pass is recorded: nothing to fetch
+    assert again.status_counts == first.status_counts and dict(http_server.hits) == before
+    assert snapshot(out) == snap == snapshot_of_clean(meta, tmp_path / "clean")
+
+    stopped = tmp_path / "stopped"  # the first pass only (late_retries=0), then a run that owes the pass
+    for url in flaky:  # each fails once more, then serves again
+        path = "/" + url.split("/", 3)[3]
+        http_server.route(path, dataclasses.replace(http_server.routes[path], fail_first=before[path] + 1))
+    build(config(meta, stopped, download={"late_retries": 0}), log=lambda m: None)
+    resumed = build(config(meta, stopped), log=lambda m: None)
+    assert resumed.status_counts == first.status_counts and resumed.parts_done_before == 4
+    assert snapshot(stopped) == snap
 
 
 def test_empty_metadata_finishes_with_empty_outputs(ray_local, tmp_path):

@@ -1,0 +1,73 @@
+"""The driver's side of the download parts, without Ray: which committed parts a late retry pass owes, and
+which failed part calls go to another actor."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from pipeline import schema as S
+from pipeline.common.errors import InputError, StorageError
+from pipeline.common.storage import LOCAL
+from pipeline.config import BuildConfig, DownloadConfig
+from pipeline.download.phase import PoolRows, _LatePasses, _storage_out_of_reach
+from pipeline.source import run_state as R
+
+TIMEOUT = S.failed_download("timeout")
+
+
+def _part(parts: str, part: int, token: str, statuses: list[str]) -> pa.Table:
+    """Part ``part``'s files under ``token``: rows u{part}{i} with ``statuses``; its summary back."""
+    summary = pa.table({S.UID: [f"u{part}{i}" for i in range(len(statuses))], S.STATUS: statuses})
+    LOCAL.write_parquet(summary, R.part_file(parts, part, token, "parquet"))
+    LOCAL.write_bytes(b"", R.part_file(parts, part, token, "tar"))
+    return summary
+
+
+def test_a_late_pass_is_owed_by_each_part_with_transient_rows_until_its_marker_counts_it(tmp_path):
+    parts = str(tmp_path / "parts")
+    LOCAL.makedirs(parts)
+    cfg = BuildConfig(metadata="m", output=str(tmp_path), part_size=2)
+    _part(parts, 0, "a0", [S.STATUS_SUCCESS, TIMEOUT])
+    R.commit(parts, 0, "a0", LOCAL, transient=1, late=1)  # its pass is done
+    _part(parts, 1, "a1", [S.STATUS_SUCCESS, S.STATUS_SUCCESS])
+    R.commit(parts, 1, "a1", LOCAL, transient=0)  # nothing to fetch again: its parquet is not read
+    _part(parts, 2, "a2", [S.failed_download("http_503"), S.failed_download("http_404")])
+    LOCAL.write_bytes(json.dumps({"token": "a2"}).encode(), R.marker(parts, 2))  # a marker with no counts
+    markers = R.committed_markers(parts, LOCAL)
+    assert markers == {0: R.Marker("a0", 1, 1), 1: R.Marker("a1", 0, 0), 2: R.Marker("a2", None, 0)}
+
+    pool = PoolRows(meta=None, uids=pa.array([]), live=np.ones(6, bool))
+    late = _LatePasses(pool, cfg, LOCAL, {"parts": parts}, markers, lambda m: None)
+    assert late.due() == {2: {"u20"}}  # the 404 is final
+    summary = _part(parts, 3, "b3", [S.STATUS_SUCCESS, TIMEOUT])  # a part this run downloads
+    late.commit(pa.table({"part": [3]}), "b3", summary)
+    assert late.due() == {2: {"u20"}, 3: {"u31"}}
+    assert R.committed_markers(parts, LOCAL)[3] == R.Marker("b3", 1, 0)
+
+    late.passes = 1  # in a late pass, a committed part counts one pass more
+    late.commit(pa.table({"part": [3]}), "c3", _part(parts, 3, "c3", [S.STATUS_SUCCESS, TIMEOUT]))
+    assert R.committed_markers(parts, LOCAL)[3] == R.Marker("c3", 1, 1)
+    assert late.due() == {2: {"u20"}}  # still transient, but its one pass is spent
+    off = _LatePasses(pool, BuildConfig(metadata="m", output="o", download=DownloadConfig(late_retries=0)), LOCAL,
+                      {"parts": parts}, markers, lambda m: None)  # fmt: skip
+    assert off.due() == {}
+
+
+@pytest.mark.parametrize(
+    ("exc", "elsewhere"),
+    [
+        (OSError("AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 7"), True),
+        (ConnectionRefusedError(111, "Connection refused"), True),
+        (StorageError("s3://b/x: Could not connect"), True),
+        (FileNotFoundError(2, "No such file", "meta/part-0.parquet"), False),
+        (InputError("meta/part-0.parquet: not found"), False),
+        (ValueError("a bug"), False),
+        (None, False),
+    ],
+)
+def test_a_part_that_could_not_reach_storage_goes_to_another_actor(exc, elsewhere):
+    assert _storage_out_of_reach(exc) is elsewhere
