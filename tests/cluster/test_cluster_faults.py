@@ -59,8 +59,9 @@ def train_shards(cluster, tmp_path_factory):
     return upload_demo_shards(cluster, tmp_path_factory.mktemp("shards"), "train-shards", 4, 40)
 
 
-def slow_build(output: str) -> list[str]:
-    return build_args(output, POOL, part_size=PART, download_actors=4, **{"download.threads_per_actor": 2})
+def slow_build(output: str, **extra) -> list[str]:
+    values = {"download.threads_per_actor": 2, **extra}
+    return build_args(output, POOL, part_size=PART, download_actors=4, **values)
 
 
 def whole_again(cluster, specs=HOSTS) -> None:
@@ -114,7 +115,10 @@ def test_a_worker_host_killed_mid_download_the_same_job_finishes(cluster) -> Non
 
 def test_a_host_cut_off_for_30s_recovers_or_fails_clearly_and_a_rerun_resumes(cluster) -> None:
     out, store = cluster.s3.url("cut-host"), store_of(cluster)
-    cluster.submit(slow_build(out), "cut-host", wait=False)
+    late = {
+        "download.late_retries": 1
+    }  # the default outside the demo preset: what brings a cut host's rows back
+    cluster.submit(slow_build(out, **late), "cut-host", wait=False)
     failed = lambda: cluster.job("cut-host")["status"] in ("FAILED", "STOPPED")  # noqa: E731
     wait_for("two committed parts", lambda: _two_parts(store, out), failed=failed)
     placed = actors_by_host(cluster, "DownloadPart", job_ray_id(cluster, "cut-host"))
@@ -129,7 +133,7 @@ def test_a_host_cut_off_for_30s_recovers_or_fails_clearly_and_a_rerun_resumes(cl
         assert "Traceback" in logs or "error" in logs.lower(), logs[-3000:]
         cluster.kill_host(victim)
         whole_again(cluster)
-        rerun = submit_ok(cluster, slow_build(out), "cut-host-rerun")
+        rerun = submit_ok(cluster, slow_build(out, **late), "cut-host-rerun")
         assert "0 already done" not in rerun
     counts = check_build(cluster, out)
     lines = [line for line in logs.splitlines() if line.strip()]
