@@ -284,6 +284,7 @@ def _run_parts(meta: Metadata, specs: list[pa.Table], cfg: BuildConfig, store: S
     """
     # The Storage object travels to the actors with its credentials: their processes need no AWS env.
     args = (cfg.download, paths["parts"], store, list(meta.files), cfg.max_caption_bytes)
+    specs = specs or more()  # a resumed build may owe only a late pass
     if cfg.download_actors == 0:  # in the driver's own process, no Ray: a tiny pool, the kill suite
         token = uuid.uuid4().hex[:16]
         local = DownloadPart(args[0], args[1], token, *args[2:])
@@ -302,7 +303,6 @@ def _run_parts(meta: Metadata, specs: list[pa.Table], cfg: BuildConfig, store: S
     if cfg.data_label_selector:  # pipeline/common/placement.py: downloads run on the data nodes
         options["label_selector"] = {str(k): str(v) for k, v in cfg.data_label_selector.items()}
     remote = ray.remote(DownloadPart).options(**options)
-    specs = specs or more()
     pool = _ActorPool(remote, args, specs, max(1, min(cfg.download_actors, len(specs))), log)
     try:
         while pool.running or pool.extend(more()):
@@ -317,10 +317,8 @@ def _run_parts(meta: Metadata, specs: list[pa.Table], cfg: BuildConfig, store: S
             except RayTaskError as exc:
                 if not _storage_out_of_reach(exc.cause):
                     raise
-                pool.running[ref] = (
-                    actor,
-                    spec,
-                )  # its host is cut off from the store: so are its other calls
+                # Its host is cut off from the store, and so are its other calls: all go to another actor.
+                pool.running[ref] = (actor, spec)
                 pool.lost(actor, exc.cause)
                 continue
             pool.submit(actor)

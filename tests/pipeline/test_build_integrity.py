@@ -208,9 +208,12 @@ def test_the_late_pass_fetches_transient_rows_again_once_every_part_is_done(ray_
     stopped = tmp_path / "stopped"  # the first pass only (late_retries=0), then a run that owes the pass
     for url in flaky:  # each fails once more, then serves again
         path = "/" + url.split("/", 3)[3]
-        http_server.route(path, dataclasses.replace(http_server.routes[path], fail_first=before[path] + 1))
-    build(config(meta, stopped, download={"late_retries": 0}), log=lambda m: None)
-    resumed = build(config(meta, stopped), log=lambda m: None)
+        http_server.route(
+            path, dataclasses.replace(http_server.routes[path], fail_first=http_server.hits[path] + 1)
+        )
+    owed = build(config(meta, stopped, download={"late_retries": 0}), log=lambda m: None)
+    assert owed.status_counts[S.STATUS_SUCCESS] == len(ok)
+    resumed = build(config(meta, stopped, download_actors=0), log=lambda m: None)  # in the driver's process
     assert resumed.status_counts == first.status_counts and resumed.parts_done_before == 4
     assert snapshot(stopped) == snap
 
