@@ -12,6 +12,7 @@ core, not the slowdown of sharing caches and memory bandwidth).
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -45,30 +46,47 @@ def alternate(cases: dict[str, Callable[[], object]], rounds: int, warmup: int =
         row: dict = {}
         for name, fn in cases.items():
             load = os.getloadavg()[0]
+            before = resource.getrusage(resource.RUSAGE_SELF)
             wall, cpu = time.perf_counter(), time.process_time()
             fn()
             row[name] = {
                 "wall_s": time.perf_counter() - wall,
                 "cpu_s": time.process_time() - cpu,
                 "load": load,
+                **_rusage_delta(before, resource.getrusage(resource.RUSAGE_SELF)),
             }
         out.append(row)
     return out
 
 
+def _rusage_delta(a: resource.struct_rusage, b: resource.struct_rusage) -> dict:
+    # CPU time split into user and kernel time, and the page faults behind most of the kernel time: a
+    # CPU allocator that hands memory back to the OS pays to fault it in again, a GPU's caching one does not.
+    return {
+        "user_s": b.ru_utime - a.ru_utime,
+        "sys_s": b.ru_stime - a.ru_stime,
+        "minflt": b.ru_minflt - a.ru_minflt,
+    }
+
+
 def ratios(rounds: list[dict], num: str, den: str) -> dict:
     """Per-round num/den of wall and CPU time, summarised; the loads seen over those rounds."""
     loads = [r[c]["load"] for r in rounds for c in (num, den)]
+    kinds = {"wall": "wall_s", "cpu": "cpu_s", "user": "user_s"}
     return {
-        "wall": spread([r[num]["wall_s"] / r[den]["wall_s"] for r in rounds]),
-        "cpu": spread([r[num]["cpu_s"] / r[den]["cpu_s"] for r in rounds]),
+        **{
+            k: spread([r[num][t] / r[den][t] for r in rounds])
+            for k, t in kinds.items()
+            if t in rounds[0][num]
+        },
         "load_min": min(loads),
         "load_max": max(loads),
     }
 
 
 def times(rounds: list[dict], case: str) -> dict:
-    return {k: spread([r[case][k] for r in rounds]) for k in ("wall_s", "cpu_s")}
+    kinds = ("wall_s", "cpu_s", "user_s", "sys_s", "minflt")
+    return {k: spread([r[case][k] for r in rounds]) for k in kinds if k in rounds[0][case]}
 
 
 def loads_note(loads: list[float], cores: int) -> str:

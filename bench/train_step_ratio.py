@@ -7,7 +7,10 @@ images with 25% of the patches and their captions through the towers again) and 
 deterministic towers. Each round runs one ``train_step`` of each in turn (bench/alternate.py), on the batch
 the collate step would hand over (uint8 crops, captions of 8–30 tokens trimmed to the longest, masked
 variants for ProLIP). Ratio: ProLIP ÷ CLIP step time per round, median (min–max) over ``--rounds`` with the
-load average; process CPU time and wall time.
+load average; process CPU time (and its user and kernel parts, with the page faults) and wall time.
+``--keep-memory`` runs both with glibc keeping the memory it frees, as a GPU's caching allocator does: on
+CPU the kernel time of faulting freshly unmapped gradient buffers in again lands on whichever model's peak
+crosses glibc's thresholds.
 
 Beside it, the FLOPs per sample of forward + backward counted on the meta device
 (training/model/flops.py) for every preset model: the ratio a GPU would see when compute-bound.
@@ -39,6 +42,8 @@ from training.model.flops import samples_per_s, train_flops_per_sample  # noqa: 
 from training.train.step import setup_state, train_step  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "train_step_ratio.json"
+# glibc's settings that keep freed memory in the process: no mmap'd blocks to unmap, no trimming of the heap.
+KEEP_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
 CASES = {"ViT-B-32": 32, "tiny": 64}  # model → batch on a CPU (4 and 8 masked variants)
 PRESET_MODELS = {"datacomp-small": ("ViT-B-32", 49410), "prolip-b16": ("ViT-B-16-ProLIP", 32001)}
 TOK = SimpleNamespace(vocab_size=49410, pad_id=49408, end_id=49407, mask_id=49409, start_id=49406)
@@ -96,7 +101,12 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(CASES), help="MODEL[:BATCH],... (batch: CASES' by default)")
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--allow-loaded", action="store_true")
+    ap.add_argument("--keep-memory", action="store_true",
+                    help="glibc keeps the memory it frees (no mmap, no trim), as a GPU's caching allocator does")  # fmt: skip
     args = ap.parse_args()
+    if args.keep_memory and any(os.environ.get(k) != v for k, v in KEEP_MEMORY.items()):
+        # glibc reads these once, at start: run again with them set.
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KEEP_MEMORY})
     assert args.rounds >= MIN_ROUNDS
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -108,6 +118,7 @@ def main() -> None:
         f"python bench/train_step_ratio.py --rounds {args.rounds}"
         + (f" --threads {args.threads}" if args.threads else "")
         + (f" --models {args.models}" if args.models != ",".join(CASES) else "")
+        + (" --keep-memory" if args.keep_memory else "")
     )
     for case in args.models.split(","):
         model, _, batch = case.partition(":")
@@ -115,12 +126,19 @@ def main() -> None:
         q = r["prolip_over_clip"]
         loads += [q["load_min"], q["load_max"]]
         note = loads_note([q["load_min"], q["load_max"]], os.cpu_count() or 1)
+        kernel = {k: (r["step"][k]["sys_s"]["median"], r["step"][k]["minflt"]["median"]) for k in r["step"]}
+        faults = "; ".join(
+            f"{k} {s:.2f} s kernel time, {f:.0f} page faults a step" for k, (s, f) in kernel.items()
+        )
         print(f"{model} batch {r['batch']}: ProLIP ÷ CLIP step {q['cpu']['median']:.3f} CPU "
-              f"({q['cpu']['min']:.3f}–{q['cpu']['max']:.3f}), wall {q['wall']['median']:.3f}; {note}")  # fmt: skip
+              f"({q['cpu']['min']:.3f}–{q['cpu']['max']:.3f}), user {q['user']['median']:.3f} "
+              f"({q['user']['min']:.3f}–{q['user']['max']:.3f}), wall {q['wall']['median']:.3f}; {faults}; {note}")  # fmt: skip
         records.append({"what": f"ProLIP step ÷ CLIP step, {model} at batch {r['batch']} (setup_state/train_step, CPU)",
                         "command": cmd, "figure": f"{q['cpu']['median']:.3f}× (CPU time)",
                         "spread": f"{q['cpu']['min']:.3f}–{q['cpu']['max']:.3f} over {q['cpu']['n']} rounds; wall "
-                                  f"{q['wall']['median']:.3f}× ({q['wall']['min']:.3f}–{q['wall']['max']:.3f})",
+                                  f"{q['wall']['median']:.3f}× ({q['wall']['min']:.3f}–{q['wall']['max']:.3f}); "
+                                  f"user time {q['user']['median']:.3f}× ({q['user']['min']:.3f}–{q['user']['max']:.3f}); "
+                                  f"median {faults}",
                         "load": f"{q['load_min']:.1f}–{q['load_max']:.1f} on {os.cpu_count()} cores", "date": date})  # fmt: skip
     for preset, f in counted.items():
         records.append({"what": f"{preset} ({f['model']}): training FLOPs per sample, ProLIP (12.5% masked variants) "
