@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from training.model.transformer import Transformer
 
 if TYPE_CHECKING:
     from training.model.config import ModelConfig
@@ -54,68 +55,6 @@ if TYPE_CHECKING:
 # Init scales: ViT/GPT-2 style (std 0.02 for weights and token rows, 0.01 for positional rows).
 _INIT_STD = 0.02
 _POS_INIT_STD = 0.01
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """x·σ(1.702·x): the GELU approximation OpenAI's CLIP weights were trained with."""
-    return x * torch.sigmoid(1.702 * x)
-
-
-ACTIVATIONS = {"gelu": F.gelu, "quick_gelu": quick_gelu}
-
-
-class Block(nn.Module):
-    """Pre-LN transformer block: x + Attn(LN(x)), then x + MLP(LN(x))."""
-
-    def __init__(
-        self, width: int, heads: int, mlp_ratio: float, activation: str = "gelu", eps: float = 1e-5
-    ) -> None:
-        super().__init__()
-        if width % heads:
-            raise ValueError(f"width {width} is not divisible by heads {heads}")
-        self.heads = heads
-        self.act = ACTIVATIONS[activation]
-        hidden = int(width * mlp_ratio)
-        self.ln_1 = nn.LayerNorm(width, eps=eps)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.attn_out = nn.Linear(width, width)
-        self.ln_2 = nn.LayerNorm(width, eps=eps)
-        self.fc_1 = nn.Linear(width, hidden)
-        self.fc_2 = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, d = x.shape
-        qkv = self.qkv(self.ln_1(x)).view(b, s, 3, self.heads, d // self.heads)  # (B, S, 3, H, Dh)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 × (B, H, S, Dh)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, S, Dh)
-        x = x + self.attn_out(attn.transpose(1, 2).reshape(b, s, d))  # (B, S, D)
-        x = x + self.fc_2(self.act(self.fc_1(self.ln_2(x))))  # (B, S, D)
-        return x
-
-
-class Transformer(nn.Module):
-    """A stack of pre-LN blocks with optional activation checkpointing (recompute in backward)."""
-
-    def __init__(
-        self,
-        width: int,
-        layers: int,
-        heads: int,
-        mlp_ratio: float,
-        activation: str = "gelu",
-        eps: float = 1e-5,
-    ) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(width, heads, mlp_ratio, activation, eps) for _ in range(layers))
-        self.grad_checkpointing = False
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        for block in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, attn_mask, use_reentrant=False)  # (B, S, D)
-            else:
-                x = block(x, attn_mask)  # (B, S, D)
-        return x
 
 
 class GaussianHead(nn.Module):
@@ -306,14 +245,31 @@ class VisionTower(_Tower):
         tokens = [self.cls_token] if self.unc_token is None else [self.cls_token, self.unc_token]
         return torch.stack(tokens) + self.pos_embed[: self.n_special]  # (S0, D)
 
+    def _tokens(self, images: torch.Tensor, keep_idx: torch.Tensor | None) -> torch.Tensor:
+        x = self.embed_patches(images, keep_idx)  # (B, K, D)
+        special = self.special_tokens().unsqueeze(0).expand(x.shape[0], -1, -1).to(x.dtype)  # (B, S0, D)
+        return self.ln_pre(torch.cat([special, x], dim=1))  # (B, S0 + K, D)
+
     def forward(
         self, images: torch.Tensor, keep_idx: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = self.embed_patches(images, keep_idx)  # (B, K, D)
-        b = x.shape[0]
-        special = self.special_tokens().unsqueeze(0).expand(b, -1, -1).to(x.dtype)  # (B, S0, D)
-        x = torch.cat([special, x], dim=1)  # (B, S0 + K, D)
-        x = self.transformer(self.ln_pre(x))  # (B, S0 + K, D)
+        return self._pool(self.transformer(self._tokens(images, keep_idx)))
+
+    def forward_with_dropped(
+        self, images: torch.Tensor, dropped: torch.Tensor, keep_idx: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(self(images), self(dropped, keep_idx))`` in one run of the trunk: the patch-dropped pictures'
+        tokens join the whole pictures' rows in every per-token product (one large product instead of a
+        second, small pass; docs/decisions/0021-patch-dropped-images-share-the-trunk-run.md), attention stays
+        within each batch."""
+        full, part = self._tokens(images, None), self._tokens(dropped, keep_idx)  # (B, S, D), (M, S', D)
+        groups = (tuple(full.shape[:2]), tuple(part.shape[:2]))
+        x = self.transformer.forward_packed(torch.cat([full.flatten(0, 1), part.flatten(0, 1)]), groups)
+        x_full, x_part = x.split([full.shape[0] * full.shape[1], part.shape[0] * part.shape[1]])
+        return self._pool(x_full.view(full.shape)), self._pool(x_part.view(part.shape))
+
+    def _pool(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The trunk's output (B, S0 + K, D) → the head's ``(mu, logvar)``."""
         if self.mean_pool:  # the image's state is the mean of its patch tokens, not CLS
             x = torch.cat([x[:, self.n_special :].mean(dim=1, keepdim=True), x[:, 1 : self.n_special]], 1)
         x = self.ln_post(x)  # (B, S0 + K, D), or (B, S0, D) when mean-pooled

@@ -50,6 +50,12 @@ class ProLIP(nn.Module):
         """images (B, 3, H, W) normalised floats; keep_idx (B, K) patch indices to keep (patch drop)."""
         return self.visual(images, keep_idx)
 
+    def encode_image_with_dropped(
+        self, images: torch.Tensor, dropped: torch.Tensor, keep_idx: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(encode_image(images), encode_image(dropped, keep_idx))`` in one run of the image trunk."""
+        return self.visual.forward_with_dropped(images, dropped, keep_idx)
+
     def encode_text(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """tokens (B, L) int64, L ≤ context_length, padded with ``config.pad_id``."""
         return self.text(tokens)

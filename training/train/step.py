@@ -61,9 +61,9 @@ class TrainModule(nn.Module):
     """The two towers and the loss's learnable scalars under one module, so one DDP wrapper covers both.
 
     ``forward`` runs both towers on the batch and, when ``masked_index`` (M,) is given, the image tower on
-    the selected images with their kept patches and the text tower on their masked tokens (concatenated
-    with the full text batch: one text forward). The loss is applied outside ``forward``, after the
-    cross-worker gather.
+    the selected images with their kept patches (in the same trunk run as the whole pictures) and the text
+    tower on their masked tokens (concatenated with the full text batch: one text forward). The loss is
+    applied outside ``forward``, after the cross-worker gather.
     """
 
     def __init__(self, model: ProLIP, loss: nn.Module, spec: LossSpec) -> None:
@@ -79,16 +79,19 @@ class TrainModule(nn.Module):
         masked_index: Tensor | None = None,
     ) -> dict[str, Tensor | None]:
         b = tokens.shape[0]
-        mu_v, logvar_v = self.model.encode_image(images)  # (B, E)
-        out: dict[str, Tensor | None] = {"mu_v": mu_v, "logvar_v": logvar_v}
         text = tokens
-        # numel() is shape metadata: no device sync, and M = 0 (possible on one rank) skips the extra pass.
+        # numel() is shape metadata: no device sync, and M = 0 (possible on one rank) skips the extra rows.
         masked = masked_index is not None and masked_index.numel() > 0 and keep_idx is not None
         if masked:
-            out["mu_v_masked"], out["logvar_v_masked"] = self.model.encode_image(
-                images[masked_index], keep_idx[masked_index]
-            )  # (M, E)
+            (mu_v, logvar_v), (mu_vm, logvar_vm) = self.model.encode_image_with_dropped(
+                images, images[masked_index], keep_idx[masked_index]
+            )  # (B, E), (M, E)
+            out: dict[str, Tensor | None] = {"mu_v_masked": mu_vm, "logvar_v_masked": logvar_vm}
             text = torch.cat([tokens, masked_tokens[masked_index]])  # (B + M, L)
+        else:
+            mu_v, logvar_v = self.model.encode_image(images)  # (B, E)
+            out = {}
+        out |= {"mu_v": mu_v, "logvar_v": logvar_v}
         mu_t, logvar_t = self.model.encode_text(text)  # (B [+ M], E)
         out["mu_t"], out["logvar_t"] = mu_t[:b], None if logvar_t is None else logvar_t[:b]
         if masked:

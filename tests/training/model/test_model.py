@@ -183,6 +183,44 @@ def test_patch_drop_keeps_quarter(model: ProLIP) -> None:
     assert _count_tokens(model, lambda: model.encode_image(images)) == n + 2
 
 
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("tiny", {}), ("tiny", {"grad_checkpointing": True}), ("demo-32px-cnn", {"probabilistic": False})],
+)
+def test_dropped_pictures_in_the_same_trunk_run_equal_a_second_pass(name: str, overrides: dict) -> None:
+    """``encode_image_with_dropped`` (the train step's joined run) = two ``encode_image`` calls, in outputs
+    and in every parameter's gradient; attention never mixes the two batches."""
+    torch.manual_seed(0)
+    m = ProLIP(model_config(name, **overrides))
+    size = m.config.image_size
+    images = torch.randn(6, 3, size, size, generator=torch.Generator().manual_seed(2))
+    dropped = images[torch.tensor([4, 1])]
+    keep = torch.from_numpy(choose_kept_patches(m.config.n_patches, 2, keep_ratio=0.25, rng=3))
+
+    def run(joined: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        m.zero_grad(set_to_none=True)
+        if joined:
+            full, part = m.encode_image_with_dropped(images, dropped, keep)
+        else:
+            full, part = m.encode_image(images), m.encode_image(dropped, keep)
+        outs = [t for t in (*full, *part) if t is not None]
+        weights = [
+            torch.randn(t.shape, generator=torch.Generator().manual_seed(i)) for i, t in enumerate(outs)
+        ]
+        sum((w * t).sum() for w, t in zip(weights, outs, strict=True)).backward()
+        grads = [p.grad.clone() for p in m.visual.parameters() if p.grad is not None]
+        return [t.detach() for t in outs], grads
+
+    (ref_out, ref_grad), (out, grad) = run(False), run(True)
+    assert len(out) == (4 if m.config.probabilistic else 2) and len(grad) == len(ref_grad) > 10
+    for a, b in zip(ref_out + ref_grad, out + grad, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # The dropped pictures' outputs do not depend on the whole batch beside them.
+    with torch.no_grad():
+        _, part = m.encode_image_with_dropped(images * 3 + 1, dropped, keep)
+    torch.testing.assert_close(part[0], ref_out[2 if m.config.probabilistic else 1], rtol=1e-5, atol=1e-6)
+
+
 def _unpatchify(patches: torch.Tensor, grid: int, p: int) -> torch.Tensor:
     b = patches.shape[0]
     x = patches.reshape(b, grid, grid, 3, p, p).permute(0, 3, 1, 4, 2, 5)
