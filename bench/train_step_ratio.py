@@ -10,7 +10,8 @@ variants for ProLIP). Ratio: ProLIP ÷ CLIP step time per round, median (min–m
 load average; process CPU time (and its user and kernel parts, with the page faults) and wall time.
 ``--keep-memory`` runs both with glibc keeping the memory it frees, as a GPU's caching allocator does: on
 CPU the kernel time of faulting freshly unmapped gradient buffers in again lands on whichever model's peak
-crosses glibc's thresholds.
+crosses glibc's thresholds. ``--warmup N`` untimed steps of each first (default 2): the kept heap needs a
+few more steps to stop growing.
 
 Beside it, the FLOPs per sample of forward + backward counted on the meta device
 (training/model/flops.py) for every preset model: the ratio a GPU would see when compute-bound.
@@ -73,13 +74,13 @@ def state(model: str, loss: str, batch: int):
     return setup_state(cfg, TOK, torch.device("cpu"), 0)  # CLIP's BPE ids (+ pad, mask) for every model
 
 
-def step_ratio(model: str, batch: int, rounds: int) -> dict:
+def step_ratio(model: str, batch: int, rounds: int, warmup: int = 2) -> dict:
     cases = {}
     for loss in ("prolip", "clip"):
         st = state(model, loss, batch)
         b = collated(model, batch, masked=loss == "prolip")
         cases[loss] = lambda st=st, b=b: train_step(st, b)
-    log = alternate(cases, rounds, warmup=2)
+    log = alternate(cases, rounds, warmup=warmup)
     return {"model": model, "batch": batch, "step": {k: times(log, k) for k in cases},
             "prolip_over_clip": ratios(log, "prolip", "clip"), "rounds": log}  # fmt: skip
 
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(CASES), help="MODEL[:BATCH],... (batch: CASES' by default)")
     ap.add_argument("--out", type=Path, default=RESULT)
     ap.add_argument("--allow-loaded", action="store_true")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each model before the rounds")
     ap.add_argument("--keep-memory", action="store_true",
                     help="glibc keeps the memory it frees (no mmap, no trim), as a GPU's caching allocator does")  # fmt: skip
     args = ap.parse_args()
@@ -118,11 +120,12 @@ def main() -> None:
         f"python bench/train_step_ratio.py --rounds {args.rounds}"
         + (f" --threads {args.threads}" if args.threads else "")
         + (f" --models {args.models}" if args.models != ",".join(CASES) else "")
+        + (f" --warmup {args.warmup}" if args.warmup != 2 else "")
         + (" --keep-memory" if args.keep_memory else "")
     )
     for case in args.models.split(","):
         model, _, batch = case.partition(":")
-        r = results[case] = step_ratio(model, int(batch or CASES[model]), args.rounds)
+        r = results[case] = step_ratio(model, int(batch or CASES[model]), args.rounds, args.warmup)
         q = r["prolip_over_clip"]
         loads += [q["load_min"], q["load_max"]]
         note = loads_note([q["load_min"], q["load_max"]], os.cpu_count() or 1)
