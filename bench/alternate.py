@@ -74,10 +74,11 @@ def ratios(rounds: list[dict], num: str, den: str) -> dict:
     loads = [r[c]["load"] for r in rounds for c in (num, den)]
     kinds = {"wall": "wall_s", "cpu": "cpu_s", "user": "user_s"}
     return {
+        # getrusage's user time moves in scheduler ticks: a case shorter than one can read 0.
         **{
             k: spread([r[num][t] / r[den][t] for r in rounds])
             for k, t in kinds.items()
-            if t in rounds[0][num]
+            if all(r[den][t] > 0 for r in rounds)
         },
         "load_min": min(loads),
         "load_max": max(loads),
@@ -85,8 +86,7 @@ def ratios(rounds: list[dict], num: str, den: str) -> dict:
 
 
 def times(rounds: list[dict], case: str) -> dict:
-    kinds = ("wall_s", "cpu_s", "user_s", "sys_s", "minflt")
-    return {k: spread([r[case][k] for r in rounds]) for k in kinds if k in rounds[0][case]}
+    return {k: spread([r[case][k] for r in rounds]) for k in ("wall_s", "cpu_s", "user_s", "sys_s", "minflt")}
 
 
 def loads_note(loads: list[float], cores: int) -> str:

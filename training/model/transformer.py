@@ -48,10 +48,13 @@ class Block(nn.Module):
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)  # (B, H, S, Dh)
         return attn.transpose(1, 2).reshape(b, s, d)  # (B, S, D)
 
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc_2(self.act(self.fc_1(self.ln_2(x))))  # (..., D)
+
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         x = x + self.attn_out(self._attend(self.qkv(self.ln_1(x)), b, s, attn_mask))  # (B, S, D)
-        return x + self.fc_2(self.act(self.fc_1(self.ln_2(x))))  # (B, S, D)
+        return self._mlp(x)  # (B, S, D)
 
     def forward_packed(self, x: torch.Tensor, groups: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """``x`` (N, D): batches of sequences with shapes ``groups`` = ((B_i, S_i), ...) laid end to end
@@ -62,8 +65,7 @@ class Block(nn.Module):
         attn = torch.cat(
             [self._attend(q, b, s, None).flatten(0, 1) for q, (b, s) in zip(parts, groups, strict=True)]
         )
-        x = x + self.attn_out(attn)  # (N, D)
-        return x + self.fc_2(self.act(self.fc_1(self.ln_2(x))))  # (N, D)
+        return self._mlp(x + self.attn_out(attn))  # (N, D)
 
 
 class Transformer(nn.Module):
@@ -83,18 +85,17 @@ class Transformer(nn.Module):
         self.grad_checkpointing = False
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        for block in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, attn_mask, use_reentrant=False)  # (B, S, D)
-            else:
-                x = block(x, attn_mask)  # (B, S, D)
-        return x
+        """(B, S, D) → (B, S, D)."""
+        return self._run(x, lambda block: block, attn_mask)
 
     def forward_packed(self, x: torch.Tensor, groups: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """Several unmasked batches at once: see ``Block.forward_packed``; (N, D) → (N, D)."""
+        return self._run(x, lambda block: block.forward_packed, groups)
+
+    def _run(self, x: torch.Tensor, call, arg) -> torch.Tensor:
         for block in self.blocks:
             if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block.forward_packed, x, groups, use_reentrant=False)  # (N, D)
+                x = checkpoint(call(block), x, arg, use_reentrant=False)
             else:
-                x = block.forward_packed(x, groups)  # (N, D)
+                x = call(block)(x, arg)
         return x
