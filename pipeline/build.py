@@ -1,56 +1,58 @@
-"""Compose the dataset build from the pure stages: metadata → row checks → download parts → shards → subsets.
+"""Compose the dataset build: the driver plans, Ray tasks do every per-row step.
 
-The one Ray-aware module of the build. Global decisions (row checks, URL, exact-image and near-duplicate
-dedupe; filter thresholds over the whole pool) are made in the driver on narrow columns (uid, url, two
-short strings: ~150 bytes a row); everything that touches bytes or models runs in Ray (the download actors, Ray Data).
+The driver holds O(files + parts + buckets): the metadata files' footers, each file's row and live
+counts, a marker per download part, per-bucket counts and digests. Every per-row step is a stage of Ray
+tasks (pipeline/stages/runner.py) reading and writing per-file and per-bucket datasets under
+``work/stages/`` of the output (pipeline/stages/layout.py), each stage resumable on its own:
 
-Order of a run: check the metadata files' schemas (each file named), the filter specs and the columns
-they need; read the narrow columns in the driver with pyarrow (pipeline/source/metadata.py) and decide every row
-that can be decided before download (pipeline/source/row_checks.py); check and record the run fingerprint
-(pipeline/source/run_state.py: a different pool, row order or part settings are refused); download the parts not
-committed yet (or, with ``retry_failed``, re-fetch the transient rows of committed ones); then derive the
-status table, the shards and the subsets from the committed parts. Resume unit = a download *part*: the
-live rows in read order cut into consecutive ranges of ``part_size``, so the assignment depends only on
-the metadata (and the fingerprint pins its order), and a resumed build ends with what an uninterrupted
-one would. The driver ships each part's row positions only; the download actors read the rows' columns
-from the files themselves, so there is no pass over the rows and no shuffle before the first part
-starts. A part is committed by the driver when it receives the part's rows, never by the actor that wrote
-it (pipeline/source/run_state.py explains why and how stale files are ignored).
+1. before download (pipeline/stages/row_stages.py): scan each metadata file (row checks, row keys,
+   content digests, bucketed by uid); decide each uid bucket (repeated uids, null URLs, bad captions) and
+   each URL bucket (DataComp's URL dedupe); each file's live rows and its fingerprint digests. The run
+   fingerprint (pipeline/source/run_state.py) folds the per-file digests: another pool, row order or part
+   settings are refused.
+2. download (pipeline/download/phase.py): the parts not committed yet on ``DownloadPart`` actors; part k
+   is the k-th range of ``part_size`` live rows in read order, planned from the files' live counts.
+3. after download (pipeline/stages/image_stages.py, status_stages.py): exact and near-duplicate images
+   by sha256 and pHash band, the curation stage, then per uid bucket the status table's file, and per
+   part group the rows the shards take.
+4. the final shards (pipeline/stages/shard_stages.py), one task per window of shards.
+5. the filters and subsets (pipeline/stages/filter_stages.py), per uid bucket, whole-pool cuts exact by
+   a radix selection; one task joins each subset's pieces; the tokenizer in one task.
+
+Every decision equals the single-process rule over the whole pool (``row_checks.pre_statuses``,
+``status_table.decide_image_duplicates``, ``filters.specs.run_filters``): each decomposes by key.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.common import storage
-from pipeline.common.storage import LOCAL, Storage
+from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
 from pipeline.dedup import curation_stage as CS
-from pipeline.download.phase import PoolRows, download_parts
+from pipeline.download.phase import LivePlan, download_parts
 from pipeline.filters import rerun_cache as FR
-from pipeline.filters.specs import apply_filters, check_build_filters, needs_language, parse_filter_specs
+from pipeline.filters.registry import config_params
+from pipeline.filters.specs import check_build_filters, parse_filter_specs, required_columns
 from pipeline.source import run_state as R
-from pipeline.source.content import COLUMNS as CONTENT_COLUMNS
-from pipeline.source.content import content_digests, served_hosts
-from pipeline.source.metadata import Metadata, open_metadata, read_columns
+from pipeline.source.content import served_hosts
+from pipeline.source.metadata import Metadata, open_metadata
 from pipeline.source.output_lock import exclusive
-from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, pre_statuses
-from pipeline.source.status_table import decide_image_duplicates, status_table_of
-from pipeline.subsets import eligibility as SR
-from pipeline.subsets.reshard import ReshardResult, reshard
-from pipeline.subsets.uid_files import arrow_u8pairs, write_subset
+from pipeline.stages import filter_stages as FS
+from pipeline.stages import image_stages as IS
+from pipeline.stages import row_stages as RS
+from pipeline.stages import shard_stages as SH
+from pipeline.stages import status_stages as ST
+from pipeline.stages.layout import VERSION, Parts, Pool, bucket_count, digest
+from pipeline.stages.runner import Placement, run_stage
 
-_FILTER_COLUMNS = [S.UID, S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT, S.CLIP_B32, S.CLIP_L14, ROW_KEY]
-_NARROW = [S.UID, S.URL, CAPTION_STATUS, ROW_KEY]
-_LANG_BLOCK = 200_000
+_FILTER_COLUMNS = (S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT, S.CLIP_B32, S.CLIP_L14)
 
 
 @dataclass
@@ -74,27 +76,22 @@ def run_paths(output: str) -> dict[str, str]:
     return R.run_dirs(output)
 
 
-# --- the build ----------------------------------------------------------------------------------------
-
-
 @dataclass
-class _Pool:
-    """The metadata: its checked files, its narrow columns in read order and the pre-download statuses."""
+class _Run:
+    """One build's driver state: its config, storage, log, where its tasks run, its timings."""
 
-    meta: Metadata
-    narrow: pa.Table  # uid, url, caption_status, row_key
-    status_pre: np.ndarray  # "" = goes on to download
-    max_caption_bytes: int
+    cfg: BuildConfig
     store: Storage
-    served: tuple[str, ...]  # the run's served hosts (pipeline/source/content.py)
+    log: Callable[[str], None]
+    placement: Placement
+    paths: dict[str, str]
+    timings: dict[str, float] = field(default_factory=dict)
 
-    def live(self) -> np.ndarray:
-        return self.status_pre == ""
-
-    def columns(self, names: list[str]) -> pa.Table:
-        """``names`` of every row in read order, prepared (read again from the files: cheap, and the
-        driver never holds the wide columns longer than a stage needs them)."""
-        return read_columns(self.meta, names, self.max_caption_bytes, self.store, self.served)
+    def stage(self, root: str, name: str, fn, keys, job) -> dict[int, dict]:
+        t = time.perf_counter()
+        out = run_stage(root, name, fn, list(keys), job, self.store, self.log, self.placement)
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t
+        return out
 
 
 def build(
@@ -103,7 +100,8 @@ def build(
     store: Storage | None = None,
     allow_hosts: Sequence[str] = (),
 ) -> BuildResult:
-    """Run the whole build for ``cfg`` (Ray must be initialised). Idempotent; resumes at part granularity.
+    """Run the whole build for ``cfg`` (Ray must be initialised unless ``download_actors`` is 0).
+    Idempotent; resumes each stage where it stopped.
 
     ``store``: the run's storage as the job built it; by default resolved here, once, from ``cfg.s3_endpoint``.
     ``allow_hosts``: ``download.allow_hosts`` entries for this run only, outside its config and fingerprint
@@ -111,286 +109,240 @@ def build(
     """
     store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
     t0 = time.perf_counter()
-    pool = _read_pool(cfg, store, log, served_hosts([*cfg.download.allow_hosts, *allow_hosts]))
-    content = pool_content(pool)
-    # One build per output, from the fingerprint check to the last file (pipeline/source/output_lock.py).
-    with exclusive(cfg.output, store, log) as lock:
-        return _build_locked(cfg, log, store, (pool, content), lock, t0, allow_hosts)
-
-
-def _build_locked(
-    cfg: BuildConfig,
-    log: Callable[[str], None],
-    store: Storage,
-    read: tuple,
-    lock,
-    t0: float,
-    allow_hosts: Sequence[str] = (),
-) -> BuildResult:
-    """The build once the output is ours: ``read`` = (the pool, its content digests)."""
-    pool, content = read
-    paths = run_paths(cfg.output)
-    timings: dict[str, float] = {}
-    fp = R.fingerprint(cfg, pool.narrow.column(S.UID), pool.live(), content)
-    R.claim(cfg, fp, store, log)
-    timings["metadata_and_row_checks"] = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    rows = PoolRows(pool.meta, pool.narrow.column(S.UID), pool.live(), content)
-    n_parts, done, n_retried = download_parts(rows, cfg, store, paths, log, allow_hosts)
-    lock.check()
-    R.record(cfg, fp, store)  # every part now holds this pool's content
-    timings["download"] = time.perf_counter() - t1
-
-    t2 = time.perf_counter()
-    status_table, curated = _decide_statuses(pool, cfg, store, paths, n_parts, log)
-    counts = {c["values"]: c["counts"] for c in pc.value_counts(status_table.column(S.STATUS)).to_pylist()}
-    timings["image_dedupe"] = time.perf_counter() - t2
-
-    t3 = time.perf_counter()
-    res = _write_shards(status_table, cfg, store, paths, n_parts)
-    timings["shards"] = time.perf_counter() - t3
-    log(f"shards: {res.n_written} samples in {len(res.shards)} shards")
-
-    t4 = time.perf_counter()
-    subset_sizes, subsets = run_filters(pool, cfg, status_table, paths, log, store)
-    scope = cfg.filters.subset_scope
-    timings["filters"] = time.perf_counter() - t4
-    if cfg.tokenizer_vocab > 0:
-        train_build_tokenizer(pool, status_table, cfg, log, store)
-    timings["total"] = time.perf_counter() - t0
-    return BuildResult(
-        output=cfg.output,
-        n_input=pool.narrow.num_rows,
-        status_counts=dict(sorted(counts.items())),
-        filter_counts={name: sizes[scope] for name, sizes in subset_sizes.items()},
-        subsets=subsets,
-        shards=list(res.shards),
-        parts_done_before=done,
-        timings=timings,
-        n_retried=n_retried,
-        subset_sizes=subset_sizes,
-        curation={
-            "eval_leaks": curated.leaks_by_task,
-            "semantic_duplicates": curated.n_semantic,
-            "clusters": curated.n_clusters,
-        },
-    )
-
-
-def _read_pool(
-    cfg: BuildConfig, store: Storage, log: Callable[[str], None], served: tuple[str, ...] = ()
-) -> _Pool:
-    """Read and check the metadata and the filters it must feed; decide the rows that need no download."""
     meta = open_metadata(cfg.metadata, store)
     for name, columns in zip(meta.files, meta.names, strict=True):
         check_build_filters(cfg.filters, columns, name)
     CS.check_curation(cfg, meta.files, store)
-    narrow = read_columns(meta, _NARROW, cfg.max_caption_bytes, store, served)
-    status_pre = pre_statuses(narrow)
-    log(
-        f"metadata: {narrow.num_rows} rows in {len(meta.files)} files; "
-        f"{int((status_pre != '').sum())} decided before download"
-    )
-    return _Pool(meta, narrow, status_pre, cfg.max_caption_bytes, store, served)
+    served = served_hosts([*cfg.download.allow_hosts, *allow_hosts])
+    placement = Placement(1.0, dict(cfg.data_label_selector), inline=cfg.download_actors == 0)
+    run = _Run(cfg, store, log, placement, run_paths(cfg.output))
+    log(f"metadata: {sum(meta.rows)} rows in {len(meta.files)} files")
+    # One build per output, from the fingerprint check to the last file (pipeline/source/output_lock.py).
+    with exclusive(cfg.output, store, log) as lock:
+        result = _build_locked(run, meta, served, lock, allow_hosts)
+    result.timings["total"] = time.perf_counter() - t0
+    return result
 
 
-def pool_content(pool: _Pool) -> np.ndarray:
-    """Every live row's content digest (0 for rows decided before download), read as the parts read them."""
-    content = np.zeros(pool.narrow.num_rows, np.uint64)
-    live = np.flatnonzero(pool.live())
-    if len(live):
-        rows = pool.columns([S.UID, *CONTENT_COLUMNS]).take(pa.array(live))
-        content[live] = content_digests(rows, pool.served)
-    return content
-
-
-def _part_files(paths: dict[str, str], n_parts: int, store: Storage, ext: str) -> list[str]:
-    done = R.committed(paths["parts"], store)
-    return [R.part_file(paths["parts"], p, done[p], ext) for p in range(n_parts) if p in done]
-
-
-def _decide_statuses(
-    pool: _Pool, cfg: BuildConfig, store: Storage, paths: dict[str, str], n_parts: int, log=print
-) -> tuple[pa.Table, CS.CurationResult]:
-    """Every part's rows (this run's and earlier runs'), image dedupe, the curation stage (eval leaks,
-    semantic duplicates), the status table of every input row."""
-    part_files = _part_files(paths, n_parts, store, "parquet")
-    parts = store.read_parquet(part_files) if part_files else pa.table({S.UID: pa.array([], pa.string())})
-    status = decide_image_duplicates(parts, cfg.dedupe)
-    priority = CS.clip_priority(pool.columns([S.UID, S.CLIP_L14])) if cfg.dedupe.semantic else None
-    curated = CS.curate(parts, status, cfg, pool.meta.files, priority, store, log)
-    if parts.num_rows:
-        parts = parts.append_column(S.DUPLICATE_OF, curated.duplicate_of).append_column(
-            S.LEAK_OF, curated.leak_of
-        )
-    status_table = status_table_of(pool.narrow, pool.status_pre, parts, curated.status)
-    store.write_parquet(status_table, paths["status"])
-    n_input = pool.narrow.num_rows
-    if status_table.num_rows != n_input:
-        raise RuntimeError(f"accounting: {status_table.num_rows} statuses for {n_input} input rows")
-    return status_table, curated
-
-
-def _write_shards(
-    status_table: pa.Table, cfg: BuildConfig, store: Storage, paths: dict[str, str], n_parts: int
-) -> ReshardResult:
-    """The final shards: the successful uids resharded out of the download parts (none: an empty dir)."""
-    success = pc.filter(status_table.column(S.UID), pc.equal(status_table.column(S.STATUS), S.STATUS_SUCCESS))
-    success_pairs = np.sort(arrow_u8pairs(success))
-    part_tars = _part_files(paths, n_parts, store, "tar")
-    if not part_tars or not len(success_pairs):
-        store.remove_files(store.list_files(paths["shards"]))  # an earlier run's shards are not this one's
-        store.makedirs(paths["shards"])
-        empty = np.zeros(0, S.UID_DTYPE)
-        z = np.zeros(0, np.int64)
-        return ReshardResult(0, 0, 0, [], empty, z, z, z, cfg.samples_per_shard)
-    return reshard(
-        part_tars,
-        success_pairs,
-        paths["shards"],
-        samples_per_shard=cfg.samples_per_shard,
-        store=store,
-        overwrite=True,
-    )
-
-
-# --- filters and subsets ------------------------------------------------------------------------------
-
-
-class _LangTag:
-    """Ray Data UDF: fastText language label per caption, the model loaded once per actor."""
-
-    def __init__(self, model_path: str = "") -> None:
-        from pipeline.filters.language import LanguageId
-
-        self.lid = LanguageId(model_path or None)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        labels, _scores = self.lid(batch.column(S.TEXT).to_pylist())
-        keys = {c: batch.column(c) for c in (S.UID, ROW_KEY)}
-        return pa.table({**keys, "lang": pa.array(list(labels), pa.string())})
-
-
-def run_filters(
-    pool: _Pool, cfg: BuildConfig, status_table: pa.Table, paths: dict[str, str], log, store: Storage = LOCAL
-) -> tuple[dict, dict]:
-    """Apply each requested filter to the whole pool. A subset lists the passing uids of its
-    ``filters.subset_scope``, each once: all of them ("metadata", DataComp's filter outputs) or the downloaded
-    ones; a repeated uid counts with one row only. Returns each subset's sizes in both scopes, and its path.
-    When nothing the results derive from changed since the last run, that run's files are reused
-    (pipeline/filters/rerun_cache.py)."""
+def _pool_layout(run: _Run, meta: Metadata, served: tuple[str, ...]) -> Pool:
+    cfg = run.cfg
     specs = parse_filter_specs(list(cfg.filters.names), "filters.names")
-    stamp = FR.filter_stamp(cfg, specs, status_table, store)
+    have = {c for names in meta.names for c in names}
+    columns = tuple(dict.fromkeys([*_FILTER_COLUMNS, *sorted(required_columns(specs, config_params(cfg.filters)) & have)]))
+    files = FR.file_stamps(list(meta.files), run.store)
+    key = digest([VERSION, files, cfg.max_caption_bytes, served, columns, cfg.bucket_rows])
+    n = bucket_count(sum(meta.rows), cfg.bucket_rows)
+    root = storage.join(run.paths["work"], "stages", key)
+    return Pool(root, meta.files, meta.rows, n, n, cfg.max_caption_bytes, served, columns, run.store)
+
+
+def _build_locked(run: _Run, meta: Metadata, served: tuple[str, ...], lock, allow_hosts) -> BuildResult:
+    cfg, store, log = run.cfg, run.store, run.log
+    pool = _pool_layout(run, meta, served)
+    files, buckets = range(len(meta.files)), range(pool.n_buckets)
+    scans = run.stage(pool.root, "scan", RS.scan_file, files, pool)
+    decided = run.stage(pool.root, "uids", RS.decide_uids, buckets, pool)
+    urls = run.stage(pool.root, "urls", RS.decide_urls, range(pool.n_url), pool)
+    live = run.stage(pool.root, "live", RS.live_rows, files, pool)
+    counts = _pre_counts(decided, urls)
+    log(f"metadata: {sum(meta.rows)} rows; {sum(counts.values())} decided before download")
+    fp = R.fingerprint(cfg, {
+        "rows": sum(meta.rows),
+        "uids_sha256": R.digest_of([scans[f]["uid_sha256"] for f in files]),
+        "live_sha256": R.digest_of([live[f]["live_sha256"] for f in files]),
+        "content_sha256": R.digest_of([live[f]["content_sha256"] for f in files]),
+    })  # fmt: skip
+    R.claim(cfg, fp, store, log)
+    _remove_other_stages(run, pool.root)
+
+    t = time.perf_counter()
+    plan = LivePlan(pool, tuple(live[f]["live"] for f in files))
+    markers, done, n_retried = download_parts(plan, cfg, store, run.paths, log, allow_hosts)
+    lock.check()
+    R.record(cfg, fp, store)  # every part now holds this pool's content
+    run.timings["download"] = time.perf_counter() - t
+
+    parts = _parts_layout(run, pool, markers, plan.n_parts(cfg.part_size))
+    finish, curation, status_counts, words = _statuses(run, parts, meta)
+    windows = _shards(run, finish)
+    sizes, subsets = _filters(run, finish, meta, words)
+    if cfg.tokenizer_vocab > 0:
+        _tokenizer(run, finish, meta, words)
+    scope = cfg.filters.subset_scope
+    return BuildResult(
+        output=cfg.output,
+        n_input=sum(meta.rows),
+        status_counts=dict(sorted(status_counts.items())),
+        filter_counts={name: s[scope] for name, s in sizes.items()},
+        subsets=subsets,
+        shards=windows,
+        parts_done_before=done,
+        timings=run.timings,
+        n_retried=n_retried,
+        subset_sizes=sizes,
+        curation=curation,
+    )
+
+
+def _pre_counts(decided: dict[int, dict], urls: dict[int, dict]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for s in decided.values():
+        for k, v in s["decided"].items():
+            out[k] = out.get(k, 0) + v
+    n = sum(s[S.STATUS_DUPLICATE_URL] for s in urls.values())
+    return {**out, S.STATUS_DUPLICATE_URL: n} if n else out
+
+
+def _remove_other_stages(run: _Run, keep: str) -> None:
+    """Stage files of other pools or settings (this output's earlier builds): never read again."""
+    base = storage.join(run.paths["work"], "stages")
+    stale = [p for p in run.store.list_files(f"{base}/**") if not p.startswith(keep.rstrip("/") + "/")]
+    run.store.remove_files(stale)
+
+
+def _parts_layout(run: _Run, pool: Pool, markers: dict[int, R.Marker], n_parts: int) -> Parts:
+    cfg = run.cfg
+    tokens = tuple(markers[p].token for p in range(n_parts))
+    key = digest([tokens, cfg.dedupe, cfg.decontam, cfg.part_size])
+    n_live = n_parts * cfg.part_size
+    return Parts(
+        root=storage.join(pool.root, f"post-{key}"),
+        pool=pool,
+        parts_dir=run.paths["parts"],
+        tokens=tokens,
+        group_parts=max(1, cfg.bucket_rows // cfg.part_size),
+        n_sha=bucket_count(n_live, cfg.bucket_rows),
+        n_band=bucket_count(n_live * (cfg.dedupe.phash_threshold + 1), cfg.bucket_rows),
+        phash_threshold=cfg.dedupe.phash_threshold,
+        near=cfg.dedupe.near_duplicates,
+    )
+
+
+def _statuses(run: _Run, parts: Parts, meta: Metadata):
+    """Image dedupe, curation and the status table; → the statuses' layout, the curation counts, the
+    counts per status and the status digest's pieces."""
+    cfg, log = run.cfg, run.log
+    groups, buckets = range(parts.n_groups), range(parts.pool.n_buckets)
+    run.stage(parts.root, "map_parts", IS.map_parts, groups, parts)
+    exact = run.stage(parts.root, "exact", IS.exact_dups, range(parts.n_sha), parts)
+    near = {}
+    if parts.near:
+        run.stage(parts.root, "bands", IS.band_rows, buckets, parts)
+        run.stage(parts.root, "pairs", IS.near_pairs_of, range(parts.n_band), parts)
+        near = run.stage(parts.root, "near", IS.near_greedy, [0], parts)[0]
+    curated = bool(cfg.dedupe.semantic or cfg.decontam.reference)
+    finish = ST.Finish(parts, run.paths["status"], curated)
+    curation: dict[str, object] = {"eval_leaks": {}, "semantic_duplicates": 0, "clusters": 0}
+    if curated:
+        curation = run.stage(parts.root, "curation", ST.curate_parts, [0], ST.Curation(finish, cfg, meta.files))[0]
+        log(f"curation: eval leaks {curation['eval_leaks']}, {curation['semantic_duplicates']} semantic duplicates")
+    run.store.remove_files(  # files of an earlier build with more buckets
+        [p for p in run.store.list_files(finish.status_dir, suffix=".parquet")
+         if int(p.rsplit("/", 1)[-1].split(".")[0]) >= parts.pool.n_buckets])  # fmt: skip
+    done = run.stage(parts.root, "statuses", ST.statuses, buckets, finish)
+    counts: dict[str, int] = {}
+    for s in done.values():
+        for k, v in s["status"].items():
+            counts[k] = counts.get(k, 0) + v
+    n_dup = sum(s[S.STATUS_DUPLICATE_IMAGE] for s in exact.values())
+    log(f"image dedupe: {n_dup} exact duplicates, {near.get(S.STATUS_NEAR_DUPLICATE, 0)} near duplicates")
+    if sum(counts.values()) != sum(meta.rows):
+        raise RuntimeError(f"accounting: {sum(counts.values())} statuses for {sum(meta.rows)} input rows")
+    return finish, curation, counts, [done[b]["words"] for b in buckets]
+
+
+def _shards(run: _Run, finish: ST.Finish) -> list[str]:
+    """The final shards; → their paths."""
+    cfg, store, parts = run.cfg, run.store, finish.parts
+    per_part = np.zeros(len(parts.tokens), np.int64)
+    for s in run.stage(parts.root, "survivors", ST.group_survivors, range(parts.n_groups), finish).values():
+        for p, c in s["parts"].items():
+            per_part[int(p)] = c
+    starts = tuple(np.concatenate([[0], np.cumsum(per_part)]).tolist())
+    job = SH.Windows(parts, run.paths["shards"], cfg.samples_per_shard, starts)
+    written = run.stage(parts.root, f"shards-{cfg.samples_per_shard}", SH.write_window, range(job.n_windows), job)
+    sizes = {name: c for w in sorted(written) for name, c in written[w]["shards"].items()}
+    store.makedirs(run.paths["shards"])
+    stale = [p for p in store.list_files(run.paths["shards"]) if SH.is_output(p) and SH.shard_of(p) not in sizes]
+    store.remove_files(stale)
+    SH.write_summary(run.paths["shards"], sizes, store)
+    shards = [storage.join(run.paths["shards"], name) for name in sorted(sizes)]
+    run.log(f"shards: {job.total} samples in {len(shards)} shards")
+    return shards
+
+
+def _filter_job(run: _Run, finish: ST.Finish, meta: Metadata) -> FS.FilterJob:
+    cfg = run.cfg
+    return FS.FilterJob(finish, tuple(cfg.filters.names), cfg.filters, meta.files, sum(meta.rows),
+                        storage.join(run.cfg.output, "metadata", "filters.parquet"))  # fmt: skip
+
+
+def _filters(run: _Run, finish: ST.Finish, meta: Metadata, words) -> tuple[dict, dict]:
+    """Each requested filter over the whole pool, a subset per spec (``filters.subset_scope``); reused
+    when nothing they derive from changed (pipeline/filters/rerun_cache.py)."""
+    cfg, store, paths, log = run.cfg, run.store, run.paths, run.log
+    specs = parse_filter_specs(list(cfg.filters.names), "filters.names")
+    stamp = FR.filter_stamp(cfg, specs, FR.combine_words(words), store)
     earlier = FR.reusable(stamp, paths, store)
     if earlier is not None:
         log(f"filters: metadata, filters and statuses unchanged; reusing {len(earlier['subsets'])} subsets")
         return earlier["sizes"], earlier["subsets"]
     FR.forget(paths, store)
-    meta = pool.columns(_FILTER_COLUMNS)
-    lang = _language_labels(cfg, meta) if needs_language(specs) and meta.num_rows else None
-    results = (
-        apply_filters(meta, cfg.filters, lang=lang, store=store, metadata=pool.meta.files)
-        if meta.num_rows
-        else {}
-    )
-    live = SR.LiveRows.of(pool.narrow, pool.live(), status_table)
-    live_rows = live.rows(meta)
-    success = SR.eligible(live, meta, live_rows)
-    listable = SR.listable(meta, live_rows) & ~CS.leaked_rows(meta, status_table)
-    eligible = listable if cfg.filters.subset_scope == "metadata" else success
-    columns: dict[str, pa.Array] = {S.UID: meta.column(S.UID)}
+    job = _filter_job(run, finish, meta)
+    root = storage.join(finish.parts.root, "filters-" + digest([cfg.filters, FR.combine_words(words)]))
+    whole = [i * 100 + j for i, s in enumerate(specs) for j, (n, _) in enumerate(s.parts) if n in FS.WHOLE_POOL]
+    if whole:
+        run.stage(root, "whole_pool", FS.whole_pool, whole, job)
+    job = _find_cuts(run, root, job)
+    buckets = range(finish.parts.pool.n_buckets)
+    done = run.stage(root, "filters", FS.filter_bucket, buckets, job)
+    counts = {i: [done[b][s.label]["listed"] for b in buckets] for i, s in enumerate(specs)}
+    run.stage(root, "subsets", FS.join_task, range(len(specs)), (job, counts, paths["subsets"]))
     sizes, subsets = {}, {}
-    store.makedirs(paths["subsets"])
-    for spec in specs:
+    for i, spec in enumerate(specs):
         name = spec.label
-        res = results.get(name)
-        keep = np.asarray(res.keep, dtype=bool) if res is not None else np.zeros(0, dtype=bool)
-        columns[f"keep_{name}"] = pa.array(keep, pa.bool_())
-        columns[f"reason_{name}"] = pa.array(res.reason if res is not None else [], pa.string())
-        chosen = SR.uids_where(meta, keep & eligible)
-        path = FR.subset_path(paths, name)
-        with store.open_output(path) as fh:
-            write_subset(chosen, fh)
-        sizes[name] = {
-            "metadata": len(SR.uids_where(meta, keep & listable)),
-            "downloaded": len(SR.uids_where(meta, keep & success)),
-        }
-        subsets[name] = path
-        log(
-            f"filter {name}: {int(keep.sum())} of {len(keep)} pool rows pass; {cfg.filters.subset_scope} "
-            f"subset {len(chosen)} uids, {sizes[name]['downloaded']} of them downloaded"
-        )
-    _remove_stale_subsets(subsets, paths, store)
-    store.write_parquet(pa.table(columns), paths["filters"])
+        subsets[name] = FR.subset_path(paths, name)
+        sizes[name] = {k: sum(done[b][name][k] for b in buckets) for k in ("metadata", "downloaded")}
+        kept = sum(done[b][name]["kept"] for b in buckets)
+        log(f"filter {name}: {kept} of {sum(meta.rows)} pool rows pass; {cfg.filters.subset_scope} subset "
+            f"{sum(counts[i])} uids, {sizes[name]['downloaded']} of them downloaded")  # fmt: skip
+    FS.remove_stale_subsets(subsets, paths, store)
     FR.remember(stamp, sizes, subsets, paths, store)
     return sizes, subsets
 
 
-def _language_labels(cfg: BuildConfig, meta: pa.Table) -> pa.Array:
-    """fastText's label of every row of ``meta`` (in its order), predicted in one Ray actor (the model is
-    loaded there, not in the driver) over blocks of the table the driver read."""
-    import ray
-    import ray.data
-
-    from pipeline.shards.ray_reader import from_arrow_scoped
-
-    captions = meta.select([S.UID, S.TEXT, ROW_KEY])
-    # Blocks of _LANG_BLOCK rows: the actor streams through the pool instead of receiving it as one object.
-    blocks = [captions.slice(i, _LANG_BLOCK) for i in range(0, captions.num_rows, _LANG_BLOCK)]
-    ds = from_arrow_scoped(blocks, cfg.data_label_selector).map_batches(
-        _LangTag,
-        fn_constructor_args=(cfg.filters.language_model,),
-        compute=ray.data.ActorPoolStrategy(size=1),
-        batch_format="pyarrow",
-    )
-    return SR.align_labels(meta, pa.concat_tables(ray.get(ds.to_arrow_refs())))
+def _find_cuts(run: _Run, root: str, job: FS.FilterJob) -> FS.FilterJob:
+    """The whole-pool cuts, pass by pass (at most four digit passes and a ties pass)."""
+    job = replace(job, cuts=FS.first_cuts(job))
+    level = 0
+    while not all(c.done for c in job.cuts.values()):
+        summaries = run.stage(root, f"cut-{level}", FS.count_digits, range(job.finish.parts.pool.n_buckets), job)
+        cuts = {k: (c if c.done else FS.advance(job, k, list(summaries.values()))) for k, c in job.cuts.items()}
+        job = replace(job, cuts=cuts)
+        level += 1
+    return job
 
 
-def _remove_stale_subsets(subsets: dict[str, str], paths: dict[str, str], store: Storage) -> None:
-    """A subset an earlier build run wrote for a filter no longer asked for is not derived from this run's
-    statuses: remove it. Only the build's own (listed in work/): other jobs write subsets here too.
-    Names, not paths: a run directory that was copied or moved must never reach back into the original."""
-    listed = storage.join(paths["work"], "subsets.json")
-    before = store.read_json(listed) if store.exists(listed) else []
-    stale = {os.path.basename(str(p)) for p in before} - {f"{n}.npy" for n in subsets}
-    store.remove_files([storage.join(paths["subsets"], n) for n in sorted(stale)])
-    store.write_json(sorted(f"{n}.npy" for n in subsets), listed)
-
-
-def train_build_tokenizer(
-    pool: _Pool, status_table: pa.Table, cfg: BuildConfig, log, store: Storage = LOCAL
-) -> str:
+def _tokenizer(run: _Run, finish: ST.Finish, meta: Metadata, words) -> str:
     """Offline BPE tokenizer on the captions of successful rows, saved beside the shards for training."""
-    import tempfile
-
-    from pipeline.ingest.tokenizer import train_tokenizer
-
+    cfg, store = run.cfg, run.store
     out = storage.join(cfg.output, "tokenizer")
     # A re-run with the same captions (metadata files and the status of every row) keeps the tokenizer:
     # training it is the only step of a finished build's re-run that would grow with the pool.
     stamp = {
         "vocab": cfg.tokenizer_vocab,
         "max_caption_bytes": cfg.max_caption_bytes,
-        "metadata": FR.file_stamps(pool.meta.files, store),
-        "status": FR.status_digest(status_table),
+        "metadata": FR.file_stamps(list(meta.files), store),
+        "status": FR.combine_words(words),
     }
-    stamp_file = storage.join(run_paths(cfg.output)["work"], "tokenizer_stamp.json")
+    stamp_file = storage.join(run.paths["work"], "tokenizer_stamp.json")
     if store.exists(stamp_file) and store.read_json(stamp_file) == stamp and store.list_files(out):
-        log(f"tokenizer: unchanged captions, kept {out}")
+        run.log(f"tokenizer: unchanged captions, kept {out}")
         return out
     if store.exists(stamp_file):
         store.remove(stamp_file)
-    meta = pool.columns([S.UID, S.TEXT, ROW_KEY])
-    ok = SR.eligible(SR.LiveRows.of(pool.narrow, pool.live(), status_table), meta)
-    texts = pc.filter(meta.column(S.TEXT), pa.array(ok, pa.bool_()))
-    captions = [t for t in texts.to_pylist() if t]
-    tok = train_tokenizer(captions, vocab_size=cfg.tokenizer_vocab)
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save(tmp)
-        for name in sorted(os.listdir(tmp)):
-            with open(os.path.join(tmp, name), "rb") as fh:
-                store.write_bytes(fh.read(), storage.join(out, name))
+    job = (_filter_job(run, finish, meta), cfg.tokenizer_vocab, out)
+    res = run.stage(finish.parts.root, "tokenizer-" + digest(stamp), FS.tokenizer_task, [0], job)[0]
     store.write_json(stamp, stamp_file)
-    log(f"tokenizer: BPE vocab {tok.vocab_size} trained on {len(captions)} captions → {out}")
+    run.log(f"tokenizer: BPE vocab {res['vocab']} trained on {res['captions']} captions → {out}")
     return out

@@ -150,6 +150,9 @@ class BuildConfig:
     num_cpus: NonNegative = 0  # local Ray: 0 = all cores
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server
     keep_parts: bool = False  # keep work/parts/ after a finished build (the shards are cut from it)
+    # Rows per bucket of the build's per-uid and per-URL stages (and rows per part group): bounds what one
+    # task holds (~1 KB a row); the bucket counts follow from the pool's size (pipeline/stages/layout.py).
+    bucket_rows: Positive = 500_000
     # Captions longer than this (UTF-8 bytes) are ``invalid_caption:too_long`` before download: a bound on
     # what one row can put into a shard and into the driver; 16 KiB is ~50× a 77-token CLIP caption.
     max_caption_bytes: Positive = 16_384

@@ -64,6 +64,12 @@ def url_duplicates(
     return _dropped_within_groups(normalize_urls(_strings(urls)), _strings(uids))
 
 
+def url_key_duplicates(keys: pa.Array, uids: pa.Array) -> np.ndarray:
+    """``url_duplicates`` over URLs already normalised (``urlnorm.normalize_urls``): rows whose key belongs
+    to a smaller uid."""
+    return _dropped_within_groups(_strings(keys), _strings(uids))
+
+
 def exact_duplicates(
     uids: Sequence[str] | np.ndarray | pa.Array, image_sha256: Sequence[str | None] | np.ndarray | pa.Array
 ) -> np.ndarray:
@@ -143,7 +149,7 @@ def near_pairs(h: np.ndarray, threshold: int) -> tuple[np.ndarray, np.ndarray]:
     return _near_pairs(h, threshold)
 
 
-def _bands(m: int) -> list[tuple[int, int]]:
+def bands(m: int) -> list[tuple[int, int]]:
     """(shift, width) of ``m`` bands, as even as possible, over 64 bits."""
     widths = [64 // m + (1 if b < 64 % m else 0) for b in range(m)]
     shifts = np.concatenate([[0], np.cumsum(widths)[:-1]]).astype(int).tolist()
@@ -196,10 +202,10 @@ def _plan(bits: np.ndarray, threshold: int) -> int:
     per band bit with that bit masked) costs ~w sorts per band but far fewer candidates at scale.
     Cost = candidates + one unit per row per sort (measured: a sort step ≈ a candidate check)."""
     n = len(bits)
-    cost0 = n * (threshold + 1) + sum(_collisions(_band_keys(bits, s, w)) for s, w in _bands(threshold + 1))
+    cost0 = n * (threshold + 1) + sum(_collisions(_band_keys(bits, s, w)) for s, w in bands(threshold + 1))
     if threshold < 1:
         return 0
-    bands1 = _bands((threshold + 2) // 2)
+    bands1 = bands((threshold + 2) // 2)
     cost1 = sum(w * (n + 2 * _collisions(_band_keys(bits, s, w))) for s, w in bands1)
     return 0 if cost0 <= cost1 else 1
 
@@ -211,7 +217,7 @@ def _near_pairs(h: np.ndarray, threshold: int, radius: int | None = None) -> tup
     radius = _plan(bits, threshold) if radius is None else radius
     found_i: list[np.ndarray] = []
     found_j: list[np.ndarray] = []
-    for shift, width in _bands(-(-(threshold + 1) // (radius + 1))):
+    for shift, width in bands(-(-(threshold + 1) // (radius + 1))):
         key = _band_keys(bits, shift, width)
         full = (1 << width) - 1
         # Radius 1: masking bit p puts keys differing only at p (and equal keys) into one bucket.

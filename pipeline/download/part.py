@@ -1,18 +1,20 @@
 """One download part: read its rows, fetch them, write its tar and per-row parquet under the run's token.
 
 A part is a consecutive range of the pool's live rows in read order (pipeline/download/phase.py cuts
-them); the actor receives the part's row positions only and reads the rows' columns itself from the
-metadata files (pipeline/source/metadata.py ``read_rows``), so no row travels through the driver or a shuffle.
+them); the actor receives the part's ranges of live rows only, reads their row numbers (one ranged read
+per file) and then the rows' columns from the metadata files (pipeline/source/metadata.py ``read_rows``),
+so no row travels through the driver.
 The files are ``part-{i:06d}.{token}.tar`` (successes only, keys = uids, sorted by uid) and ``.parquet``
 (one row per uid, sorted by uid). The driver commits the part once it receives the rows this call returns
-(pipeline/source/run_state.py). A retry (``retry_failed``, or a late retry pass) lists only a committed
-part's transient failures and the token of its files; they are downloaded again and merged with the rest of
-the committed part, so the new part holds exactly what a clean download would: the same uids, in order.
+(pipeline/source/run_state.py). A retry (``retry_failed``, a late retry pass, ``refresh_changed``) names the
+token of the committed part's files; the actor fetches again its transient (or changed) rows and merges
+them with the rest of the committed part, so the new part holds exactly what a clean download would: the
+same uids, in order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,7 +23,7 @@ import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.common import faults
-from pipeline.common.storage import LOCAL, Storage
+from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig, DownloadConfig
 from pipeline.download.worker import DownloadWorker, memory_bound
 from pipeline.shards.checksums import CHECKSUM_FIELD, stored_checksums
@@ -31,6 +33,8 @@ from pipeline.source.content import CONTENT, content_digests, served_hosts
 from pipeline.source.metadata import READ_BATCH_ROWS, read_rows
 from pipeline.source.row_checks import ROW_KEY
 from pipeline.source.run_state import part_file
+from pipeline.stages.layout import Pool
+from pipeline.stages.row_stages import live_positions
 
 PART_COLUMNS = [
     S.UID,
@@ -64,39 +68,44 @@ def part_memory_bound(cfg: BuildConfig) -> int:
 
 
 class DownloadPart:
-    """The download actor (a plain Ray actor, pipeline/download/phase.py), called on part specs (columns
-    ``part``, ``file``, ``row``: one row per metadata row of the part, its file's index in ``files`` and its
-    row in that file; ``merge``: the token of the part's committed files when these rows are fetched again
-    and merged into them, else ""): reads each part's rows, downloads them, writes tar + parquet, returns
-    the rows + ``part``.
+    """The download actor (a plain Ray actor, pipeline/download/phase.py), called on part specs
+    (``phase.PartSpec``: the part's ranges of live rows, and for a part looked at again the token of its
+    committed files and which rows to fetch again): reads the part's rows, downloads them, writes tar +
+    parquet, returns the rows + ``part``.
     """
 
-    def __init__(
-        self,
-        download: DownloadConfig,
-        parts_dir: str,
-        token: str,
-        store: Storage = LOCAL,
-        files: Sequence[str] = (),
-        max_caption_bytes: int = BuildConfig.max_caption_bytes,
-    ):
+    def __init__(self, download: DownloadConfig, parts_dir: str, token: str, store: Storage, pool: Pool):
         self.worker = DownloadWorker(download)
-        self.served = served_hosts(download.allow_hosts)  # content digests as the driver's (build.py)
-        self.parts_dir, self.token, self.store = parts_dir, token, store
-        self.files, self.max_caption_bytes = list(files), max_caption_bytes
+        self.served = served_hosts(download.allow_hosts)  # content digests as the scan's (row_stages.py)
+        self.parts_dir, self.token, self.store, self.pool = parts_dir, token, store, pool
 
-    def __call__(self, specs: pa.Table) -> pa.Table:
-        parts = specs.column("part").to_numpy()
-        files, rows = specs.column("file").to_numpy(), specs.column("row").to_numpy()
-        merge = specs.column("merge").to_pylist() if "merge" in specs.column_names else [""] * len(parts)
-        out = []
-        for part in dict.fromkeys(parts.tolist()):  # a batch is one part's block; split if Ray bundles more
-            mine = parts == part
-            table = read_rows(
-                self.files, files[mine], rows[mine], self.max_caption_bytes, self.store, served=self.served
-            )
-            out.append(self.download(int(part), table, merge[int(np.argmax(mine))]))
-        return out[0] if len(out) == 1 else pa.concat_tables(out)
+    def __call__(self, spec) -> pa.Table:
+        files, rows = [], []
+        for f, lo, hi in spec.ranges:
+            positions = live_positions(self.pool, f, lo, hi)
+            files.append(np.full(len(positions), f, np.int64))
+            rows.append(positions)
+        table = read_rows(
+            self.pool.files, np.concatenate(files), np.concatenate(rows), self.pool.max_caption_bytes,
+            self.store, served=self.served,
+        )  # fmt: skip
+        if spec.again:
+            table = self._again(spec, table)
+            if not table.num_rows:  # nothing to fetch again: the committed part stays as it is
+                return pa.table({S.UID: pa.array([], pa.string()), S.STATUS: pa.array([], pa.string())})
+        return self.download(spec.part, table, spec.merge)
+
+    def _again(self, spec, rows: pa.Table) -> pa.Table:
+        """The rows of ``rows`` to fetch again: transient in the committed part, or changed since it."""
+        old = self.store.read_parquet(part_file(self.parts_dir, spec.part, spec.merge, "parquet"))
+        if spec.again == "transient":
+            pick = [u for u, s in zip(old[S.UID].to_pylist(), old[S.STATUS].to_pylist(), strict=True)
+                    if S.is_transient(s)]  # fmt: skip
+        else:
+            was = dict(zip(old[S.UID].to_pylist(), _digests(old), strict=True))
+            now = content_digests(rows, self.served).tolist()
+            pick = [u for u, c in zip(rows[S.UID].to_pylist(), now, strict=True) if was.get(u) != c]
+        return rows.filter(pc.is_in(rows.column(S.UID), value_set=pa.array(pick, pa.string())))
 
     def download(self, part: int, rows: pa.Table, merge: str = "") -> pa.Table:
         """Download ``rows`` as part ``part``: its tar + parquet under this run's token; its rows back.
@@ -132,6 +141,13 @@ class DownloadPart:
             if s["__key__"] not in again
         )
         return merged, _merge_sorted(old_samples, samples)
+
+
+def _digests(t: pa.Table) -> list[int | None]:
+    """A part's per-row content digests (None for every row of a part written without them)."""
+    if CONTENT not in t.column_names:
+        return [None] * t.num_rows
+    return t.column(CONTENT).to_pylist()
 
 
 def one_row_per_uid(rows: pa.Table) -> pa.Table:

@@ -131,6 +131,21 @@ def uid_hash(uids: pa.Array | list[str | None], seed: int) -> np.ndarray:
     return h
 
 
+def random_count(fraction: float, n: int) -> int:
+    """How many of ``n`` rows the random baseline keeps: ``round(fraction·n)``, halves up."""
+    return int(np.floor(fraction * n + 0.5))
+
+
+def random_order(uids: pa.Array, seed: int) -> np.ndarray:
+    """Rows by (hash of seed and uid, uid bytes): the random baseline keeps a prefix of this order."""
+    key = uid_hash(uids, seed)
+    order = np.argsort(key, kind="stable")
+    if len(key) > 1 and (key[order][1:] == key[order][:-1]).any():  # a 64-bit tie: break it by the uid bytes
+        words = _byte_words(uids)[0]
+        order = np.lexsort([words[:, c] for c in reversed(range(words.shape[1]))] + [key])
+    return order
+
+
 def random_subset(table: Table, fraction: float, seed: int = 0) -> FilterResult:
     """Exactly ``round(fraction·n)`` rows, chosen by the smallest hash of (seed, uid): the same uids
     whatever the row order, and nested as the fraction grows."""
@@ -138,12 +153,8 @@ def random_subset(table: Table, fraction: float, seed: int = 0) -> FilterResult:
         raise FilterError(f"filter 'random': fraction must be in [0, 1], got {fraction}")
     uids = table_column(table, S.UID, "random")
     n = len(uids)
-    k = int(np.floor(fraction * n + 0.5))
-    key = uid_hash(uids, seed)
-    order = np.argsort(key, kind="stable")
-    if n > 1 and (key[order][1:] == key[order][:-1]).any():  # a 64-bit tie: break it by the uid bytes
-        words = _byte_words(uids)[0]
-        order = np.lexsort([words[:, c] for c in reversed(range(words.shape[1]))] + [key])
+    k = random_count(fraction, n)
+    order = random_order(uids, seed)
     chosen = np.zeros(n, dtype=bool)
     chosen[order[:k]] = True
     return from_drops(n, [(~chosen, "random_not_selected")])

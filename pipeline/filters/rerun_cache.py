@@ -54,13 +54,12 @@ def file_stamps(names: list[str], store: Storage) -> list[list[Any]]:
     return out
 
 
-def status_digest(table: pa.Table) -> str:
-    """A digest of the (uid, status) pairs as a multiset: rows of one uid may come in any order (the
-    status table is sorted by uid only). Per row a 64-bit hash of uid and status, vectorised; the digest is
-    their count, wrapping sum and xor."""
+def status_words(table: pa.Table) -> tuple[int, int, int]:
+    """(rows, wrapping sum, xor) of a 64-bit hash of each row's (uid, status): the pieces of
+    ``status_digest``, which add up over the status table's files in any order."""
     n = table.num_rows
     if n == 0:
-        return "0"
+        return 0, 0, 0
     words = np.zeros(n, dtype=np.uint64)
     for start in range(0, n, _BATCH_ROWS):  # bounded memory: a million rows at a time
         part = table.slice(start, _BATCH_ROWS)
@@ -70,7 +69,26 @@ def status_digest(table: pa.Table) -> str:
         words[start : start + len(uid)] = splitmix64(uid ^ splitmix64(codes))
     with np.errstate(over="ignore"):
         total = int(words.sum(dtype=np.uint64))
-    return f"{n}:{total:016x}:{int(np.bitwise_xor.reduce(words)):016x}"
+    return n, total, int(np.bitwise_xor.reduce(words))
+
+
+def combine_words(pieces: list[tuple[int, int, int]]) -> str:
+    """``status_digest`` of a table from its files' ``status_words``."""
+    n = sum(p[0] for p in pieces)
+    if n == 0:
+        return "0"
+    total = sum(int(p[1]) for p in pieces) % (1 << 64)
+    xor = 0
+    for p in pieces:
+        xor ^= int(p[2])
+    return f"{n}:{total:016x}:{xor:016x}"
+
+
+def status_digest(table: pa.Table) -> str:
+    """A digest of the (uid, status) pairs as a multiset: rows of one uid may come in any order (the
+    status table is sorted by uid only). Per row a 64-bit hash of uid and status, vectorised; the digest is
+    their count, wrapping sum and xor."""
+    return combine_words([status_words(table)])
 
 
 def _is_path_key(key: str) -> bool:
@@ -91,9 +109,7 @@ def _input_files(cfg: BuildConfig, specs: list[FilterSpec]) -> list[str]:
     return [n for n in names if n not in ("cld3", "fasttext")]  # laion2b's language_model names a model
 
 
-def filter_stamp(
-    cfg: BuildConfig, specs: list[FilterSpec], status_table: pa.Table, store: Storage
-) -> dict[str, Any]:
+def filter_stamp(cfg: BuildConfig, specs: list[FilterSpec], status: str, store: Storage) -> dict[str, Any]:
     """What the filters' results of this run depend on (see the module docstring)."""
     metadata = store.list_files(cfg.metadata, suffix=".parquet")
     return {
@@ -103,7 +119,7 @@ def filter_stamp(
         "max_caption_bytes": cfg.max_caption_bytes,
         "metadata": file_stamps(metadata, store),
         "inputs": file_stamps([n for n in _input_files(cfg, specs) if _exists(n, store)], store),
-        "status": status_digest(status_table),
+        "status": status,  # status_digest of the status table
     }
 
 

@@ -172,8 +172,9 @@ class RollingWriter:
     """Numbered shards ``{i:08d}.tar`` of ``samples_per_shard`` samples in ``out``, each closed one with its
     stats file; ``close()`` writes ``sizes.json`` for the set (the resharder's output)."""
 
-    def __init__(self, out: str, samples_per_shard: int, store: Storage) -> None:
+    def __init__(self, out: str, samples_per_shard: int, store: Storage, first_shard: int = 0) -> None:
         self.out, self.per_shard, self.store = out, samples_per_shard, store
+        self.first = first_shard  # a window of a larger set (pipeline/stages/shard_stages.py) starts there
         self.total = 0
         self.shards: list[str] = []
         self.counts: list[int] = []
@@ -182,7 +183,7 @@ class RollingWriter:
 
     def write(self, key: str, members: list[tuple[str, bytes]]) -> None:
         if self._writer is None:
-            path = storage.join(self.out, shard_name(len(self.shards)))
+            path = storage.join(self.out, shard_name(self.first + len(self.shards)))
             self._writer, self._started = ShardWriter(path, self.store), time.time()
         self._writer.write_members(key, members)
         self.total += 1
@@ -192,18 +193,19 @@ class RollingWriter:
     def _finish(self) -> None:
         assert self._writer is not None
         self._writer.close()
-        i = len(self.shards)
+        i = self.first + len(self.shards)
         self.shards.append(self._writer.path)
         self.counts.append(self._writer.count)
         stats = shard_stats({S.STATUS_SUCCESS: self._writer.count}, self._started)
         write_stats(storage.join(self.out, stats_name(i)), stats, self.store)
         self._writer = None
 
-    def close(self) -> None:
-        """Finish the open shard and write ``sizes.json`` for the whole set."""
+    def close(self, sizes: bool = True) -> None:
+        """Finish the open shard and write ``sizes.json`` for the whole set (unless a window of it)."""
         if self._writer is not None:
             self._finish()
-        write_sizes(self.out, dict(zip(self.shards, self.counts, strict=True)), self.store)
+        if sizes:
+            write_sizes(self.out, dict(zip(self.shards, self.counts, strict=True)), self.store)
 
     def abort(self) -> None:
         if self._writer is not None:

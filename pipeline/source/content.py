@@ -92,8 +92,3 @@ def content_digests(table: pa.Table, served: Sequence[str] = ()) -> np.ndarray:
             h.update(b"\x01" if part is None else b"\x00" + little(len(part), 8, "little") + part)
         out[i] = int.from_bytes(h.digest(), "little")
     return out
-
-
-def pool_digest(digests: np.ndarray) -> str:
-    """One hex digest of a pool's row digests in order."""
-    return hashlib.sha256(np.asarray(digests, "<u8").tobytes()).hexdigest()

@@ -179,9 +179,10 @@ def valid_uids(uids: pa.Array | pa.ChunkedArray) -> np.ndarray:
     )
 
 
-def pre_statuses(narrow: pa.Table) -> np.ndarray:
-    """Statuses decided before download for each row of ``narrow`` (uid, url, caption_status, row_key)
-    in the order above; "" = goes on to download."""
+def row_statuses(narrow: pa.Table) -> np.ndarray:
+    """Every rule above but the URL dedupe, for each row of ``narrow`` (uid, url, caption_status, row_key;
+    rows in read order, or any order with the tie ``index`` of ``canonical_rows`` given by row position);
+    "" = goes on to the URL dedupe. The rows of a uid must all be in ``narrow``."""
     uids = one_array(narrow.column(S.UID))
     urls = one_array(narrow.column(S.URL))
     cap = one_array(narrow.column(CAPTION_STATUS))
@@ -197,8 +198,17 @@ def pre_statuses(narrow: pa.Table) -> np.ndarray:
     bad_cap = pending & pc.fill_null(pc.not_equal(cap, ""), False).to_numpy(zero_copy_only=False)
     idx = np.flatnonzero(bad_cap)
     status[idx] = np.array(cap.take(pa.array(idx, pa.int64())).to_pylist(), dtype=object)
-    pending &= ~bad_cap
-    idx = pa.array(np.flatnonzero(pending), pa.int64())
+    return status
+
+
+def pre_statuses(narrow: pa.Table) -> np.ndarray:
+    """Statuses decided before download for each row of ``narrow`` (uid, url, caption_status, row_key)
+    in the order above; "" = goes on to download. The whole pool in one process: the build decides the
+    same per uid bucket and per URL bucket (pipeline/stages/row_stages.py), this is its reference."""
+    status = row_statuses(narrow)
+    idx = pa.array(np.flatnonzero(status == ""), pa.int64())
+    uids = one_array(narrow.column(S.UID))
+    urls = one_array(narrow.column(S.URL))
     dup = np.asarray(url_duplicates(uids.take(idx), urls.take(idx)), dtype=bool)
     status[idx.to_numpy()[dup]] = S.STATUS_DUPLICATE_URL
     return status

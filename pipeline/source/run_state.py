@@ -1,8 +1,9 @@
 """What a run directory remembers between runs of the build: its fingerprint and its committed parts.
 
 **Fingerprint** (``work/fingerprint.json``), written before any download: the row count, a digest of
-the uids in read order and one of the live-row mask (the rows that go on to download, which the parts
-cut into consecutive ranges: pipeline/download/phase.py), so a pool whose rows were reordered, or whose
+the uids in read order, one of the live-row mask (the rows that go on to download, which the parts
+cut into consecutive ranges: pipeline/download/phase.py) and one of the live rows' content, each folded
+from the per-file digests the build's tasks return (the driver never holds a column), so a pool whose rows were reordered, or whose
 live rows changed, never resumes into parts cut from another order (URLs are not in it, so the demo pool
 served on a new port is the same pool); the settings that shape the download parts (``part_size``,
 ``max_caption_bytes``, every ``download.*`` field but the ``RETRY_KNOBS``, which only decide whether and
@@ -17,13 +18,15 @@ are rewritten from the parts every run anyway.
 
 **Parts and run tokens.** Every run draws a token. A download actor writes its part as
 ``part-{i:06d}.{token}.tar`` and ``.parquet`` and returns its rows; the *driver*, on receiving them,
-writes ``part-{i:06d}.done`` holding that token (and the part's count of transient rows and of late
-retry passes: pipeline/download/phase.py). A part therefore counts as done only if the driver of
+writes a marker whose *name* holds that token, the part's count of transient rows and of late retry
+passes (pipeline/download/phase.py) and a sequence number, so one listing of the parts directory finds
+every commit. A part therefore counts as done only if the driver of
 the run that downloaded it was alive when the part finished: actors that outlive a killed driver (on a
 shared cluster, Ray stops a dead driver's actors only after a while) write files under a token no marker
 names, which no reader opens and the next run deletes. Two runs can never mix files of one part, because
 each reads only the token its marker names. A ``retry_failed`` run rewrites a part under its own token and
-moves the marker last, so a crash mid-retry leaves the previous, consistent part in place.
+writes a marker numbered one higher last (then removes the old one), so a crash mid-retry leaves the
+previous, consistent part in place.
 """
 
 from __future__ import annotations
@@ -37,42 +40,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-
-from pipeline import schema as S
 from pipeline.common import faults, storage
 from pipeline.common.config import to_dict
 from pipeline.common.errors import RefusedError
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
-from pipeline.source.content import CONTENT, pool_digest
 
-FINGERPRINT_VERSION = 3  # 3: the pool's content is in it (2: row ranges in read order; 1: uid-hash buckets)
+FINGERPRINT_VERSION = 4  # 4: digests of per-file digests (3: of the whole pool; 2: without content)
 _PART_FILE = re.compile(r"^part-(\d{6})\.([0-9a-f]+)\.(tar|parquet)$")
-_MARKER = re.compile(r"^part-(\d{6})\.done$")
+_MARKER = re.compile(r"^part-(\d{6})\.(\d{4,})\.([0-9a-f]+)\.t(\d+|None)\.l(\d+)\.done$")
 
 
 class FingerprintMismatch(RefusedError, ValueError):
     """The run directory holds another build; the message names what differs and how to proceed."""
-
-
-def uid_digest(uids: Sequence[str | None] | pa.Array | pa.ChunkedArray) -> str:
-    """Digest of the uids *in their order* (the read order cuts the parts): every uid's UTF-8 length, then
-    all their bytes; a null counts as ""."""
-    arr = uids if isinstance(uids, (pa.Array, pa.ChunkedArray)) else pa.array(list(uids), pa.string())
-    arr = pc.fill_null(arr.cast(pa.large_string()), "")
-    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
-    offsets = np.frombuffer(arr.buffers()[1], np.int64)[arr.offset : arr.offset + len(arr) + 1]
-    h = hashlib.sha256(np.diff(offsets).astype("<u4").tobytes())
-    if len(arr) and arr.buffers()[2] is not None:
-        h.update(memoryview(arr.buffers()[2])[offsets[0] : offsets[-1]])
-    return h.hexdigest()
-
-
-def mask_digest(mask: np.ndarray) -> str:
-    return hashlib.sha256(np.packbits(np.asarray(mask, dtype=bool)).tobytes()).hexdigest()
 
 
 # Download settings that decide only *whether and when* a row is fetched, never what a fetched row becomes:
@@ -90,21 +70,14 @@ RETRY_KNOBS = (
 )
 
 
-def fingerprint(
-    cfg: BuildConfig,
-    uids: Sequence[str | None],
-    live: np.ndarray | None = None,
-    content: np.ndarray | None = None,
-) -> dict[str, Any]:
-    """``uids`` in read order; ``live``: the rows that go on to download (default: all); ``content``: every
-    row's digest (pipeline/source/content.py; default: all zero)."""
+def fingerprint(cfg: BuildConfig, pool: dict[str, Any]) -> dict[str, Any]:
+    """``pool``: the row count and the digests of the uids in read order, of the live-row mask and of the
+    live rows' content, each a digest of the per-file digests the scan and live-row stages return
+    (pipeline/stages/row_stages.py)."""
     download = {k: v for k, v in to_dict(cfg.download).items() if k not in RETRY_KNOBS}
-    live = np.ones(len(uids), dtype=bool) if live is None else live
-    content = np.zeros(len(uids), np.uint64) if content is None else content
-    pool = {"rows": len(uids), "uids_sha256": uid_digest(uids), "live_sha256": mask_digest(live)}
     return {
         "version": FINGERPRINT_VERSION,
-        "pool": {**pool, "content_sha256": pool_digest(np.asarray(content)[live])},
+        "pool": {k: pool[k] for k in ("rows", "uids_sha256", "live_sha256", "content_sha256")},
         "parts": {
             "part_size": cfg.part_size,
             "max_caption_bytes": cfg.max_caption_bytes,
@@ -117,6 +90,11 @@ def fingerprint(
             "filters": to_dict(cfg.filters),
         },
     }
+
+
+def digest_of(digests: Sequence[str]) -> str:
+    """One digest of per-file digests, in file order."""
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()
 
 
 def differences(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -225,8 +203,8 @@ def discard_outputs(output: str, store: Storage) -> int:
     """Delete what a build wrote in ``output`` (parts, fingerprint, status, filters, shards, subsets,
     tokenizer); the demo pool and the manifest stay. Returns the number of files removed."""
     d = run_dirs(output)
-    files = [p for key in ("parts", "shards", "subsets", "tokenizer") for p in store.list_files(d[key])]
-    files += [d[k] for k in ("fingerprint", "status", "filters") if store.exists(d[k])]
+    files = [p for key in ("parts", "shards", "subsets", "tokenizer", "status", "filters") for p in store.list_files(d[key])]
+    files += [d["fingerprint"]] if store.exists(d["fingerprint"]) else []
     store.remove_files(files)
     return len(files)
 
@@ -238,25 +216,44 @@ def part_file(parts_dir: str, part: int, token: str, ext: str) -> str:
     return storage.join(parts_dir, f"part-{part:06d}.{token}.{ext}")
 
 
-def marker(parts_dir: str, part: int) -> str:
-    return storage.join(parts_dir, f"part-{part:06d}.done")
-
-
-def commit(parts_dir: str, part: int, token: str, store: Storage, transient: int = 0, late: int = 0) -> None:
-    """The driver's word that ``part`` is done, naming the token of the files it stands for; ``transient``:
-    how many of its rows hold a transient status, ``late``: the late retry passes it has had."""
-    faults.point("part.commit")
-    store.write_json({"token": token, "transient": transient, "late": late}, marker(parts_dir, part))
-
-
 @dataclass(frozen=True)
 class Marker:
     """A committed part's marker: its files' token, its transient rows (None: a marker that does not say),
-    the late retry passes it has had (pipeline/download/phase.py)."""
+    the late retry passes it has had (pipeline/download/phase.py), and its sequence number (a part's
+    marker is replaced by one numbered higher)."""
 
     token: str
     transient: int | None = None
     late: int = 0
+    seq: int = 0
+
+    def name(self, part: int) -> str:
+        return f"part-{part:06d}.{self.seq:04d}.{self.token}.t{self.transient}.l{self.late}.done"
+
+
+def commit(
+    parts_dir: str, part: int, token: str, store: Storage, transient: int = 0, late: int = 0, seq: int = 0
+) -> Marker:
+    """The driver's word that ``part`` is done, naming the token of the files it stands for; ``transient``:
+    how many of its rows hold a transient status, ``late``: the late retry passes it has had; ``seq``: one
+    above the marker it replaces (which is removed once the new one is written)."""
+    faults.point("part.commit")
+    m = Marker(token, transient, late, seq)
+    store.write_json({"token": token, "transient": transient, "late": late}, storage.join(parts_dir, m.name(part)))
+    for old in range(seq):
+        for stale in _markers_named(parts_dir, store).get((part, old), []):
+            store.remove(storage.join(parts_dir, stale))
+    return m
+
+
+def _markers_named(parts_dir: str, store: Storage) -> dict[tuple[int, int], list[str]]:
+    out: dict[tuple[int, int], list[str]] = {}
+    for path in store.list_files(parts_dir, suffix=".done"):
+        name = path.rsplit("/", 1)[-1]
+        m = _MARKER.match(name)
+        if m:
+            out.setdefault((int(m.group(1)), int(m.group(2))), []).append(name)
+    return out
 
 
 def committed(parts_dir: str, store: Storage) -> dict[int, str]:
@@ -265,63 +262,36 @@ def committed(parts_dir: str, store: Storage) -> dict[int, str]:
 
 
 def committed_markers(parts_dir: str, store: Storage) -> dict[int, Marker]:
-    """part → marker of every committed part (a marker whose files are missing does not count)."""
+    """part → marker of every committed part, from one listing of the parts directory: the marker's name
+    carries everything (no read per marker). A marker whose files are missing does not count; of a part's
+    markers the highest numbered counts."""
     files = {p.rsplit("/", 1)[-1] for p in store.list_files(parts_dir)}
-    out = {}
+    out: dict[int, Marker] = {}
     for name in sorted(files):
         m = _MARKER.match(name)
         if not m:
             continue
-        try:
-            doc = store.read_json(storage.join(parts_dir, name))
-            found = Marker(str(doc["token"]), doc.get("transient"), int(doc.get("late", 0)))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue  # an empty marker of an older format, or a damaged one: download the part again
-        part = int(m.group(1))
-        if {f"part-{part:06d}.{found.token}.tar", f"part-{part:06d}.{found.token}.parquet"} <= files:
-            out[part] = found
+        part, seq, token = int(m.group(1)), int(m.group(2)), m.group(3)
+        transient = None if m.group(4) == "None" else int(m.group(4))
+        if {f"part-{part:06d}.{token}.tar", f"part-{part:06d}.{token}.parquet"} <= files:
+            if part not in out or out[part].seq < seq:
+                out[part] = Marker(token, transient, int(m.group(5)), seq)
     return out
 
 
-def remove_uncommitted(parts_dir: str, done: dict[int, str], store: Storage) -> int:
-    """Delete part files no marker names (killed runs, superseded retries); returns how many."""
+def remove_uncommitted(parts_dir: str, store: Storage) -> int:
+    """Delete part files and markers no committed marker names (killed runs, superseded retries); returns
+    how many files."""
+    current = committed_markers(parts_dir, store)
     stale = []
     for path in store.list_files(parts_dir):
-        m = _PART_FILE.match(path.rsplit("/", 1)[-1])
-        if m and done.get(int(m.group(1))) != m.group(2):
+        name = path.rsplit("/", 1)[-1]
+        f, m = _PART_FILE.match(name), _MARKER.match(name)
+        if f and current.get(int(f.group(1)), Marker("")).token != f.group(2):
+            stale.append(path)
+        elif m and (int(m.group(1)) not in current or current[int(m.group(1))].name(int(m.group(1))) != name):
             stale.append(path)
     for path in stale:
         faults.point("parts.remove")
         store.remove(path)
     return len(stale)
-
-
-def changed_rows(
-    parts_dir: str,
-    done: dict[int, str],
-    pool: tuple[Any, np.ndarray, np.ndarray],
-    part_size: int,
-    store: Storage,
-) -> dict[int, set[str]]:
-    """Committed part → its uids whose content digest differs from the pool's now: what a
-    ``refresh_changed`` run downloads again (only parts that have some). ``pool`` = (every row's uid,
-    the live mask, every row's content digest), in read order; part k is the k-th ``part_size`` live rows."""
-    uids, live, content = pool
-    idx = np.flatnonzero(live)
-    out = {}
-    for part, token in sorted(done.items()):
-        mine = idx[part * part_size : (part + 1) * part_size]
-        t = store.read_parquet(part_file(parts_dir, part, token, "parquet"))
-        old = dict(zip(t.column(S.UID).to_pylist(), _digests(t), strict=True))
-        now = zip(uids.take(pa.array(mine, pa.int64())).to_pylist(), content[mine].tolist(), strict=True)
-        changed = {u for u, c in now if old.get(u) != c}
-        if changed:
-            out[part] = changed
-    return out
-
-
-def _digests(t: pa.Table) -> list[int | None]:
-    """A part's per-row content digests (None for every row of a part written without them)."""
-    if CONTENT not in t.column_names:
-        return [None] * t.num_rows
-    return t.column(CONTENT).to_pylist()

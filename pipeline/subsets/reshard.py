@@ -138,7 +138,7 @@ class _Lookup:
         return -1
 
 
-def _uid_and_meta(sample: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+def sample_uid_and_meta(sample: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     meta = None
     if "json" in sample:
         try:
@@ -168,7 +168,7 @@ def _select(path: str, lookup: _Lookup, scanned: _Scanned, store: Storage, skip_
     try:
         for sample in iter_shard(path, store, decode=False):
             scanned.counts["samples"] += 1
-            uid, meta = _uid_and_meta(sample)
+            uid, meta = sample_uid_and_meta(sample)
             if uid is None:
                 scanned.counts["unkeyed"] += 1
                 continue
@@ -309,7 +309,7 @@ def reshard(
                 first_index[idx] = writer.total
                 for _ in range(expected[idx]):
                     key = output_key(writer.total, samples_per_shard)
-                    writer.write(key, _renamed(sample, meta, key))
+                    writer.write(key, renamed_members(sample, meta, key))
                 written[idx] = expected[idx]
             tally.add(scanned)
         writer.close()
@@ -342,7 +342,7 @@ def reshard(
     return result
 
 
-def _renamed(sample: dict[str, Any], meta: dict[str, Any], key: str) -> list[tuple[str, bytes]]:
+def renamed_members(sample: dict[str, Any], meta: dict[str, Any], key: str) -> list[tuple[str, bytes]]:
     """The sample's members, bytes untouched except the json, which gets the new key."""
     new_json = json.dumps({**meta, "key": key}, ensure_ascii=False).encode("utf-8")
     members = [

@@ -1,0 +1,185 @@
+"""Bucketed files: the shuffle between the build's map and reduce tasks, on the run's storage.
+
+A map task writes one parquet file whose row groups each hold the rows of one bucket (a ``_bucket``
+column; row group statistics say which), however many buckets it has rows for; a reduce task reads,
+from each map task's file, only the row groups of its bucket (the footer, then ranged reads). So a
+shuffle of ``M`` map tasks into ``R`` buckets is ``M`` files, not ``M·R``, and no task ever holds more
+than its own input and one bucket. ``BucketWriter`` streams: it buffers at most ``flush_rows`` rows
+before writing them out as row groups, so a map task's memory does not grow with its input.
+
+Bucket functions live here too, so every stage computes a key's bucket the same way:
+``uid_buckets`` range-partitions 32-hex uids by their leading 64 bits (bucket order is uid order, so
+per-bucket outputs concatenate sorted), and hashes anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.common.hashing import splitmix64
+from pipeline.common.storage import Storage
+from pipeline.filters.datacomp import uid_hash
+from pipeline.source.row_checks import valid_uids
+
+BUCKET = "_bucket"
+FLUSH_ROWS = 1 << 18  # rows a BucketWriter buffers before writing them out
+_READ_THREADS = 8  # files of one bucket read at once (object-store latency, not CPU)
+
+
+class BucketWriter:
+    """Rows with their bucket numbers → one parquet file of single-bucket row groups (see module doc)."""
+
+    def __init__(self, path: str, store: Storage, flush_rows: int = FLUSH_ROWS) -> None:
+        self.path, self.store, self.flush_rows = path, store, flush_rows
+        self._pending: list[pa.Table] = []
+        self._rows = 0
+        self._out = None
+        self._writer: pq.ParquetWriter | None = None
+        self.schema: pa.Schema | None = None
+
+    def add(self, table: pa.Table, buckets: np.ndarray) -> None:
+        if table.num_rows == 0 and self.schema is not None:
+            return
+        table = table.append_column(BUCKET, pa.array(np.asarray(buckets, np.int32), pa.int32()))
+        if self.schema is None:
+            self.schema = table.schema
+        self._pending.append(table.cast(self.schema) if table.schema != self.schema else table)
+        self._rows += table.num_rows
+        if self._rows >= self.flush_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        table = pa.concat_tables(self._pending)
+        self._pending, self._rows = [], 0
+        if self._writer is None:
+            self._out = self.store.open_output(self.path)
+            self._writer = pq.ParquetWriter(self._out, self.schema)
+        order = pc.sort_indices(table.column(BUCKET)).to_numpy()
+        b = table.column(BUCKET).to_numpy()[order]
+        starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1]])) if len(b) else np.zeros(0, int)
+        ends = np.append(starts[1:], len(b))
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            self._writer.write_table(table.take(pa.array(order[s:e])), row_group_size=e - s)
+
+    def close(self, schema: pa.Schema | None = None) -> None:
+        """Write what is buffered and publish the file (an empty table of ``schema`` if nothing was added)."""
+        if self.schema is None:
+            self.schema = (schema or pa.schema([])).append(pa.field(BUCKET, pa.int32()))
+        self._flush()
+        if self._writer is None:
+            self._out = self.store.open_output(self.path)
+            self._writer = pq.ParquetWriter(self._out, self.schema)
+        self._writer.close()
+        self._out.close()
+
+    def abort(self) -> None:
+        if self._out is not None:
+            self._out.abort()
+
+
+def write_buckets(table: pa.Table, buckets: np.ndarray, path: str, store: Storage) -> None:
+    """``table`` as one bucketed file (all rows at once)."""
+    w = BucketWriter(path, store, flush_rows=max(1, table.num_rows) + 1)
+    try:
+        w.add(table, buckets)
+        w.close(table.schema)
+    except BaseException:
+        w.abort()
+        raise
+
+
+def _bucket_of_file(path: str, bucket: int, store: Storage, columns: Sequence[str] | None) -> pa.Table | None:
+    fs, p = store.resolve(path)
+    with fs.open_input_file(p) as fh:
+        pf = pq.ParquetFile(fh)
+        col = pf.schema_arrow.get_field_index(BUCKET)
+        groups = []
+        for g in range(pf.num_row_groups):
+            stats = pf.metadata.row_group(g).column(col).statistics
+            if stats is not None and stats.has_min_max and stats.min == bucket:
+                groups.append(g)
+        names = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
+        empty = pf.schema_arrow.empty_table() if names is None else pf.schema_arrow.empty_table().select(names)
+        table = pf.read_row_groups(groups, columns=names) if groups else empty
+    return table.drop_columns([BUCKET]) if BUCKET in table.column_names else table
+
+
+def read_bucket(
+    paths: Sequence[str], bucket: int, store: Storage, columns: Sequence[str] | None = None
+) -> pa.Table:
+    """Bucket ``bucket``'s rows from every file of ``paths``, in file order (rows of one file in the order
+    they were added)."""
+    if not paths:
+        return pa.table({})
+    with ThreadPoolExecutor(min(_READ_THREADS, len(paths))) as pool:
+        tables = list(pool.map(lambda p: _bucket_of_file(p, bucket, store, columns), paths))
+    tables = [t for t in tables if t.num_columns]
+    if not tables:
+        return pa.table({})
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+# --- which bucket ------------------------------------------------------------------------------------
+
+
+def uid_buckets(uids: pa.Array | pa.ChunkedArray, n: int) -> np.ndarray:
+    """The bucket of each uid: a valid 32-hex uid by range of its leading 64 bits (bucket order = uid
+    order), anything else by a hash of its text."""
+    uids = uids.combine_chunks() if isinstance(uids, pa.ChunkedArray) else uids
+    uids = pc.fill_null(uids.cast(pa.string()), "")
+    out = np.zeros(len(uids), np.int64)
+    if n <= 1 or not len(uids):
+        return out
+    ok = valid_uids(uids)
+    if ok.any():
+        head = pc.utf8_slice_codeunits(uids.filter(pa.array(ok)), 0, 16)
+        out[ok] = range_bucket(_hex64(head), n)
+    if (~ok).any():
+        out[~ok] = (uid_hash(uids.filter(pa.array(~ok)), 7) % np.uint64(n)).astype(np.int64)
+    return out
+
+
+def range_bucket(values: np.ndarray, n: int) -> np.ndarray:
+    """uint64 values → ``n`` equal ranges, in order (exact integer arithmetic)."""
+    step = np.uint64(((1 << 64) + n - 1) // n)
+    return (np.asarray(values, np.uint64) // step).astype(np.int64)
+
+
+def hash_bucket(values: np.ndarray, n: int, salt: int = 0) -> np.ndarray:
+    """uint64 values → ``n`` buckets by a hash (for keys whose order means nothing)."""
+    if n <= 1:
+        return np.zeros(len(values), np.int64)
+    mixed = splitmix64(np.asarray(values, np.uint64) ^ np.uint64(salt))
+    return (mixed % np.uint64(n)).astype(np.int64)
+
+
+def string_buckets(values: pa.Array | pa.ChunkedArray, n: int, salt: int = 0) -> np.ndarray:
+    """Strings → ``n`` buckets by a hash of their bytes (nulls to bucket 0)."""
+    values = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    if n <= 1 or not len(values):
+        return np.zeros(len(values), np.int64)
+    h = uid_hash(pc.fill_null(values.cast(pa.string()), ""), 11 + salt)
+    return (h % np.uint64(n)).astype(np.int64)
+
+
+_HEX = np.full(256, 0, dtype=np.uint64)
+_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint64)
+
+
+def _hex64(heads: pa.Array) -> np.ndarray:
+    """16 lowercase hex digits per row → uint64 (columnar)."""
+    fixed = heads.cast(pa.binary()).cast(pa.binary(16))
+    digits = np.frombuffer(fixed.buffers()[1], np.uint8)[fixed.offset * 16 : (fixed.offset + len(fixed)) * 16]
+    nib = _HEX[digits].reshape(-1, 16)
+    out = np.zeros(len(fixed), np.uint64)
+    for k in range(16):
+        out = (out << np.uint64(4)) | nib[:, k]
+    return out
