@@ -62,7 +62,9 @@ def _unit(i: np.ndarray, k: int) -> np.ndarray:
 
 
 def _earlier(i: np.ndarray) -> np.ndarray:
-    return np.maximum(i.astype(np.int64) - 1 - (_mix(i, 4) % np.uint64(5000)).astype(np.int64), 0).astype(np.uint64)
+    return np.maximum(i.astype(np.int64) - 1 - (_mix(i, 4) % np.uint64(5000)).astype(np.int64), 0).astype(
+        np.uint64
+    )
 
 
 def _picture_of(row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -107,7 +109,8 @@ def pool_file(n: int, start: int, seed: int) -> pa.Table:
     has_box = rng.random(n) < 0.1
     offsets = np.concatenate([[0], np.cumsum(has_box)]).astype(np.int32)
     boxes = pa.ListArray.from_arrays(
-        pa.array(np.arange(int(has_box.sum()) + 1, dtype=np.int32) * 4), pa.array(rng.random(4 * int(has_box.sum())))
+        pa.array(np.arange(int(has_box.sum()) + 1, dtype=np.int32) * 4),
+        pa.array(rng.random(4 * int(has_box.sum()))),
     )
     cols = {
         S.UID: uids,
@@ -123,7 +126,9 @@ def pool_file(n: int, start: int, seed: int) -> pa.Table:
     return pa.table(cols, schema=S.METADATA_SCHEMA)
 
 
-def write_pool(folder: Path, n: int, seed: int = 0, file_rows: int = FILE_ROWS, row_group: int = 100_000) -> Path:
+def write_pool(
+    folder: Path, n: int, seed: int = 0, file_rows: int = FILE_ROWS, row_group: int = 100_000
+) -> Path:
     """The pool of ``n`` rows as parquet files in ``folder`` (kept when a finished one is there)."""
     folder = Path(folder)
     if (folder / "done").exists():

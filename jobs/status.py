@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from jobs.common import job_main, parse_job_config
@@ -43,9 +44,14 @@ EXAMPLE = "python -m jobs.status runs/demo"
 _CHECKPOINT = re.compile(r"checkpoint_(\d+)")
 
 
-def _count(values: Sequence[str]) -> str:
-    counts = Counter(values)
+def _count(values: Sequence[str] | dict[str, int]) -> str:
+    counts = Counter(values) if not isinstance(values, dict) else values
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+
+
+def _parts(parts: list[int]) -> str:
+    shown = ", ".join(map(str, parts[:20]))
+    return (shown + (", …" if len(parts) > 20 else "")) or "none"
 
 
 def build_lines(run: str, store: Storage) -> list[str]:
@@ -54,24 +60,29 @@ def build_lines(run: str, store: Storage) -> list[str]:
 
     paths = R.run_dirs(run)
     lines: list[str] = []
-    if store.exists(paths["status"]):
-        status = store.read_parquet(paths["status"], columns=["status"]).column("status").to_pylist()
+    if store.exists(paths["status_counts"]):
+        counts = store.read_json(paths["status_counts"])
         shards = store.list_files(paths["shards"], suffix=".tar")
         subsets = [p.rsplit("/", 1)[-1][: -len(".npy")] for p in store.list_files(paths["subsets"], ".npy")]
         lines += [
-            f"build: finished; {len(status)} rows by status: {_count(status)}",
+            f"build: finished; {sum(counts.values())} rows by status: {_count(counts)}",
             f"  {len(shards)} shards in {paths['shards']}; subsets: {', '.join(subsets) or 'none'}",
         ]
     if store.exists(paths["fingerprint"]):
         pool = store.read_json(paths["fingerprint"]).get("pool", {})
         done = R.committed(paths["parts"], store)
-        files = [R.part_file(paths["parts"], p, t, "parquet") for p, t in sorted(done.items())]
-        status = store.read_parquet(files, columns=["status"]).column("status").to_pylist() if files else []
+        counts = Counter()
+        for p, t in sorted(done.items()):  # file by file: memory of one part, whatever the pool
+            table = store.read_parquet(R.part_file(paths["parts"], p, t, "parquet"), columns=["status"])
+            counts.update(
+                {c["values"]: c["counts"] for c in pc.value_counts(table.column("status")).to_pylist()}
+            )
         head = "build: a run in progress or interrupted" if not lines else "  work/ of a later run"
         lines += [
             f"{head}; pool of {pool.get('rows', '?')} rows",
-            f"  {len(done)} download parts committed ({', '.join(map(str, sorted(done))) or 'none'}), "
-            f"{len(status)} rows in them by status: {_count(status)}",
+            f"  {len(done)} download parts committed ({_parts(sorted(done))}), {sum(counts.values())} rows in "
+            "them by status: "
+            f"{_count(counts)}",
             "  not done: the parts not committed, then dedupe, shards and subsets (re-run the same command)",
         ]
     return lines

@@ -128,7 +128,9 @@ def _pool_layout(run: _Run, meta: Metadata, served: tuple[str, ...]) -> Pool:
     cfg = run.cfg
     specs = parse_filter_specs(list(cfg.filters.names), "filters.names")
     have = {c for names in meta.names for c in names}
-    columns = tuple(dict.fromkeys([*_FILTER_COLUMNS, *sorted(required_columns(specs, config_params(cfg.filters)) & have)]))
+    columns = tuple(
+        dict.fromkeys([*_FILTER_COLUMNS, *sorted(required_columns(specs, config_params(cfg.filters)) & have)])
+    )
     files = FR.file_stamps(list(meta.files), run.store)
     key = digest([VERSION, files, cfg.max_caption_bytes, served, columns, cfg.bucket_rows])
     n = bucket_count(sum(meta.rows), cfg.bucket_rows)
@@ -234,8 +236,12 @@ def _statuses(run: _Run, parts: Parts, meta: Metadata):
     finish = ST.Finish(parts, run.paths["status"], curated)
     curation: dict[str, object] = {"eval_leaks": {}, "semantic_duplicates": 0, "clusters": 0}
     if curated:
-        curation = run.stage(parts.root, "curation", ST.curate_parts, [0], ST.Curation(finish, cfg, meta.files))[0]
-        log(f"curation: eval leaks {curation['eval_leaks']}, {curation['semantic_duplicates']} semantic duplicates")
+        curation = run.stage(
+            parts.root, "curation", ST.curate_parts, [0], ST.Curation(finish, cfg, meta.files)
+        )[0]
+        log(
+            f"curation: eval leaks {curation['eval_leaks']}, {curation['semantic_duplicates']} semantic duplicates"
+        )
     run.store.remove_files(  # files of an earlier build with more buckets
         [p for p in run.store.list_files(finish.status_dir, suffix=".parquet")
          if int(p.rsplit("/", 1)[-1].split(".")[0]) >= parts.pool.n_buckets])  # fmt: skip
@@ -248,6 +254,7 @@ def _statuses(run: _Run, parts: Parts, meta: Metadata):
     log(f"image dedupe: {n_dup} exact duplicates, {near.get(S.STATUS_NEAR_DUPLICATE, 0)} near duplicates")
     if sum(counts.values()) != sum(meta.rows):
         raise RuntimeError(f"accounting: {sum(counts.values())} statuses for {sum(meta.rows)} input rows")
+    run.store.write_json(dict(sorted(counts.items())), run.paths["status_counts"])
     return finish, curation, counts, [done[b]["words"] for b in buckets]
 
 
@@ -260,10 +267,14 @@ def _shards(run: _Run, finish: ST.Finish) -> list[str]:
             per_part[int(p)] = c
     starts = tuple(np.concatenate([[0], np.cumsum(per_part)]).tolist())
     job = SH.Windows(parts, run.paths["shards"], cfg.samples_per_shard, starts)
-    written = run.stage(parts.root, f"shards-{cfg.samples_per_shard}", SH.write_window, range(job.n_windows), job)
+    written = run.stage(
+        parts.root, f"shards-{cfg.samples_per_shard}", SH.write_window, range(job.n_windows), job
+    )
     sizes = {name: c for w in sorted(written) for name, c in written[w]["shards"].items()}
     store.makedirs(run.paths["shards"])
-    stale = [p for p in store.list_files(run.paths["shards"]) if SH.is_output(p) and SH.shard_of(p) not in sizes]
+    stale = [
+        p for p in store.list_files(run.paths["shards"]) if SH.is_output(p) and SH.shard_of(p) not in sizes
+    ]
     store.remove_files(stale)
     SH.write_summary(run.paths["shards"], sizes, store)
     shards = [storage.join(run.paths["shards"], name) for name in sorted(sizes)]
@@ -290,7 +301,9 @@ def _filters(run: _Run, finish: ST.Finish, meta: Metadata, words) -> tuple[dict,
     FR.forget(paths, store)
     job = _filter_job(run, finish, meta)
     root = storage.join(finish.parts.root, "filters-" + digest([cfg.filters, FR.combine_words(words)]))
-    whole = [i * 100 + j for i, s in enumerate(specs) for j, (n, _) in enumerate(s.parts) if n in FS.WHOLE_POOL]
+    whole = [
+        i * 100 + j for i, s in enumerate(specs) for j, (n, _) in enumerate(s.parts) if n in FS.WHOLE_POOL
+    ]
     if whole:
         run.stage(root, "whole_pool", FS.whole_pool, whole, job)
     job = _find_cuts(run, root, job)
@@ -316,8 +329,12 @@ def _find_cuts(run: _Run, root: str, job: FS.FilterJob) -> FS.FilterJob:
     job = replace(job, cuts=FS.first_cuts(job))
     level = 0
     while not all(c.done for c in job.cuts.values()):
-        summaries = run.stage(root, f"cut-{level}", FS.count_digits, range(job.finish.parts.pool.n_buckets), job)
-        cuts = {k: (c if c.done else FS.advance(job, k, list(summaries.values()))) for k, c in job.cuts.items()}
+        summaries = run.stage(
+            root, f"cut-{level}", FS.count_digits, range(job.finish.parts.pool.n_buckets), job
+        )
+        cuts = {
+            k: (c if c.done else FS.advance(job, k, list(summaries.values()))) for k, c in job.cuts.items()
+        }
         job = replace(job, cuts=cuts)
         level += 1
     return job

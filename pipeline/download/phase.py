@@ -97,7 +97,11 @@ def download_parts(
     todo = sorted(set(range(n_parts)) - set(markers))
     log(
         f"download: {n_parts} parts of {cfg.part_size} rows, {len(markers)} already done"
-        + (f"; {len(again)} of them looked at again ({', '.join(sorted(set(again.values())))})" if again else "")
+        + (
+            f"; {len(again)} of them looked at again ({', '.join(sorted(set(again.values())))})"
+            if again
+            else ""
+        )
     )
     late = _LatePasses(plan, cfg, store, paths, markers, log)
     specs = [plan.spec(p, cfg.part_size) for p in todo]
@@ -120,7 +124,9 @@ class _LatePasses:
     counts its transient rows and its late passes, so a resumed build runs exactly the passes a clean one
     would (docs/download.md, "Late retries"). The driver holds a marker per part, never a row."""
 
-    def __init__(self, plan, cfg: BuildConfig, store: Storage, paths, markers: dict[int, R.Marker], log) -> None:
+    def __init__(
+        self, plan, cfg: BuildConfig, store: Storage, paths, markers: dict[int, R.Marker], log
+    ) -> None:
         self.plan, self.cfg, self.store, self.parts, self.log = plan, cfg, store, paths["parts"], log
         self.markers = dict(markers)
         self.passes, self.finished, self.total = 0, 0, 0  # late passes run; parts done of this pass's

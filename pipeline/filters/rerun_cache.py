@@ -109,8 +109,11 @@ def _input_files(cfg: BuildConfig, specs: list[FilterSpec]) -> list[str]:
     return [n for n in names if n not in ("cld3", "fasttext")]  # laion2b's language_model names a model
 
 
-def filter_stamp(cfg: BuildConfig, specs: list[FilterSpec], status: str, store: Storage) -> dict[str, Any]:
-    """What the filters' results of this run depend on (see the module docstring)."""
+def filter_stamp(
+    cfg: BuildConfig, specs: list[FilterSpec], status: str | pa.Table, store: Storage
+) -> dict[str, Any]:
+    """What the filters' results of this run depend on (see the module docstring); ``status``: the status
+    table or its ``status_digest``."""
     metadata = store.list_files(cfg.metadata, suffix=".parquet")
     return {
         "version": VERSION,
@@ -119,7 +122,7 @@ def filter_stamp(cfg: BuildConfig, specs: list[FilterSpec], status: str, store: 
         "max_caption_bytes": cfg.max_caption_bytes,
         "metadata": file_stamps(metadata, store),
         "inputs": file_stamps([n for n in _input_files(cfg, specs) if _exists(n, store)], store),
-        "status": status,  # status_digest of the status table
+        "status": status if isinstance(status, str) else status_digest(status),
     }
 
 

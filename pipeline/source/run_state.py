@@ -40,6 +40,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from pipeline.common import faults, storage
 from pipeline.common.config import to_dict
 from pipeline.common.errors import RefusedError
@@ -70,10 +74,42 @@ RETRY_KNOBS = (
 )
 
 
-def fingerprint(cfg: BuildConfig, pool: dict[str, Any]) -> dict[str, Any]:
+def uid_digest_update(h: Any, uids: pa.Array | pa.ChunkedArray) -> None:
+    """Fold a batch of uids (each one's UTF-8 length, then the bytes; null as "") into a file's uid digest."""
+    arr = pc.fill_null(uids.cast(pa.large_string()), "")
+    arr = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    offsets = np.frombuffer(arr.buffers()[1], np.int64)[arr.offset : arr.offset + len(arr) + 1]
+    h.update(np.diff(offsets).astype("<u4").tobytes())
+    if len(arr) and arr.buffers()[2] is not None:
+        h.update(memoryview(arr.buffers()[2])[offsets[0] : offsets[-1]])
+
+
+def live_digests(live: np.ndarray, content: np.ndarray) -> dict[str, str]:
+    """A file's live-mask digest and its live rows' content digest."""
+    live = np.asarray(live, dtype=bool)
+    return {
+        "live_sha256": hashlib.sha256(np.packbits(live).tobytes()).hexdigest(),
+        "content_sha256": hashlib.sha256(np.asarray(content)[live].astype("<u8").tobytes()).hexdigest(),
+    }
+
+
+def fingerprint(
+    cfg: BuildConfig,
+    pool: dict[str, Any] | Sequence[str | None],
+    live: np.ndarray | None = None,
+    content: np.ndarray | None = None,
+) -> dict[str, Any]:
     """``pool``: the row count and the digests of the uids in read order, of the live-row mask and of the
     live rows' content, each a digest of the per-file digests the scan and live-row stages return
-    (pipeline/stages/row_stages.py)."""
+    (pipeline/stages/row_stages.py) — or the uids of a one-file pool (``live``: default all, ``content``:
+    default zero), digested here."""
+    if not isinstance(pool, dict):
+        h = hashlib.sha256()
+        uid_digest_update(h, pa.array(list(pool), pa.string()))
+        live = np.ones(len(pool), dtype=bool) if live is None else live
+        content = np.zeros(len(pool), np.uint64) if content is None else content
+        one = {"uids_sha256": h.hexdigest(), **live_digests(live, content)}
+        pool = {"rows": len(live), **{k: digest_of([v]) for k, v in one.items()}}
     download = {k: v for k, v in to_dict(cfg.download).items() if k not in RETRY_KNOBS}
     return {
         "version": FINGERPRINT_VERSION,
@@ -119,7 +155,8 @@ def run_dirs(output: str) -> dict[str, str]:
         "shards": storage.join(output, "shards"),
         "subsets": storage.join(output, "subsets"),
         "tokenizer": storage.join(output, "tokenizer"),
-        "status": storage.join(output, "metadata", "status.parquet"),
+        "status": storage.join(output, "metadata", "status.parquet"),  # a directory: a file per uid bucket
+        "status_counts": storage.join(output, "metadata", "status_counts.json"),
         "filters": storage.join(output, "metadata", "filters.parquet"),
         "fingerprint": storage.join(output, "work", "fingerprint.json"),
     }
@@ -203,8 +240,12 @@ def discard_outputs(output: str, store: Storage) -> int:
     """Delete what a build wrote in ``output`` (parts, fingerprint, status, filters, shards, subsets,
     tokenizer); the demo pool and the manifest stay. Returns the number of files removed."""
     d = run_dirs(output)
-    files = [p for key in ("parts", "shards", "subsets", "tokenizer", "status", "filters") for p in store.list_files(d[key])]
-    files += [d["fingerprint"]] if store.exists(d["fingerprint"]) else []
+    files = [
+        p
+        for key in ("parts", "shards", "subsets", "tokenizer", "status", "filters")
+        for p in store.list_files(d[key])
+    ]
+    files += [d[k] for k in ("fingerprint", "status_counts") if store.exists(d[k])]
     store.remove_files(files)
     return len(files)
 
@@ -239,7 +280,9 @@ def commit(
     above the marker it replaces (which is removed once the new one is written)."""
     faults.point("part.commit")
     m = Marker(token, transient, late, seq)
-    store.write_json({"token": token, "transient": transient, "late": late}, storage.join(parts_dir, m.name(part)))
+    store.write_json(
+        {"token": token, "transient": transient, "late": late}, storage.join(parts_dir, m.name(part))
+    )
     for old in range(seq):
         for stale in _markers_named(parts_dir, store).get((part, old), []):
             store.remove(storage.join(parts_dir, stale))

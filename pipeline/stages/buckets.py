@@ -59,6 +59,8 @@ class BucketWriter:
             return
         table = pa.concat_tables(self._pending)
         self._pending, self._rows = [], 0
+        if not table.num_rows:
+            return
         if self._writer is None:
             self._out = self.store.open_output(self.path)
             self._writer = pq.ParquetWriter(self._out, self.schema)
@@ -81,6 +83,12 @@ class BucketWriter:
         self._out.close()
 
     def abort(self) -> None:
+        if self._writer is not None:
+            try:  # the footer goes to the discarded file: a writer left open would write on collection
+                self._writer.close()
+            except (OSError, ValueError):
+                pass
+            self._writer = None
         if self._out is not None:
             self._out.abort()
 
@@ -107,7 +115,9 @@ def _bucket_of_file(path: str, bucket: int, store: Storage, columns: Sequence[st
             if stats is not None and stats.has_min_max and stats.min == bucket:
                 groups.append(g)
         names = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
-        empty = pf.schema_arrow.empty_table() if names is None else pf.schema_arrow.empty_table().select(names)
+        empty = (
+            pf.schema_arrow.empty_table() if names is None else pf.schema_arrow.empty_table().select(names)
+        )
         table = pf.read_row_groups(groups, columns=names) if groups else empty
     return table.drop_columns([BUCKET]) if BUCKET in table.column_names else table
 

@@ -21,13 +21,13 @@ import hashlib
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline import schema as S
 from pipeline.common import faults
 from pipeline.dedup.decisions import url_key_duplicates
 from pipeline.dedup.urlnorm import normalize_urls
+from pipeline.source import run_state as R
 from pipeline.source.content import COLUMNS as CONTENT_COLUMNS
 from pipeline.source.content import content_digests
 from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, prepare_batch, row_statuses
@@ -38,15 +38,6 @@ SCAN_BATCH = 1 << 16  # rows decoded at a time: a scan task's memory does not gr
 URL_KEY, PRE = "url_key", "pre_status"
 FILE, ROW, CONTENT = "file", "row", "content"
 _TYPES = {f.name: f.type for f in S.METADATA_SCHEMA}
-
-
-def uid_digest_update(h: hashlib._Hash, uids: pa.Array) -> None:
-    """Fold a batch of uids (each one's UTF-8 length, then the bytes) into a file's uid digest."""
-    arr = pc.fill_null(uids.cast(pa.large_string()), "")
-    offsets = np.frombuffer(arr.buffers()[1], np.int64)[arr.offset : arr.offset + len(arr) + 1]
-    h.update(np.diff(offsets).astype("<u4").tobytes())
-    if len(arr) and arr.buffers()[2] is not None:
-        h.update(memoryview(arr.buffers()[2])[offsets[0] : offsets[-1]])
 
 
 def _scanned(batch: pa.Table, job: Pool, f: int, row0: int) -> tuple[pa.Table, np.ndarray]:
@@ -79,7 +70,7 @@ def scan_file(job: Pool, f: int) -> dict:
         for batch in pf.iter_batches(batch_size=SCAN_BATCH, columns=wanted, use_threads=False):
             table, content = _scanned(pa.Table.from_batches([batch]), job, f, rows)
             writer.add(table, uid_buckets(table.column(S.UID), job.n_buckets))
-            uid_digest_update(h, table.column(S.UID).combine_chunks())
+            R.uid_digest_update(h, table.column(S.UID))
             contents.append(content)
             rows += table.num_rows
         writer.close()
@@ -147,11 +138,7 @@ def live_rows(job: Pool, f: int) -> dict:
     live = np.flatnonzero(mask).astype("<i8")
     job.store.write_bytes(live.tobytes(), job.live(f))
     content = job.store.read_parquet(job.order(f)).column(CONTENT).to_numpy()
-    return {
-        "live": len(live),
-        "live_sha256": hashlib.sha256(np.packbits(mask).tobytes()).hexdigest(),
-        "content_sha256": hashlib.sha256(content[live].astype("<u8").tobytes()).hexdigest(),
-    }
+    return {"live": len(live), **R.live_digests(mask, content)}
 
 
 def live_positions(job: Pool, f: int, lo: int, hi: int) -> np.ndarray:

@@ -64,7 +64,9 @@ def write_window(job: Windows, w: int) -> dict:
     per = job.shards_per_window * job.samples_per_shard
     lo, hi = w * per, min(job.total, (w + 1) * per)
     starts = np.asarray(job.starts, np.int64)
-    writer = RollingWriter(job.out, job.samples_per_shard, job.parts.store, first_shard=w * job.shards_per_window)
+    writer = RollingWriter(
+        job.out, job.samples_per_shard, job.parts.store, first_shard=w * job.shards_per_window
+    )
     cache: dict = {}
     part = int(np.searchsorted(starts, lo, side="right") - 1)
     try:

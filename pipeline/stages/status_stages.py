@@ -101,7 +101,9 @@ def statuses(job: Finish, b: int) -> dict:
         if url.num_columns and url.num_rows:
             key = lambda t: pc.add(pc.multiply(t.column(FILE).cast(pa.int64()), 1 << 40), t.column(ROW))  # noqa: E731
             hit = pc.is_in(key(rows), value_set=key(url).combine_chunks())
-            rows = rows.set_column(rows.column_names.index(PRE), PRE, _set(rows.column(PRE), hit, S.STATUS_DUPLICATE_URL))
+            rows = rows.set_column(
+                rows.column_names.index(PRE), PRE, _set(rows.column(PRE), hit, S.STATUS_DUPLICATE_URL)
+            )
         p.store.write_parquet(rows, job.pool_rows(b))
         decided = rows.filter(pc.not_equal(rows.column(PRE), ""))
         pre = pa.table({S.UID: decided.column(S.UID), S.STATUS: decided.column(PRE),
@@ -112,7 +114,9 @@ def statuses(job: Finish, b: int) -> dict:
                         "error": pa.array([], pa.string())})  # fmt: skip
     parts = final_part_rows(job, b)
     errors = parts.column("error") if "error" in parts.column_names else pa.nulls(parts.num_rows, pa.string())
-    parts = parts.set_column(parts.column_names.index("error"), "error", pc.fill_null(errors.cast(pa.string()), ""))
+    parts = parts.set_column(
+        parts.column_names.index("error"), "error", pc.fill_null(errors.cast(pa.string()), "")
+    )
     table = pa.concat_tables([pre, parts.select([c for c in STATUS_COLUMNS if c in parts.column_names])],
                              promote_options="permissive")  # fmt: skip
     table = table.sort_by(S.UID) if table.num_rows else table
@@ -154,16 +158,28 @@ def curate_parts(job: Curation, _key: int = 0) -> dict:
 
     p, cfg = job.finish.parts, job.cfg
     plain = Finish(p, job.finish.status_dir, curated=False)
-    t = pa.concat_tables([final_part_rows(plain, b) for b in range(p.pool.n_buckets)], promote_options="permissive")
+    t = pa.concat_tables(
+        [final_part_rows(plain, b) for b in range(p.pool.n_buckets)], promote_options="permissive"
+    )
     t = t.sort_by([(PART, "ascending"), (S.UID, "ascending")]) if t.num_rows else t
     status = t.column(S.STATUS).combine_chunks()
     priority = lambda uids: None  # noqa: E731
     if cfg.dedupe.semantic:
-        rows = p.store.read_parquet([p.pool.rows(b) for b in range(p.pool.n_buckets)], columns=[S.UID, S.CLIP_L14])
+        rows = p.store.read_parquet(
+            [p.pool.rows(b) for b in range(p.pool.n_buckets)], columns=[S.UID, S.CLIP_L14]
+        )
         priority = CS.clip_priority(rows)
     res = CS.curate(t, status, cfg, job.files, priority, p.store, print)
-    changed = pc.invert(pc.equal(res.status, status)).to_numpy(zero_copy_only=False) if t.num_rows else np.zeros(0, bool)
+    changed = (
+        pc.invert(pc.equal(res.status, status)).to_numpy(zero_copy_only=False)
+        if t.num_rows
+        else np.zeros(0, bool)
+    )
     rel = pa.table({S.UID: t.column(S.UID), S.STATUS: res.status, S.DUPLICATE_OF: res.duplicate_of,
                     S.LEAK_OF: res.leak_of}).filter(pa.array(changed))  # fmt: skip
     write_buckets(rel, uid_buckets(rel.column(S.UID), p.pool.n_buckets), p.curated(), p.store)
-    return {"eval_leaks": res.leaks_by_task, "semantic_duplicates": res.n_semantic, "clusters": res.n_clusters}
+    return {
+        "eval_leaks": res.leaks_by_task,
+        "semantic_duplicates": res.n_semantic,
+        "clusters": res.n_clusters,
+    }

@@ -66,8 +66,7 @@ def submit_ok(cluster: NetnsCluster, args: list[str], submission_id: str, timeou
 
 
 def statuses(store: Storage, output: str) -> dict[str, str]:
-    with store.open_input(f"{output}/metadata/status.parquet") as fh:
-        t = pq.read_table(fh)
+    t = store.read_parquet(f"{output}/metadata/status.parquet")  # a directory: one file per uid bucket
     uids, status = t.column("uid").to_pylist(), t.column("status").to_pylist()
     assert len(set(uids)) == len(uids), "a uid with two statuses"
     return dict(zip(uids, status, strict=True))

@@ -3,9 +3,6 @@ which failed part calls go to another actor."""
 
 from __future__ import annotations
 
-import json
-
-import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -13,7 +10,7 @@ from pipeline import schema as S
 from pipeline.common.errors import InputError, StorageError
 from pipeline.common.storage import LOCAL
 from pipeline.config import BuildConfig, DownloadConfig
-from pipeline.download.phase import PoolRows, _LatePasses, _storage_out_of_reach
+from pipeline.download.phase import LivePlan, PartSpec, _LatePasses, _storage_out_of_reach
 from pipeline.source import run_state as R
 
 TIMEOUT = S.failed_download("timeout")
@@ -36,25 +33,26 @@ def test_a_late_pass_is_owed_by_each_part_with_transient_rows_until_its_marker_c
     _part(parts, 1, "a1", [S.STATUS_SUCCESS, S.STATUS_SUCCESS])
     R.commit(parts, 1, "a1", LOCAL, transient=0)  # nothing to fetch again: its parquet is not read
     _part(parts, 2, "a2", [S.failed_download("http_503"), S.failed_download("http_404")])
-    LOCAL.write_bytes(json.dumps({"token": "a2"}).encode(), R.marker(parts, 2))  # a marker with no counts
+    LOCAL.write_bytes(b"{}", f"{parts}/{R.Marker('a2', None, 0).name(2)}")  # a marker with no counts
     markers = R.committed_markers(parts, LOCAL)
     assert markers == {0: R.Marker("a0", 1, 1), 1: R.Marker("a1", 0, 0), 2: R.Marker("a2", None, 0)}
 
-    pool = PoolRows(meta=None, uids=pa.array([]), live=np.ones(6, bool))
-    late = _LatePasses(pool, cfg, LOCAL, {"parts": parts}, markers, lambda m: None)
-    assert late.due() == {2: {"u20"}}  # the 404 is final
+    plan = LivePlan(pool=None, live=(6,))
+    late = _LatePasses(plan, cfg, LOCAL, {"parts": parts}, markers, lambda m: None)
+    assert late.due() == [2]  # a marker that does not count its transient rows owes its pass
     summary = _part(parts, 3, "b3", [S.STATUS_SUCCESS, TIMEOUT])  # a part this run downloads
-    late.commit(pa.table({"part": [3]}), "b3", summary)
-    assert late.due() == {2: {"u20"}, 3: {"u31"}}
+    late.commit(PartSpec(3, ()), "b3", summary)
+    assert late.due() == [2, 3]
     assert R.committed_markers(parts, LOCAL)[3] == R.Marker("b3", 1, 0)
 
     late.passes = 1  # in a late pass, a committed part counts one pass more
-    late.commit(pa.table({"part": [3]}), "c3", _part(parts, 3, "c3", [S.STATUS_SUCCESS, TIMEOUT]))
-    assert R.committed_markers(parts, LOCAL)[3] == R.Marker("c3", 1, 1)
-    assert late.due() == {2: {"u20"}}  # still transient, but its one pass is spent
-    off = _LatePasses(pool, BuildConfig(metadata="m", output="o", download=DownloadConfig(late_retries=0)), LOCAL,
+    late.commit(PartSpec(3, (), "b3", "transient"), "c3", _part(parts, 3, "c3", [S.STATUS_SUCCESS, TIMEOUT]))
+    assert R.committed_markers(parts, LOCAL)[3] == R.Marker("c3", 1, 1, seq=1)
+    assert late.due() == [2]  # still transient, but its one pass is spent
+    assert [s.part for s in late.next_pass()] == [2]
+    off = _LatePasses(plan, BuildConfig(metadata="m", output="o", download=DownloadConfig(late_retries=0)), LOCAL,
                       {"parts": parts}, markers, lambda m: None)  # fmt: skip
-    assert off.due() == {}
+    assert off.due() == []
 
 
 @pytest.mark.parametrize(

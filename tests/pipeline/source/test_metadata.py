@@ -9,9 +9,11 @@ import pytest
 
 from pipeline import schema as S
 from pipeline.common.storage import LOCAL
-from pipeline.download.phase import PoolRows, part_specs
+from pipeline.download.phase import LivePlan
 from pipeline.source.metadata import MetadataError, open_metadata, read_columns, read_rows
 from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY, pre_statuses, prepare_batch
+from pipeline.stages import row_stages as RS
+from pipeline.stages.layout import Pool
 
 
 def _uid(i: int) -> str:
@@ -86,25 +88,27 @@ def test_schema_errors_name_the_file(tmp_path):
         open_metadata(str(tmp_path))
 
 
-def test_parts_are_consecutive_ranges_of_the_live_rows_in_read_order(pool_dir):
+def test_parts_are_consecutive_ranges_of_the_live_rows_in_read_order(pool_dir, tmp_path):
+    """The pre-download stages (run here in-process, 3 uid buckets) and the part plan read back the live
+    rows of ``pre_statuses`` over the whole pool, in read order, 7 a part."""
     meta = open_metadata(str(pool_dir))
     narrow = read_columns(meta, [S.UID, S.URL, CAPTION_STATUS, ROW_KEY], 16)
     status = pre_statuses(narrow)
-    pool = PoolRows(meta, narrow.column(S.UID), status == "")
+    pool = Pool(str(tmp_path / "stages"), meta.files, meta.rows, 3, 2, 16, (), (), LOCAL)
+    for f in range(len(meta.files)):
+        RS.scan_file(pool, f)
+    for b in range(pool.n_buckets):
+        RS.decide_uids(pool, b)
+    for c in range(pool.n_url):
+        RS.decide_urls(pool, c)
+    plan = LivePlan(pool, tuple(RS.live_rows(pool, f)["live"] for f in range(len(meta.files))))
     live = np.flatnonzero(status == "")
-    assert 0 < len(live) < 60
-    specs = part_specs(pool, 7, todo=list(range(int(np.ceil(len(live) / 7)))), retry={})
-    assert [s.column("part")[0].as_py() for s in specs] == list(range(len(specs)))
-    got = [
-        read_rows(meta.files, s.column("file").to_numpy(), s.column("row").to_numpy(), 16).column(S.UID)
-        for s in specs
-    ]
+    assert 0 < len(live) < 60 and sum(plan.live) == len(live)
+    got = []
+    for k in range(plan.n_parts(7)):
+        spec = plan.spec(k, 7)
+        files = np.concatenate([np.full(hi - lo, f) for f, lo, hi in spec.ranges])
+        rows = np.concatenate([RS.live_positions(pool, f, lo, hi) for f, lo, hi in spec.ranges])
+        got.append(read_rows(meta.files, files, rows, 16).column(S.UID).to_pylist())
     uids = narrow.column(S.UID).to_pylist()
-    assert [g.to_pylist() for g in got] == [
-        [uids[i] for i in live[k : k + 7]] for k in range(0, len(live), 7)
-    ]
-    # a retried part ships only its transient rows; parts neither to do nor retried ship nothing
-    again = {uids[live[8]], uids[live[10]]}
-    (spec,) = part_specs(pool, 7, todo=[], retry={1: again})
-    rows = read_rows(meta.files, spec.column("file").to_numpy(), spec.column("row").to_numpy(), 16)
-    assert set(rows.column(S.UID).to_pylist()) == again and set(spec.column("part").to_pylist()) == {1}
+    assert got == [[uids[i] for i in live[k : k + 7]] for k in range(0, len(live), 7)]

@@ -305,7 +305,7 @@ def test_only_committed_tokens_count_and_the_rest_is_removed(tmp_path):
     (tmp_path / "part-000003.done").write_bytes(b"")  # an empty marker (older format) does not count
     done = R.committed(d, LOCAL)
     assert done == {0: "bb"}
-    assert R.remove_uncommitted(d, done, LOCAL) == 5  # aa ×2, cc.tar, dd ×2
+    assert R.remove_uncommitted(d, LOCAL) == 6  # aa ×2, cc.tar, dd ×2 and part 1's marker
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".done")) == [
         "part-000000.bb.parquet",
         "part-000000.bb.tar",
