@@ -145,7 +145,8 @@ def test_subset_scope_metadata_is_datacomps_and_downloaded_is_the_shards(built, 
 def test_rerun_reuses_the_filters_until_a_spec_or_the_status_table_changes(built, tmp_path):
     """A re-run with nothing to download reuses filters.parquet and the subsets; a changed filter spec or a
     changed status table recomputes them."""
-    from pipeline.build import _read_pool, run_filters, run_paths
+    from pipeline.build import run_paths
+    from pipeline.source import run_state as R
 
     cfg, first = built
     shutil.copytree(cfg.output, tmp_path / "run")
@@ -170,16 +171,23 @@ def test_rerun_reuses_the_filters_until_a_spec_or_the_status_table_changes(built
     assert res.subset_sizes["random"] != first.subset_sizes["random"]
     assert res.subset_sizes["basic"] == first.subset_sizes["basic"]
 
-    # A changed status table (one success turned into a failure): recomputed, that uid leaves the
-    # downloaded scope.
-    pool = _read_pool(changed, LOCAL, lambda m: None)
-    status = pq.read_table(paths["status"])
-    values = status.column(S.STATUS).to_pylist()
-    i = values.index(S.STATUS_SUCCESS)
+    # A changed status table (a part rewritten with one success turned into a failure, as a retry run
+    # rewrites a part under a new token): recomputed, that uid leaves the downloaded scope.
+    part, m = min(R.committed_markers(paths["parts"], LOCAL).items())
+    rows = pq.read_table(R.part_file(paths["parts"], part, m.token, "parquet"))
+    values, shas = rows.column(S.STATUS).to_pylist(), rows.column(S.IMAGE_SHA256).to_pylist()
+    everywhere = Counter(pq.read_table(paths["status"]).column(S.IMAGE_SHA256).to_pylist())
+    i = next(k for k, (v, h) in enumerate(zip(values, shas)) if v == S.STATUS_SUCCESS and everywhere[h] == 1)
     values[i] = "failed_to_download:timeout"
-    status = status.set_column(status.schema.get_field_index(S.STATUS), S.STATUS, pa.array(values))
+    rows = rows.set_column(rows.schema.get_field_index(S.STATUS), S.STATUS, pa.array(values))
+    pq.write_table(rows, R.part_file(paths["parts"], part, "feedbeef", "parquet"))
+    shutil.copy(
+        R.part_file(paths["parts"], part, m.token, "tar"),
+        R.part_file(paths["parts"], part, "feedbeef", "tar"),
+    )
+    R.commit(paths["parts"], part, "feedbeef", LOCAL, (m.transient or 0) + 1, m.late, m.seq + 1)
     logs.clear()
-    sizes, _ = run_filters(pool, changed, status, paths, logs.append)
+    sizes = build(changed, log=logs.append).subset_sizes
     assert not any("reusing" in m for m in logs)
     assert sizes["no_filter"]["downloaded"] == res.subset_sizes["no_filter"]["downloaded"] - 1
     assert sizes["no_filter"]["metadata"] == res.subset_sizes["no_filter"]["metadata"]
