@@ -49,6 +49,8 @@ PART_COLUMNS = [
 ]
 
 
+FETCHED = "fetched"  # schema metadata of a call's rows: how many were downloaded (the rest merged in)
+
 # A row's bytes besides its caption as a part holds it: uid, URL (DataComp's are < 2 kB), sha256, face
 # boxes, the derived columns and Arrow's offsets.
 ROW_BYTES = 4096
@@ -93,7 +95,8 @@ class DownloadPart:
             table = self._again(spec, table)
             if not table.num_rows:  # nothing to fetch again: the committed part stays as it is
                 return pa.table({S.UID: pa.array([], pa.string()), S.STATUS: pa.array([], pa.string())})
-        return self.download(spec.part, table, spec.merge)
+        out = self.download(spec.part, table, spec.merge)
+        return out.replace_schema_metadata({FETCHED: str(table.num_rows)})
 
     def _again(self, spec, rows: pa.Table) -> pa.Table:
         """The rows of ``rows`` to fetch again: transient in the committed part, or changed since it."""

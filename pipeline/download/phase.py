@@ -32,7 +32,7 @@ from pipeline import schema as S
 from pipeline.common.errors import StorageError, os_error
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
-from pipeline.download.part import DownloadPart
+from pipeline.download.part import FETCHED, DownloadPart
 from pipeline.source import run_state as R
 from pipeline.stages.layout import Pool
 
@@ -83,7 +83,7 @@ def download_parts(
     allow_hosts: Sequence[str] = (),
 ) -> tuple[dict[int, R.Marker], int, int]:
     """Download the parts not committed yet (Ray actors), then the late retry passes → (every committed
-    part's marker, parts done before, parts sent again by ``retry_failed``/``refresh_changed``).
+    part's marker, parts done before, rows fetched again by ``retry_failed``/``refresh_changed``).
     ``allow_hosts``: address-guard entries for this run only (pipeline/demo/source.py)."""
     n_parts = plan.n_parts(cfg.part_size)
     store.makedirs(paths["parts"])
@@ -114,7 +114,7 @@ def download_parts(
     for spec, token, summary in _run_parts(plan.pool, specs, cfg, store, paths, late.next_pass, log):
         late.commit(spec, token, summary)
     R.remove_uncommitted(paths["parts"], store)
-    return late.markers, len(markers), len(again)
+    return late.markers, len(markers), late.refetched
 
 
 class _LatePasses:
@@ -130,6 +130,7 @@ class _LatePasses:
         self.plan, self.cfg, self.store, self.parts, self.log = plan, cfg, store, paths["parts"], log
         self.markers = dict(markers)
         self.passes, self.finished, self.total = 0, 0, 0  # late passes run; parts done of this pass's
+        self.refetched = 0  # rows fetched again by retry_failed / refresh_changed (not the late passes)
 
     def commit(self, spec: PartSpec, token: str, summary: pa.Table) -> None:
         """Part ``spec``'s rows ``summary`` arrived (written under ``token``): the driver is alive, it counts.
@@ -137,6 +138,8 @@ class _LatePasses:
         self.finished += 1
         if spec.again and summary.num_rows == 0:
             return
+        if spec.again and not self.passes:
+            self.refetched += int((summary.schema.metadata or {}).get(FETCHED.encode(), b"0"))
         statuses = summary.column(S.STATUS).to_pylist()
         transient = sum(1 for s in statuses if S.is_transient(s))
         old = self.markers.get(spec.part)

@@ -98,7 +98,7 @@ class Parts:
 
     @property
     def n_groups(self) -> int:
-        return max(1, math.ceil(len(self.tokens) / self.group_parts))
+        return math.ceil(len(self.tokens) / self.group_parts)
 
     def group(self, g: int) -> range:
         return range(g * self.group_parts, min(len(self.tokens), (g + 1) * self.group_parts))

@@ -21,6 +21,7 @@ import hashlib
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline import schema as S
@@ -73,7 +74,7 @@ def scan_file(job: Pool, f: int) -> dict:
             R.uid_digest_update(h, table.column(S.UID))
             contents.append(content)
             rows += table.num_rows
-        writer.close()
+        writer.close(_scanned(pf.schema_arrow.empty_table().select(wanted), job, f, 0)[0].schema)
     except BaseException:
         writer.abort()
         raise
@@ -86,30 +87,18 @@ def scan_file(job: Pool, f: int) -> dict:
 def decide_uids(job: Pool, b: int) -> dict:
     """Stage 2 for uid bucket ``b``; → counts per status decided."""
     t = read_bucket([job.scan(f) for f in range(len(job.files))], b, job.store)
-    if not t.num_columns:
-        t = pa.table({S.UID: pa.array([], pa.string())})
-    if t.num_rows:
-        t = t.sort_by([(FILE, "ascending"), (ROW, "ascending")])  # read order: the tie between equal rows
-        keys = [S.UID, CAPTION_STATUS, ROW_KEY]
-        status = row_statuses(t.select(keys).append_column(S.URL, t.column(URL_KEY)))
-    else:
-        status = np.zeros(0, dtype=object)
-    t = t.append_column(PRE, pa.array(status.tolist(), pa.string())) if t.num_rows else t
-    job.store.write_parquet(t.drop_columns([URL_KEY]) if t.num_rows else t, job.rows(b))
-    going = status == "" if t.num_rows else np.zeros(0, bool)
-    pending = t.filter(pa.array(going)).select([URL_KEY, S.UID, FILE, ROW]) if t.num_rows else None
-    if pending is None:
-        pending = pa.table({URL_KEY: pa.array([], pa.string()), S.UID: pa.array([], pa.string()),
-                            FILE: pa.array([], pa.int32()), ROW: pa.array([], pa.int64())})  # fmt: skip
+    t = t.sort_by([(FILE, "ascending"), (ROW, "ascending")])  # read order: the tie between equal rows
+    narrow = t.select([S.UID, CAPTION_STATUS, ROW_KEY]).append_column(S.URL, t.column(URL_KEY))
+    status = row_statuses(narrow) if t.num_rows else np.zeros(0, dtype=object)
+    t = t.append_column(PRE, pa.array(status.tolist(), pa.string()))
+    job.store.write_parquet(t.drop_columns([URL_KEY]), job.rows(b))
+    going = pa.array(status == "", pa.bool_())
+    pending = t.filter(going).select([URL_KEY, S.UID, FILE, ROW])
     write_buckets(pending, string_buckets(pending.column(URL_KEY), job.n_url), job.urls(b), job.store)
-    decided = t.filter(pa.array(~going)).select([FILE, ROW]) if t.num_rows else _positions()
+    decided = t.filter(pc.invert(going)).select([FILE, ROW])
     write_buckets(decided, decided.column(FILE).to_numpy(), job.decided(b), job.store)
-    values, counts = np.unique(status[~going].astype(str), return_counts=True) if t.num_rows else ([], [])
+    values, counts = np.unique(status[status != ""].astype(str), return_counts=True)
     return {"rows": t.num_rows, "decided": {str(v): int(c) for v, c in zip(values, counts, strict=True)}}
-
-
-def _positions() -> pa.Table:
-    return pa.table({FILE: pa.array([], pa.int32()), ROW: pa.array([], pa.int64())})
 
 
 def decide_urls(job: Pool, c: int) -> dict:

@@ -50,7 +50,8 @@ class Finish:
 
 def _set(status: pa.Array, hit: pa.Array | np.ndarray, label: str | pa.Array) -> pa.Array:
     hit = pa.array(hit) if isinstance(hit, np.ndarray) else hit
-    return pc.if_else(hit, label if isinstance(label, pa.Array) else pa.scalar(label, pa.string()), status)
+    value = label if isinstance(label, (pa.Array, pa.ChunkedArray)) else pa.scalar(label, pa.string())
+    return pc.if_else(hit, value, status)
 
 
 def _in(t: pa.Table, uids: pa.Table) -> pa.Array:
