@@ -114,7 +114,9 @@ def download_parts(
     for spec, token, summary in _run_parts(plan.pool, specs, cfg, store, paths, late.next_pass, log):
         late.commit(spec, token, summary)
     R.remove_uncommitted(paths["parts"], store)
-    return late.markers, len(markers), late.refetched
+    if late.refetched[0]:
+        log(f"download: {late.refetched[0]} rows of {late.refetched[1]} parts downloaded again")
+    return late.markers, len(markers), late.refetched[0]
 
 
 class _LatePasses:
@@ -130,7 +132,7 @@ class _LatePasses:
         self.plan, self.cfg, self.store, self.parts, self.log = plan, cfg, store, paths["parts"], log
         self.markers = dict(markers)
         self.passes, self.finished, self.total = 0, 0, 0  # late passes run; parts done of this pass's
-        self.refetched = 0  # rows fetched again by retry_failed / refresh_changed (not the late passes)
+        self.refetched = [0, 0]  # rows and parts fetched again by retry_failed / refresh_changed
 
     def commit(self, spec: PartSpec, token: str, summary: pa.Table) -> None:
         """Part ``spec``'s rows ``summary`` arrived (written under ``token``): the driver is alive, it counts.
@@ -139,7 +141,8 @@ class _LatePasses:
         if spec.again and summary.num_rows == 0:
             return
         if spec.again and not self.passes:
-            self.refetched += int((summary.schema.metadata or {}).get(FETCHED.encode(), b"0"))
+            self.refetched[0] += int((summary.schema.metadata or {}).get(FETCHED.encode(), b"0"))
+            self.refetched[1] += 1
         statuses = summary.column(S.STATUS).to_pylist()
         transient = sum(1 for s in statuses if S.is_transient(s))
         old = self.markers.get(spec.part)

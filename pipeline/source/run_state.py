@@ -205,6 +205,10 @@ def claim(cfg: BuildConfig, fp: dict[str, Any], store: Storage, log: Callable[[s
     # Temp files of writes a killed build left: ours to delete, the output's lock is held.
     dirs = [d[k] for k in ("work", "parts", "shards", "subsets")] + [storage.join(cfg.output, "metadata")]
     gone = sum(remove_temporaries(p, store) for p in dirs)
+    gone += sum(
+        remove_temporaries(p, store, tree=True)
+        for p in (storage.join(d["work"], "stages"), d["status"], d["filters"])
+    )
     if gone:
         log(f"resume: removed {gone} unfinished temporary files of an interrupted run")
     store.makedirs(d["work"])
@@ -214,21 +218,24 @@ def claim(cfg: BuildConfig, fp: dict[str, Any], store: Storage, log: Callable[[s
 _TEMP_NAME = re.compile(r"^\..+\.tmp-[0-9a-f]{12}$")  # an AtomicOutput's hidden name while it writes
 
 
-def remove_temporaries(directory: str, store: Storage) -> int:
-    """Delete the hidden temp files that writes killed half-way left directly in a local ``directory``;
-    returns how many. Only under the output's lock: no other writer is at work there. S3 leaves none (an
-    upload that never completed is no object)."""
+def remove_temporaries(directory: str, store: Storage, tree: bool = False) -> int:
+    """Delete the hidden temp files that writes killed half-way left directly in a local ``directory`` (or
+    anywhere under it, ``tree``); returns how many. Only under the output's lock: no other writer is at
+    work there. S3 leaves none (an upload that never completed is no object)."""
     if storage.is_s3(directory):
         return 0
     path = store.resolve(directory)[1]
-    try:
-        names = [e.name for e in os.scandir(path) if e.is_file() and _TEMP_NAME.match(e.name)]
-    except FileNotFoundError:
-        return 0
-    for name in names:
+    if tree:
+        found = [os.path.join(d, n) for d, _, names in os.walk(path) for n in names if _TEMP_NAME.match(n)]
+    else:
+        try:
+            found = [e.path for e in os.scandir(path) if e.is_file() and _TEMP_NAME.match(e.name)]
+        except FileNotFoundError:
+            return 0
+    for name in found:
         with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(path, name))
-    return len(names)
+            os.remove(name)
+    return len(found)
 
 
 def record(cfg: BuildConfig, fp: dict[str, Any], store: Storage) -> None:

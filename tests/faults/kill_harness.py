@@ -96,11 +96,15 @@ def dead_state_problems(out: Path) -> list[str]:
         except Exception as exc:  # any unreadable visible file is a torn write
             bad.append(f"{p.relative_to(out)}: {type(exc).__name__}: {exc}")
     parts = out / "work" / "parts"
+    latest: dict[str, tuple[int, str, str]] = {}  # part → the marker that counts (the highest numbered)
     for m in sorted(parts.glob("*.done")) if parts.exists() else []:
-        token = json.loads(m.read_text())["token"]
+        part, seq, token = m.name.split(".")[:3]
+        if part not in latest or latest[part][0] < int(seq):
+            latest[part] = (int(seq), token, m.name)
+    for part, (_, token, name) in sorted(latest.items()):
         for ext in ("tar", "parquet"):
-            if not (parts / f"{m.stem}.{token}.{ext}").exists():
-                bad.append(f"{m.name} names a missing .{ext}")
+            if not (parts / f"{part}.{token}.{ext}").exists():
+                bad.append(f"{name} names a missing .{ext}")
     return bad
 
 

@@ -51,20 +51,22 @@ import json, re
 import numpy as np, pyarrow as pa
 from pipeline.common.config import load
 from pipeline.config import BuildConfig
+from pipeline.common.storage import LOCAL
 from pipeline.download.part import DownloadPart
+from pipeline.download.phase import PartSpec
+from pipeline.stages.layout import Pool
 
 def status(key):
     return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
 
 cfg = load(BuildConfig, json.loads({cfg_json!r}))
-actor = DownloadPart(cfg.download, {parts!r}, "t0", files=[{meta!r}], max_caption_bytes=cfg.max_caption_bytes)
+pool = Pool({parts!r} + "/stages", ({meta!r},), ({ROWS},), 1, 1, cfg.max_caption_bytes, (), (), LOCAL)
+LOCAL.write_bytes(np.arange({ROWS}, dtype="<i8").tobytes(), pool.live(0))  # every row is live
+actor = DownloadPart(cfg.download, {parts!r}, "t0", LOCAL, pool)
 open("/proc/self/clear_refs", "w").write("5")  # VmHWM restarts from the resident size now
 before, statuses = status("VmRSS"), []
 for k in range(0, {ROWS}, {PART}):
-    spec = pa.table({{"part": pa.array(np.full({PART}, k // {PART}), pa.int64()),
-                      "file": pa.array(np.zeros({PART}, np.int32)),
-                      "row": pa.array(np.arange(k, k + {PART}), pa.int64())}})
-    statuses += actor(spec).column("status").to_pylist()
+    statuses += actor(PartSpec(k // {PART}, ((0, k, k + {PART}),))).column("status").to_pylist()
 print(json.dumps({{"before": before, "peak": status("VmHWM"), "statuses": statuses}}))
 """
 
