@@ -35,20 +35,22 @@ PACKAGES = ("pipeline", "training", "jobs")
 ALLOWED = {"pipeline": {"pipeline"}, "training": {"training", "pipeline"}, "jobs": set(PACKAGES)}
 
 # (folder, rule, which project modules it may import besides itself). A rule names what it forbids.
-_DATA_STAGES = ("pipeline.download", "pipeline.shards", "pipeline.ingest")
+_DATA_STAGES = ("pipeline.download", "pipeline.shards", "pipeline.ingest", "pipeline.stages")
 _ABOVE_MODEL = ("training.losses", "training.train", "training.infer", "training.eval", "training.config")
 LAYER_RULES: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
     ("pipeline.common", "the shared layer imports nothing else of the project",
      lambda dep: dep.startswith("pipeline.common")),
-    ("pipeline.filters", "filters never import download, shards or ingest",
+    ("pipeline.filters", "filters never import download, shards, ingest or the build's stages",
      lambda dep: not dep.startswith(_DATA_STAGES)),
-    ("pipeline.dedup", "dedup never imports download, shards or ingest",
+    ("pipeline.dedup", "dedup never imports download, shards, ingest or the build's stages",
      lambda dep: not dep.startswith(_DATA_STAGES)),
-    ("pipeline.source", "the row source never imports download, shards or ingest",
+    ("pipeline.source", "the row source never imports download, shards, ingest or the build's stages",
      lambda dep: not dep.startswith(_DATA_STAGES)),
     ("pipeline.shards", "shards never import download, filters, subsets, source or ingest",
      lambda dep: not dep.startswith((*_DATA_STAGES[:1], "pipeline.filters", "pipeline.subsets",
                                      "pipeline.source", "pipeline.ingest"))),
+    ("pipeline.stages", "the build's stages never import the download (it plans on their files)",
+     lambda dep: not dep.startswith("pipeline.download")),
     ("training.model", "the model never imports the losses, training, inference or evaluation",
      lambda dep: not dep.startswith(_ABOVE_MODEL)),
     ("training.losses", "the losses import no other part of training (pure tensor functions)",
@@ -58,8 +60,8 @@ MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 400
 MAX_FOLDER_MODULES = 10
 
-# Library modules allowed to import Ray: the builders of Ray datasets (the build, its download phase and
-# its curation stage, whose clusters run as tasks;
+# Library modules allowed to import Ray: the builders of Ray datasets (the build, its download phase, the
+# runner of its stages' tasks and its curation stage, whose clusters run as tasks;
 # the shard reads, training ingest and its counters actor), the Ray Train loop and trainer, and the one
 # batch-inference builder.
 # Everything else is plain Python/numpy/torch, testable without a cluster.
@@ -70,6 +72,7 @@ RAY_MODULES = {
     "pipeline.download.phase",
     "pipeline.ingest.dataset",
     "pipeline.shards.ray_reader",
+    "pipeline.stages.runner",
     "training.infer.batch_inference",
     "training.train.loop",
     "training.train.trainer",
