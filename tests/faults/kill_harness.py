@@ -51,6 +51,7 @@ PLAN = (("fresh", POINTS, 12), ("retry", POINTS, 6), ("refresh", POINTS, 6))
 def config(meta: str, out: Path, **extra):
     return merge(BUILD_PRESETS["demo"], {
         "metadata": meta, "output": str(out), "download_actors": 0, "part_size": 8, "samples_per_shard": 16,
+        "bucket_rows": 16,  # three uid buckets: a kill lands between the tasks of one stage too
         "filters": {"names": ["no_filter", "random", "clip_score"]}, "dedupe": {"near_duplicates": True},
         "download": {"timeout_s": 10.0, "retries": 0, "threads_per_actor": 4}, **extra,
     })  # fmt: skip

@@ -28,13 +28,15 @@ from pipeline.config import BUILD_PRESETS
 from pipeline.shards.reader import iter_shard
 from pipeline.subsets.reshard import reshard
 from pipeline.subsets.uid_files import read_subset
+from tests.fixtures.build_reference import build_outputs, reference_build, status_rows
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def _cfg(demo_pool, out, **kw):
     cfg = dataclasses.replace(BUILD_PRESETS["demo"], metadata=str(demo_pool.metadata_path), output=str(out))
-    cfg = merge(cfg, {"samples_per_shard": 200, "part_size": 150})
+    # 64-row buckets: every per-uid and per-URL stage runs as ~10 tasks, so decisions cross buckets
+    cfg = merge(cfg, {"samples_per_shard": 200, "part_size": 150, "bucket_rows": 64})
     return merge(cfg, kw) if kw else cfg
 
 
@@ -47,6 +49,18 @@ def built(ray_local, demo_pool, tmp_path_factory):
     out = tmp_path_factory.mktemp("build")
     cfg = _cfg(demo_pool, out, tokenizer_vocab=300)
     return cfg, build(cfg, log=lambda m: None)
+
+
+def test_the_build_on_tasks_equals_the_single_process_rules(built, tmp_path):
+    """Statuses, subset files and shards of the bucketed build equal the whole-pool rules run in one
+    process over the same metadata and download parts (tests/fixtures/build_reference.py)."""
+    cfg, result = built
+    assert result.n_input > 8 * cfg.bucket_rows  # many buckets
+    got, want = build_outputs(cfg), reference_build(cfg, tmp_path / "reference")
+    assert status_rows(got["status"]) == status_rows(want["status"])
+    assert got["subsets"] == want["subsets"] and len(got["subsets"]) == len(cfg.filters.names)
+    assert got["tars"] == want["tars"] and len(got["tars"]) > 1
+    assert got["sizes"] == want["sizes"]
 
 
 def test_status_counts_equal_injected_truth(built, demo_pool):
