@@ -52,7 +52,7 @@ from pipeline.config import BuildConfig
 
 FINGERPRINT_VERSION = 4  # 4: digests of per-file digests (3: of the whole pool; 2: without content)
 _PART_FILE = re.compile(r"^part-(\d{6})\.([0-9a-f]+)\.(tar|parquet)$")
-_MARKER = re.compile(r"^part-(\d{6})\.(\d{4,})\.([0-9a-f]+)\.t(\d+|None)\.l(\d+)\.done$")
+_MARKER = re.compile(r"^part-(\d{6})\.(\d{4,})\.([0-9a-z]+)\.t(\d+|None)\.l(\d+)\.done$")
 
 
 class FingerprintMismatch(RefusedError, ValueError):

@@ -33,6 +33,7 @@ from pipeline.config import BUILD_PRESETS
 from pipeline.shards.reader import iter_shard
 from pipeline.source import run_state as R
 from tests.faults.tiny_pool import serve, write_files, write_metadata
+from tests.fixtures.build_reference import build_outputs, reference_build, status_rows
 from tests.fixtures.build_runs import check_invariants, snapshot
 
 N_ROWS = 48
@@ -43,6 +44,7 @@ POINTS = (
     "part.tar_written",
     "part.commit",
     "parts.remove",
+    "stage.task",
 )
 # (kind of run, points killed, cases): 24 kill points in all.
 PLAN = (("fresh", POINTS, 12), ("retry", POINTS, 6), ("refresh", POINTS, 6))
@@ -186,6 +188,8 @@ def main(report: str, work_dir: str, seed: int = 0) -> int:
             "retry": snapshot(done_v1),
             "refresh": snapshot(work / "clean-v2"),
         }
+        reference = _reference_problems(config(v1, done_v1), work / "ref-v1")
+        reference += _reference_problems(config(v2, work / "clean-v2"), work / "ref-v2")
         rng = random.Random(seed)
         results = []
         for kind, points, n_cases in PLAN:
@@ -194,8 +198,18 @@ def main(report: str, work_dir: str, seed: int = 0) -> int:
             for i in range(n_cases):
                 point = reachable[i % len(reachable)]
                 results.append(run_case(kind, point, rng.randint(1, counts[point]), cfgs, refs, work))
-    Path(report).write_text(json.dumps({"seed": seed, "cases": results}, indent=1))
+    Path(report).write_text(json.dumps({"seed": seed, "cases": results, "reference": reference}, indent=1))
     return 0
+
+
+def _reference_problems(cfg, work: Path) -> list[str]:
+    """How a clean build differs from the whole-pool rules run in one process (tests/fixtures/build_reference.py)."""
+    got, want = build_outputs(cfg), reference_build(cfg, work)
+    problems = (
+        [] if status_rows(got["status"]) == status_rows(want["status"]) else [f"{cfg.output}: statuses"]
+    )
+    problems += [f"{cfg.output}: {k}" for k in ("subsets", "tars", "sizes") if got[k] != want[k]]
+    return problems
 
 
 if __name__ == "__main__":

@@ -191,7 +191,11 @@ def test_rerun_reuses_the_filters_until_a_spec_or_the_status_table_changes(built
     rows = pq.read_table(R.part_file(paths["parts"], part, m.token, "parquet"))
     values, shas = rows.column(S.STATUS).to_pylist(), rows.column(S.IMAGE_SHA256).to_pylist()
     everywhere = Counter(pq.read_table(paths["status"]).column(S.IMAGE_SHA256).to_pylist())
-    i = next(k for k, (v, h) in enumerate(zip(values, shas)) if v == S.STATUS_SUCCESS and everywhere[h] == 1)
+    i = next(
+        k
+        for k, (v, h) in enumerate(zip(values, shas, strict=True))
+        if v == S.STATUS_SUCCESS and everywhere[h] == 1
+    )
     values[i] = "failed_to_download:timeout"
     rows = rows.set_column(rows.schema.get_field_index(S.STATUS), S.STATUS, pa.array(values))
     pq.write_table(rows, R.part_file(paths["parts"], part, "feedbeef", "parquet"))
