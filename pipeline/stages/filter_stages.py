@@ -4,12 +4,13 @@ Most of DataComp's rules decide a row from its own columns (``basic``, ``english
 ``laion2b``, ``clip_score`` by threshold, ``image_based``): each bucket task runs them as
 ``filters.specs.run_filters`` does over the whole pool. Two cut the pool at a rank, and their cut is found
 first, exactly, by a radix selection over the buckets (``Cut``; each pass one task per bucket returning
-the counts of one 16-bit digit, four passes at most), then applied per bucket:
+the counts of one 8-bit digit, until at most ``GATHER`` keys are left, which one more pass fetches), then
+applied per bucket:
 
 - ``clip_score`` by fraction: DataComp's ``get_threshold``, the ``int(N·f)``-th largest score over all
   ``N`` rows (``datacomp.clip_fraction_threshold``), then the threshold rule;
 - ``random``: the ``round(f·N)`` rows of smallest (hash of seed and uid, uid bytes): the cut's hash, and
-  among the rows that hold exactly that hash the uids taken (a last pass gathers them; ties are rare).
+  among the rows that hold exactly that hash the uids taken (ties are rare).
 
 ``neg_clip_loss`` and ``norm_sim`` score the pool against random batches and its own quantile over the
 pool's embedding files; they run over the whole pool in one task (not the driver) until they stream
@@ -44,19 +45,22 @@ from pipeline.subsets import eligibility as SR
 from pipeline.subsets.uid_files import arrow_u8pairs
 
 WHOLE_POOL = ("neg_clip_loss", "norm_sim")  # see the module docstring
-DIGIT = 16  # bits of a radix pass
+DIGIT = 8  # bits of a selection pass: a bucket's summary holds at most 2**8 counts
+GATHER = 4096  # keys under a prefix few enough to fetch themselves
 
 
 @dataclass(frozen=True)
 class Cut:
-    """One whole-pool cut: ``rank`` counts from 0 in ascending key order (``_keys``); ``prefix``/``bits``:
-    the leading bits of the answer found so far; ``value`` once found, and for ``random`` the uids taken
-    among the rows holding it. ``none``: no row reaches the cut (a ``random`` of 0 rows, or a
-    ``clip_score`` rank among the unscored rows: DataComp's NaN threshold)."""
+    """One whole-pool cut: ``rank`` counts from 0 in ascending key order (``_keys``) among the keys under
+    ``prefix`` (its leading ``bits``); ``gather``: the next pass returns those keys themselves (few
+    enough); ``value`` once found, and for ``random`` the uids taken among the rows holding it. ``none``:
+    no row reaches the cut (a ``random`` of 0 rows, or a ``clip_score`` rank among the unscored rows:
+    DataComp's NaN threshold)."""
 
     rank: int
     prefix: int = 0
     bits: int = 0
+    gather: bool = False
     value: int | None = None
     ties: tuple[str, ...] | None = None
     none: bool = False
@@ -115,22 +119,28 @@ def _bucket_table(job: FilterJob, b: int) -> pa.Table:
 
 
 def count_digits(job: FilterJob, b: int) -> dict:
-    """One radix pass for bucket ``b``: per unfinished cut, its keys under the prefix by their next digit;
-    for a ``random`` cut whose value is found, the uids holding exactly that value."""
-    t = _bucket_table(job, b)
+    """One selection pass for bucket ``b`` (``cut_summary`` of its rows)."""
+    return cut_summary(job, _bucket_table(job, b))
+
+
+def cut_summary(job: FilterJob, t: pa.Table) -> dict:
+    """Per unfinished cut, the keys of ``t``'s rows under its prefix counted by their next ``DIGIT`` bits,
+    or (``gather``) the keys themselves with their uids."""
     out: dict[str, Any] = {}
     for key, (name, params) in cut_keys(job).items():
         cut = job.cuts[key]
         if cut.done or not t.num_rows:
             continue
-        k = _keys(t, name, params)
-        if cut.value is not None:
-            out[key] = t.column(S.UID).filter(pa.array(k == np.uint64(cut.value))).to_pylist()
-            continue
+        k, uids = _keys(t, name, params), t.column(S.UID)
         if name == "clip_score":
-            k = k[~np.isnan(float_column(t, params["column"], "clip_score"))]
+            scored = ~np.isnan(float_column(t, params["column"], "clip_score"))
+            k, uids = k[scored], uids.filter(pa.array(scored))
         if cut.bits:
-            k = k[(k >> np.uint64(64 - cut.bits)) == np.uint64(cut.prefix)]
+            under = (k >> np.uint64(64 - cut.bits)) == np.uint64(cut.prefix)
+            k, uids = k[under], uids.filter(pa.array(under))
+        if cut.gather:
+            out[key] = [[int(v), u] for v, u in zip(k.tolist(), uids.to_pylist(), strict=True)]
+            continue
         digits, counts = np.unique((k << np.uint64(cut.bits)) >> np.uint64(64 - DIGIT), return_counts=True)
         out[key] = {str(int(d)): int(c) for d, c in zip(digits, counts, strict=True)}
     return out
@@ -153,10 +163,8 @@ def advance(job: FilterJob, key: str, summaries: list[dict]) -> Cut:
     """The cut after a pass, from every bucket's summary."""
     name, params = cut_keys(job)[key]
     cut = job.cuts[key]
-    if cut.value is not None:  # the ties pass: the uids taken among the rows holding the value
-        held = pa.array(sorted({u for s in summaries for u in s.get(key, [])}), pa.string())
-        order = F.random_order(held, params["seed"])
-        return replace(cut, ties=tuple(held.take(pa.array(order[: cut.rank + 1])).to_pylist()))
+    if cut.gather:
+        return _gathered(cut, name, params, [tuple(e) for s in summaries for e in s.get(key, [])])
     total: dict[int, int] = {}
     for s in summaries:
         for d, n in s.get(key, {}).items():
@@ -170,11 +178,24 @@ def advance(job: FilterJob, key: str, summaries: list[dict]) -> Cut:
     for d in sorted(total):
         if rank < total[d]:
             prefix, bits = (cut.prefix << DIGIT) | d, cut.bits + DIGIT
-            value = prefix if bits == 64 else None
-            ties = () if value is not None and name == "clip_score" else None
-            return replace(cut, rank=rank, prefix=prefix, bits=bits, value=value, ties=ties)
+            if bits == 64 and name == "clip_score":  # equal scores: the threshold keeps them all
+                return replace(cut, rank=rank, prefix=prefix, bits=bits, value=prefix, ties=())
+            return replace(cut, rank=rank, prefix=prefix, bits=bits, gather=bits == 64 or total[d] <= GATHER)
         rank -= total[d]
     raise ValueError(f"cut {key}: rank {cut.rank} past the {sum(total.values())} keys")
+
+
+def _gathered(cut: Cut, name: str, params: dict, entries: list[tuple[int, str]]) -> Cut:
+    """The cut from the keys under its prefix: the value of its rank and, for ``random``, the uids it takes
+    among the rows holding that value (``datacomp.random_order``: by uid bytes)."""
+    values = np.sort(np.asarray([v for v, _ in entries], np.uint64))
+    value = int(values[cut.rank])
+    if name == "clip_score":
+        return replace(cut, value=value, ties=())
+    held = pa.array(sorted(u for v, u in entries if v == value), pa.string())
+    taken = cut.rank - int(np.searchsorted(values, np.uint64(value))) + 1
+    order = F.random_order(held, params["seed"])
+    return replace(cut, value=value, ties=tuple(held.take(pa.array(order[:taken])).to_pylist()))
 
 
 def _random_cut(table: pa.Table, params: dict, cut: Cut) -> base.FilterResult:

@@ -12,29 +12,24 @@ to the other; the bound is 24 MiB.
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from pipeline import schema as S
 from pipeline.common.config import merge, to_dict
 from pipeline.config import BUILD_PRESETS
 from tests.fixtures import cgroup
+from tests.fixtures.blocked_pool import picture, write_pool
 from tests.fixtures.http_server import Route, http_server  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = (20_000, 100_000)
 GROWTH_BOUND = 24 << 20
 LIMIT = 1536 << 20  # a driver that grew with the pool would still fit: the growth is what is asserted
-PATH = "/photos/2024/collections/gallery-original-uploads/full-resolution-files/item"
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -51,23 +46,6 @@ print(json.dumps({"rows": res.n_input, "status": res.status_counts, "shards": le
 """
 
 
-def _pool(path: Path, n: int, base: str) -> str:
-    i = np.arange(n)
-    urls = np.where(
-        i % 200 == 0, [f"{base}/a.jpg?{k}" for k in i], [f"http://10.0.0.1{PATH}/{k:012d}.jpg" for k in i]
-    )
-    table = pa.table({
-        S.UID: [f"{k:032x}" for k in i],
-        S.URL: urls.tolist(),
-        S.TEXT: [f"a photograph of item number {k} standing on a wooden table in the garden" for k in i],
-        S.ORIGINAL_WIDTH: np.full(n, 640), S.ORIGINAL_HEIGHT: np.full(n, 480),
-        S.CLIP_B32: np.linspace(0.1, 0.4, n), S.CLIP_L14: np.linspace(0.4, 0.1, n),
-    })  # fmt: skip
-    path.mkdir(parents=True)
-    pq.write_table(table, path / "part-0.parquet", row_group_size=25_000)
-    return str(path)
-
-
 def _driver_peak(ray_address: str, cfg, tmp: Path) -> tuple[int, dict]:
     with cgroup.MemoryCgroup(LIMIT) as group:
         done = subprocess.run(
@@ -80,14 +58,12 @@ def _driver_peak(ray_address: str, cfg, tmp: Path) -> tuple[int, dict]:
 
 @pytest.mark.skipif(cgroup.unavailable() is not None, reason=str(cgroup.unavailable()))
 def test_the_build_driver_does_not_grow_with_the_pool(ray_local, http_server, tmp_path) -> None:
-    buf = io.BytesIO()
-    Image.fromarray(np.full((48, 64, 3), (200, 60, 40), np.uint8)).save(buf, "JPEG")
-    http_server.route("/a.jpg", Route(body=buf.getvalue()))
+    http_server.route("/a.jpg", Route(body=picture()))
     base = http_server.url("").rstrip("/")
     peaks = {}
     for n in SIZES:
         cfg = merge(BUILD_PRESETS["demo"], {
-            "metadata": _pool(tmp_path / f"meta-{n}", n, base), "output": str(tmp_path / f"out-{n}"),
+            "metadata": write_pool(tmp_path / f"meta-{n}", n, base), "output": str(tmp_path / f"out-{n}"),
             "part_size": 2_000, "samples_per_shard": 1_000, "bucket_rows": 25_000,
             "filters": {"names": ["no_filter", "english", "clip_score"]},
             "download": {"verify_sha256": False},

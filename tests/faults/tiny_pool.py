@@ -76,17 +76,17 @@ def write_metadata(root: Path, rows: list[dict], base_url: str, name: str = "met
 
 
 @contextmanager
-def serve(root: Path) -> Iterator[str]:
-    """``python -m http.server`` on 127.0.0.1 (any free port) over ``root``; yields its base URL."""
+def serve(root: Path, host: str = "127.0.0.1") -> Iterator[str]:
+    """``python -m http.server`` on ``host`` (any free port) over ``root``; yields its base URL."""
     proc = subprocess.Popen(
-        [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", str(root)],
+        [sys.executable, "-u", "-m", "http.server", "0", "--bind", host, "--directory", str(root)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
     )  # fmt: skip
     try:
         line = proc.stdout.readline()  # "Serving HTTP on 127.0.0.1 port 40123 (http://127.0.0.1:40123/) ..."
         port = re.search(r"port (\d+)", line)
         assert port, line
-        yield f"http://127.0.0.1:{port.group(1)}"
+        yield f"http://{host}:{port.group(1)}"
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         try:
