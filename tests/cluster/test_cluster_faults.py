@@ -3,6 +3,8 @@ every process they run, the head killed, a host cut off the network. Every path 
 Elastic training (a Train host lost with ``scaling.min_workers`` below ``num_workers``) has no test
 here yet: on this harness such a run had not finished 5 minutes after the host was lost.
 
+A host is cut off until the head declares it dead, so that test takes one path whatever the timing.
+
 Hosts: a head without task CPUs, two data hosts (2 CPUs each), two train hosts (1 CPU each). The builds run
 the demo preset without metadata (the driver serves the pool) in parts of 40 rows on four actors, so a
 fault lands between committed parts. Each build ends with every uid in the status the pool's ground
@@ -113,34 +115,33 @@ def test_a_worker_host_killed_mid_download_the_same_job_finishes(cluster) -> Non
     whole_again(cluster)
 
 
-def test_a_host_cut_off_for_30s_recovers_or_fails_clearly_and_a_rerun_resumes(cluster) -> None:
+def test_a_host_cut_off_until_declared_dead_the_same_job_finishes(cluster) -> None:
+    """The host's link goes down with its processes alive; it comes back once the head has declared it
+    dead (an event, not a fixed time: Ray's health checks take 15-50 s), so every run takes the same path:
+    its actors' calls fail, their parts run again on the other host, and the same job finishes. The cut
+    host's actors may still write files when it comes back: under their own tokens, which no marker
+    names."""
     out, store = cluster.s3.url("cut-host"), store_of(cluster)
-    late = {
-        "download.late_retries": 1
-    }  # the default outside the demo preset: what brings a cut host's rows back
-    cluster.submit(slow_build(out, **late), "cut-host", wait=False)
+    cluster.submit(slow_build(out, **{"download.late_retries": 1}), "cut-host", wait=False)
     failed = lambda: cluster.job("cut-host")["status"] in ("FAILED", "STOPPED")  # noqa: E731
     wait_for("two committed parts", lambda: _two_parts(store, out), failed=failed)
     placed = actors_by_host(cluster, "DownloadPart", job_ray_id(cluster, "cut-host"))
     victim = max(("data1", "data2"), key=lambda h: placed.get(h, 0))
+    assert placed.get(victim), placed
     cluster.cut(victim)
-    time.sleep(30)
+    started = time.monotonic()
+    wait_for(f"the head to declare {victim} dead", lambda: cluster.hosts[victim].ip not in _alive_ips(cluster),
+             timeout=180, every=1.0)  # fmt: skip
+    cut_for = time.monotonic() - started
     cluster.restore(victim)
     info = cluster.wait_job("cut-host")
     logs = cluster.job_logs("cut-host")
-    outcome = info["status"]
-    if outcome != "SUCCEEDED":  # a clear failure, and the same command resumes
-        assert "Traceback" in logs or "error" in logs.lower(), logs[-3000:]
-        cluster.kill_host(victim)
-        whole_again(cluster)
-        rerun = submit_ok(cluster, slow_build(out, **late), "cut-host-rerun")
-        assert "0 already done" not in rerun
-    counts = check_build(cluster, out)
-    lines = [line for line in logs.splitlines() if line.strip()]
-    said = [line for line in lines if "late retry pass" in line] if outcome == "SUCCEEDED" else lines[-1:]
+    assert info["status"] == "SUCCEEDED", logs[-4000:]  # no re-submit
     lost = logs.count("a download actor was lost")
-    print(f"\ncut {victim} for 30 s: job {outcome}; {lost} actor(s) lost; {counts}; {said or 'no late pass'}")
-    cluster.kill_host(victim)  # marked dead while cut off, it may be on its way out: start it afresh
+    assert lost >= 1 and "0 already done" in logs
+    counts = check_build(cluster, out)
+    print(f"\ncut {victim} for {cut_for:.0f} s (until declared dead): {lost} actor(s) lost; {counts}")
+    cluster.kill_host(victim)  # declared dead, its raylet is on its way out: start it afresh
     whole_again(cluster)
 
 
