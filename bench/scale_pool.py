@@ -9,7 +9,7 @@ of the build work:
 - 0.5% of rows repeat an earlier row's uid (a quarter of them in another file), 0.5% repeat an earlier
   URL up to case in the host, 0.1% have an invalid uid, 0.1% a null URL, 0.1% an empty caption;
 - 1% of rows show the picture of another row (an exact duplicate image), 0.5% a re-encode of another
-  (a near duplicate), 3% fail to download (a 404 by the stand-in, decided from the URL);
+  (a near duplicate), ``fail`` (3% by default) fail to download (a 404 by the stand-in, from the URL);
 - CLIP scores, sizes and a face box on 10% of rows.
 
 The stand-in (``standin_fetch``) answers every URL at memory speed with a deterministic small JPEG drawn
@@ -67,20 +67,20 @@ def _earlier(i: np.ndarray) -> np.ndarray:
     )
 
 
-def _picture_of(row: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _picture_of(row: np.ndarray, fail: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(image id, variant, whether it fails) of row numbers: 1% show an earlier row's picture, 0.5% a
-    re-encode of one (variant 1), 3% are a 404."""
+    re-encode of one (variant 1), a ``fail`` share are a 404."""
     r = _unit(row, 5)
     copy = r < 0.015
     image = np.where(copy, _earlier(row), row)
-    return image, np.where((r >= 0.01) & copy, 1, 0), (r >= 0.015) & (r < 0.045)
+    return image, np.where((r >= 0.01) & copy, 1, 0), (r >= 0.015) & (r < 0.015 + fail)
 
 
 def _join(*parts) -> pa.Array:
     return pc.binary_join_element_wise(*parts, "")
 
 
-def pool_file(n: int, start: int, seed: int) -> pa.Table:
+def pool_file(n: int, start: int, seed: int, fail: float = 0.03) -> pa.Table:
     """Rows ``start .. start+n`` of the pool of ``seed`` (each file generated on its own)."""
     rng = np.random.default_rng([seed, start])
     idx = np.arange(start, start + n, dtype=np.uint64)
@@ -88,7 +88,7 @@ def pool_file(n: int, start: int, seed: int) -> pa.Table:
     # A row repeating an earlier row's URL (up to the case of its host) carries that row's whole URL.
     dup_url = (_unit(idx, 3) < 0.005) & (idx > 0)
     url_row = np.where(dup_url, _earlier(idx), idx)
-    image, variant, fail = _picture_of(url_row)
+    image, variant, fail = _picture_of(url_row, fail)
     # A repeated uid: the previous row's or, a quarter of them, a row of an earlier file.
     back = np.where(rng.random(n) < 0.25, idx % np.uint64(max(start, 1)), idx - np.uint64(1))
     back = np.where((rng.random(n) < 0.005) & (idx > 0), back, idx)
@@ -127,7 +127,12 @@ def pool_file(n: int, start: int, seed: int) -> pa.Table:
 
 
 def write_pool(
-    folder: Path, n: int, seed: int = 0, file_rows: int = FILE_ROWS, row_group: int = 100_000
+    folder: Path,
+    n: int,
+    seed: int = 0,
+    file_rows: int = FILE_ROWS,
+    row_group: int = 100_000,
+    fail: float = 0.03,
 ) -> Path:
     """The pool of ``n`` rows as parquet files in ``folder`` (kept when a finished one is there)."""
     folder = Path(folder)
@@ -135,7 +140,7 @@ def write_pool(
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     for f, start in enumerate(range(0, n, file_rows)):
-        table = pool_file(min(file_rows, n - start), start, seed)
+        table = pool_file(min(file_rows, n - start), start, seed, fail)
         pq.write_table(table, folder / f"{f:05d}.parquet", row_group_size=row_group)
     (folder / "done").write_text("")
     return folder
