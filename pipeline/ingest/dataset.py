@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from pipeline.common.placement import scope_dataset
 from pipeline.common.storage import Storage
-from pipeline.ingest.subset_reader import SubsetShardReader
+from pipeline.ingest.subset_reader import SubsetShardReader, load_counts
 from pipeline.ingest.transforms import TrainCollate, decode_augment_batch, tokenizer_state, window_shuffle
 from pipeline.shards.ray_reader import ShardDatasource, read_shards
 from pipeline.shards.reader import list_shards
@@ -195,6 +195,20 @@ class ProgressPrinter:
 # --- training ingest ----------------------------------------------------------------------------------
 
 
+class SharedSubset:
+    """A subset's (sorted distinct uids, counts), loaded by one task into the object store: each node holds
+    one copy that its read workers map zero-copy; the driver holds only the reference."""
+
+    def __init__(self, path: str, store: Storage, label_selector: dict[str, str] | None = None) -> None:
+        options: dict = {"num_cpus": 0}
+        if label_selector:
+            options["label_selector"] = {str(k): str(v) for k, v in label_selector.items()}
+        self.ref = ray.remote(load_counts).options(**options).remote(path, store)
+
+    def __call__(self) -> tuple[Any, Any]:
+        return ray.get(self.ref)
+
+
 def build_train_dataset(
     data: Any,
     store: Storage,
@@ -217,7 +231,8 @@ def build_train_dataset(
     report = BadShardCounter(counters) if counters else None
     mismatch = MismatchCounter(counters) if counters else None
     if data.subset:  # the build's shards, filtered to the subset's rows inside each read task
-        reader = SubsetShardReader(data.subset, store, max_bad_shards=data.max_bad_shards, report=report,
+        counts = SharedSubset(data.subset, store, data.label_selector)
+        reader = SubsetShardReader(data.subset, store, counts, max_bad_shards=data.max_bad_shards, report=report,
                                    verify=data.verify_checksums, on_mismatch=mismatch)  # fmt: skip
         source = ShardDatasource(list_shards(data.shards, store), reader, shuffle=shuffle)
         ds = ray.data.read_datasource(source, num_cpus=read_cpus)

@@ -9,14 +9,17 @@ compares the two). A row's uid is its key when that is a 32-hex uid (the build's
 ``uid`` of its ``.json``, as resharding reads it. The build writes every uid once, so a uid is never met
 in two shards (resharding would write such a uid once; this reader once per shard holding it).
 
-The subset travels to the read tasks as its path, and each worker process loads it once (16 bytes a
-distinct uid, plus its count): a subset of DataComp small's 12.8M pool is ~60 MB per process at most.
+The subset reaches the read tasks as ``counts``, a callable giving its sorted distinct uids and their
+counts: on Ray (pipeline/ingest/dataset.py) one task loads the file into the object store and every read
+worker maps that one copy per node, zero-copy (24 bytes a distinct uid per node, none per process:
+docs/decisions/0064-train-from-the-build-through-the-subset.md); without one, each process loads the path
+once.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,13 +33,18 @@ from pipeline.subsets.uid_files import read_subset
 _LOADED: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # subset path → (sorted distinct uids, counts)
 
 
+def load_counts(path: str, store: Storage = LOCAL) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct ``u8,u8`` uids, how often each is listed) of the subset at ``path``."""
+    with store.open_input(path, seekable=False) as fh:
+        uids = read_subset(fh, name=path)
+    return np.unique(uids.reshape(-1), return_counts=True)
+
+
 def subset_counts(path: str, store: Storage = LOCAL) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted distinct ``u8,u8`` uids, how often each is listed) of the subset at ``path``, once per process."""
+    """``load_counts`` once per process."""
     if path not in _LOADED:
-        with store.open_input(path, seekable=False) as fh:
-            uids = read_subset(fh, name=path)
         _LOADED.clear()  # one subset per process at a time is the common case
-        _LOADED[path] = np.unique(uids.reshape(-1), return_counts=True)
+        _LOADED[path] = load_counts(path, store)
     return _LOADED[path]
 
 
@@ -73,14 +81,21 @@ def row_uid(key: str, meta: bytes | None) -> str | None:
 
 
 class SubsetShardReader(ShardReader):
-    """``ShardReader`` whose chunks hold only the subset's rows, each repeated as often as it is listed."""
+    """``ShardReader`` whose chunks hold only the subset's rows, each repeated as often as it is listed.
+    ``counts``: where the subset's (sorted distinct uids, counts) come from; default ``subset_counts``."""
 
-    def __init__(self, subset: str, store: Storage = LOCAL, **kw: Any) -> None:
+    def __init__(
+        self,
+        subset: str,
+        store: Storage = LOCAL,
+        counts: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(store, with_json=True, **kw)
-        self.subset = subset
+        self.subset, self.counts = subset, counts
 
     def __call__(self, path: str) -> Iterator[pa.Table]:
-        distinct, counts = subset_counts(self.subset, self.store)
+        distinct, counts = self.counts() if self.counts else subset_counts(self.subset, self.store)
         for table in super().__call__(path):
             keys, metas = table.column("key").to_pylist(), table.column("json").to_pylist()
             uids = [row_uid(k, m) for k, m in zip(keys, metas, strict=True)]

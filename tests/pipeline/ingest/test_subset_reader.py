@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import ray
 
 from pipeline.ingest.subset_reader import SubsetShardReader, row_uid
 from pipeline.shards.reader import iter_shard
@@ -92,6 +93,21 @@ def test_training_dataset_of_a_subset_holds_exactly_its_samples(ray_local, tmp_p
     cfg = DataConfig(shards=str(tmp_path / "pool"), subset=subset, shuffle_window=16, decode_batch_size=8,
                      decode_cpus=0.5, shuffle_seed=3)  # fmt: skip
     ds = build_train_dataset(cfg, LOCAL, tok, 32, 16)
+    # one task loaded the subset into the object store: the read tasks never open the file
+    ray.get(ds_subset_ref(ds))
+    Path(subset).rename(tmp_path / "moved.npy")
     keys = [k for b in ds.iter_batches(batch_size=None, batch_format="numpy") for k in b["key"]]
     assert Counter(keys) == Counter(u for u in listed if u in set(uids))
+    Path(tmp_path / "moved.npy").rename(subset)
     assert Counter(keys) == resharded_uids(paths, subset, tmp_path / "resharded")
+
+
+def ds_subset_ref(ds):
+    """The object reference of the subset the dataset's read tasks take (its datasource's reader)."""
+    import gc
+
+    from pipeline.ingest.dataset import SharedSubset
+
+    shared = [o for o in gc.get_objects() if isinstance(o, SharedSubset)]
+    assert shared, "the read tasks take no shared subset"
+    return shared[-1].ref
