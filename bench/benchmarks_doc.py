@@ -208,30 +208,6 @@ def build_throughput(d: dict[str, Any]) -> list[Row]:
 def build_scale(d: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     date = day(d.get("date"))
-    for m in d.get("meta", []):
-        rows.append(
-            (
-                f"driver-side build stages on {m['rows']:,} metadata rows (read, row checks, URL dedupe, "
-                "`basic` + `clip_score` filters, subsets)",
-                "python bench/build_scale.py --what meta",
-                f"{m['total_s']:.0f} s",
-                f"driver peak {m['driver_peak_rss_gb']:.1f} GiB, largest worker {m['largest_worker_rss_gb']:.1f} GiB",
-                load_of([m.get("load_avg_1m")]),
-                date,
-            )
-        )
-        reused = next((v for k, v in m["stages_s"].items() if "reused" in k), None)
-        if reused is not None:
-            rows.append(
-                (
-                    f"the filters again on unchanged inputs (results reused), {m['rows']:,} rows",
-                    "python bench/build_scale.py --what meta",
-                    f"{reused:.1f} s",
-                    NONE,
-                    load_of([m.get("load_avg_1m")]),
-                    date,
-                )
-            )
     dl = d.get("download")
     if dl:
         ddate = day(d.get("download_date") or d.get("date"))
@@ -508,11 +484,58 @@ def train_parallel(lines: list[dict[str, Any]]) -> list[Row]:
     return rows
 
 
+def build_at_scale(d: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = []
+    date, cmd = day(d.get("date")), "python bench/build_at_scale.py"
+    mib = 2**20
+    for r in d["runs"]:
+        rows.append((
+            f"the whole build of {r['rows']:,} rows ({100 * (1 - r['fail']):.0f}% download), "
+            f"{d['cores']} cores: wall, CPU per row",
+            cmd, f"{r['wall_s']:,.0f} s, {r['cpu_us_per_row']:.0f} CPU-µs a row",
+            f"driver peak {r['driver_peak_rss'] / mib:.0f} MiB, largest worker {r['largest_worker_rss'] / mib:.0f} MiB",
+            load_of([r.get("load_avg_1m")]), date,
+        ))  # fmt: skip
+    first, last = d["runs"][0], d["runs"][-1]
+    rows.append((
+        f"the driver's peak, {first['rows']:,} → {last['rows']:,} rows", cmd,
+        f"{d['driver_growth_rss'] / mib:+.0f} MiB", f"{first['driver_peak_rss'] / mib:.0f} → "
+        f"{last['driver_peak_rss'] / mib:.0f} MiB", NONE, date,
+    ))  # fmt: skip
+    dense = d.get("dense")
+    if dense:
+        rows.append((
+            f"one success's CPU (the {dense['rows']:,}-row pool at {100 * (1 - dense['fail']):.0f}% download "
+            "against the sparse one); a row's besides", cmd,
+            f"{1e6 * d['cpu_s_per_success']:.0f} µs; {1e6 * d['cpu_s_per_row_without_download']:.0f} µs",
+            f"dense run: {dense['wall_s']:,.0f} s wall, {dense['cpu_us_per_row']:.0f} CPU-µs a row",
+            load_of([dense.get("load_avg_1m")]), date,
+        ))  # fmt: skip
+    for name, key in (("wall time", "fit_wall_s"), ("CPU time", "fit_cpu_s")):
+        f = d[key]
+        rows.append((
+            f"{name}, least squares over the sizes: a + b·N, extrapolated to 12.8M / 128M / 1.28B rows",
+            cmd, f"{f['fixed']:.0f} s + {1e6 * f['per_row']:.0f} µs·N",
+            f"extrapolated: {f['small'] / 3600:.1f} h / {f['medium'] / 3600:.0f} h / {f['large'] / 3600:.0f} h "
+            f"on {d['cores']} cores", NONE, date,
+        ))  # fmt: skip
+    s3 = d.get("s3")
+    if s3:
+        rows.append((
+            f"S3 requests of the whole build, {s3['rows']:,} rows on SeaweedFS", cmd,
+            f"{s3['requests_per_part']:.0f} a download part ({s3['requests_per_row']:.3f} a row)",
+            ", ".join(f"{k} {v:,}" for k, v in sorted(s3["requests"].items())),
+            load_of([s3.get("load_avg_1m")]), date,
+        ))  # fmt: skip
+    return rows
+
+
 # Result file → (section title, extractor) for the files the benchmark scripts write.
 Extractor = Callable[[Any], list[Row]]
 KNOWN: dict[str, tuple[str, Extractor]] = {
     "build_throughput.json": ("Build throughput against img2dataset", build_throughput),
     "build_scale.json": ("Build cost against the amount of work", build_scale),
+    "build_at_scale.json": ("The build at scale", build_at_scale),
     "image_cpu.json": ("The download worker's image path", image_cpu),
     "decode_memory.json": ("Decode memory of one download actor", decode_memory),
     "loss_memory.json": ("ProLIP loss: time and memory", loss_memory),
@@ -535,6 +558,7 @@ ORDER = (
     "sigma2_terms.jsonl",
     "build_throughput.json",
     "download_actor_cpu.json",
+    "build_at_scale.json",
     "build_scale.json",
     "image_cpu.json",
     "image_stages_img2dataset.json",

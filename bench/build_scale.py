@@ -1,16 +1,6 @@
-"""Cost of the build against the amount of work: metadata stages, download + shard, reshard, re-run.
+"""Cost of the build against the amount of work at demo sizes: download + shard, reshard, re-run. The
+build at DataComp sizes (1M–16M rows, the driver's and workers' memory): bench/build_at_scale.py.
 
-(a) ``meta``     synthetic DataComp-schema metadata (every column of pipeline/schema.py's METADATA_SCHEMA,
-                 files of ≤ 1M rows, 1% repeated URLs, 10% of rows with a face box) at ``--meta-sizes``
-                 rows, each size in its own subprocess with its own local Ray: the build's driver path —
-                 read + schema check + caption/row keys (``build._read_pool`` up to the narrow columns),
-                 pre-download statuses with URL dedupe (``rows.pre_statuses``), then ``build.run_filters``
-                 with the baseline filters ``basic`` + ``clip_score`` (the filter columns read again,
-                 fastText language labels in a Ray actor, the masks, one subset ``.npy`` per filter; every
-                 live row counted as downloaded), then the same call again (its results reused: the
-                 re-run short-circuit) — wall time per stage, peak RSS of the driver (``ru_maxrss``) and of the
-                 largest Ray worker (sampled every 0.2 s). Aborts the size when available memory falls
-                 under ``--min-free-gb``.
 (b) ``download`` ``pipeline.build.build`` at ``--pool-sizes`` rows from 127.0.0.1 (bench/build_throughput.py's
                  photo-like JPEGs, ``--corpus`` distinct images served under many URLs), DataComp's settings;
                  a least-squares line wall = fixed + n / rate gives images/s and the fixed overhead apart
@@ -27,7 +17,7 @@
                  append the members to a rolling output tar of ``samples_per_shard``).
 
 Writes ``--out`` (JSON) and a PNG beside it. ``--quick`` runs every part small (a check, not a figure).
-Usage: python bench/build_scale.py [--quick] [--what meta,download,reshard] [--meta-sizes 800000,3200000,12800000]
+Usage: python bench/build_scale.py [--quick] [--what download,reshard]
 """
 
 from __future__ import annotations
@@ -37,13 +27,10 @@ import datetime
 import itertools
 import json
 import os
-import resource
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -55,178 +42,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "build_scale.json"
 CACHE = Path(tempfile.gettempdir()) / "prolip-bench-build-scale"
-FILE_ROWS = 1_000_000
 
 
 def load() -> float:
     return os.getloadavg()[0]
-
-
-# --- (a) metadata stages --------------------------------------------------------------------------------
-
-
-def synth_metadata(n: int, seed: int = 0) -> Path:
-    """DataComp-schema parquet files of ``n`` rows in the cache (written once per size)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from pipeline import schema as S
-
-    folder = CACHE / f"meta-{n}-{seed}"
-    if (folder / "done").exists():
-        return folder
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(seed)
-    for f, start in enumerate(range(0, n, FILE_ROWS)):
-        m = min(FILE_ROWS, n - start)
-        hexes = rng.bytes(16 * m).hex()
-        uids = [hexes[32 * i : 32 * i + 32] for i in range(m)]
-        idx = np.arange(start, start + m)
-        idx[rng.random(m) < 0.01] -= 1  # 1% of rows repeat the previous row's URL
-        urls = [f"https://img{i % 997}.example.com/photos/{i}.jpg" for i in idx.tolist()]
-        text = [f"a photo of item {i} on a table" for i in range(start, start + m)]
-        shas = rng.bytes(32 * m).hex()
-        has_box = rng.random(m) < 0.1
-        offsets = np.concatenate([[0], np.cumsum(has_box)]).astype(np.int32)
-        boxes = pa.ListArray.from_arrays(
-            pa.array(np.arange(int(has_box.sum()) + 1, dtype=np.int32) * 4),
-            pa.array(rng.random(4 * int(has_box.sum()))),
-        )
-        cols = {
-            S.UID: uids,
-            S.URL: urls,
-            S.TEXT: text,
-            S.ORIGINAL_WIDTH: rng.integers(64, 4000, m),
-            S.ORIGINAL_HEIGHT: rng.integers(64, 4000, m),
-            S.SHA256: [shas[64 * i : 64 * i + 64] for i in range(m)],
-            S.CLIP_B32: rng.normal(0.3, 0.05, m),
-            S.CLIP_L14: rng.normal(0.25, 0.05, m),
-            S.FACE_BBOXES: pa.ListArray.from_arrays(pa.array(offsets), boxes),
-        }
-        pq.write_table(pa.table(cols, schema=S.METADATA_SCHEMA), folder / f"{f:05d}.parquet")
-    (folder / "done").write_text("")
-    return folder
-
-
-class RssMonitor:
-    """Largest RSS of any descendant process (the local Ray's workers), and a floor on free memory."""
-
-    def __init__(self, min_free_gb: float) -> None:
-        import psutil
-
-        self.psutil, self.min_free = psutil, min_free_gb * 2**30
-        self.worker_peak, self.low_memory = 0, False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        me = self.psutil.Process()
-        while not self._stop.wait(0.2):
-            if self.psutil.virtual_memory().available < self.min_free:
-                self.low_memory = True
-                print(f"ABORT: available memory under {self.min_free / 2**30:.0f} GB", flush=True)
-                os._exit(3)
-            for child in me.children(recursive=True):
-                try:
-                    if "ray::" in " ".join(child.cmdline()[:1]) or "default_worker" in " ".join(
-                        child.cmdline()
-                    ):
-                        self.worker_peak = max(self.worker_peak, child.memory_info().rss)
-                except (self.psutil.NoSuchProcess, self.psutil.AccessDenied):
-                    pass
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def meta_stages(n: int, min_free_gb: float, child_out: str = "") -> dict:
-    """(In a subprocess.) Time each metadata stage of the build's driver at ``n`` rows."""
-    import psutil
-
-    from jobs.common import init_ray
-    from pipeline import build as B
-    from pipeline.common.config import merge
-    from pipeline.common.storage import LOCAL
-    from pipeline.config import BuildConfig
-    from pipeline.filters.specs import check_build_filters
-    from pipeline.source.row_checks import pre_statuses
-
-    folder = synth_metadata(n)
-    cfg = merge(BuildConfig(), {"metadata": str(folder), "output": str(CACHE / "unused"),
-                                "filters": {"names": ["basic", "clip_score"]}})  # fmt: skip
-    mon = RssMonitor(min_free_gb)
-    out: dict = {"rows": n, "load_avg_1m": load(), "stages_s": {}, "rss_after_gb": {}}
-    rss = lambda: psutil.Process().memory_info().rss / 2**30  # noqa: E731
-
-    def stage(name, fn):
-        t = time.perf_counter()
-        res = fn()
-        out["stages_s"][name] = time.perf_counter() - t
-        out["rss_after_gb"][name] = rss()
-        print(f"  {n} rows: {name} {out['stages_s'][name]:.1f}s, driver RSS {rss():.2f} GB", flush=True)
-        if child_out:  # what is measured survives a stop on low memory
-            Path(child_out).write_text(
-                json.dumps(out | {"worker_peak_rss_gb_so_far": mon.worker_peak / 2**30})
-            )
-        return res
-
-    stage("ray.init", lambda: init_ray(num_cpus=os.cpu_count() or 1))
-    from pipeline.source.metadata import open_metadata, read_columns
-    from pipeline.source.row_checks import CAPTION_STATUS, ROW_KEY
-
-    meta = stage("schema check (every file)", lambda: open_metadata(cfg.metadata, LOCAL))
-    for name, columns in zip(meta.files, meta.names, strict=True):
-        check_build_filters(cfg.filters, columns, name)
-    narrow = stage(
-        "read + row keys (narrow columns)",
-        lambda: read_columns(meta, ["uid", "url", CAPTION_STATUS, ROW_KEY], cfg.max_caption_bytes, LOCAL),
-    )
-    status = stage("pre-statuses + URL dedupe", lambda: pre_statuses(narrow))
-    import pyarrow as pa
-
-    # Every live row counted as downloaded: the filters and subsets then do their full work.
-    status_table = pa.table(
-        {"uid": narrow.column("uid"), "status": np.where(status == "", "success", status)}
-    )
-    pool = B._Pool(meta, narrow, status, cfg.max_caption_bytes, LOCAL, ())
-    shutil.rmtree(CACHE / f"out-{n}", ignore_errors=True)  # an earlier run's results would be reused
-    paths = B.run_paths(str(CACHE / f"out-{n}"))
-    stage("filters basic + clip_score, subset .npy (build.run_filters)",
-          lambda: B.run_filters(pool, cfg, status_table, paths, lambda m: None, LOCAL))  # fmt: skip
-    # The same call again: nothing changed, so the results are reused (the re-run short-circuit's cost).
-    stage("filters again, inputs unchanged (reused)",
-          lambda: B.run_filters(pool, cfg, status_table, paths, lambda m: None, LOCAL))  # fmt: skip
-    mon.stop()
-    out["live_rows"] = int((status == "").sum())
-    out["total_s"] = sum(v for k, v in out["stages_s"].items() if k != "ray.init" and "again" not in k)
-    out["driver_peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    out["largest_worker_rss_gb"] = mon.worker_peak / 2**30
-    out["available_gb_end"] = psutil.virtual_memory().available / 2**30
-    import ray
-
-    ray.shutdown()
-    return out
-
-
-def run_meta(sizes: list[int], min_free_gb: float) -> list[dict]:
-    results = []
-    for n in sizes:
-        print(f"(a) metadata stages at {n} rows (load {load():.1f})", flush=True)
-        synth_metadata(n)
-        res_file = Path(tempfile.mkstemp(suffix=".json")[1])
-        cmd = [sys.executable, __file__, "--meta-child", str(n), "--min-free-gb", str(min_free_gb),
-               "--child-out", str(res_file)]  # fmt: skip
-        proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        if proc.returncode != 0:
-            partial = json.loads(res_file.read_text()) if res_file.stat().st_size else {}
-            results.append(partial | {"rows": n, "failed": f"exit {proc.returncode} (3: low memory)"})
-            break
-        results.append(json.loads(res_file.read_text()))
-        res_file.unlink()
-    return results
 
 
 # --- (b) download + shard, (d) re-run --------------------------------------------------------------------
@@ -412,22 +231,9 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    meta = [m for m in report.get("meta", []) if "failed" not in m]
-    if meta:
-        ax = axes[0]
-        ns = [m["rows"] for m in meta]
-        ax.loglog(ns, [m["total_s"] for m in meta], "o-", label="wall s (stages, no ray.init)")
-        ax.loglog(ns, [m["driver_peak_rss_gb"] for m in meta], "s-", label="driver peak RSS GB")
-        ax.loglog(
-            ns, [max(m["largest_worker_rss_gb"], 1e-3) for m in meta], "^-", label="largest worker RSS GB"
-        )
-        ax.set_xlabel("metadata rows")
-        ax.set_title("(a) metadata stages")
-        ax.legend()
+    fig, ax = plt.subplots(1, 1, figsize=(6, 4))
     dl = report.get("download")
     if dl:
-        ax = axes[1]
         ns = [r["n"] for r in dl["runs"]]
         ax.plot(ns, [r["first"]["wall_s"] for r in dl["runs"]], "o", label="build() wall s")
         fit = dl["fit_whole"]
@@ -448,29 +254,15 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes everywhere (a check, not a figure)")
-    p.add_argument("--what", default="meta,download,reshard")
-    p.add_argument("--meta-sizes", default="800000,3200000,12800000")
+    p.add_argument("--what", default="download,reshard")
     p.add_argument("--pool-sizes", default="2000,8000,32000")
     p.add_argument("--corpus", type=int, default=2000, help="distinct images behind the pool's URLs")
     p.add_argument("--reshard-n", type=int, default=100_000)
     p.add_argument("--rounds", type=int, default=3, help="alternated reshard rounds")
-    p.add_argument("--min-free-gb", type=float, default=6.0)
     p.add_argument("--out", default=str(DEFAULT_OUT))
-    p.add_argument("--meta-child", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--child-out", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.meta_child:
-        Path(args.child_out).write_text(
-            json.dumps(meta_stages(args.meta_child, args.min_free_gb, args.child_out))
-        )
-        return 0
     if args.quick:
-        args.meta_sizes, args.pool_sizes, args.corpus, args.reshard_n = (
-            "10000,40000,160000",
-            "128,512,2048",
-            300,
-            5000,
-        )
+        args.pool_sizes, args.corpus, args.reshard_n = "128,512,2048", 300, 5000
     sizes = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     what = set(args.what.split(","))
     report: dict = {
@@ -479,8 +271,6 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "load_avg_1m_start": load(),
     }
-    if "meta" in what:
-        report["meta"] = run_meta(sizes(args.meta_sizes), args.min_free_gb)
     if "download" in what:
         report["download"] = run_download(sizes(args.pool_sizes), args.corpus)
     if "reshard" in what:
