@@ -5,7 +5,7 @@ pool (tests/fixtures/blocked_pool.py: 24,000 DataComp-like rows, one in 200 fetc
 server on the bridge, the rest refused without a connection) has its metadata on S3. Each build's driver
 runs on the head inside a memory cgroup of ``DRIVER_LIMIT`` (tests/fixtures/cgroup.py), which the
 single-process driver of the same pool outgrows (it peaked at 227 MiB for 20,000 rows,
-tests/faults/test_driver_memory.py); 60 uid buckets, so every stage runs as tens of tasks.
+tests/faults/test_driver_memory.py); 40 uid buckets, so every stage runs as tens of tasks.
 
 - a clean build succeeds inside the cgroup, and its stage tasks ran on every data host;
 - a second build, one data host killed while the near-duplicate stage runs, finishes in the same job with
@@ -28,7 +28,7 @@ from tests.fixtures.blocked_pool import picture, write_pool
 from tests.fixtures.netns_cluster import HostSpec, netns_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-ROWS, BUCKET_ROWS = 24_000, 400
+ROWS, BUCKET_ROWS = 24_000, 600
 DRIVER_LIMIT = 224 << 20  # this driver peaked at 161 MiB; the single-process one needs over 300
 HOSTS = [HostSpec("data1", 1, DATA), HostSpec("data2", 1, DATA), HostSpec("data3", 1, DATA)]
 

@@ -1,11 +1,11 @@
 """The build's driver holds O(files + parts + buckets), never O(rows): its peak does not grow with the pool.
 
-Two pools of DataComp-like rows (~130-byte URLs, ~70-byte captions), 20,000 and 100,000 rows; one row in
+Two pools of DataComp-like rows (~130-byte URLs, ~70-byte captions), 10,000 and 60,000 rows; one row in
 200 downloads a picture from a real HTTP server, the others point at a private address and are refused
 without a connection, so the download is quick and every row still passes every stage. Each build's
 driver runs in its own process inside a memory cgroup (tests/fixtures/cgroup.py) and joins the suite's
 local Ray, so its Ray workers and actors run outside the cgroup: the cgroup's peak is the driver's own.
-A driver that held the pool's columns (~1 KB a row across its stages) would grow by ~80 MB from one pool
+A driver that held the pool's columns (1.8 KB a row across its stages) would grow by ~90 MB from one pool
 to the other; the bound is 24 MiB.
 """
 # ruff: noqa: F811
@@ -27,7 +27,7 @@ from tests.fixtures.blocked_pool import picture, write_pool
 from tests.fixtures.http_server import Route, http_server  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
-SIZES = (20_000, 100_000)
+SIZES = (10_000, 60_000)
 GROWTH_BOUND = 24 << 20
 LIMIT = 1536 << 20  # a driver that grew with the pool would still fit: the growth is what is asserted
 
