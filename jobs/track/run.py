@@ -49,7 +49,7 @@ _PLACEMENT = {
     ),
     "build": (
         "output", "s3_endpoint", "num_cpus", "download_actors", "download_cpus", "keep_parts", "overwrite",
-        "retry_failed",
+        "retry_failed", "bucket_rows",
     ),
     "build.download": RETRY_KNOBS,
     "model": ("scaling", "run"),
