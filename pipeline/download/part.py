@@ -49,7 +49,7 @@ PART_COLUMNS = [
 ]
 
 
-FETCHED = "fetched"  # schema metadata of a call's rows: how many were downloaded (the rest merged in)
+FETCHED = "fetched"  # how many of a call's rows were downloaded (the rest merged in from the committed part)
 
 # A row's bytes besides its caption as a part holds it: uid, URL (DataComp's are < 2 kB), sha256, face
 # boxes, the derived columns and Arrow's offsets.
@@ -81,7 +81,21 @@ class DownloadPart:
         self.served = served_hosts(download.allow_hosts)  # content digests as the scan's (row_stages.py)
         self.parts_dir, self.token, self.store, self.pool = parts_dir, token, store, pool
 
-    def __call__(self, spec) -> pa.Table:
+    def __call__(self, spec) -> dict[str, int]:
+        """Part ``spec`` downloaded and written; the counts the driver commits it by (a few numbers: the
+        rows themselves stay in the part's files, never in the driver)."""
+        rows = self.rows(spec)
+        statuses = rows.column(S.STATUS).to_pylist()
+        return {
+            "rows": rows.num_rows,
+            "success": statuses.count(S.STATUS_SUCCESS),
+            "transient": sum(1 for s in statuses if S.is_transient(s)),
+            FETCHED: int((rows.schema.metadata or {}).get(FETCHED.encode(), b"0")),
+        }
+
+    def rows(self, spec) -> pa.Table:
+        """Part ``spec`` downloaded and written; its rows (none: a part looked at again with nothing to
+        fetch, left as it is)."""
         files, rows = [], []
         for f, lo, hi in spec.ranges:
             positions = live_positions(self.pool, f, lo, hi)

@@ -26,9 +26,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import pyarrow as pa
-
-from pipeline import schema as S
 from pipeline.common.errors import StorageError, os_error
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
@@ -111,8 +108,8 @@ def download_parts(
         return markers, len(markers), 0
     download = dataclasses.replace(cfg.download, allow_hosts=[*cfg.download.allow_hosts, *allow_hosts])
     cfg = dataclasses.replace(cfg, download=download)
-    for spec, token, summary in _run_parts(plan.pool, specs, cfg, store, paths, late.next_pass, log):
-        late.commit(spec, token, summary)
+    for spec, token, counts in _run_parts(plan.pool, specs, cfg, store, paths, late.next_pass, log):
+        late.commit(spec, token, counts)
     R.remove_uncommitted(paths["parts"], store)
     if late.refetched[0]:
         log(f"download: {late.refetched[0]} rows of {late.refetched[1]} parts downloaded again")
@@ -134,23 +131,24 @@ class _LatePasses:
         self.passes, self.finished, self.total = 0, 0, 0  # late passes run; parts done of this pass's
         self.refetched = [0, 0]  # rows and parts fetched again by retry_failed / refresh_changed
 
-    def commit(self, spec: PartSpec, token: str, summary: pa.Table) -> None:
-        """Part ``spec``'s rows ``summary`` arrived (written under ``token``): the driver is alive, it counts.
-        An empty summary of a part looked at again: nothing changed, its marker stays."""
+    def commit(self, spec: PartSpec, token: str, counts: dict[str, int]) -> None:
+        """Part ``spec``'s ``counts`` arrived (its files written under ``token``): the driver is alive, it
+        counts. No rows of a part looked at again: nothing changed, its marker stays."""
         self.finished += 1
-        if spec.again and summary.num_rows == 0:
+        if spec.again and counts["rows"] == 0:
             return
         if spec.again and not self.passes:
-            self.refetched[0] += int((summary.schema.metadata or {}).get(FETCHED.encode(), b"0"))
+            self.refetched[0] += counts[FETCHED]
             self.refetched[1] += 1
-        statuses = summary.column(S.STATUS).to_pylist()
-        transient = sum(1 for s in statuses if S.is_transient(s))
         old = self.markers.get(spec.part)
         late = 0 if old is None else old.late + (self.passes > 0)
         seq = 0 if old is None else old.seq + 1
-        self.markers[spec.part] = R.commit(self.parts, spec.part, token, self.store, transient, late, seq)
-        ok = statuses.count(S.STATUS_SUCCESS)
-        self.log(f"  part(s) done: {self.finished}/{self.total} (+{summary.num_rows} rows, {ok} images)")
+        self.markers[spec.part] = R.commit(
+            self.parts, spec.part, token, self.store, counts["transient"], late, seq
+        )
+        self.log(
+            f"  part(s) done: {self.finished}/{self.total} (+{counts['rows']} rows, {counts['success']} images)"
+        )
 
     def due(self) -> list[int]:
         """Every part still owed a late pass (a marker that does not count its transient rows: owed)."""

@@ -66,7 +66,7 @@ actor = DownloadPart(cfg.download, {parts!r}, "t0", LOCAL, pool)
 open("/proc/self/clear_refs", "w").write("5")  # VmHWM restarts from the resident size now
 before, statuses = status("VmRSS"), []
 for k in range(0, {ROWS}, {PART}):
-    statuses += actor(PartSpec(k // {PART}, ((0, k, k + {PART}),))).column("status").to_pylist()
+    statuses += actor.rows(PartSpec(k // {PART}, ((0, k, k + {PART}),))).column("status").to_pylist()
 print(json.dumps({{"before": before, "peak": status("VmHWM"), "statuses": statuses}}))
 """
 

@@ -16,12 +16,13 @@ from pipeline.source import run_state as R
 TIMEOUT = S.failed_download("timeout")
 
 
-def _part(parts: str, part: int, token: str, statuses: list[str]) -> pa.Table:
-    """Part ``part``'s files under ``token``: rows u{part}{i} with ``statuses``; its summary back."""
+def _part(parts: str, part: int, token: str, statuses: list[str]) -> dict[str, int]:
+    """Part ``part``'s files under ``token``: rows u{part}{i} with ``statuses``; its counts back."""
     summary = pa.table({S.UID: [f"u{part}{i}" for i in range(len(statuses))], S.STATUS: statuses})
     LOCAL.write_parquet(summary, R.part_file(parts, part, token, "parquet"))
     LOCAL.write_bytes(b"", R.part_file(parts, part, token, "tar"))
-    return summary
+    return {"rows": len(statuses), "success": statuses.count(S.STATUS_SUCCESS),
+            "transient": sum(map(S.is_transient, statuses)), "fetched": len(statuses)}  # fmt: skip
 
 
 def test_a_late_pass_is_owed_by_each_part_with_transient_rows_until_its_marker_counts_it(tmp_path):
