@@ -62,7 +62,10 @@ def test_csd_needs_a_prolip_scorer():
 
 def test_presets_resolve_with_nested_overrides():
     cfg = resolve(
-        TRACK_PRESETS, "demo", None, ["build.demo_n=500", "train.samples_seen=1280", "seeds=[0, 1]"]
+        TRACK_PRESETS,
+        "demo",
+        None,
+        ["build.demo_n=500", "train.samples_seen=1280", "seeds=[0, 1]", "unofficial=true"],
     )
     assert cfg.build.demo_n == 500 and cfg.train.samples_seen == 1280 and cfg.seeds == (0, 1)
     for name in TRACK_PRESETS:
@@ -305,13 +308,13 @@ def test_track_subsets_are_filter_specs_with_the_library_random_control():
     from jobs.track.steps import subset_specs
     from pipeline.filters.specs import parse_filter_specs
 
-    subsets = ["no_filter", "basic", "csd", "csd_uncertainty", "clip_score", "random"]
+    subsets = ["no_filter", "basic", "csd", "csd_uncertainty", "scorer_cosine", "random"]
     cfg = merge(TrackConfig(), {"subsets": subsets, "random_of": "basic", "seeds": [3]})
     specs = parse_filter_specs(subset_specs(cfg), "subsets", known=["no_filter", "basic"])
     assert [(s.label, s.name) for s in specs] == [
         ("csd", "csd_best"),
         ("csd_uncertainty", "csd_uncertainty_aware"),
-        ("clip_score", "clip_score_best"),
+        ("scorer_cosine", "clip_score_best"),
         ("random", "random_same_size"),
     ]
     assert specs[0].params == {"fraction": 0.5}
