@@ -154,6 +154,10 @@ class TrackConfig:
     def _check_starts(self) -> None:
         if not self.start_shards:
             return
+        if not self.eval_root:
+            raise ConfigError(
+                "eval_root: give the eval sets' root (start_shards skips the build, which writes the demo's)"
+            )
         need = [s for s in self.subsets if s != "no_filter" and (s in BUILD_SUBSETS or s in METADATA_SCORES)]
         if need:
             raise ConfigError(

@@ -82,3 +82,21 @@ def start_scorer(cfg: Any, checkpoint: str, log: Log) -> dict[str, Any]:
         "seed": cfg.seeds[0],
         "imported_from": cfg.start_scorer,
     }
+
+
+def build_or_adopt(cfg: Any, log: Log) -> dict[str, Any]:
+    """The build step: the build, or the existing shards of ``start_shards``."""
+    from jobs.track.steps import build_pool
+
+    return adopt_shards(cfg, log) if cfg.start_shards else build_pool(cfg, log)
+
+
+def scorer_or_start(cfg: Any, log: Log) -> dict[str, Any]:
+    """The scorer step: a ProLIP trained on the unfiltered pool, or the scorer of ``start_scorer``."""
+    from jobs.track.config import paths
+    from jobs.track.steps import train_models
+
+    p = paths(cfg)
+    if cfg.start_scorer:
+        return start_scorer(cfg, p["scorer_import"], log)
+    return train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0], "")}, log)["scorer"]
