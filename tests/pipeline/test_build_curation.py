@@ -74,14 +74,16 @@ def test_every_row_keeps_one_status_and_leaks_are_in_no_subset(curated, demo_poo
     assert result.status_counts == dict(sorted(Counter(truth.values()).items()))
 
 
-def test_a_semantic_duplicate_names_a_kept_row(curated):
+def test_a_semantic_duplicate_names_a_kept_row(curated, demo_pool):
     cfg, _ = curated
     st = pq.read_table(os.path.join(cfg.output, "metadata", "status.parquet")).to_pydict()
     status = dict(zip(st["uid"], st["status"], strict=True))
+    meta = demo_pool.metadata
+    score = dict(zip(meta["uid"].to_pylist(), meta[S.CLIP_L14].to_pylist(), strict=True))
     for u, s, d in zip(st["uid"], st["status"], st[S.DUPLICATE_OF], strict=True):
         assert (s == S.STATUS_SEMANTIC_DUPLICATE) == (d is not None)
-        if d is not None:
-            assert status[d] == S.STATUS_SUCCESS and d < u  # no CLIP scores here: the smaller uid stays
+        if d is not None:  # the copy with the better (stand-in) CLIP L/14 score stays, ties by uid
+            assert status[d] == S.STATUS_SUCCESS and (-score[d], d) < (-score[u], u)
 
 
 def test_missing_embeddings_stop_the_build_before_download(ray_local, demo_pool, tmp_path):
