@@ -193,3 +193,10 @@ def text_table(tokenizer: Any, eot: bool) -> int:
     while eot and rows - 1 in (tokenizer.pad_id, tokenizer.mask_id):
         rows -= 1
     return rows
+
+
+def objective_model_config(name: str, probabilistic: bool, **overrides: Any) -> ModelConfig:
+    """The preset ``name`` as an objective trains it: a Gaussian (ProLIP) model keeps its own text tower
+    (UNC and CLS appended) on a CLIP-shaped preset such as ViT-B-32, whose CLIP pools the end token."""
+    pool = "cls" if probabilistic else MODEL_CONFIGS[name].text_pool if name in MODEL_CONFIGS else "cls"
+    return model_config(name, probabilistic=probabilistic, text_pool=pool, **overrides)

@@ -46,7 +46,7 @@ from pipeline.ingest.masking import round_half_up
 from training.losses.pcmepp import mix_images, pcmepp_soft_labels
 from training.losses.registry import build_loss_from_config
 from training.losses.spec import LossSpec
-from training.model.config import model_config, text_table
+from training.model.config import model_config, objective_model_config, text_table
 from training.model.param_groups import param_groups
 from training.model.two_tower import ProLIP
 from training.train.checkpointing import restore
@@ -167,14 +167,12 @@ def autocast(device: torch.device, precision: str) -> Any:
 def build_module(cfg: Any, tokenizer: Any) -> tuple[TrainModule, Any]:
     """A fresh ``TrainModule`` and its model config (deterministic init from ``cfg.seed``)."""
     loss, spec = build_loss_from_config(cfg.loss)
-    # A ProLIP keeps its own text tower (UNC and CLS appended) on a CLIP-shaped preset such as ViT-B-32.
-    pool = "cls" if spec.probabilistic else model_config(cfg.model).text_pool
-    mcfg = model_config(
+    eot = not spec.probabilistic and model_config(cfg.model).text_pool == "eot"
+    mcfg = objective_model_config(
         cfg.model,
-        vocab_size=text_table(tokenizer, pool == "eot"),
+        spec.probabilistic,
+        vocab_size=text_table(tokenizer, eot),
         pad_id=tokenizer.pad_id,
-        probabilistic=spec.probabilistic,
-        text_pool=pool,
         grad_checkpointing=cfg.grad_checkpointing,
     )
     torch.manual_seed(cfg.seed)
