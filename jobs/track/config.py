@@ -112,7 +112,9 @@ class TrackConfig:
     # or ours) instead of the build, and a scorer to use instead of training one — openclip:MODEL:LOCATION,
     # prolip:LOCATION or one of our checkpoint directories.
     start_shards: str = ""
-    start_scorer: str = ""
+    start_scorer: str = (
+        ""  # a scorer instead of training one: openclip:MODEL:LOC, prolip:LOC or our checkpoint
+    )
 
     def __post_init__(self) -> None:
         """Checks on construction; ``ConfigError`` names the key."""
