@@ -29,7 +29,15 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/python -m compileall -qq -j0 -x '/tests?/' $(VENV)/lib || true
 	touch $(TEST_STAMP)
 
-install: $(TEST_STAMP)
+# open_clip's own factory (create_model_and_transforms) needs torchvision, whose PyPI build does not load
+# beside the CPU torch: the tests run it in a child process with torchvision 0.28.0 (torch 2.13's) from a
+# directory off the venv's path (tests/fixtures/open_clip_real.py).
+OC_DEPS := $(VENV)/open_clip_deps/.installed
+$(OC_DEPS): $(STAMP)
+	$(BIN)/pip install -q --no-compile --no-deps --target $(VENV)/open_clip_deps torchvision==0.28.0
+	touch $(OC_DEPS)
+
+install: $(TEST_STAMP) $(OC_DEPS)
 
 demo: $(STAMP)
 	$(BIN)/python -m jobs.track --preset demo
@@ -55,7 +63,7 @@ demo-selection: $(STAMP)
 
 # Lint first, then every test; PROLIP_STRICT_SKIPS=1 turns a skip on a missing optional dependency into a
 # failure (only the GPU tests may skip here).
-test: lint
+test: lint $(OC_DEPS)
 	PROLIP_STRICT_SKIPS=1 $(BIN)/python -m pytest -q -ra --durations=30
 
 # The cluster tests alone: a Ray head and worker hosts in Linux namespaces on this machine, S3 the only

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bench.alternate import MIN_ROUNDS, alternate, loads_note, ratios, results_path, times  # noqa: E402
 from pipeline.ingest.transforms import MaskedVariants, TrainCollate  # noqa: E402
 from training.config import DataConfig, LossConfig, OptimConfig, TrainConfig  # noqa: E402
-from training.model.config import model_config  # noqa: E402
+from training.model.config import model_config, objective_model_config  # noqa: E402
 from training.model.flops import samples_per_s, train_flops_per_sample  # noqa: E402
 from training.train.step import setup_state, train_step  # noqa: E402
 
@@ -88,8 +88,8 @@ def step_ratio(model: str, batch: int, rounds: int, warmup: int = 2) -> dict:
 def flops() -> dict:
     out = {}
     for preset, (model, vocab) in PRESET_MODELS.items():
-        p = train_flops_per_sample(model_config(model, vocab_size=vocab), masked=True)
-        c = train_flops_per_sample(model_config(model, vocab_size=vocab, probabilistic=False), masked=False)
+        p = train_flops_per_sample(objective_model_config(model, True, vocab_size=vocab), masked=True)
+        c = train_flops_per_sample(objective_model_config(model, False, vocab_size=vocab), masked=False)
         out[preset] = {"model": model, "prolip_gflop": p["total"] / 1e9, "clip_gflop": c["total"] / 1e9,
                        "ratio": p["total"] / c["total"], "h100_samples_per_s_at_30pct": samples_per_s(p["total"])}  # fmt: skip
     return out

@@ -5,10 +5,12 @@ out of range stops ``python -m jobs.train`` at start with one line naming the ke
 
 Sources of the defaults:
 
-- ``datacomp-small``: DataComp's small-track recipe (Gadre et al. 2023, Table 2 / App. N): ViT-B/32,
-  12.8M samples seen, global batch 4096, lr 5e-4, 500 warmup steps, AdamW β2 0.98, ε 1e-6, wd 0.2,
-  cosine schedule. Objective ``prolip`` by default; ``--set loss.name=clip`` gives DataComp's CLIP. CLIP's
-  BPE tokenizer (context 77), as DataComp's fixed recipe uses.
+- ``datacomp-small``: DataComp's small-track recipe (Gadre et al. 2023, Table 2 / App. N; its train.py and
+  scale_configs.py): ViT-B/32, 12.8M samples seen, global batch 4096, lr 5e-4, 500 warmup steps, AdamW β2
+  0.98, ε 1e-6, wd 0.2 on open_clip's parameter groups, cosine schedule, float16 amp with a loss scale,
+  shards drawn with replacement. Objective ``prolip`` by default; ``--set loss.name=clip`` gives DataComp's
+  CLIP (open_clip's ViT-B-32 parameter for parameter). CLIP's BPE tokenizer (context 77), as DataComp's
+  fixed recipe uses.
 - ``prolip-b16``: ProLIP App. B.1 (docs/math.md "Training"): ViT-B/16, 1.28B seen, batch 16,384 (512 × 32
   GPUs), lr 5e-4, β (0.9, 0.95), wd 0.2, 10k warmup then cosine, bf16, α₁ 1e-7, α₂ 1e-3, β_VIB 1e-4,
   augmentation RandomResizedCrop (0.8, 1.0), colour jitter (0.32, 0.32, 0.32, 0.08) p 0.8, grayscale p 0.2.
@@ -83,6 +85,9 @@ class DataConfig:
     mean: tuple[float, float, float] = OPENAI_MEAN  # pixel normalisation (OpenAI CLIP's)
     std: tuple[float, float, float] = OPENAI_STD  # pixel normalisation (OpenAI CLIP's)
     shuffle_window: NonNegative = 1024  # rows per windowed shuffle of raw samples (before decode); 0 = off
+    # "epochs": every pass reads each shard once, in a fresh order; "resampled": every pass reads as many
+    # shards as there are, drawn with replacement (open_clip's --dataset-resampled, DataComp's setting).
+    sampling: Literal["epochs", "resampled"] = "epochs"
     # None: fresh entropy every epoch. Set: a repeatable order (Ray Data keeps its output order), and a
     # one-worker run repeats bit for bit (tests/training/train/test_train.py); the track sets it to each
     # model's seed.
@@ -185,6 +190,9 @@ class OptimConfig:
     # The image tower's σ head alone (None: ``unc_lr_mult``). The two heads meet different gradients (text
     # captions repeat across pictures, pictures do not), so a study may want them apart; no preset sets it.
     unc_lr_mult_image: LrMult | None = None
+    # Which parameters decay (training/model/param_groups.py): "prolip" (App. B.1: no embeddings or tokens)
+    # or "open_clip" (every tensor of two or more dimensions, open_clip_train's rule in DataComp's recipe).
+    decay_rule: Literal["prolip", "open_clip"] = "prolip"
 
 
 @config_class
@@ -252,7 +260,9 @@ class TrainConfig:
     tokenizer_vocab: Positive = 4096  # with tokenizer empty: the BPE's vocabulary size
     global_batch_size: Positive = 128  # samples per optimizer step over all workers
     samples_seen: Positive = 60_000  # total training samples; steps = samples_seen // global_batch_size
-    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    # auto: bf16 autocast on CUDA, fp32 on CPU; amp: float16 autocast with a dynamic loss scale
+    # (training/train/optimizer.py), open_clip's --precision amp, which DataComp's recipe trains with
+    precision: Literal["auto", "bf16", "amp", "fp32"] = "auto"
     # torch.compile the towers with dynamic shapes (captions are trimmed per batch, so the text length
     # changes from step to step); off by default: a compile costs minutes before the first step.
     compile: bool = False
@@ -302,7 +312,8 @@ class TrainConfig:
     def _check_model_fits_loss(self) -> None:
         if LOSS_NAMES[self.loss.name]:  # e.g. demo-32px-cnn has no [UNC] token for σ²
             try:
-                dataclasses.replace(MODEL_CONFIGS[self.model], probabilistic=True)
+                # a ProLIP appends its own CLS/UNC tokens (training/train/step.py build_module)
+                dataclasses.replace(MODEL_CONFIGS[self.model], probabilistic=True, text_pool="cls")
             except ConfigError as exc:
                 raise ConfigError(
                     f"model {self.model!r} cannot train loss.name={self.loss.name!r}: {exc}"
@@ -329,7 +340,9 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
         tokenizer="clip",
         global_batch_size=4096,
         samples_seen=12_800_000,
-        # open_clip's default train transform, DataComp's recipe: crop area (0.9, 1.0), no jitter or grayscale.
+        precision="amp",  # DataComp's train.py: --precision amp (float16 + loss scale)
+        # open_clip's default train transform, DataComp's recipe: crop area (0.9, 1.0), no jitter or grayscale;
+        # shards drawn with replacement (its --dataset-resampled).
         data=DataConfig(
             shards="",  # required: jobs.train --shards
             crop_scale=(0.9, 1.0),
@@ -338,8 +351,11 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
             decode_tasks=0,
             decode_batch_size=128,
             shuffle_window=4096,
+            sampling="resampled",
         ),
-        optim=OptimConfig(lr=5e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.2, warmup_steps=500),
+        optim=OptimConfig(
+            lr=5e-4, betas=(0.9, 0.98), eps=1e-6, weight_decay=0.2, warmup_steps=500, decay_rule="open_clip"
+        ),
         scaling=WorkersConfig(num_workers=8, use_gpu=True, cpus_per_worker=4),
         run=RunOutputConfig(storage_path="", name="datacomp-small", checkpoint_every=500),
     ),

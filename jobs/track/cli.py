@@ -68,10 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         extra={"report": result.report, "verdict": result.comparisons},
     )
     print(f"\nreport: {result.report}\n")
+    if cfg.unofficial:
+        print(
+            "UNOFFICIAL RUN (unofficial=true): a changed recipe; its numbers do not stand beside DataComp's"
+        )
     for key, v in result.comparisons.items():
         cand, ctrl = key.split("_vs_")
         word = "beats" if v["beats"] else "does not beat"
-        print(f"{cand} {word} {ctrl}: mean average difference {v['mean_diff']:+.4f} over seeds {v['seeds']}")
+        same = " (same fraction)" if ctrl == "clip_score_l14" else ""
+        print(
+            f"{cand} vs {ctrl}{same}: {word}, mean average difference {v['mean_diff']:+.4f} over seeds {v['seeds']}"
+        )
     print()
     print(markdown_table(result.table))
     return 0

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
+from jobs.track.datacomp.baselines import METADATA_SCORES
+from jobs.track.datacomp.recipe import check_recipe
 from pipeline.common import storage
 from pipeline.common.config import (
     ConfigError,
@@ -30,9 +32,14 @@ from pipeline.config import BUILD_PRESETS, BuildConfig
 from training.config import TRAIN_PRESETS, TrainConfig
 from training.eval.sets import EvalSetError, load_tasks
 
-BUILD_SUBSETS = ("no_filter", "basic", "english")  # written by the build's own filters
+# written by the build's own filters (text_based and image_based need their files in build.filters.names)
+RECIPES: dict[str, TrainConfig] = {}  # filled below, once the presets exist
+BUILD_SUBSETS = ("no_filter", "basic", "english", "text_based", "image_based")
 SubsetKind = Literal[
-    "no_filter", "basic", "english", "csd", "csd_uncertainty", "clip_score", "random",
+    "no_filter", "basic", "english", "text_based", "image_based", "csd", "csd_uncertainty", "random",
+    # DataComp's CLIP-score baselines on the metadata's scores (jobs/track/datacomp/baselines.py), and the
+    # same rule on our own scorer's cosine
+    "clip_score_l14", "clip_score_l14_30", "clip_score_b32_30", "scorer_cosine",
     # uncertainty-native selection (pipeline/filters/scores.py) and the embedding-only filters
     "csd_ucb", "csd_inclusion", "csd_posterior", "neg_clip_loss", "norm_sim",
 ]  # fmt: skip
@@ -50,8 +57,9 @@ class TrackConfig:
     )
     scorer: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])
     train: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])  # one per subset and seed
-    # one model per subset and seed: no_filter, basic, english (the build's), csd, csd_uncertainty,
-    # clip_score, random
+    # one model per subset and seed: no_filter, basic, english, text_based, image_based (the build's), csd,
+    # csd_uncertainty, clip_score_l14 (L/14 at csd_fraction), clip_score_l14_30, clip_score_b32_30,
+    # scorer_cosine, random
     subsets: Annotated[tuple[SubsetKind, ...], BeforeValidator(names_from_text)] = (
         "no_filter",
         "basic",
@@ -60,7 +68,7 @@ class TrackConfig:
         "random",
     )
     csd_fraction: OpenFraction = 0.5  # of the scored (successful) pairs; App. C.8 keeps 20% of DataComp
-    clip_fraction: OpenFraction = 0.3  # DataComp's CLIP-score top-30% baseline (``clip_score`` subset)
+    clip_fraction: OpenFraction = 0.3  # scorer_cosine: the top fraction by our own scorer's cosine
     # csd_uncertainty: captions above this Σσ²_t quantile go first (1 = none)
     text_unc_quantile: OpenFraction = 0.9
     # … and those below this one (0 = none; docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md)
@@ -93,6 +101,20 @@ class TrackConfig:
     # as they are read (pipeline/ingest/subset_reader.py, no copy); "reshard" = a resharded copy of every
     # subset first (jobs.reshard's output). The models see the same samples either way.
     train_from: Literal["subset", "reshard"] = "subset"
+    # The preset whose subset-model recipe is locked (jobs/track/datacomp/recipe.py); a change to it stops the
+    # track unless unofficial=true, which the report, track_results.json, submissions and exports then carry.
+    recipe: str = ""
+    unofficial: bool = False  # allow a change to the locked recipe; the run is marked unofficial everywhere
+    # "datacomp": the build follows DataComp's pool rules — no sha256 refusal, no retries, no
+    # decontamination or further dedupe (jobs/track/datacomp/pool.py); "ours": the safer defaults
+    pool: Literal["ours", "datacomp"] = "ours"
+    # Starting points (jobs/track/datacomp/starts.py): an existing shard folder (DataComp's download output
+    # or ours) instead of the build, and a scorer to use instead of training one — openclip:MODEL:LOCATION,
+    # prolip:LOCATION or one of our checkpoint directories.
+    start_shards: str = ""
+    start_scorer: str = (
+        ""  # a scorer instead of training one: openclip:MODEL:LOC, prolip:LOC or our checkpoint
+    )
 
     def __post_init__(self) -> None:
         """Checks on construction; ``ConfigError`` names the key."""
@@ -113,20 +135,44 @@ class TrackConfig:
                 f"got {self.text_unc_low_quantile}"
             )
         from_build = [s for s in self.subsets if s in BUILD_SUBSETS and s not in self.build.filters.names]
-        if from_build:
+        self._check_starts()
+        if from_build and not self.start_shards:
             raise ConfigError(f"build.filters.names: add {from_build} (subsets takes them from the build)")
         if "random" in self.subsets and self.random_of not in self.subsets:
             raise ConfigError(f"random_of: {self.random_of!r} is not one of subsets {list(self.subsets)}")
-        if self.scorer.loss.name != "prolip" and any(s.startswith("csd") for s in self.subsets):
+        if self._scorer_kind() != "prolip" and any(s.startswith("csd") for s in self.subsets):
             raise ConfigError(
                 f"scorer.loss.name: CSD subsets need a prolip scorer, got {self.scorer.loss.name!r}"
             )
         self._check_one_tokenizer()
+        check_recipe(self, RECIPES)
+
+    def _scorer_kind(self) -> str:
+        """The scorer's objective family: an imported open_clip model is a CLIP."""
+        if self.start_scorer.startswith("openclip:"):
+            return "clip"
+        return "prolip" if self.start_scorer.startswith("prolip:") else self.scorer.loss.name
+
+    def _check_starts(self) -> None:
+        if not self.start_shards:
+            return
+        if not self.eval_root:
+            raise ConfigError(
+                "eval_root: give the eval sets' root (start_shards skips the build, which writes the demo's)"
+            )
+        need = [s for s in self.subsets if s != "no_filter" and (s in BUILD_SUBSETS or s in METADATA_SCORES)]
+        if need:
+            raise ConfigError(
+                f"subsets: {need} come from the build's metadata filters, which start_shards skips (no_filter "
+                "and the score subsets need only the shards)"
+            )
 
     def _check_one_tokenizer(self) -> None:
         """Every model of a track reads captions through one tokenizer (DataComp: only the data differs)."""
-        shared = self.share_tokenizer and self.build.tokenizer_vocab > 0
+        shared = self.share_tokenizer and self.build.tokenizer_vocab > 0 and not self.start_shards
         given = {self.scorer.tokenizer, self.train.tokenizer}
+        if self.start_scorer and self.train.tokenizer in ("", self.scorer.tokenizer):
+            return  # the subset models read through the started scorer's own tokenizer
         if given == {""} and shared:
             return
         if len(given) == 1 and "" not in given:
@@ -189,8 +235,9 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
             },
         ),
         # No ``basic`` model (docs/decisions/0006-no-basic-model-in-demo.md); the build still writes its subset.
-        subsets=("no_filter", "csd", "csd_uncertainty", "random"),
+        subsets=("no_filter", "csd", "csd_uncertainty", "clip_score_l14", "random"),
         train_parallel=2,
+        recipe="demo",
     ),
     # Runs inside ``make test``: the same steps on a 300-row pool with a few dozen steps per model.
     "tiny": TrackConfig(
@@ -208,15 +255,17 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         train=merge(
             _demo_train(256, "subset"),
             {
+                "model": "demo-32px-clip",  # open_clip-shaped: its submissions carry an open_clip export
                 "global_batch_size": 32,
                 "loss": {"name": "clip"},
                 "run": {"checkpoint_every": 8, "log_every": 4},
                 "scaling": {"cpus_per_worker": 0.5, "torch_threads": 1},
             },
         ),
-        subsets=("no_filter", "csd", "random"),
+        subsets=("no_filter", "csd", "clip_score_l14", "random"),
         train_parallel=2,
         eval_max_samples=64,
+        recipe="tiny",
     ),
     # No output, metadata or eval root of its own: jobs.track asks for all three, so a forgotten flag
     # writes to no bucket nobody chose.
@@ -225,11 +274,28 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         # decontaminated by pHash against the 38 sets the models are evaluated on (DataComp's own pool
         # was, before release); semantic dedup stays off so the subsets compare with DataComp's
         build=merge(BUILD_PRESETS["datacomp-small"], {"decontam": {"reference": "eval"}}),
+        # The scorer is ProLIP's (bf16 on GPUs, App. B.1's decay groups); the subset models DataComp's recipe.
         scorer=merge(
-            TRAIN_PRESETS["datacomp-small"], {"loss": {"name": "prolip"}, "run": {"name": "scorer"}}
+            TRAIN_PRESETS["datacomp-small"],
+            {
+                "loss": {"name": "prolip"},
+                "run": {"name": "scorer"},
+                "precision": "auto",
+                "optim": {"decay_rule": "prolip"},
+            },
         ),
         train=merge(TRAIN_PRESETS["datacomp-small"], {"loss": {"name": "clip"}, "run": {"name": "subset"}}),
-        subsets=("no_filter", "basic", "csd", "csd_uncertainty", "clip_score", "random"),
+        subsets=(
+            "no_filter",
+            "basic",
+            "csd",
+            "csd_uncertainty",
+            "clip_score_l14",
+            "clip_score_l14_30",
+            "clip_score_b32_30",
+            "random",
+        ),  # fmt: skip
+        recipe="datacomp-small",
         csd_fraction=0.2,
         eval_tasks="datacomp",
         score_actors=8,
@@ -245,16 +311,26 @@ TRACK_PRESETS["demo-selection"] = merge(
     TRACK_PRESETS["demo"],
     {
         "output": "runs/demo-selection",
-        "subsets": ["csd", "clip_score", "csd_ucb", "csd_inclusion", "csd_posterior"],
+        "subsets": ["csd", "scorer_cosine", "csd_ucb", "csd_inclusion", "csd_posterior"],
         "clip_fraction": TRACK_PRESETS["demo"].csd_fraction,
     },
 )
 
 
+# Each preset's locked subset-model recipe (jobs/track/datacomp/recipe.py), by the preset's name.
+RECIPES.update({name: preset.train for name, preset in TRACK_PRESETS.items() if preset.recipe == name})
+
+
 def paths(cfg: TrackConfig) -> dict[str, str]:
     o = cfg.output
     return {
-        "shards": storage.join(o, "shards"),
+        "shards": cfg.start_shards or storage.join(o, "shards"),
+        # an imported scorer's checkpoint (one of ours is used where it is); its tokenizer is the track's
+        "scorer_import": (
+            storage.join(o, "train", "scorer_imported")
+            if cfg.start_scorer.startswith(("openclip:", "prolip:"))
+            else cfg.start_scorer
+        ),
         "subsets": storage.join(o, "subsets"),
         "train": storage.join(o, "train"),
         "scores": storage.join(o, "scores", "scores.parquet"),
@@ -285,6 +361,8 @@ def train_config(
         },
         "run": {"storage_path": p["train"], "name": name, "s3_endpoint": cfg.s3_endpoint},
     }
-    if not base.tokenizer and cfg.share_tokenizer and cfg.build.tokenizer_vocab > 0:
+    if not base.tokenizer and cfg.start_scorer:
+        updates["tokenizer"] = p["scorer_import"]  # the started scorer's own tokenizer, saved with it
+    elif not base.tokenizer and cfg.share_tokenizer and cfg.build.tokenizer_vocab > 0:
         updates["tokenizer"] = p["tokenizer"]
     return merge(base, updates)

@@ -20,7 +20,7 @@ from pipeline.common.storage import Storage
 # The selection methods a track may train (jobs/track/config.py) and the references they are held against:
 # csd (ProLIP App. C.8) and the CLIP-score-style fraction of the same size (``clip_fraction = csd_fraction``).
 METHODS = ("csd_ucb", "csd_inclusion", "csd_posterior", "neg_clip_loss", "norm_sim")
-REFERENCES = ("csd", "clip_score")
+REFERENCES = ("csd", "scorer_cosine")
 ACCEPT = 0.95  # recall and precision the planted truth must be found with (issue acceptance)
 
 
@@ -186,7 +186,7 @@ def selection_verdict(runs: dict[str, dict[str, Any]]) -> list[str]:
         every = all(v is not None and v > 0 for vs in values for v in vs)
         wins = [sum(v is not None and v > 0 for v in vs) for vs in values]
         lines.append(
-            f"- {method}: better than csd on {wins[0]}/{len(runs)} runs, than clip_score on {wins[1]}/{len(runs)}"
+            f"- {method}: better than csd on {wins[0]}/{len(runs)} runs, than scorer_cosine on {wins[1]}/{len(runs)}"
             f" — {'wins on every seed' if every else 'does not win on every seed'}"
         )
     return ["", "Selection methods over the runs:", *lines] if lines else []

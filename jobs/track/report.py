@@ -10,6 +10,9 @@ from typing import Any
 
 from jobs.track import curation_report
 from jobs.track.config import BUILD_SUBSETS
+from jobs.track.datacomp.baselines import SAME_FRACTION
+from jobs.track.datacomp.recipe import recipe_changes, unofficial_line
+from jobs.track.datacomp.submission import datacomp_view, view_lines, write_submissions
 from jobs.track.results import Row, comparison_table, noise_detection, subset_purity, task_values, verdict
 from pipeline.common import storage
 from pipeline.common.storage import Storage
@@ -48,17 +51,34 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def _header_lines(cfg: Any, built: dict[str, Any], scorer: dict[str, Any], rows: list[Row]) -> list[str]:
+def _scorer_words(scorer: dict[str, Any]) -> str:
+    if scorer.get("imported_from"):
+        return f"scorer: {scorer['loss']} from {scorer['imported_from']} (not trained here)"
+    return (
+        f"scorer: {scorer['loss']} trained on the unfiltered pool for {scorer['samples_seen']} samples seen "
+        f"(loss {_fmt(scorer.get('first_loss'))} → {_fmt(scorer.get('final_loss'))})"
+    )
+
+
+def _header_lines(
+    cfg: Any, built: dict[str, Any], scorer: dict[str, Any], rows: list[Row], view: list[dict[str, Any]]
+) -> list[str]:
     seeds = ", ".join(str(s) for s in cfg.seeds)
+    pool = f"existing shards {built['adopted_from']}" if built.get("adopted_from") else "pool"
     return [
         "# Filtering track report",
         "",
-        f"Run directory `{cfg.output}`; pool of {built['n_input']} rows, {built['status'].get('success', 0)} "
-        f"downloaded; scorer: {scorer['loss']} trained on the unfiltered pool for {scorer['samples_seen']} "
-        f"samples seen (loss {_fmt(scorer.get('first_loss'))} → {_fmt(scorer.get('final_loss'))}); each subset "
-        f"model: {cfg.train.loss.name}, {cfg.train.model}, {cfg.train.samples_seen} samples seen, seeds {seeds}.",
+        f"Run directory `{cfg.output}`; {pool} of {built['n_input']} rows, {built['status'].get('success', 0)} "
+        f"downloaded; {_scorer_words(scorer)}; each subset model: {cfg.train.loss.name}, {cfg.train.model}, "
+        f"{cfg.train.samples_seen} samples seen, seeds {seeds}; recipe {cfg.recipe or 'not locked'}"
+        f"{' (unofficial)' if cfg.unofficial else ''}, pool rules {cfg.pool}.",
         "",
-        "The same report with every figure inline, as one file: `report.html`.",
+        "The same report with every figure inline, as one file: `report.html`; DataComp's submission files of "
+        "each subset (nothing uploaded): `submission/<subset>/`.",
+        "",
+        "## DataComp's view (mean over seeds)",
+        "",
+        *view_lines(view),
         "",
         "## Results (main metric per task; average = mean of the task main metrics)",
         "",
@@ -74,7 +94,11 @@ def _header_lines(cfg: Any, built: dict[str, Any], scorer: dict[str, Any], rows:
 
 
 def _verdict_lines(verdicts: dict[str, Any]) -> list[str]:
-    lines = ["", "## CSD filter vs controls (equal samples seen)", ""]
+    lines = [
+        "",
+        "## CSD filter vs controls (equal samples seen; clip_score_l14: DataComp's CLIP L/14 score)",
+        "",
+    ]
     if not verdicts:
         lines.append("No CSD subset with a control in this run.")
     for key, v in verdicts.items():
@@ -83,8 +107,9 @@ def _verdict_lines(verdicts: dict[str, Any]) -> list[str]:
             f"seed {s}: {d:+.4f}" for s, d in zip(v["seeds"], v["diff_by_seed"], strict=False)
         )
         word = "beats" if v["beats"] else "does not beat"
+        same = " (same fraction)" if ctrl == SAME_FRACTION else ""
         lines.append(
-            f"- **{cand}** {word} **{ctrl}** on the average: mean difference {v['mean_diff']:+.4f} "
+            f"- {cand} vs {ctrl}{same}: **{word}** on the average, mean difference {v['mean_diff']:+.4f} "
             f"({v['wins']}/{len(v['diff_by_seed'])} seeds better; {by_seed})."
         )
     return lines
@@ -243,6 +268,12 @@ def write_report(
     store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
     rows = comparison_table(cfg, subsets, models, evals)
     verdicts = verdict(cfg, evals)
+    view = datacomp_view(cfg, evals)
+    from jobs.track.config import RECIPES
+
+    marks = {"unofficial": bool(cfg.unofficial), "recipe": cfg.recipe, "recipe_changes": (
+        recipe_changes(cfg.train, RECIPES[cfg.recipe]) if cfg.recipe in RECIPES else [])}  # fmt: skip
+    submissions = write_submissions(cfg, subsets, models, evals, store, marks)
     # The build's own subsets that train no model here (the demo's ``basic``) still show what they keep.
     untrained = {
         f"{name} (not trained)": {"path": path}
@@ -255,8 +286,10 @@ def write_report(
 
     write_figures(cfg, task_values(cfg, evals), models, scorer, store)
     curation_lines, curation = curation_report.section(cfg, built, evals, store)
+    first = unofficial_line(cfg, RECIPES)
     lines = [
-        *_header_lines(cfg, built, scorer, rows),
+        *([first, ""] if first else []),
+        *_header_lines(cfg, built, scorer, rows, view),
         *_verdict_lines(verdicts),
         *_ground_truth_lines(detection, purity),
         *curation_lines,
@@ -269,6 +302,9 @@ def write_report(
     page = html_report(text, cfg.output, store, f"Filtering track report: {cfg.output}")
     store.write_bytes(page.encode(), storage.join(cfg.output, "report.html"))
     results = {
+        **marks,
+        "datacomp_view": view,
+        "submissions": submissions,
         "table": rows,
         "verdict": verdicts,
         "purity": purity,

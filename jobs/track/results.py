@@ -17,6 +17,7 @@ from pipeline.common import storage
 from pipeline.common.storage import Storage
 
 Row = dict[str, Any]
+CANDIDATES = ("csd", "csd_uncertainty", "csd_ucb", "csd_inclusion", "csd_posterior")  # CSD and its variants
 
 
 def _main_metrics(ev: dict[str, Any]) -> dict[str, float]:
@@ -83,10 +84,12 @@ def task_values(cfg: Any, evals: dict[str, Any]) -> dict[str, dict[str, list[flo
 
 
 def verdict(cfg: Any, evals: dict[str, Any]) -> dict[str, Any]:
-    """CSD minus each control on the average, per seed; "beats" only when better on every seed."""
+    """CSD (and each uncertainty-native method) minus each control on the average, per seed; "beats" only
+    when better on every seed. ``clip_score_l14`` is DataComp's CLIP L/14 score at the CSD fraction, the
+    comparison of ProLIP's Table C.7."""
     out: dict[str, Any] = {}
-    candidates = [s for s in ("csd", "csd_uncertainty") if s in cfg.subsets]
-    controls = [s for s in ("no_filter", "random", "basic") if s in cfg.subsets]
+    candidates = [s for s in CANDIDATES if s in cfg.subsets]
+    controls = [s for s in ("no_filter", "random", "basic", "clip_score_l14") if s in cfg.subsets]
     for cand in candidates:
         for ctrl in controls:
             diffs = []

@@ -197,9 +197,9 @@ def in_parallel(
 
 def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResult:
     """Run (or resume) every step; needs Ray initialised (``jobs.common.init_ray``)."""
+    from jobs.track.datacomp.starts import build_or_adopt, scorer_or_start
     from jobs.track.report import write_report
     from jobs.track.steps import (
-        build_pool,
         evaluate_models,
         make_subsets,
         reshard_subsets,
@@ -233,11 +233,9 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         log(f"[track] {name}: {timings[name]:.0f}s")
         return value
 
-    built = step("build", lambda: build_pool(cfg, log))
-    scorer = step(
-        "scorer",
-        lambda: train_models(cfg, {"scorer": (cfg.scorer, p["shards"], cfg.seeds[0], "")}, log)["scorer"],
-    )
+    # Starting points (jobs/track/datacomp/starts.py) may replace the build and the scorer's training.
+    built = step("build", lambda: build_or_adopt(cfg, log))
+    scorer = step("scorer", lambda: scorer_or_start(cfg, log))
     scores = step("score", lambda: score_pool(cfg, scorer["checkpoint"], log))
     subsets = step(
         "filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log, scorer["checkpoint"])

@@ -20,7 +20,7 @@ from training.infer.scoring import read_scores
 Log = Callable[[str], None]
 # the rest come from the build
 _SCORE_SUBSETS = (
-    "csd", "csd_uncertainty", "clip_score", "random", "csd_ucb", "csd_inclusion", "csd_posterior",
+    "csd", "csd_uncertainty", "scorer_cosine", "random", "csd_ucb", "csd_inclusion", "csd_posterior",
     "neg_clip_loss", "norm_sim",
 )  # fmt: skip
 
@@ -32,12 +32,15 @@ def build_pool(cfg: TrackConfig, log: Log) -> dict[str, Any]:
 
     import ray
 
+    from jobs.track.datacomp.baselines import with_baselines
+    from jobs.track.datacomp.pool import datacomp_pool
     from pipeline.build import build
     from pipeline.demo.source import demo_source
 
     bcfg = dataclasses.replace(
         cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
     )
+    bcfg = with_baselines(cfg, datacomp_pool(bcfg) if cfg.pool == "datacomp" else bcfg)
     bcfg = with_eval_reference(cfg, bcfg, log)
     store = Storage.from_env(bcfg.s3_endpoint)
     # The demo pool is served on the driver's address: 127.0.0.1 locally, the head's on a cluster.
@@ -153,7 +156,7 @@ def subset_specs(cfg: TrackConfig, scalars: tuple[float, float] = (10.0, -10.0))
             f"csd_uncertainty_aware:fraction={cfg.csd_fraction},text_unc_quantile={cfg.text_unc_quantile},"
             f"text_unc_low_quantile={cfg.text_unc_low_quantile}"
         ),
-        "clip_score": f"clip_score_best:fraction={cfg.clip_fraction}",
+        "scorer_cosine": f"clip_score_best:fraction={cfg.clip_fraction}",
         "random": f"random_same_size:of={cfg.random_of},seed={cfg.seeds[0]}",
     }
     return [f"{specs[name]},label={name}" for name in cfg.subsets if name in specs]

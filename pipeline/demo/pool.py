@@ -297,11 +297,27 @@ def _format_url(template: str, base_url: str) -> str:
     )
 
 
+def stand_in_scores(embeddings: Path, uids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The metadata's CLIP scores from the pool's stand-in embeddings (pipeline/demo/planted.py): L/14's is
+    the cosine of the pair's vectors, as DataComp computed its column from CLIP L/14; B/32's the same
+    cosine with independent noise (σ 0.03, seeded), a weaker model's view of the same pairs
+    (docs/decisions/0050-demo-stand-in-embeddings.md)."""
+    with np.load(embeddings) as z:
+        order = {str(u): i for i, u in enumerate(z["uid"])}
+        image, text = z["l14_img"].astype(np.float32), z["l14_txt"].astype(np.float32)
+    rows = np.array([order[u] for u in uids])
+    cos = np.sum(image[rows] * text[rows], axis=1) / (
+        np.linalg.norm(image[rows], axis=1) * np.linalg.norm(text[rows], axis=1)
+    )
+    noise = np.random.default_rng(np.random.SeedSequence([len(uids), 32])).normal(0.0, 0.03, len(uids))
+    return cos.astype(np.float32).astype(np.float64), (cos + noise).astype(np.float32).astype(np.float64)
+
+
 def write_metadata(out_dir: str | os.PathLike, base_url: str) -> str:
     """Write ``metadata/part-00000.parquet`` (DataComp columns) for a pool served at ``base_url``."""
     out = Path(out_dir)
     truth = pq.read_table(out / "truth.parquet")
-    n = truth.num_rows
+    l14, b32 = stand_in_scores(out / "embeddings.npz", truth["uid"].to_pylist())
     table = pa.table(
         {
             S.UID: truth["uid"],
@@ -312,8 +328,8 @@ def write_metadata(out_dir: str | os.PathLike, base_url: str) -> str:
             S.ORIGINAL_WIDTH: truth["original_width"],
             S.ORIGINAL_HEIGHT: truth["original_height"],
             S.SHA256: truth["sha256"],
-            S.CLIP_B32: pa.nulls(n, pa.float64()),
-            S.CLIP_L14: pa.nulls(n, pa.float64()),
+            S.CLIP_B32: pa.array(b32, pa.float64()),
+            S.CLIP_L14: pa.array(l14, pa.float64()),
             S.FACE_BBOXES: truth["face_bboxes"].cast(pa.list_(pa.list_(pa.float64()))),
         },
         schema=S.METADATA_SCHEMA,

@@ -228,18 +228,25 @@ def build_train_dataset(
         else ray.data.FileShuffleConfig(seed=data.shuffle_seed, reseed_after_execution=True)
     )
     read_cpus = data.read_cpus or data.decode_cpus  # no worker churn: decision 0085
+    resample = None  # open_clip's --dataset-resampled: shards drawn with replacement every epoch
+    if data.sampling == "resampled":
+        resample = (
+            data.shuffle_seed
+            if data.shuffle_seed is not None
+            else int(np.random.SeedSequence().entropy % 2**63)
+        )
     report = BadShardCounter(counters) if counters else None
     mismatch = MismatchCounter(counters) if counters else None
     if data.subset:  # the build's shards, filtered to the subset's rows inside each read task
         counts = SharedSubset(data.subset, store, data.label_selector)
         reader = SubsetShardReader(data.subset, store, counts, max_bad_shards=data.max_bad_shards, report=report,
                                    verify=data.verify_checksums, on_mismatch=mismatch)  # fmt: skip
-        source = ShardDatasource(list_shards(data.shards, store), reader, shuffle=shuffle)
+        source = ShardDatasource(list_shards(data.shards, store), reader, resample=resample, shuffle=shuffle)
         ds = ray.data.read_datasource(source, num_cpus=read_cpus)
     else:
         ds = read_shards(
             data.shards, store, report=report, max_bad_shards=data.max_bad_shards, shuffle=shuffle,
-            num_cpus=read_cpus, verify=data.verify_checksums, on_mismatch=mismatch,
+            num_cpus=read_cpus, verify=data.verify_checksums, on_mismatch=mismatch, resample=resample,
         )  # fmt: skip
     ds = scope_dataset(ds, data.label_selector)
     if data.shuffle_window > 1:

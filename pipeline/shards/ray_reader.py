@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import ray
 from ray.data.datasource import FileBasedDatasource
@@ -24,15 +25,40 @@ from pipeline.shards.reader import BadShardReport, MismatchReport, ShardReader, 
 
 
 class ShardDatasource(FileBasedDatasource):
-    """Raw samples (module docstring of pipeline/shards/reader.py) read with ``ShardReader``."""
+    """Raw samples (module docstring of pipeline/shards/reader.py) read with ``ShardReader``.
+
+    ``resample``: every execution (a training epoch) reads as many shards as there are, drawn with
+    replacement from a generator seeded by (``resample``, execution index) — open_clip's
+    ``--dataset-resampled``; a shard drawn twice is read twice. Ray's file shuffle then orders the draw."""
 
     _FILE_EXTENSIONS = ["tar"]
 
-    def __init__(self, paths: list[str], reader: ShardReader, **kw: Any) -> None:
+    def __init__(self, paths: list[str], reader: ShardReader, resample: int | None = None, **kw: Any) -> None:
         self._s3 = storage.is_s3(paths[0])
         fs, resolved = reader.store.filesystem_for(paths)
         super().__init__(resolved, filesystem=fs, **kw)
         self._reader = reader
+        self._resample, self._draw = resample, None
+
+    def get_read_tasks(self, parallelism: int, *args: Any, **kw: Any) -> list:
+        if self._resample is None:
+            return super().get_read_tasks(parallelism, *args, **kw)
+        context = kw.get("data_context")
+        execution = getattr(context, "_execution_idx", 0) if context is not None else 0
+        n = len(super()._paths())
+        self._draw = np.random.default_rng([self._resample, execution]).integers(0, n, n)
+        try:
+            return super().get_read_tasks(parallelism, *args, **kw)
+        finally:
+            self._draw = None
+
+    def _paths(self) -> list[str]:
+        paths = super()._paths()
+        return paths if self._draw is None else [paths[i] for i in self._draw]
+
+    def _file_sizes(self) -> list:
+        sizes = super()._file_sizes()
+        return sizes if self._draw is None else [sizes[i] for i in self._draw]
 
     def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> Any:
         # The strict parser opens the shard itself (through the Storage); nothing to open twice.
@@ -53,16 +79,18 @@ def read_shards(
     num_cpus: float | None = None,
     verify: bool = False,
     on_mismatch: MismatchReport | None = None,
+    resample: int | None = None,
 ) -> Any:
     """A ``ray.data.Dataset`` of raw samples, one read task per shard (directory, glob, list).
 
     ``report`` counts damaged shards across tasks (the ingest's counters actor, pipeline/ingest/dataset.py);
-    ``max_bad_shards`` (None: no limit), ``with_json``, ``verify`` and ``on_mismatch`` as in ``ShardReader``.
+    ``max_bad_shards`` (None: no limit), ``with_json``, ``verify`` and ``on_mismatch`` as in ``ShardReader``;
+    ``resample`` a seed: shards drawn with replacement every execution (``ShardDatasource``).
     """
     spec = shards if isinstance(shards, str) else ",".join(shards)
     reader = ShardReader(store, max_bad_shards=max_bad_shards, report=report, with_json=with_json,
                          verify=verify, on_mismatch=on_mismatch)  # fmt: skip
-    source = ShardDatasource(list_shards(spec, store), reader, shuffle=shuffle)
+    source = ShardDatasource(list_shards(spec, store), reader, resample=resample, shuffle=shuffle)
     return ray.data.read_datasource(source, **({} if num_cpus is None else {"num_cpus": num_cpus}))
 
 

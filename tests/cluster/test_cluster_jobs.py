@@ -227,10 +227,13 @@ def comparable_results(text: str, run_dir: str) -> dict:
 
 
 def printed_results(printed: str) -> list[str]:
-    """What the track prints after its report's path: the verdicts and the table."""
+    """What the track prints after its report's path: the verdicts and the table. Lines Ray forwards from
+    its actors (``(TrainController pid=…) …``) reach the job's log when they arrive, which may be after the
+    report: they are not the track's."""
     lines = printed.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("report: "))
-    return [line for line in lines[start + 1 :] if line.strip()]
+    forwarded = re.compile(r"^(\x1b\[[0-9;]*m)?\([\w.:-]+ pid=\d+")
+    return [line for line in lines[start + 1 :] if line.strip() and not forwarded.match(line)]
 
 
 def test_the_tiny_track_on_three_hosts_reports_what_one_node_reports(cluster, tiny_track) -> None:

@@ -105,7 +105,7 @@ def cases(f: dict) -> dict[tuple[str, str], tuple[list[str], int, tuple[str, ...
         ("filter", "out_of_range"): (["--set", "filters=[csd_best:fraction=2]", *ckpt, "--checkpoint", missing], CONFIG, ("filters", "fraction")),
         ("track", "missing"): (["--output", out, "--set", f"build.metadata={missing}"], INPUT, ("build.metadata", missing, "not found")),
         ("track", "wrong_kind"): (["--output", text], INPUT, ("output", text, "a file, not a directory")),
-        ("track", "unreachable_s3"): (["--set", f"output={s3}", "--set", f"s3_endpoint={dead}", "--set", "scorer.tokenizer=clip", "--set", "train.tokenizer=clip"], STORAGE, ("output", s3, "NETWORK_CONNECTION")),
+        ("track", "unreachable_s3"): (["--set", f"output={s3}", "--set", f"s3_endpoint={dead}", "--set", "scorer.tokenizer=clip", "--set", "train.tokenizer=clip", "--set", "unofficial=true"], STORAGE, ("output", s3, "NETWORK_CONNECTION")),
         ("track", "bad_key"): (["--set", "scorer.optim.lrr=1"], CONFIG, ("unknown config key scorer.optim.lrr",)),
         ("track", "out_of_range"): (["--set", "csd_fraction=0"], CONFIG, ("csd_fraction", "greater than 0")),
         ("status", "missing"): ([missing], INPUT, (missing, "not found")),

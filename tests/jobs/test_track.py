@@ -62,7 +62,10 @@ def test_csd_needs_a_prolip_scorer():
 
 def test_presets_resolve_with_nested_overrides():
     cfg = resolve(
-        TRACK_PRESETS, "demo", None, ["build.demo_n=500", "train.samples_seen=1280", "seeds=[0, 1]"]
+        TRACK_PRESETS,
+        "demo",
+        None,
+        ["build.demo_n=500", "train.samples_seen=1280", "seeds=[0, 1]", "unofficial=true"],
     )
     assert cfg.build.demo_n == 500 and cfg.train.samples_seen == 1280 and cfg.seeds == (0, 1)
     for name in TRACK_PRESETS:
@@ -126,7 +129,7 @@ def test_tiny_track_end_to_end_and_resume(tiny_track, tmp_path, capsys):
     # Run once per session (tests/fixtures/tiny_track.py), also the cluster's reference.
     out, args, half = tiny_track.out, tiny_track.args, tiny_track.half
     # Killed once its build is recorded: jobs.status says what is done and what is not ...
-    assert half[0] == "track: 1 of 11 steps finished" and "  done  build" in half[1], half
+    assert half[0] == "track: 1 of 13 steps finished" and "  done  build" in half[1], half
     assert (
         "  to do scorer" in half
         and "  to do evaluate/random-seed0" in half
@@ -138,7 +141,7 @@ def test_tiny_track_end_to_end_and_resume(tiny_track, tmp_path, capsys):
     report = (out / "report.md").read_text()
     results = json.loads((out / "track_results.json").read_text())
     subsets = [r["subset"] for r in results["table"]]
-    assert subsets == ["no_filter", "csd", "random"]
+    assert subsets == ["no_filter", "csd", "clip_score_l14", "random"]
     sizes = {r["subset"]: r["size"] for r in results["table"]}
     assert sizes["csd"] == sizes["random"] < sizes["no_filter"]
     # no_filter lists the whole pool (DataComp's scope); only the downloaded part of it trains.
@@ -147,7 +150,7 @@ def test_tiny_track_end_to_end_and_resume(tiny_track, tmp_path, capsys):
     assert "| no_filter | " + str(sizes["no_filter"]) + " | " + str(trained["no_filter"]) + " |" in report
     for row in results["table"]:
         assert 0.0 <= row["average"] <= 1.0 and row["tasks"]
-    assert set(results["verdict"]) == {"csd_vs_no_filter", "csd_vs_random"}
+    assert set(results["verdict"]) == {"csd_vs_no_filter", "csd_vs_random", "csd_vs_clip_score_l14"}
     assert "| subset | size | downloaded | samples seen |" in report and "CSD filter vs controls" in report
     # The build's subsets that train no model here still show what they keep: basic drops non-English.
     purity = results["purity"]
@@ -177,8 +180,8 @@ def test_tiny_track_end_to_end_and_resume(tiny_track, tmp_path, capsys):
     assert len(refs.refs) == report.count("![") >= 9
     assert all(tag == "img" and value.startswith("data:image/png;base64,") for tag, _, value in refs.refs)
     done = status_lines(str(out), LOCAL)
-    assert done[0] == "track: 11 of 11 steps finished" and done[-1] == f"report: {out}/report.md", done
-    for name in ("scorer", "no_filter-seed0", "csd-seed0", "random-seed0"):
+    assert done[0] == "track: 13 of 13 steps finished" and done[-1] == f"report: {out}/report.md", done
+    for name in ("scorer", "no_filter-seed0", "csd-seed0", "clip_score_l14-seed0", "random-seed0"):
         assert (out / "eval" / name / "eval_results.jsonl").is_file()
     state = json.loads((out / "track_state.json").read_text())
     # The tiny preset trains its three subset models two at a time (train_parallel): each one recorded.
@@ -305,13 +308,13 @@ def test_track_subsets_are_filter_specs_with_the_library_random_control():
     from jobs.track.steps import subset_specs
     from pipeline.filters.specs import parse_filter_specs
 
-    subsets = ["no_filter", "basic", "csd", "csd_uncertainty", "clip_score", "random"]
+    subsets = ["no_filter", "basic", "csd", "csd_uncertainty", "scorer_cosine", "random"]
     cfg = merge(TrackConfig(), {"subsets": subsets, "random_of": "basic", "seeds": [3]})
     specs = parse_filter_specs(subset_specs(cfg), "subsets", known=["no_filter", "basic"])
     assert [(s.label, s.name) for s in specs] == [
         ("csd", "csd_best"),
         ("csd_uncertainty", "csd_uncertainty_aware"),
-        ("clip_score", "clip_score_best"),
+        ("scorer_cosine", "clip_score_best"),
         ("random", "random_same_size"),
     ]
     assert specs[0].params == {"fraction": 0.5}

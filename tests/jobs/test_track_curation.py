@@ -14,7 +14,7 @@ from jobs.track.steps import subset_specs
 from pipeline.common.config import ConfigError, merge
 from pipeline.filters.specs import parse_filter_specs
 
-_NEW = ["csd", "clip_score", "csd_ucb", "csd_inclusion", "csd_posterior", "neg_clip_loss", "norm_sim"]
+_NEW = ["csd", "scorer_cosine", "csd_ucb", "csd_inclusion", "csd_posterior", "neg_clip_loss", "norm_sim"]
 
 
 def test_every_new_kind_becomes_a_spec_of_the_one_registry():
@@ -30,7 +30,7 @@ def test_every_new_kind_becomes_a_spec_of_the_one_registry():
 
 def test_the_selection_preset_compares_at_equal_size():
     cfg = TRACK_PRESETS["demo-selection"]
-    assert cfg.clip_fraction == cfg.csd_fraction and {"csd", "clip_score"} <= set(cfg.subsets)
+    assert cfg.clip_fraction == cfg.csd_fraction and {"csd", "scorer_cosine"} <= set(cfg.subsets)
     assert cfg.build.dedupe.semantic and cfg.build.decontam.reference == "demo"
     with pytest.raises(ConfigError, match="inclusion_quantile"):
         merge(cfg, {"inclusion_quantile": 1.0})
@@ -41,15 +41,15 @@ def _evals(averages: dict[str, float]) -> dict:
 
 
 def test_selection_differences_per_seed():
-    cfg = SimpleNamespace(subsets=("csd", "clip_score", "csd_ucb"), seeds=(0, 1))
+    cfg = SimpleNamespace(subsets=("csd", "scorer_cosine", "csd_ucb"), seeds=(0, 1))
     evals = _evals(
-        {"csd-seed0": 0.40, "csd-seed1": 0.42, "clip_score-seed0": 0.38, "clip_score-seed1": 0.45,
+        {"csd-seed0": 0.40, "csd-seed1": 0.42, "scorer_cosine-seed0": 0.38, "scorer_cosine-seed1": 0.45,
          "csd_ucb-seed0": 0.41, "csd_ucb-seed1": 0.41}
     )  # fmt: skip
     sel = CR.selection(cfg, evals)
     assert sel["csd_ucb_vs_csd"]["diff_by_seed"] == pytest.approx([0.01, -0.01])
-    assert sel["csd_ucb_vs_csd"]["wins"] == 1 and sel["csd_ucb_vs_clip_score"]["wins"] == 1
-    assert sel["csd_ucb_vs_clip_score"]["mean_diff"] == pytest.approx((0.03 - 0.04) / 2)
+    assert sel["csd_ucb_vs_csd"]["wins"] == 1 and sel["csd_ucb_vs_scorer_cosine"]["wins"] == 1
+    assert sel["csd_ucb_vs_scorer_cosine"]["mean_diff"] == pytest.approx((0.03 - 0.04) / 2)
 
 
 def _results(avg: dict[str, float]) -> dict:
@@ -60,7 +60,7 @@ def test_over_scorer_seeds_wins_are_counted_and_the_verdict_needs_every_seed():
     runs = {}
     for k, (ucb, post) in enumerate([(0.45, 0.41), (0.44, 0.39), (0.46, 0.43)]):
         figures = CR.selection_figures(
-            _results({"csd": 0.42, "clip_score": 0.40, "csd_ucb": ucb, "csd_posterior": post})
+            _results({"csd": 0.42, "scorer_cosine": 0.40, "csd_ucb": ucb, "csd_posterior": post})
         )
         runs[f"r{k}"] = {"figures": figures, "ci": {}, "scorer_seed": k, "per_pair": None}
     summary = summarise(runs)
@@ -69,7 +69,7 @@ def test_over_scorer_seeds_wins_are_counted_and_the_verdict_needs_every_seed():
         row["holds"] == 1 and row["n"] == 3 and row["mean"] == pytest.approx(-0.01)  # −0.01, −0.03, +0.01
     )
     verdict = "\n".join(CR.selection_verdict(runs))
-    assert "csd_ucb: better than csd on 3/3 runs, than clip_score on 3/3 — wins on every seed" in verdict
+    assert "csd_ucb: better than csd on 3/3 runs, than scorer_cosine on 3/3 — wins on every seed" in verdict
     assert "csd_posterior: better than csd on 1/3 runs" in verdict and "does not win on every seed" in verdict
 
 

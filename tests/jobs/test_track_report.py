@@ -128,7 +128,10 @@ def run(tmp_path):
     plots = plot_all(analyses, arrays, str(tmp_path / "eval" / "scorer" / "plots"), "scorer · a checkpoint")
     evals["scorer"].update(analyses=analyses, plots=plots, dir=str(tmp_path / "eval" / "scorer"))
     scorer = {**models.pop("scorer"), "loss": "prolip", "first_loss": 4.9, "final_loss": 4.6}
-    subsets = {s: {"size": 100, "downloaded": 90, "path": ""} for s in cfg.subsets}
+    from pipeline.subsets.uid_files import write_subset
+
+    write_subset(["0" * 32], tmp_path / "one.npy")
+    subsets = {s: {"size": 100, "downloaded": 90, "path": str(tmp_path / "one.npy")} for s in cfg.subsets}
     built = {"n_input": 120, "status": {"success": 100}, "subsets": {}}
     scores = {"path": str(tmp_path / "scores.parquet"), "n_rows": 100, "pairs_per_s": 50.0}
     return cfg, built, scores, subsets, models, scorer, evals

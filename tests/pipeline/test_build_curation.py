@@ -74,14 +74,16 @@ def test_every_row_keeps_one_status_and_leaks_are_in_no_subset(curated, demo_poo
     assert result.status_counts == dict(sorted(Counter(truth.values()).items()))
 
 
-def test_a_semantic_duplicate_names_a_kept_row(curated):
+def test_a_semantic_duplicate_names_a_kept_row(curated, demo_pool):
     cfg, _ = curated
     st = pq.read_table(os.path.join(cfg.output, "metadata", "status.parquet")).to_pydict()
     status = dict(zip(st["uid"], st["status"], strict=True))
+    meta = demo_pool.metadata
+    score = dict(zip(meta["uid"].to_pylist(), meta[S.CLIP_L14].to_pylist(), strict=True))
     for u, s, d in zip(st["uid"], st["status"], st[S.DUPLICATE_OF], strict=True):
         assert (s == S.STATUS_SEMANTIC_DUPLICATE) == (d is not None)
-        if d is not None:
-            assert status[d] == S.STATUS_SUCCESS and d < u  # no CLIP scores here: the smaller uid stays
+        if d is not None:  # the copy with the better (stand-in) CLIP L/14 score stays, ties by uid
+            assert status[d] == S.STATUS_SUCCESS and (-score[d], d) < (-score[u], u)
 
 
 def test_missing_embeddings_stop_the_build_before_download(ray_local, demo_pool, tmp_path):
@@ -101,3 +103,24 @@ def test_missing_embeddings_stop_the_build_before_download(ray_local, demo_pool,
     with pytest.raises(FileNotFoundError, match="decontam.reference: no image embeddings at .*none.npz"):
         build(cfg, log=lambda m: None)
     assert not (tmp_path / "shards").exists()  # stopped at the start: nothing downloaded
+
+
+def test_datacomp_pool_rules_leave_no_leak_and_no_hash_refusal(curated, demo_pool, tmp_path):
+    """``pool=datacomp`` (jobs/track/datacomp/pool.py) on the same served demo pool: no row ends
+    ``eval_leak`` or ``hash_mismatch`` — the planted leaks stay in the pool and in ``no_filter``, the rows
+    whose body differs from the metadata's sha256 are downloaded — while our default build refuses both."""
+    from jobs.track.datacomp.pool import datacomp_pool
+
+    cfg, _ = curated
+    ours = Counter(s.split(":")[0] for _, s in snapshot(cfg.output)["status"])
+    assert ours[S.EVAL_LEAK] == 6 and ours[S.STATUS_HASH_MISMATCH] > 0, ours
+    dc = datacomp_pool(dataclasses.replace(cfg, output=str(tmp_path / "datacomp")))
+    assert (dc.download.verify_sha256, dc.download.retries, dc.decontam.reference) == (False, 0, "")
+    build(dc, log=lambda m: None)
+    snap = snapshot(dc.output)
+    theirs = Counter(s.split(":")[0] for _, s in snap["status"])
+    assert theirs[S.EVAL_LEAK] == 0 and theirs[S.STATUS_HASH_MISMATCH] == 0, theirs
+    assert (
+        theirs[S.STATUS_SUCCESS] >= ours[S.STATUS_SUCCESS] + ours[S.EVAL_LEAK] + ours[S.STATUS_HASH_MISMATCH]
+    )
+    assert set(snap["subsets"]["no_filter"]) == {u for u, _ in snap["status"] if S.is_valid_uid(u)}

@@ -20,7 +20,7 @@ from training.model.checkpoint import CheckpointError, save_checkpoint
 from training.model.two_tower import ProLIP
 
 # open_clip block name → ours (``Block`` in training/model/towers.py)
-_BLOCK_MAP = {
+BLOCK_MAP = {
     "ln_1.weight": "ln_1.weight",
     "ln_1.bias": "ln_1.bias",
     "attn.in_proj_weight": "qkv.weight",
@@ -73,7 +73,7 @@ def map_blocks(state: Mapping[str, torch.Tensor], src: str, dst: str, n: int) ->
     """Blocks ``src``resblocks.i.* → ``dst``blocks.i.* for i < n."""
     out = {}
     for i in range(n):
-        for theirs, ours in _BLOCK_MAP.items():
+        for theirs, ours in BLOCK_MAP.items():
             out[f"{dst}blocks.{i}.{ours}"] = take(state, f"{src}resblocks.{i}.{theirs}")
     return out
 
@@ -112,7 +112,7 @@ def tower_shapes(state: Mapping[str, torch.Tensor], text_prefix: str, probabilis
 
 def block_keys(prefix: str, n: int) -> set[str]:
     """The source keys ``map_blocks`` reads."""
-    return {f"{prefix}resblocks.{i}.{k}" for i in range(n) for k in _BLOCK_MAP}
+    return {f"{prefix}resblocks.{i}.{k}" for i in range(n) for k in BLOCK_MAP}
 
 
 def take(state: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:

@@ -31,6 +31,7 @@ from training.config import OPENAI_MEAN, OPENAI_STD
 from training.imports import open_clip as oc
 from training.imports import prolip_official as po
 from training.imports.common import read_weights, write_imported
+from training.imports.export import OPEN_CLIP_CONFIG, TOKENIZER_FILES
 from training.model.checkpoint import CheckpointError
 
 HUB = "hf-hub:"
@@ -75,25 +76,32 @@ def fetch(location: str, filename: str) -> Path:
     return path / filename if path.is_dir() else path
 
 
-def _prolip_settings(src: ImportSource, weights: Path) -> dict[str, Any]:
-    """The released ``config.json`` (beside the weights or on the hub), or {} when there is none."""
+def _sibling_json(src: ImportSource, weights: Path, name: str) -> dict[str, Any]:
+    """The JSON file ``name`` beside the weights (or in the hub repository), or {} when there is none."""
     try:
-        path = (
-            fetch(src.location, po.HUB_CONFIG)
-            if src.location.startswith(HUB)
-            else weights.parent / po.HUB_CONFIG
-        )
-    except Exception:  # noqa: BLE001 — a hub repo without config.json: fall back to the defaults
+        path = fetch(src.location, name) if src.location.startswith(HUB) else weights.parent / name
+    except Exception:  # noqa: BLE001 — a hub repo without that file: fall back to the defaults
         return {}
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _prolip_settings(src: ImportSource, weights: Path) -> dict[str, Any]:
+    """The released ``config.json`` (beside the weights or on the hub), or {} when there is none."""
+    return _sibling_json(src, weights, po.HUB_CONFIG)
+
+
+def _exported_tokenizer(weights: Path) -> str:
+    """The directory of the weights when our export left its tokenizer there (training/imports/export.py)."""
+    return str(weights.parent) if all((weights.parent / f).is_file() for f in TOKENIZER_FILES) else ""
 
 
 def _convert(src: ImportSource, tokenizer: str, clean: str) -> tuple[Any, TextTokenizer, dict[str, Any]]:
     if src.kind == "openclip":
         weights = fetch(src.location, oc.HUB_FILE)
-        tok = tokenizer_from_spec(tokenizer or "clip", clean or None)
+        tok = tokenizer_from_spec(tokenizer or _exported_tokenizer(weights) or "clip", clean or None)
+        model_cfg = _sibling_json(src, weights, OPEN_CLIP_CONFIG).get("model_cfg")
         model, extra = oc.convert_open_clip(
-            read_weights(weights), tok, quick_gelu=src.model.endswith("-quickgelu")
+            read_weights(weights), tok, quick_gelu=src.model.endswith("-quickgelu"), model_cfg=model_cfg
         )
         named = re.search(r"ViT-[A-Za-z]+-(\d+)", src.model)
         if named and int(named.group(1)) != model.config.patch_size:
@@ -102,6 +110,7 @@ def _convert(src: ImportSource, tokenizer: str, clean: str) -> tuple[Any, TextTo
     weights = fetch(src.location, po.HUB_FILE)
     settings = _prolip_settings(src, weights)
     text_cfg = settings.get("text_cfg", {})
+    tokenizer = tokenizer or _exported_tokenizer(weights)
     if not tokenizer:
         name = text_cfg.get("hf_tokenizer_name")
         if not name:

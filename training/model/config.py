@@ -101,10 +101,12 @@ class ModelConfig:
             "must be a power of two >= 2 for vision_stem='conv'",
             p,
         )
+        # An end-token-pooled text tower may pad with an id past its table (our tokenizer's added <pad> on
+        # CLIP's 49,408 ids): padding embeds as id 0, open_clip's padding, and only follows the end token.
         require(
-            self.pad_id < self.vocab_size,
+            self.pad_id < self.vocab_size or self.text_pool == "eot",
             "pad_id",
-            f"must lie inside the vocabulary ({self.vocab_size})",
+            f"must lie inside the vocabulary ({self.vocab_size}) unless text_pool='eot'",
             self.pad_id,
         )
 
@@ -126,10 +128,13 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
         image_size=64, patch_size=8, context_length=32, vocab_size=4096, embed_dim=128,
         vision_width=128, vision_layers=4, vision_heads=4, text_width=128, text_layers=4, text_heads=4,
     ),
-    # open_clip's ViT-B-32 (CLIP's text tower: causal, context 77, CLIP BPE vocabulary).
+    # open_clip's ViT-B-32 parameter for parameter (its model_configs/ViT-B-32.json; CLIP's text tower: causal,
+    # context 77, CLIP BPE's 49,408 ids, pooled at the end token). A ProLIP on it appends its CLS/UNC tokens
+    # instead (training/train/step.py ``build_module``).
     "ViT-B-32": ModelConfig(
         image_size=224, patch_size=32, context_length=77, vocab_size=49408, embed_dim=512, text_causal=True,
         vision_width=768, vision_layers=12, vision_heads=12, text_width=512, text_layers=12, text_heads=8,
+        probabilistic=False, text_pool="eot",
     ),
     # ProLIP B/16 (ProLIP App. B.1): SigLIP-style bidirectional text, context 64.
     "ViT-B-16-ProLIP": ModelConfig(
@@ -162,6 +167,12 @@ MODEL_CONFIGS["demo-32px-cnn-unc"] = dataclasses.replace(
     MODEL_CONFIGS["demo-32px"], vision_stem="conv", vision_pool="mean", vision_layers=1
 )
 
+# The tiny track's subset model: ``demo-32px`` shaped as open_clip's CLIP (end-token pooling, causal text), so
+# its checkpoints export to open_clip (training/imports/export.py) as a ViT-B-32 subset model does.
+MODEL_CONFIGS["demo-32px-clip"] = dataclasses.replace(
+    MODEL_CONFIGS["demo-32px"], probabilistic=False, text_pool="eot", text_causal=True
+)
+
 
 def model_config(name: str, **overrides: Any) -> ModelConfig:
     """The named preset with ``overrides`` applied; an unknown name or field raises with that name."""
@@ -173,3 +184,19 @@ def model_config(name: str, **overrides: Any) -> ModelConfig:
         raise ConfigError(f"unknown ModelConfig field(s): {', '.join(unknown)}")
     # No coercion here: a programmatic override of the wrong type is an error, not a string to parse.
     return dataclasses.replace(MODEL_CONFIGS[name], **overrides)
+
+
+def text_table(tokenizer: Any, eot: bool) -> int:
+    """Rows of the token table for ``tokenizer``: its ids, less a ``<pad>``/``<mask>`` it added after them when
+    the text tower pools the end token (CLIP's 49,408 ids stay open_clip's table; the pad embeds as id 0)."""
+    rows = tokenizer.vocab_size
+    while eot and rows - 1 in (tokenizer.pad_id, tokenizer.mask_id):
+        rows -= 1
+    return rows
+
+
+def objective_model_config(name: str, probabilistic: bool, **overrides: Any) -> ModelConfig:
+    """The preset ``name`` as an objective trains it: a Gaussian (ProLIP) model keeps its own text tower
+    (UNC and CLS appended) on a CLIP-shaped preset such as ViT-B-32, whose CLIP pools the end token."""
+    pool = "cls" if probabilistic else MODEL_CONFIGS[name].text_pool if name in MODEL_CONFIGS else "cls"
+    return model_config(name, probabilistic=probabilistic, text_pool=pool, **overrides)

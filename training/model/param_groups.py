@@ -1,9 +1,13 @@
 """AdamW parameter groups: which parameters decay, and the σ heads' own learning rate.
 
-Weight decay (App. B.1: "not on gains, biases, logit scale/bias"): ``param_groups`` also exempts the
-positional embeddings and the CLS/UNC token vectors — they are additive per-position biases, not weight
-matrices (the ViT/MAE convention). The [MASK] row lives in the token-embedding table, which decays as a
-whole like every other vocabulary row (CLIP's convention).
+Two rules (``OptimConfig.decay_rule``):
+
+- ``prolip`` (App. B.1: "not on gains, biases, logit scale/bias"): also exempts the positional embeddings
+  and the CLS/UNC token vectors — they are additive per-position biases, not weight matrices (the ViT/MAE
+  convention). The [MASK] row lives in the token-embedding table, which decays as a whole like every other
+  vocabulary row (CLIP's convention).
+- ``open_clip`` (open_clip_train's rule, which DataComp's recipe runs): every parameter of two or more
+  dimensions decays — the positional embeddings too; gains, biases, the CLS vector and the logit scale not.
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ from torch import nn
 NO_DECAY_NAMES = frozenset({"pos_embed", "cls_token", "unc_token"})
 
 
-def decay_split(model: nn.Module) -> tuple[list[str], list[str]]:
+def decay_split(model: nn.Module, rule: str = "prolip") -> tuple[list[str], list[str]]:
     """Names of trainable parameters that get weight decay and those that do not (see module docstring)."""
+    if rule not in ("prolip", "open_clip"):
+        raise ValueError(f"decay rule must be 'prolip' or 'open_clip', got {rule!r}")
+    exempt = NO_DECAY_NAMES if rule == "prolip" else frozenset()
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         leaf = name.rsplit(".", 1)[-1]
-        (no_decay if p.ndim < 2 or leaf in NO_DECAY_NAMES else decay).append(name)
+        (no_decay if p.ndim < 2 or leaf in exempt else decay).append(name)
     return decay, no_decay
 
 
@@ -43,15 +50,17 @@ def param_groups(
     lr: float | None = None,
     unc_lr_mult: float = 1.0,
     unc_lr_mult_image: float | None = None,
+    decay_rule: str = "prolip",
 ) -> list[dict[str, Any]]:
     """AdamW parameter groups: matrices decay by ``weight_decay``; gains, biases, scalars, embeddings not.
 
     With ``unc_lr_mult`` != 1 the σ-head parameters (``is_unc_param``) get their own groups at
     ``lr * unc_lr_mult`` (same decay rule); ``unc_lr_mult_image`` (None: the same) sets the image tower's
-    σ head apart from the text tower's. The LR schedule scales every group alike.
+    σ head apart from the text tower's. The LR schedule scales every group alike. ``decay_rule``: the module
+    docstring's ``prolip`` or ``open_clip``.
     """
     params = dict(model.named_parameters())
-    decay, no_decay = decay_split(model)
+    decay, no_decay = decay_split(model, decay_rule)
     image_mult = unc_lr_mult if unc_lr_mult_image is None else unc_lr_mult_image
     split = lr is not None and (unc_lr_mult != 1.0 or image_mult != 1.0)
 

@@ -31,7 +31,9 @@ Variants selected by ``ModelConfig`` so that imported weights (training/imports/
 
 - ``activation="quick_gelu"``: x·σ(1.702x), the MLP activation OpenAI's CLIP weights were trained with.
 - ``text_pool="eot"`` (deterministic only): no appended CLS; the text embedding is read at the end token,
-  the last non-pad position (CLIP pools its EOT token; with causal attention it sees the whole caption).
+  the last non-pad position (CLIP pools its EOT token; with causal attention it sees the whole caption). A
+  pad id past the token table (our added ``<pad>`` after CLIP's 49,408 ids) embeds as id 0, open_clip's
+  padding, so the model is open_clip's CLIP parameter for parameter.
 - ``head_variant="prolip_official"`` with ``text_mask_padding=False``, ``text_proj_bias=True`` and
   ``text_ln_eps=1e-6``: the released ProLIP checkpoints' arithmetic — the image CLS state passes the final
   LayerNorm twice, the text σ head reads the projected (unnormalised) text mean, and text attention sees
@@ -286,6 +288,7 @@ class TextTower(_Tower):
         width = cfg.text_width
         self.context_length = cfg.context_length
         self.pad_id = cfg.pad_id
+        self.pad_in_table = cfg.pad_id < cfg.vocab_size  # else padding embeds as id 0 (open_clip's padding)
         self.causal = cfg.text_causal
         self.mask_padding = cfg.text_mask_padding
         self.eot_pool = cfg.text_pool == "eot"
@@ -320,14 +323,17 @@ class TextTower(_Tower):
         b, length = tokens.shape
         if length > self.context_length:
             raise ValueError(f"tokens have length {length} > context_length {self.context_length}")
-        x = self.token_embed(tokens) + self.pos_embed[:length]  # (B, L, D)
+        ids = tokens if self.pad_in_table else tokens.masked_fill(tokens == self.pad_id, 0)  # (B, L)
+        x = self.token_embed(ids) + self.pos_embed[:length]  # (B, L, D)
         special = self.special_tokens().unsqueeze(0).expand(b, -1, -1).to(x.dtype)  # (B, S0, D)
         x = torch.cat([x, special], dim=1)  # (B, L + S0, D)
         x = self.transformer(x, self.attention_mask(tokens))  # (B, L + S0, D)
         x = self.ln_post(x)  # (B, L + S0, D)
         if self.eot_pool:
-            # The end token is the last non-pad position (pipeline/ingest/tokenizer.py's layout).
-            last = ((tokens != self.pad_id).sum(dim=1) - 1).clamp(min=0)  # (B,)
+            # The end token is the last non-pad position (pipeline/ingest/tokenizer.py's layout), also when the
+            # pad id is a real token (a BPE's 0) that a caption may contain.
+            pos = torch.arange(1, length + 1, device=tokens.device)  # (L,)
+            last = ((tokens != self.pad_id) * pos).argmax(dim=1)  # (B,)
             return self.head(x[torch.arange(b, device=x.device), last], None)
         h_unc = x[:, -2] if self.unc_token is not None else None  # (B, D)
         return self.head(x[:, -1], h_unc)

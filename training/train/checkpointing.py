@@ -57,6 +57,7 @@ def save_state(directory: str, state: Any, tokenizer: Any, metrics: dict[str, An
             "optimizer": state.opt.state_dict(),
             "scheduler": state.sched.state_dict(),
             "loss": module.loss.state_dict(),
+            **({"loss_scale": state.update.loss_scale.state_dict()} if state.update.loss_scale else {}),
         },
         os.path.join(directory, TRAIN_STATE_FILE),
     )

@@ -19,7 +19,8 @@ The step never waits for the host: every rank's rows and masked count come from 
 stays a device tensor, and the per-step figures accumulate on the device until a report
 (tests/training/train/test_gpu_step.py counts the operations that would sync a GPU).
 
-Precision: bf16 autocast on CUDA (the σ/μ heads and the losses in float32 inside), fp32 on CPU.
+Precision: bf16 autocast on CUDA (the σ/μ heads and the losses in float32 inside), fp32 on CPU;
+``precision="amp"`` float16 autocast with the update's dynamic loss scale (DataComp's setting).
 ``compile=true`` wraps the module in ``torch.compile(dynamic=True)``: the text length varies per batch.
 
 Bookkeeping that makes recovery checkable: ``history`` is the list of committed step ranges, carried in
@@ -45,7 +46,7 @@ from pipeline.ingest.masking import round_half_up
 from training.losses.pcmepp import mix_images, pcmepp_soft_labels
 from training.losses.registry import build_loss_from_config
 from training.losses.spec import LossSpec
-from training.model.config import model_config
+from training.model.config import model_config, objective_model_config, text_table
 from training.model.param_groups import param_groups
 from training.model.two_tower import ProLIP
 from training.train.checkpointing import restore
@@ -157,6 +158,8 @@ def batch_plan(cfg: Any, spec: LossSpec, world: int) -> BatchPlan:
 
 
 def autocast(device: torch.device, precision: str) -> Any:
+    if precision == "amp":  # float16, with the update's loss scale (training/train/optimizer.py)
+        return torch.autocast(device.type, dtype=torch.float16)
     bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
@@ -164,11 +167,12 @@ def autocast(device: torch.device, precision: str) -> Any:
 def build_module(cfg: Any, tokenizer: Any) -> tuple[TrainModule, Any]:
     """A fresh ``TrainModule`` and its model config (deterministic init from ``cfg.seed``)."""
     loss, spec = build_loss_from_config(cfg.loss)
-    mcfg = model_config(
+    eot = not spec.probabilistic and model_config(cfg.model).text_pool == "eot"
+    mcfg = objective_model_config(
         cfg.model,
-        vocab_size=tokenizer.vocab_size,
+        spec.probabilistic,
+        vocab_size=text_table(tokenizer, eot),
         pad_id=tokenizer.pad_id,
-        probabilistic=spec.probabilistic,
         grad_checkpointing=cfg.grad_checkpointing,
     )
     torch.manual_seed(cfg.seed)
@@ -223,7 +227,7 @@ def setup_state(
     if cfg.compile:
         ddp = torch.compile(ddp, dynamic=True)
     o = cfg.optim
-    groups = param_groups(inner, o.weight_decay, o.lr, o.unc_lr_mult, o.unc_lr_mult_image)
+    groups = param_groups(inner, o.weight_decay, o.lr, o.unc_lr_mult, o.unc_lr_mult_image, o.decay_rule)
     opt, fused = make_adamw(groups, o)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.total_steps, o.warmup_steps, o.min_lr_ratio))
     if saved is not None:
@@ -239,7 +243,7 @@ def setup_state(
         sched=sched,
         device=device,
         mix_gen=torch.Generator().manual_seed(cfg.seed * 1000 + rank),
-        update=GuardedUpdate(opt, fused, inner.parameters(), o.grad_clip),
+        update=guarded_update(opt, fused, inner, cfg, saved),
         augment=DeviceAugment(cfg.data.mean, cfg.data.std),
         plan=batch_plan(cfg, inner.spec, world) if world > 1 else None,
         step=step,
@@ -251,6 +255,14 @@ def setup_state(
         restored=restore_dir is not None,
         salient=salient_masker(cfg, tokenizer),
     )
+
+
+def guarded_update(opt: Any, fused: bool, module: nn.Module, cfg: Any, saved: Any) -> GuardedUpdate:
+    """The step's update, with float16 amp's loss scale (restored from ``saved``) when ``precision="amp"``."""
+    update = GuardedUpdate(opt, fused, module.parameters(), cfg.optim.grad_clip, cfg.precision == "amp")
+    if update.loss_scale is not None and saved is not None and saved.get("loss_scale"):
+        update.loss_scale.load_state_dict(saved["loss_scale"])
+    return update
 
 
 def salient_masker(cfg: Any, tokenizer: Any) -> SalientDrop | None:
@@ -299,7 +311,7 @@ def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str
     is not finite leaves the weights as they were and counts in ``state.update.skipped``."""
     terms, feats = forward_terms(state, batch)
     state.opt.zero_grad(set_to_none=True)
-    (terms["total"] * ddp_loss_scale()).backward()
+    state.update.backward(terms["total"] * ddp_loss_scale())
     feats = {**feats, "grad_norm": state.update(terms["total"])}
     state.sched.step()
     state.step += 1

@@ -239,7 +239,7 @@ def decode_sizing(cfg: TrainConfig, mcfg: Any, mfu: float = 0.30) -> str:
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) training to ``cfg.total_steps``; needs Ray initialised (jobs.common.init_ray)."""
     from training.losses.registry import LOSS_SPECS
-    from training.model.config import model_config
+    from training.model.config import model_config, objective_model_config
 
     t0 = time.perf_counter()
     # Run directory and shards may sit behind different endpoints: each is resolved once, here.
@@ -250,7 +250,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     warnings = check_checkpoints(cfg, run_store)
     if cfg.scaling.use_gpu:
         probabilistic = LOSS_SPECS[cfg.loss.name].probabilistic
-        sized = dataclasses.replace(mcfg, vocab_size=tokenizer.vocab_size, probabilistic=probabilistic)
+        sized = objective_model_config(cfg.model, probabilistic, vocab_size=tokenizer.vocab_size)
         print(decode_sizing(cfg, sized), flush=True)
     counters = start_counters()
     try:

@@ -111,3 +111,30 @@ def ds_subset_ref(ds):
     shared = [o for o in gc.get_objects() if isinstance(o, SharedSubset)]
     assert shared, "the read tasks take no shared subset"
     return shared[-1].ref
+
+
+@pytest.mark.ray
+def test_resampled_reads_draw_shards_with_replacement_every_execution(ray_local, tmp_path) -> None:
+    """``sampling="resampled"`` (open_clip's --dataset-resampled): each execution (an epoch) reads as many
+    shards as there are, drawn with replacement — some twice, some not at all — from a draw seeded by the
+    seed and the execution; the same seed repeats the draws."""
+    from pipeline.shards.ray_reader import read_shards
+
+    paths = write_demo_shards(tmp_path / "pool", n_shards=6, per_shard=5, size=8)
+    shard_of = {s["__key__"]: i for i, p in enumerate(paths) for s in iter_shard(p, decode=False)}
+
+    def epochs(seed: int, n: int) -> list[Counter]:
+        """Per execution: how many times each shard was read (its 5 rows each time)."""
+        ds = read_shards(paths, resample=seed)
+        out = []
+        for _ in range(n):
+            rows = Counter(shard_of[k] for k in ds.to_pandas()["key"])
+            out.append(Counter({shard: count // 5 for shard, count in rows.items()}))
+        return out
+
+    draws = epochs(7, 3)
+    for draw in draws:
+        assert sum(draw.values()) == 6  # as many shard reads as shards
+    assert any(max(d.values()) > 1 for d in draws)  # with replacement
+    assert len({tuple(sorted(d.items())) for d in draws}) > 1  # a fresh draw every execution
+    assert epochs(7, 3) == draws  # seeded

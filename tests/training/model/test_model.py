@@ -430,7 +430,9 @@ def test_named_config_param_counts_match_paper(name: str, overrides: dict, paper
 )
 def test_unc_additions_match_table_c6(name: str, overrides: dict, low: float, high: float) -> None:
     """Table C.6 compares image encoders only: UNC token + its positional row + the σ head."""
-    prob, det = _meta_model(name, **overrides), _meta_model(name, probabilistic=False, **overrides)
+    # the same text pooling on both sides (ViT-B-32's CLIP pools the end token; a ProLIP appends CLS)
+    prob = _meta_model(name, **{"probabilistic": True, "text_pool": "cls", **overrides})
+    det = _meta_model(name, **{"probabilistic": False, "text_pool": "cls", **overrides})
     extra_image = (num_params(prob.visual) - num_params(det.visual)) / 1e6
     assert low < extra_image < high, extra_image
     cfg = prob.config

@@ -284,11 +284,14 @@ def test_the_sizing_line_a_gpu_run_prints_at_start() -> None:
     """``decode_sizing`` (printed only when ``scaling.use_gpu``): the preset's FLOPs, its H100 rate and the
     decode cores at the measured rate, the same figures as docs/gpu.md's table."""
     from training.config import TRAIN_PRESETS
-    from training.model.config import model_config
+    from training.model.config import objective_model_config
     from training.train.trainer import decode_sizing, h100_rate
 
-    cfg = TRAIN_PRESETS["datacomp-small"]
-    flops, rate = h100_rate(cfg, model_config(cfg.model))
+    cfg = TRAIN_PRESETS[
+        "datacomp-small"
+    ]  # a ProLIP on ViT-B-32, its own text tower (as the trainer sizes it)
+    mcfg = objective_model_config(cfg.model, probabilistic=True)
+    flops, rate = h100_rate(cfg, mcfg)
     assert flops == pytest.approx(48.3e9, rel=1e-3) and rate == pytest.approx(6145, rel=1e-3)
-    line = decode_sizing(cfg, model_config(cfg.model))
+    line = decode_sizing(cfg, mcfg)
     assert "48.3 GFLOP a sample" in line and "trains 6145 samples/s" in line and "≈17.9 decode cores" in line

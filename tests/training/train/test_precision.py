@@ -190,3 +190,51 @@ def test_bf16_step_updates_the_sigma_heads_as_the_fp32_step_given_the_same_featu
         assert a.dtype == b.dtype == torch.float32
         assert (a + 10).abs().max() < 3  # still at the −10 init after one step
         assert (a - b).abs().max() <= 4 * eps * 16, float((a - b).abs().max())  # ulp at |x| ≈ 10 is 9.5e-7
+
+
+# --- float16 amp with a loss scale (precision="amp", DataComp's setting) -------------------------------
+
+
+def test_loss_scale_follows_torch_grad_scaler() -> None:
+    """Our device-side loss scale against ``torch.amp.GradScaler`` on the same sequence of finite and
+    overflowing steps (a short growth interval so that growth happens too)."""
+    from training.train.optimizer import LossScale
+
+    ours = LossScale(torch.device("cpu"), init=1024.0, growth_interval=3)
+    ref = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for bad in [0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0]:
+        opt.zero_grad()
+        (ref.scale(p.sum()) * (float("inf") if bad else 1.0)).backward()
+        ref.step(opt)
+        ref.update()
+        ours.update(torch.tensor(float(bad)))
+        assert float(ours.scale) == ref.get_scale()
+
+
+def test_amp_train_step_scales_the_loss_and_skips_an_overflow() -> None:
+    """A whole CLIP ``train_step`` under CPU float16 autocast: the gradients reaching AdamW are the loss's
+    own (unscaled: within fp16 rounding of the fp32 step's), and a step whose scaled gradients overflow is
+    skipped and halves the scale."""
+
+    def step(precision: str, scale: float | None = None):
+        cfg = TrainConfig(model="tiny", global_batch_size=8, samples_seen=16, precision=precision,
+                          loss=LossConfig(name="clip"), optim=OptimConfig(warmup_steps=1))  # fmt: skip
+        state = setup_state(cfg, SimpleNamespace(vocab_size=64, pad_id=PAD), torch.device("cpu"), 0)
+        if scale is not None:
+            state.update.loss_scale.scale.fill_(scale)
+        before = [p.detach().clone() for p in state.module.parameters()]
+        train_step(state, _step_batch())
+        grads = torch.cat([p.grad.float().flatten() for p in state.module.parameters() if p.grad is not None])
+        moved = any(not torch.equal(a, p) for a, p in zip(before, state.module.parameters(), strict=True))
+        return state, grads, moved
+
+    _, g32, _ = step("fp32")
+    state, g16, moved = step("amp")
+    assert state.update.loss_scale is not None and float(state.update.loss_scale.scale) == 2.0**16
+    assert moved and int(state.update.skipped) == 0
+    assert torch.nn.functional.cosine_similarity(g32, g16, dim=0) > 0.98
+    assert float(g16.norm()) == pytest.approx(float(g32.norm()), rel=5e-2)  # unscaled before the update
+    state, _, moved = step("amp", scale=2.0**120)  # the scaled gradients overflow float32
+    assert not moved and int(state.update.skipped) == 1 and float(state.update.loss_scale.scale) == 2.0**119

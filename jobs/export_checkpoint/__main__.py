@@ -1,0 +1,3 @@
+from jobs.export_checkpoint.cli import main
+
+raise SystemExit(main())
