@@ -42,6 +42,38 @@ from training.infer.scoring import (
 READ_CPUS = 0.25  # logical CPUs per read task of encode_items (reads bytes only)
 
 
+def cluster_gpus() -> tuple[float, float]:
+    """(GPUs the cluster has now, GPUs of its smallest GPU node type the autoscaler may add; 0 for none).
+
+    The second comes from the autoscaler's config as Ray Train and Ray Data 2.60 read it
+    (``ray._private.state``; no config, as on a laptop: 0)."""
+    now = float(ray.cluster_resources().get("GPU", 0))
+    try:
+        from ray._private import state
+
+        config = state.state.get_cluster_config()
+        groups = config.node_group_configs if config is not None else []
+        per_node = [float(g.resources.get("GPU", 0)) for g in groups if g.resources.get("GPU", 0) > 0]
+    except Exception:  # noqa: BLE001 (a private API: when it moves, fall back to what is up now)
+        per_node = []
+    return now, min(per_node, default=0.0)
+
+
+def gpu_pool(num_actors: int | None, num_gpus: float | None) -> tuple[int, float]:
+    """An encoding pool's (actors, GPUs per actor) with the unset ones (None) taken from the cluster: one
+    GPU per actor where the cluster has GPUs or its autoscaler can add a GPU node, else none; one actor per
+    GPU up now, or per GPU of the node an autoscaler adds first, else one. Needs Ray initialised when a
+    value is unset."""
+    if num_actors is not None and num_gpus is not None:
+        return num_actors, num_gpus
+    now, node = cluster_gpus()
+    if num_gpus is None:
+        num_gpus = 1.0 if now or node else 0.0
+    if num_actors is None:
+        num_actors = max(1, int((now or node) // num_gpus)) if num_gpus else 1
+    return num_actors, num_gpus
+
+
 class PoolOptions(TypedDict, total=False):
     """The encoding actor pool: ``num_actors`` models, ``num_gpus`` and ``cpus_per_actor`` each (one
     decode thread per CPU), ``batch_size`` rows per call (0 GPUs on CPU-only clusters: a GPU request
