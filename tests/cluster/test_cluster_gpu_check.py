@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def documented_command() -> tuple[list[str], list[str]]:
     """(``ray job submit`` options, entrypoint) of the GPU check's command in docs/cluster.md."""
     text = (ROOT / "docs" / "cluster.md").read_text().replace("\\\n", " ")
-    lines = [ln.strip() for ln in text.splitlines() if "--entrypoint-num-gpus" in ln and "gpu_check.sh" in ln]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("ray job submit")]
+    lines = [ln for ln in lines if "--entrypoint-num-gpus" in ln and "gpu_check.sh" in ln]
     assert len(lines) == 1, lines
     words = shlex.split(lines[0])
     assert words[:3] == ["ray", "job", "submit"], words

@@ -40,6 +40,10 @@ from training.infer.scoring import (
 )
 
 READ_CPUS = 0.25  # logical CPUs per read task of encode_items (reads bytes only)
+# Decode threads (and CPUs) of an actor holding a whole GPU, unless cpus_per_actor says: one thread decodes
+# ~400 images a second at 224 px (docs/gpu.md), a GPU encodes ViT-B/32 pairs by the thousand; 8 of a p5
+# node's 24 vCPUs per GPU feed it ~3,200 a second (docs/cluster.md, "The bill").
+GPU_ACTOR_CPUS = 8.0
 
 
 def cluster_gpus() -> tuple[float, float]:
@@ -76,8 +80,8 @@ def gpu_pool(num_actors: int | None, num_gpus: float | None) -> tuple[int, float
 
 class PoolOptions(TypedDict, total=False):
     """The encoding actor pool: ``num_actors`` models, ``num_gpus`` and ``cpus_per_actor`` each (one
-    decode thread per CPU), ``batch_size`` rows per call (0 GPUs on CPU-only clusters: a GPU request
-    there waits forever)."""
+    decode thread per CPU; unset: 1, or ``GPU_ACTOR_CPUS`` a whole GPU), ``batch_size`` rows per call (0
+    GPUs on CPU-only clusters: a GPU request there waits forever)."""
 
     num_actors: int
     num_gpus: float
@@ -96,7 +100,7 @@ def encode_dataset(
 ) -> Any:
     """``ds.map_batches(Encoder)`` on an actor pool, one model per actor; rows go through ``output``."""
     num_gpus = float(pool.get("num_gpus", 0.0))
-    cpus = float(pool.get("cpus_per_actor", 1.0))
+    cpus = float(pool.get("cpus_per_actor") or (max(1.0, GPU_ACTOR_CPUS * num_gpus) if num_gpus else 1.0))
     batch_size = int(pool.get("batch_size", 256))
     threads = max(1, int(cpus))
     return ds.map_batches(
