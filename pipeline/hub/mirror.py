@@ -187,9 +187,12 @@ def mirror(sources: Sequence[Source], store: Storage, *, api: Any, staging: Call
             log(f"[fetch] {r.source.name}: done ({_how(r.how)})")
 
     with Progress(len(jobs), sum(j[2].size for j in jobs), log, progress_s) as bar:
-        with ThreadPoolExecutor(max(1, workers), thread_name_prefix="fetch") as pool:
+        pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="fetch")
+        try:
             for fut in as_completed([pool.submit(one, j) for j in jobs]):
                 fut.result()  # a bug (not a JobError) stops the copy with its traceback
+        finally:  # Ctrl-C or a bug: no file starts; those in flight keep their partial files
+            pool.shutdown(wait=False, cancel_futures=True)
     if jobs:
         log(bar.line())
     return MirrorReport(results, time.monotonic() - t0)
