@@ -16,17 +16,20 @@ import dataclasses
 import io
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+import yaml
 from PIL import Image
 
 from pipeline.config import BUILD_PRESETS, DownloadConfig
-from pipeline.download.worker import DownloadWorker, part_deadline_s, row_deadline_s
+from pipeline.download.worker import DownloadWorker, memory_bound, part_deadline_s, row_deadline_s
 from tests.fixtures.http_server import Route, serving
 
-pytestmark = pytest.mark.slow  # ~30 s in all
+pytestmark = pytest.mark.slow  # ~40 s in all
+ROOT = Path(__file__).resolve().parents[3]
 PRESET = BUILD_PRESETS["datacomp-small"]
 HOSTS = 8  # loopback addresses, each a "host" with the preset's per-host cap: 8 × 4 slots ≥ 32 threads
 SCALE = 20  # the full part's durations ÷ 20: 2–4 s → 0.10–0.20 s, timeout 10 s → 0.5 s
@@ -115,3 +118,16 @@ def test_the_backstop_follows_the_rows_and_covers_a_whole_part_of_slow_rows() ->
     assert part_deadline_s(cfg, PRESET.part_size) > rows_at_timeout
     assert part_deadline_s(cfg, 2 * PRESET.part_size) > part_deadline_s(cfg, PRESET.part_size)
     assert part_deadline_s(dataclasses.replace(cfg, part_deadline_s=7.5), 10**6) == 7.5
+
+
+def test_the_preset_spreads_its_actors_over_the_data_nodes_the_autoscaler_brings() -> None:
+    """The actors' CPUs do not fit one data node of cluster/aws.yaml (c6in.8xlarge, 32 vCPUs), so the
+    autoscaler brings several; the actors one node holds stay within its 64 GiB at their memory bound."""
+    node_cpus, node_bytes = 32, 64 * 2**30
+    aws = yaml.safe_load((ROOT / "cluster" / "aws.yaml").read_text())
+    assert aws["available_node_types"]["cpu"]["node_config"]["InstanceType"] == "c6in.8xlarge"
+    nodes = PRESET.download_actors * PRESET.download_cpus / node_cpus
+    assert nodes >= 4 and nodes <= aws["available_node_types"]["cpu"]["max_workers"]
+    per_node = node_cpus // PRESET.download_cpus
+    assert per_node * memory_bound(PRESET.download) < node_bytes
+    assert PRESET.download_actors * PRESET.download.threads_per_actor >= 2048  # DataComp's in flight
