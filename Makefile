@@ -1,4 +1,5 @@
-# Two user-facing targets: `make demo` and `make test`; both install on their own.
+# Two user-facing targets: `make demo` and `make test`; both install on their own. `make image` builds,
+# pushes and names the cluster image (docs/cluster.md, step 1).
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
@@ -7,7 +8,7 @@ TEST_STAMP := $(VENV)/.installed-test
 export NO_ALBUMENTATIONS_UPDATE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: install demo demo-seeds demo-selection test test-fast cluster-test lint bench clean
+.PHONY: install demo demo-seeds demo-selection test test-fast cluster-test lint bench image clean
 
 # Two stamps: `make demo` installs what the track runs; `make test` adds the test and lint tools.
 # pip would byte-compile every module on one core; compileall -j0 does it on every core instead (~20 s
@@ -80,6 +81,11 @@ lint: $(TEST_STAMP)
 
 bench: $(TEST_STAMP)
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+
+# The cluster image: `make image IMAGE=<registry>/prolip-ray:0.1.0` (needs docker and a registry login).
+image:
+	@test -n "$(IMAGE)" || { echo "usage: make image IMAGE=<registry>/prolip-ray:<tag>" >&2; exit 2; }
+	bash cluster/image.sh $(IMAGE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

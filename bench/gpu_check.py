@@ -17,7 +17,10 @@ On a CUDA machine (``bash bench/gpu_check.sh``, about 10 minutes on one H100):
 ``--cpu`` runs the same code on the CPU with the ``demo-32px`` model and small batches (the bf16 step under
 CPU autocast, the sync check with the CPU counter of tests/fixtures/sync_counter.py, the checkpoint round
 trip, the rates), so the script cannot rot: tests/bench/test_gpu_check.py runs it in ``make test``.
-Writes ``--out`` (default bench/results/gpu_check.json; --cpu: a file under the system temp dir).
+Writes ``--out`` (default bench/results/gpu_check.json; --cpu: a file under the system temp dir) and prints
+the same report as one ``gpu_check report: {...}`` line last, so a run submitted to a cluster
+(``ray job submit --entrypoint-num-gpus 1 ... -- bash bench/gpu_check.sh``, docs/cluster.md) leaves it in
+``ray job logs`` whatever happens to the node's disk.
 """
 
 from __future__ import annotations
@@ -190,7 +193,8 @@ def main() -> int:
     else:
         torch.set_flush_denormal(True)
         torch.set_num_threads(1)  # checks behaviour, not speed: idle OpenMP threads spin on a shared CPU
-    report: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(device),
+    report: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+                    "device": str(device),
                     "device_name": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
                     "torch": torch.__version__}  # fmt: skip
     if device.type == "cuda":
@@ -225,6 +229,7 @@ def main() -> int:
         f"{report['ingest']['all_cores_samples_per_s']:.0f} on {report['ingest']['cores']} cores"
     )
     print("FAILED: " + "; ".join(failed) if failed else "all checks passed", f"({out})")
+    print("gpu_check report: " + json.dumps(report, separators=(",", ":")))
     return 1 if failed else 0
 
 

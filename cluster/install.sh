@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The install every cluster node runs, once, when its image is built (cluster/Dockerfile), never at boot:
-# this project and every dependency its presets need, with CLIP's BPE vocabulary.
+# this project and every dependency its presets need, with CLIP's BPE vocabulary; INSTALL_EXTRAS=test adds
+# the test extras (pytest and what the tests use), which the first GPU check runs (bench/gpu_check.sh).
 #   bash cluster/install.sh [PROJECT_DIR]        (pip and python: the environment's own, or $PIP / $PYTHON)
 # tests/cluster/test_image_install.py runs this same file in a fresh venv on a CPU machine.
 set -euo pipefail
@@ -12,7 +13,7 @@ OPTS=(--no-cache-dir --disable-pip-version-check)
 # torch first, pinned: on a GPU image PyPI's wheel is the CUDA build; on a CPU machine the CPU wheel on disk
 # (a bare requirement there would pull the newest CUDA build and several GB of CUDA packages).
 "$PIP" install "${OPTS[@]}" --no-compile "torch==${TORCH_VERSION:-2.13.0}"
-"$PIP" install "${OPTS[@]}" --no-compile -e "$PROJECT"
+"$PIP" install "${OPTS[@]}" --no-compile -e "$PROJECT${INSTALL_EXTRAS:+[$INSTALL_EXTRAS]}"
 # CLIP's BPE vocabulary (datacomp-small's tokenizer) ships in open_clip_torch; --no-deps keeps its
 # torchvision/timm out (they are not needed, and torchvision's wheel must match torch exactly).
 "$PIP" install "${OPTS[@]}" --no-compile --no-deps "open_clip_torch==3.3.0"

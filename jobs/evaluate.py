@@ -1,7 +1,9 @@
 """``python -m jobs.evaluate --checkpoint C [--tasks demo|datacomp|FILE.yaml] [--eval-root R] --out DIR``.
 
 Options: ``--num-actors N --num-gpus G --batch-size B --max-samples K --no-analyses --s3-endpoint URL``,
-``--preset demo|datacomp-small|prolip-b16``, ``--config FILE``, ``--set key=value``.
+``--preset demo|datacomp-small|prolip-b16``, ``--config FILE``, ``--set key=value``. Without ``--num-actors``
+and ``--num-gpus`` the encoding takes the cluster's GPUs: one actor per GPU, none on a CPU-only cluster
+(``training.infer.batch_inference.gpu_pool``).
 
 Zero-shot classification, retrieval and the uncertainty analyses of a ProLIP (or deterministic CLIP)
 checkpoint on a task list in clip_benchmark layout (``training/eval/run.py``). Prints one row per task and

@@ -47,7 +47,8 @@ class DownloadConfig:
     honor_robots: bool = True  # an X-Robots-Tag noai/noimageai opt-out refuses the image
     allow_hosts: Names = field(default_factory=list)  # private/loopback hosts explicitly allowed
     user_agent: str = "prolip-ray/0.1 (+https://github.com/prolip-ray)"  # sent with every request
-    # Hard limit of one part's download call; 0 = 10 · (retries + 1) · timeout_s (docs/download.md).
+    # Hard limit of one part's download call; 0 = what its rows take when each uses its whole row deadline,
+    # (⌈rows / threads⌉ + 1) · ((retries + 2) · timeout_s + retries · retry_after_max_s) (docs/download.md).
     part_deadline_s: NonNegativeFloat = 0.0
     per_host_connections: Positive = 4  # per actor: N actors may open N times this to one host
     retry_backoff_s: NonNegativeFloat = 1.0  # exponential backoff base, full jitter
@@ -189,7 +190,7 @@ BUILD_PRESETS: dict[str, BuildConfig] = {
             allow_hosts=["127.0.0.1"],
             threads_per_actor=16,
             # The demo server is one host standing in for a web of them: no per-host cap, and a part
-            # deadline that a loaded 2-core machine does not reach (the derived one is 20 s here).
+            # deadline that a loaded 2-core machine does not reach (the derived one is 561 s for 250 rows).
             per_host_connections=16,
             part_deadline_s=600.0,
             # The generated pool's transient rows (slow, 5xx, truncated) fail by design, and its server is
@@ -204,7 +205,12 @@ BUILD_PRESETS: dict[str, BuildConfig] = {
         output="",
         samples_per_shard=10_000,
         part_size=2_000,  # ~100 MB of JPEGs per actor call
+        # 2,048 fetches in flight (DataComp's img2dataset: 16 processes × 128 threads on one node), spread
+        # over four 32-vCPU data nodes: each node brings its own DNS and connection budget, and its actors'
+        # memory bounds (16 actors × 3.6 GB, worst case) stay within its 64 GiB (docs/download.md, "Sizing for the web").
         download_actors=64,
+        download_cpus=2.0,
+        download=DownloadConfig(threads_per_actor=32),
         filters=FilterConfig(names=["no_filter", "basic", "english", "clip_score", "laion2b"]),
     ),
 }

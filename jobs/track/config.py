@@ -92,6 +92,9 @@ class TrackConfig:
     # per scoring actor; 0 on CPU-only clusters (a GPU ask there waits forever)
     score_gpus: NonNegativeFloat = 0.0
     eval_gpus: NonNegativeFloat = 0.0  # per evaluation actor; 0 on CPU-only clusters
+    # Models evaluated at once, one actor of eval_gpus each; above 1 the scorer's evaluation also runs beside
+    # the scoring. Keep 1 on a few CPUs: two evaluations' actors can take every CPU their reads need.
+    eval_parallel: Positive = 1
     # Subset models trained at once, each with train.scaling's workers and threads
     # (docs/decisions/0007-subset-models-two-at-a-time.md).
     train_parallel: Positive = 1
@@ -298,9 +301,12 @@ TRACK_PRESETS: dict[str, TrackConfig] = {
         recipe="datacomp-small",
         csd_fraction=0.2,
         eval_tasks="datacomp",
-        score_actors=8,
+        # One 8-GPU node at a time, one actor per GPU: 7 scoring actors beside the scorer's evaluation, then
+        # the 6 subset models' evaluations at once.
+        score_actors=7,
         score_gpus=1.0,
         eval_gpus=1.0,
+        eval_parallel=6,
     ),
 }
 

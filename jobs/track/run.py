@@ -46,6 +46,7 @@ from pipeline.source.run_state import RETRY_KNOBS, differences
 _PLACEMENT = {
     "": (
         "output", "s3_endpoint", "num_cpus", "seeds", "score_actors", "score_gpus", "eval_gpus", "train_parallel",
+        "eval_parallel",
     ),
     "build": (
         "output", "s3_endpoint", "num_cpus", "download_actors", "download_cpus", "keep_parts", "overwrite",
@@ -114,8 +115,10 @@ def planned_steps(cfg: TrackConfig) -> list[str]:
     """Every step ``run_track`` records, in its order (one ``train/`` and ``evaluate/`` per model)."""
     models = [f"{name}-seed{seed}" for name in cfg.subsets for seed in cfg.seeds]
     reshard = ["reshard"] if cfg.train_from == "reshard" else []  # else the subsets train through their .npy
+    # with eval_parallel > 1 the scorer's evaluation runs beside the scoring
+    early, late = (["evaluate/scorer"], []) if cfg.eval_parallel > 1 else ([], ["evaluate/scorer"])
     return [
-        "build", "scorer", "score", "filters", *reshard, *[f"train/{m}" for m in models], "evaluate/scorer",
+        "build", "scorer", "score", *early, "filters", *reshard, *[f"train/{m}" for m in models], *late,
         *[f"evaluate/{m}" for m in models],
     ]  # fmt: skip
 
@@ -233,10 +236,16 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         log(f"[track] {name}: {timings[name]:.0f}s")
         return value
 
+    def evaluation(name: str, info: dict[str, Any]) -> Any:  # one step per model: none is done twice
+        return step(f"evaluate/{name}", lambda: evaluate_models(cfg, {name: info}, log)[name])
+
     # Starting points (jobs/track/datacomp/starts.py) may replace the build and the scorer's training.
     built = step("build", lambda: build_or_adopt(cfg, log))
     scorer = step("scorer", lambda: scorer_or_start(cfg, log))
-    scores = step("score", lambda: score_pool(cfg, scorer["checkpoint"], log))
+    # Scoring and the scorer's evaluation share the GPU nodes at once when eval_parallel > 1
+    first = [lambda: step("score", lambda: score_pool(cfg, scorer["checkpoint"], log))]
+    first += [lambda: evaluation("scorer", scorer)] if cfg.eval_parallel > 1 else []
+    scores, *scorer_eval = in_parallel(lambda fn: fn(), first, len(first), log)
     subsets = step(
         "filters", lambda: make_subsets(cfg, built["subsets"], scores["path"], log, scorer["checkpoint"])
     )
@@ -251,19 +260,14 @@ def run_track(cfg: TrackConfig, log: Callable[[str], None] = print) -> TrackResu
         for seed in cfg.seeds
     }
     # One state entry per model, so an interrupted track never retrains or re-evaluates a finished one.
-    trained = in_parallel(
-        lambda item: step(f"train/{item[0]}", lambda: train_models(cfg, dict([item]), log)[item[0]]),
-        list(runs.items()),
-        cfg.train_parallel,
-        log,
-    )
+    train = lambda item: step(f"train/{item[0]}", lambda: train_models(cfg, dict([item]), log)[item[0]])  # noqa: E731
+    trained = in_parallel(train, list(runs.items()), cfg.train_parallel, log)
     models = dict(zip(runs, trained, strict=True))
-    evals = {
-        name: step(
-            f"evaluate/{name}", lambda name=name, info=info: evaluate_models(cfg, {name: info}, log)[name]
-        )
-        for name, info in {"scorer": scorer, **models}.items()
-    }
+    # eval_parallel evaluations at once (the scorer's ran beside the scoring when that is above 1)
+    todo = {**({} if scorer_eval else {"scorer": scorer}), **models}
+    done = in_parallel(lambda item: evaluation(*item), list(todo.items()), cfg.eval_parallel, log)
+    evals = {"scorer": scorer_eval[0]} if scorer_eval else {}
+    evals.update(zip(todo, done, strict=True))
     timings["this_invocation"] = time.perf_counter() - t_start
     report, table, comparisons = write_report(
         cfg, built, scores, subsets, models, scorer, evals, timings, machine

@@ -254,8 +254,8 @@ def fetch(
 ) -> FetchResult:
     """Download ``url``; never raises for network or server misbehaviour (those become statuses).
 
-    ``deadline`` (``time.monotonic()``) bounds everything, retries and waits included: reaching it gives
-    ``failed_to_download:deadline``. ``hosts`` caps concurrent connections per server (its name and its
+    ``deadline`` (``time.monotonic()``; the row's, pipeline/download/worker.py) bounds everything, retries
+    and waits included: reaching it gives ``failed_to_download:deadline``. ``hosts`` caps concurrent connections per server (its name and its
     resolved address: a slot is held for one hop of one attempt, not while waiting to retry).
     """
     # http.client adds "Accept-Encoding: identity": the bytes we hash are the bytes the sha256 was taken on.
@@ -274,5 +274,5 @@ def fetch(
         if not isinstance(result, _Transient):
             return result
         if time.monotonic() >= deadline:
-            return FetchResult(DEADLINE, None, f"part deadline reached ({result.status}: {result.error})")
+            return FetchResult(DEADLINE, None, f"deadline reached ({result.status}: {result.error})")
     return FetchResult(result.status, result.data, result.error, result.http_status)

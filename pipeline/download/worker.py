@@ -1,13 +1,15 @@
 """The per-batch worker of a download actor: fetch → sha256 → decode/resize/blur, one output row per input.
 
-``DownloadWorker`` runs a part's rows on a bounded thread pool with a hard deadline per call (one part), a
-connection cap per host and a decode pixel budget shared by the actor's threads, so its memory is a function
-of the config (``memory_bound``).
+``DownloadWorker`` runs a part's rows on a bounded thread pool with a deadline per row, counted from when a
+thread starts it (``row_deadline_s``), and a backstop per call (one part) that grows with its rows
+(``part_deadline_s``); a connection cap per host, a decode pixel budget and a DNS cache shared by the
+actor's threads, so its memory is a function of the config (``memory_bound``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,7 @@ from pipeline.download.pixel_budget import (
 )
 from pipeline.download.politeness import HostSlots
 from pipeline.download.resize import DECODE_BYTES_PER_PIXEL, STRIP_PIXELS, process_image
+from pipeline.download.resolver import CachingResolver
 
 # --- ------------------------------------------------------------
 
@@ -56,10 +59,22 @@ def _column(rows: pa.Table | Mapping[str, Any], name: str, n: int) -> list[Any]:
     return col.to_pylist() if hasattr(col, "to_pylist") else list(col)
 
 
-def part_deadline_s(cfg: DownloadConfig) -> float:
-    """The hard time limit of one ``DownloadWorker`` call: ``cfg.part_deadline_s``, or when 0,
-    ten rows each exhausting every attempt one after another: 10 · (retries + 1) · timeout_s."""
-    return cfg.part_deadline_s or 10 * (cfg.retries + 1) * cfg.timeout_s
+def row_deadline_s(cfg: DownloadConfig) -> float:
+    """How long one row may take from when a thread starts it: every attempt at its full timeout, every
+    retry wait at its longest and one timeout more for host-slot waits and the decode:
+    (retries + 1) · timeout_s + retries · retry_after_max_s + timeout_s (100 s with the defaults). A row
+    whose fetches each end within their timeout never reaches it (docs/download.md, "Deadlines")."""
+    return (cfg.retries + 2) * cfg.timeout_s + cfg.retries * cfg.retry_after_max_s
+
+
+def part_deadline_s(cfg: DownloadConfig, rows: int) -> float:
+    """The backstop of one ``DownloadWorker`` call of ``rows`` rows: ``cfg.part_deadline_s``, or when 0,
+    what the rows can take on ``threads_per_actor`` threads when each takes its whole row deadline:
+    (⌈rows / threads⌉ + 1) · ``row_deadline_s`` (greedy scheduling ends within one row of the even share),
+    so it follows the part's size and never cuts rows that keep to their own deadlines."""
+    if cfg.part_deadline_s:
+        return cfg.part_deadline_s
+    return (math.ceil(rows / cfg.threads_per_actor) + 1) * row_deadline_s(cfg)
 
 
 # Strip temporaries, output-size copies, stack, and the freed buffers below the mmap threshold that a
@@ -85,8 +100,9 @@ class DownloadWorker:
 
     Built once per download actor: the guard, a bounded thread pool (``threads_per_actor``, the
     counterpart of img2dataset's ``thread_count``), the per-host connection slots and the decode pixel
-    budget its threads share. Each thread runs fetch → sha256 → decode/resize/blur. A call ends by its
-    deadline (``part_deadline_s``): rows still running then get ``failed_to_download:deadline``.
+    budget and DNS cache its threads share. Each thread runs fetch → sha256 → decode/resize/blur within
+    the row's deadline (``row_deadline_s``, from when the thread starts it); a call ends by its backstop
+    (``part_deadline_s``): rows still running or waiting then get ``failed_to_download:deadline``.
     """
 
     def __init__(self, cfg: DownloadConfig) -> None:
@@ -95,7 +111,8 @@ class DownloadWorker:
         cv2.setNumThreads(1)  # parallelism comes from threads and actors, not from OpenCV's own pool
         return_large_buffers_to_os()  # idle size stays flat between large images (pipeline/download/pixel_budget.py)
         self.cfg = cfg
-        self.guard = UrlGuard(cfg.allow_hosts)
+        self.resolver = CachingResolver()  # one lookup per host name for the actor's threads
+        self.guard = UrlGuard(cfg.allow_hosts, resolver=self.resolver)
         self.pool = ThreadPoolExecutor(cfg.threads_per_actor, thread_name_prefix="download")
         self.hosts = HostSlots(cfg.per_host_connections)
         self.budget = PixelBudget(cfg.decode_pixel_budget)
@@ -106,7 +123,7 @@ class DownloadWorker:
         urls = _column(rows, S.URL, n)
         hashes = _column(rows, S.SHA256, n)
         bboxes = _column(rows, S.FACE_BBOXES, n)
-        limit = part_deadline_s(self.cfg)
+        limit = part_deadline_s(self.cfg, n)
         deadline = time.monotonic() + limit
         futures = [
             self.pool.submit(self._one, *row, deadline)
@@ -133,8 +150,10 @@ class DownloadWorker:
         self, uid: str, url: str, expected_sha: str | None, bboxes: Any, deadline: float
     ) -> dict[str, Any]:
         row: dict[str, Any] = {S.UID: uid}
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             return {**row, S.STATUS: DEADLINE, "error": "part deadline passed before the row started"}
+        deadline = min(deadline, now + row_deadline_s(self.cfg))  # the row's own clock starts here
         try:
             row.update(self._process(url, expected_sha, bboxes, deadline))
         except Exception as exc:  # a bad row must never fail the batch

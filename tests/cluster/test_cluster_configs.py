@@ -23,7 +23,7 @@ from pipeline.common.placement import DATA_ROLE, LABEL_KEY, TRAIN_ROLE
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster"
-REQUIRED_JOBS = ("build_dataset", "train", "filter", "evaluate", "track")
+REQUIRED_JOBS = ("build_dataset", "train", "filter", "evaluate", "track", "fetch")
 RAY_IMAGE = "rayproject/ray:2.60.0-py311-gpu"
 
 # Fields of KubeRay's ray.io/v1 Go types (raycluster_types.go, rayjob_types.go) that these manifests may use.
@@ -270,6 +270,8 @@ def _presets(verb: str):
         from jobs.track.config import TRACK_PRESETS as presets
     elif verb == "filter":
         from jobs.filter.run import FILTER_PRESETS as presets
+    elif verb == "fetch":
+        from jobs.fetch.config import FETCH_PRESETS as presets
     else:
         from training.eval.config import EVAL_PRESETS as presets
     return presets

@@ -1,5 +1,8 @@
 """The cluster image's install, run for real: cluster/install.sh in a fresh venv on what cluster/Dockerfile
-copies, then CLIP's BPE and one train step of datacomp-small's model on the CPU inside that venv.
+copies, with the extras its RUN line names, then CLIP's BPE, one train step of datacomp-small's model and
+the first GPU check's CPU fallback (``bash bench/gpu_check.sh --cpu``) inside that venv; and
+cluster/image.sh (``make image``), which builds, pushes and names the image in the cluster configs, run with
+a stand-in docker client that records what it was asked.
 
 The image itself is never built here (no Docker, no registry); this is the part of it that can break
 without a GPU: a dependency a preset needs that the install leaves out (CLIP's vocabulary once was), a
@@ -53,9 +56,21 @@ def dockerfile_copies() -> list[str]:
     return [p for line in re.findall(r"^COPY (?:--\S+ )*(.+) \S+$", text, re.M) for p in line.split()]
 
 
+def dockerfile_install_env() -> dict[str, str]:
+    """The variables the Dockerfile's RUN line sets for cluster/install.sh (the hub prefetch left out: no hub
+    here)."""
+    line = re.search(
+        r"^RUN (.*)bash cluster/install\.sh", (ROOT / "cluster" / "Dockerfile").read_text(), re.M
+    )
+    env = dict(kv.split("=", 1) for kv in line.group(1).split())
+    env.pop("PREFETCH_HUB_TOKENIZERS", None)
+    return env
+
+
 def test_the_image_installs_once_and_no_node_installs_at_boot() -> None:
     text = (ROOT / "cluster" / "Dockerfile").read_text()
     assert re.search(r"^RUN .*bash cluster/install\.sh", text, re.M)
+    # the project, and what the first GPU check runs: the tests, the benchmarks and the test extras
     assert set(dockerfile_copies()) >= {
         "pyproject.toml",
         "README.md",
@@ -63,7 +78,10 @@ def test_the_image_installs_once_and_no_node_installs_at_boot() -> None:
         "training",
         "jobs",
         "cluster",
+        "tests",
+        "bench",
     }
+    assert dockerfile_install_env() == {"INSTALL_EXTRAS": "test"}
     aws = yaml.safe_load((ROOT / "cluster" / "aws.yaml").read_text())
     commands = [*aws["setup_commands"], *aws["head_setup_commands"], *aws["worker_setup_commands"]]
     commands += [
@@ -96,7 +114,7 @@ def test_the_image_install_in_a_fresh_venv_tokenizes_with_clip_and_trains_a_step
     bin_dir = env_dir / "bin"
     env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
            "PIP": str(bin_dir / "pip"), "PYTHON": str(bin_dir / "python"), "PIP_CACHE_OK": "1",
-           "NO_ALBUMENTATIONS_UPDATE": "1"}  # fmt: skip
+           "NO_ALBUMENTATIONS_UPDATE": "1", **dockerfile_install_env()}  # fmt: skip
     done = subprocess.run(
         ["bash", "cluster/install.sh", "."], cwd=project, env=env, capture_output=True, text=True
     )
@@ -113,3 +131,52 @@ def test_the_image_install_in_a_fresh_venv_tokenizes_with_clip_and_trains_a_step
     where = subprocess.run([str(bin_dir / "python"), "-c", "import pipeline; print(pipeline.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True)  # fmt: skip
     assert str(project) in where.stdout and sys.prefix not in where.stdout
+    # The first GPU check runs in the image as it is: its CPU fallback here, from the copied bench/ and tests/.
+    check = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu", "--out", str(tmp_path / "gpu_check.json")],
+                           cwd=project, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert check.returncode == 0 and "all checks passed" in check.stdout, (
+        check.stdout[-2000:] + check.stderr[-2000:]
+    )
+    tests = subprocess.run([str(bin_dir / "python"), "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                            "tests/training/train/test_gpu_step.py"], cwd=project, env=env, capture_output=True,
+                           text=True, timeout=600)  # fmt: skip
+    assert tests.returncode == 0 and "skipped" in tests.stdout, tests.stdout[-2000:] + tests.stderr[-2000:]
+
+
+def test_make_image_builds_pushes_and_names_the_image_in_every_config(tmp_path) -> None:
+    """cluster/image.sh on a copy of cluster/, with a docker client that records its arguments (there is no
+    docker here): build from cluster/Dockerfile, push, then every image name in the configs is the new one;
+    a failed push leaves the configs as they were."""
+    project = tmp_path / "p"
+    shutil.copytree(ROOT / "cluster", project / "cluster")
+    calls = tmp_path / "docker.calls"
+    docker = tmp_path / "docker"
+    docker.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n[ "$1" != push ] || [ -z "$FAIL_PUSH" ]\n')
+    docker.chmod(0o755)
+    name = "registry.example/team/prolip-ray:0.2.0"
+    env = {**os.environ, "DOCKER": str(docker)}
+    failed = subprocess.run(["bash", "cluster/image.sh", name], cwd=project, env={**env, "FAIL_PUSH": "1"},
+                            capture_output=True, text=True)  # fmt: skip
+    assert failed.returncode != 0 and name not in (project / "cluster" / "aws.yaml").read_text()
+    done = subprocess.run(
+        ["bash", "cluster/image.sh", name], cwd=project, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert calls.read_text().splitlines()[-2:] == [f"build -f cluster/Dockerfile -t {name} .", f"push {name}"]
+    aws = yaml.safe_load((project / "cluster" / "aws.yaml").read_text())
+    assert aws["docker"]["image"] == name
+    pod = yaml.safe_load((project / "cluster" / "kuberay" / "raycluster.yaml").read_text())["spec"]
+    groups = [pod["headGroupSpec"], *pod["workerGroupSpecs"]]
+    assert {c["image"] for g in groups for c in g["template"]["spec"]["containers"]} == {name}
+    # nothing else changed: the configs equal the originals but for the image names
+    before = yaml.safe_load((ROOT / "cluster" / "aws.yaml").read_text())
+    assert {**aws, "docker": {**aws["docker"], "image": ""}} == {
+        **before,
+        "docker": {**before["docker"], "image": ""},
+    }
+    bad = subprocess.run(
+        ["bash", "cluster/image.sh", "x y"], cwd=project, env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "not an image name" in bad.stderr
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^image:\n(\t.*\n)*\tbash cluster/image\.sh \$\(IMAGE\)", makefile, re.M)

@@ -11,7 +11,7 @@ from pipeline.common.config import nested
 
 JOBS = (
     "build_dataset", "train", "embed", "reshard", "demo_pool", "evaluate", "adapters", "filter", "track",
-    "import_checkpoint", "status", "track.seeds",
+    "import_checkpoint", "status", "track.seeds", "fetch",
 )  # fmt: skip
 
 
@@ -89,6 +89,7 @@ FLAG_KEYS = {
     "import_checkpoint": ("--out", "out"),
     "status": ("--s3-endpoint", "s3_endpoint"),
     "track.seeds": ("--out", "out"),
+    "fetch": ("--out", "out"),
 }
 
 

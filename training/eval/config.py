@@ -14,8 +14,11 @@ class EvalConfig:
     eval_root: str = ""  # root of the task list's relative paths
     out: str = ""  # results directory (local or s3://): eval_results.jsonl, aggregates, analyses, plots
     s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
-    num_actors: Positive = 1  # encoding actors, each holding one model
-    num_gpus: NonNegativeFloat = 0.0  # per actor; 0 on CPU-only clusters (a GPU request there waits forever)
+    # encoding actors, each holding one model; null = one per GPU the cluster has up (or its autoscaler's GPU
+    # node holds), 1 without GPUs
+    num_actors: Positive | None = None
+    # per actor; null = 1 where the cluster has or can add GPUs, else 0 (a GPU request there waits forever)
+    num_gpus: NonNegativeFloat | None = None
     batch_size: Positive = 256  # images or captions per encoder call
     analyses: bool = True  # the uncertainty analyses and their plots (probabilistic checkpoints)
     max_samples: Positive | None = None  # per task, for quick checks
@@ -25,6 +28,6 @@ class EvalConfig:
 
 EVAL_PRESETS = {
     "demo": EvalConfig(batch_size=128),
-    "datacomp-small": EvalConfig(tasks="datacomp", num_actors=1, batch_size=256),
+    "datacomp-small": EvalConfig(tasks="datacomp", batch_size=256),
     "prolip-b16": EvalConfig(tasks="datacomp", num_actors=4, num_gpus=1.0, batch_size=512),
 }

@@ -8,7 +8,8 @@ cache_dir=<eval root>/hf_cache)``, which prepares each set once as Arrow files i
                                                                   (or <name>-test-00000-of-00002.arrow …)
     <eval root>/hf_cache/downloads/extracted/<hash>/…/*.jpg      (images of sets prepared from a script)
 
-The files are Arrow IPC streams. An ``Image`` column is a struct ``{bytes, path}``: sets prepared by a
+``jobs.fetch`` puts the hub's parquet files of a set's test split in the same layout (``<config>/0.0.0/hub/
+<name>-test[-NNNNN-of-NNNNN].parquet``), read the same way. The Arrow files are IPC streams. An ``Image`` column is a struct ``{bytes, path}``: sets prepared by a
 loading script (the ``datasets`` 2.x that DataComp pins) keep only ``path``, an absolute path into the
 cache's ``downloads/extracted``; sets converted to parquet on the hub embed ``bytes``. A path that no longer
 exists (a cache copied to another machine or bucket) is looked up again under this cache's ``downloads/``.
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from pipeline.common import storage
 from pipeline.common.storage import LOCAL, Storage
@@ -47,10 +49,9 @@ def dataset_dir(task: Task) -> str:
 def arrow_files(task: Task, store: Storage = LOCAL) -> list[str]:
     """The test split's Arrow files of one prepared copy (its shards in order); [] when absent."""
     name = re.escape(task.hf_dataset.rsplit("/", 1)[-1])
-    split = re.compile(rf"^{name}-test(-\d+-of-\d+)?\.arrow$")
-    files = [
-        f for f in store.list_files(storage.join(dataset_dir(task), "**", "*.arrow")) if split.match(_base(f))
-    ]
+    split = re.compile(rf"^{name}-test(-\d+-of-\d+)?\.(arrow|parquet)$")
+    found = store.list_files(storage.join(dataset_dir(task), "**", "*"))
+    files = [f for f in found if split.match(_base(f))]
     if not files:
         return []
     last = max(f.rsplit("/", 1)[0] for f in files)
@@ -62,7 +63,13 @@ def _base(path: str) -> str:
 
 
 def read_table(path: str, store: Storage = LOCAL) -> pa.Table:
-    """One ``datasets`` Arrow file (IPC stream; the IPC file format is read too)."""
+    """One ``datasets`` Arrow file (IPC stream; the IPC file format is read too), or a hub parquet file."""
+    if path.endswith(".parquet"):
+        try:
+            with store.open_input(path) as fh:
+                return pq.read_table(fh)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise EvalSetError(f"{path}: not a parquet file: {e}") from e
     source = pa.memory_map(path) if not storage.is_s3(path) else pa.py_buffer(store.read_bytes(path))
     try:
         try:

@@ -138,8 +138,9 @@ def encode_all(
 ) -> dict[str, np.ndarray]:
     """Images, captions and prompts of every task in one Ray Data pipeline (one actor pool); returns
     the gathered columns sorted by (task, shard, pos, sub)."""
-    from training.infer.batch_inference import encode_items
+    from training.infer.batch_inference import encode_items, gpu_pool
 
+    pool["num_actors"], pool["num_gpus"] = gpu_pool(pool.get("num_actors"), pool.get("num_gpus"))
     items = [
         {"task": t, "shard": s, "path": p, "prompts": ""}
         for t, paths in enumerate(shards)
@@ -344,8 +345,8 @@ def evaluate(
     out_dir: str,
     *,
     store: Storage = LOCAL,
-    num_actors: int = 1,
-    num_gpus: float = 0.0,
+    num_actors: int | None = 1,
+    num_gpus: float | None = 0.0,
     batch_size: int = 256,
     analyses: bool = True,
     max_samples: int | None = None,
@@ -360,6 +361,7 @@ def evaluate(
     ``CheckpointError`` / ``EvalSetError`` name the offending file. ``init`` (e.g. ``jobs.common.init_ray``)
     runs after those checks, so a bad input fails before a cluster is started or joined. ``log`` gets one
     line for what is resumed and what runs, one per task as it is scored, and one for the analyses.
+    ``num_actors``/``num_gpus`` None: the cluster's GPUs (``batch_inference.gpu_pool``).
     """
     from training.eval.uncertainty.analyses import run_analyses
 

@@ -40,12 +40,48 @@ from training.infer.scoring import (
 )
 
 READ_CPUS = 0.25  # logical CPUs per read task of encode_items (reads bytes only)
+# Decode threads (and CPUs) of an actor holding a whole GPU, unless cpus_per_actor says: one thread decodes
+# ~400 images a second at 224 px (docs/gpu.md), a GPU encodes ViT-B/32 pairs by the thousand; 8 of a p5
+# node's 24 vCPUs per GPU feed it ~3,200 a second (docs/cluster.md, "The bill").
+GPU_ACTOR_CPUS = 8.0
+
+
+def cluster_gpus() -> tuple[float, float]:
+    """(GPUs the cluster has now, GPUs of its smallest GPU node type the autoscaler may add; 0 for none).
+
+    The second comes from the autoscaler's config as Ray Train and Ray Data 2.60 read it
+    (``ray._private.state``; no config, as on a laptop: 0)."""
+    now = float(ray.cluster_resources().get("GPU", 0))
+    try:
+        from ray._private import state
+
+        config = state.state.get_cluster_config()
+        groups = config.node_group_configs if config is not None else []
+        per_node = [float(g.resources.get("GPU", 0)) for g in groups if g.resources.get("GPU", 0) > 0]
+    except Exception:  # noqa: BLE001 (a private API: when it moves, fall back to what is up now)
+        per_node = []
+    return now, min(per_node, default=0.0)
+
+
+def gpu_pool(num_actors: int | None, num_gpus: float | None) -> tuple[int, float]:
+    """An encoding pool's (actors, GPUs per actor) with the unset ones (None) taken from the cluster: one
+    GPU per actor where the cluster has GPUs or its autoscaler can add a GPU node, else none; one actor per
+    GPU up now, or per GPU of the node an autoscaler adds first, else one. Needs Ray initialised when a
+    value is unset."""
+    if num_actors is not None and num_gpus is not None:
+        return num_actors, num_gpus
+    now, node = cluster_gpus()
+    if num_gpus is None:
+        num_gpus = 1.0 if now or node else 0.0
+    if num_actors is None:
+        num_actors = max(1, int((now or node) // num_gpus)) if num_gpus else 1
+    return num_actors, num_gpus
 
 
 class PoolOptions(TypedDict, total=False):
     """The encoding actor pool: ``num_actors`` models, ``num_gpus`` and ``cpus_per_actor`` each (one
-    decode thread per CPU), ``batch_size`` rows per call (0 GPUs on CPU-only clusters: a GPU request
-    there waits forever)."""
+    decode thread per CPU; unset: 1, or ``GPU_ACTOR_CPUS`` a whole GPU), ``batch_size`` rows per call (0
+    GPUs on CPU-only clusters: a GPU request there waits forever)."""
 
     num_actors: int
     num_gpus: float
@@ -64,7 +100,7 @@ def encode_dataset(
 ) -> Any:
     """``ds.map_batches(Encoder)`` on an actor pool, one model per actor; rows go through ``output``."""
     num_gpus = float(pool.get("num_gpus", 0.0))
-    cpus = float(pool.get("cpus_per_actor", 1.0))
+    cpus = float(pool.get("cpus_per_actor") or (max(1.0, GPU_ACTOR_CPUS * num_gpus) if num_gpus else 1.0))
     batch_size = int(pool.get("batch_size", 256))
     threads = max(1, int(cpus))
     return ds.map_batches(

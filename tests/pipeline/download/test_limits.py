@@ -166,8 +166,9 @@ def test_part_deadline_cuts_a_hanging_host_and_queued_rows(http_server) -> None:
 
 
 def test_part_deadline_default_and_config_ranges() -> None:
-    assert part_deadline_s(DownloadConfig()) == 10 * 3 * 10.0
-    assert part_deadline_s(DownloadConfig(part_deadline_s=7.5)) == 7.5
+    # (⌈2000 / 16⌉ + 1) rows a thread, each at most (2 + 2) · 10 s + 2 · 30 s
+    assert part_deadline_s(DownloadConfig(), 2000) == 126 * 100.0
+    assert part_deadline_s(DownloadConfig(part_deadline_s=7.5), 2000) == 7.5
     for bad in (
         {"part_deadline_s": -1.0},
         {"part_deadline_s": float("nan")},

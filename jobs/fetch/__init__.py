@@ -1,0 +1,1 @@
+"""``python -m jobs.fetch``: see ``jobs/fetch/cli.py``."""

@@ -1,0 +1,3 @@
+from jobs.fetch.cli import main
+
+raise SystemExit(main())
