@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}"
 export NO_ALBUMENTATIONS_UPDATE=1 RAY_USAGE_STATS_ENABLED=0
-exec "$PYTHON" bench/gpu_check.py "$@"
+exec "$PYTHON" -m bench.gpu_check "$@"
