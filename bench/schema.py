@@ -40,7 +40,7 @@ class Row(BaseModel):
     @field_validator("command")
     @classmethod
     def _runs_as_a_module(cls, value: str) -> str:
-        # a script run by its path only imports with sys.path patched; the package runs with -m
+        # a script run by its path cannot import the package it lives in: benchmarks run with -m
         if value.startswith("python bench/"):
             raise ValueError(f"run benchmarks as modules (python -m bench.<name>), not {value!r}")
         return value
