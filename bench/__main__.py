@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-# Modules of the package that are not benchmarks: the shared helpers, the page generators, the GPU check.
+# Modules of the package that are not benchmarks: the shared helpers, the page generators.
 NOT_BENCHMARKS = frozenset(
-    {"__init__", "__main__", "alternate", "schema", "scale_pool", "benchmarks_doc", "track_bill", "gpu_check"}
+    {"__init__", "__main__", "alternate", "schema", "scale_pool", "benchmarks_doc", "track_bill"}
 )
 
 

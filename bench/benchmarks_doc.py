@@ -533,6 +533,32 @@ def build_at_scale(d: dict[str, Any]) -> list[Cells]:
     return rows
 
 
+def gpu_check(d: dict[str, Any]) -> list[Cells]:
+    date, rows, command = day(d.get("date")), [], "bash tests/gpu_check.sh"
+    where = d.get("device_name") or d.get("device")
+    runs = [(s, "") for s in d.get("steps", [])] + [
+        (s, ", torch.compile") for s in d.get("compiled_steps", [])
+    ]
+    for s, how in runs:
+        mfu = f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") else "MFU not known (no bf16 peak for this device)"
+        rows.append((
+            f"{s['preset']} ({s['model']}): the trainer's step, bf16, batch {s['batch']}, {where}{how}", command,
+            f"{s['samples_per_s']:.0f} samples/s", f"{mfu}; {s['gflop_per_sample']:.1f} GFLOP a sample; needs "
+            f"{s['cores_per_gpu_needed']:.1f} decode cores", NONE, date,
+        ))  # fmt: skip
+    ing = d["ingest"]
+    rows.append((
+        "decode + crop + tokenize (uint8 out) on the same machine's CPUs", command,
+        f"{ing['per_core_samples_per_s']:.0f} samples/s per core",
+        f"{ing['all_cores_samples_per_s']:.0f} samples/s on all {ing['cores']} cores", NONE, date,
+    ))  # fmt: skip
+    failed = d.get("failed") or []
+    verdict = "all passed" if not failed else "failed: " + "; ".join(failed)
+    rows.append(("the GPU-only checks: pytest -m gpu, loss and log σ², host syncs, resume", command, verdict,
+                 NONE, NONE, date))  # fmt: skip
+    return rows
+
+
 SIGMA2_ABOUT = (
     "Measured by bench/sigma2_terms.py, a Ray-free replica of the scorer's step written for this one "
     "investigation; it left the tree after commit f74a57f (`git show f74a57f:bench/sigma2_terms.py`)."
@@ -548,6 +574,7 @@ KNOWN: dict[str, tuple[str, Extractor] | tuple[str, Extractor, str]] = {
     "decode_memory.json": ("Decode memory of one download actor", decode_memory),
     "loss_memory.json": ("ProLIP loss: time and memory", loss_memory),
     "train_step.json": ("Training step and ingest on CPU", train_step),
+    "gpu_check.json": ("The first GPU run: the trainer's step and the GPU-only checks", gpu_check),
     "train_parallel.json": ("Two subset models side by side", train_parallel),
     "score_throughput.json": ("CSD scoring throughput", score_throughput),
     "track_scorer.json": ("The demo track's scorer, trained as the track trains it", track_scorer),
@@ -575,6 +602,7 @@ ORDER = (
     "train_step.json",
     "train_step_runs.json",
     "score_throughput.json",
+    "gpu_check.json",
 )
 
 

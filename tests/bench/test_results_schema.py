@@ -66,3 +66,22 @@ def test_the_runner_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) ->
     assert not {"alternate", "schema", "benchmarks_doc"} & set(names)
     assert all(f"  {name} " in listed for name in names)
     assert main(["no_such_benchmark"]) == 2
+
+
+def test_a_gpu_check_report_comes_out_as_a_section(tmp_path: Path) -> None:
+    # the layout tests/gpu_check.py writes to bench/results/gpu_check.json (the CPU fallback's, shortened)
+    step = {"preset": "datacomp-small", "model": "ViT-B-32", "batch": 512, "samples_per_s": 5000.0, "mfu": 0.25,
+            "gflop_per_sample": 48.3, "cores_per_gpu_needed": 14.2}  # fmt: skip
+    report = {"date": "2026-12-06T05:00:00", "device": "cuda", "device_name": "NVIDIA H100 80GB HBM3",
+              "steps": [step, {**step, "preset": "prolip-b16", "mfu": None}], "failed": [],
+              "ingest": {"cores": 16, "per_core_samples_per_s": 352.0, "all_cores_samples_per_s": 5100.0}}  # fmt: skip
+    path = tmp_path / "gpu_check.json"
+    path.write_text(json.dumps(report))
+    rows = benchmarks_doc.to_section(path).rows
+    assert [r.figure for r in rows] == [
+        "5000 samples/s",
+        "5000 samples/s",
+        "352 samples/s per core",
+        "all passed",
+    ]
+    assert rows[0].spread.startswith("MFU 25.0%") and "MFU not known" in rows[1].spread

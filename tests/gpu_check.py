@@ -1,6 +1,6 @@
 """The first GPU run, prepared: every GPU-only part checked in one script, and a results file.
 
-On a CUDA machine (``bash bench/gpu_check.sh``, about 10 minutes on one H100):
+On a CUDA machine (``bash tests/gpu_check.sh``, about 10 minutes on one H100):
 
 1. ``pytest -m gpu``: the CUDA copies of the tests (bf16 steps of every loss against fp32, the device
    augmentation against the CPU, the fp32 σ heads, the train step under ``torch.cuda.set_sync_debug_mode
@@ -16,10 +16,10 @@ On a CUDA machine (``bash bench/gpu_check.sh``, about 10 minutes on one H100):
 
 ``--cpu`` runs the same code on the CPU with the ``demo-32px`` model and small batches (the bf16 step under
 CPU autocast, the sync check with the CPU counter of tests/fixtures/sync_counter.py, the checkpoint round
-trip, the rates), so the script cannot rot: tests/bench/test_gpu_check.py runs it in ``make test``.
+trip, the rates), so the script cannot rot: tests/test_gpu_check.py runs it in ``make test``.
 Writes ``--out`` (default bench/results/gpu_check.json; --cpu: a file under the system temp dir) and prints
 the same report as one ``gpu_check report: {...}`` line last, so a run submitted to a cluster
-(``ray job submit --entrypoint-num-gpus 1 ... -- bash bench/gpu_check.sh``, docs/cluster.md) leaves it in
+(``ray job submit --entrypoint-num-gpus 1 ... -- bash tests/gpu_check.sh``, docs/cluster.md) leaves it in
 ``ray job logs`` whatever happens to the node's disk.
 """
 
