@@ -59,7 +59,8 @@ def _baseline_tree(rev: str) -> Path:
 
 def _stages_run(tree: Path, n: int, margin: float | None) -> dict:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
-    cmd = [sys.executable, str(tree / "bench" / "profile_build.py"), "--what", "stages", "--n", str(n)]
+    # the measured tree is on PYTHONPATH and the cwd, so -m imports its bench/
+    cmd = [sys.executable, "-m", "bench.profile_build", "--what", "stages", "--n", str(n)]
     cmd += ["--out", str(out)]
     if margin is not None:  # this tree: ours only, at the margin; the baseline has no such flags
         cmd += ["--dct-margin", str(margin), "--no-img2dataset"]
