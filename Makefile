@@ -79,8 +79,9 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# `make bench` lists the benchmarks; `make bench B="NAME ARGS"` runs one and regenerates docs/benchmarks.md.
 bench: $(TEST_STAMP)
-	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+	$(BIN)/python -m bench $(B)
 
 # The cluster image: `make image IMAGE=<registry>/prolip-ray:0.1.0` (needs docker and a registry login).
 image:

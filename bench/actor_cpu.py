@@ -16,7 +16,7 @@ which sharing the machine distorts much less than wall time. Cases:
 Cases alternate A B C … per round (``--rounds``); per case the median over rounds of CPU ms per image and
 the min–max, with the 1-min load beside each round. Writes ``--out`` (JSON).
 
-Usage: python bench/actor_cpu.py [--cases ceiling,worker,i2d] [--n 1000] [--procs 2] [--threads 16]
+Usage: python -m bench.actor_cpu [--cases ceiling,worker,i2d] [--n 1000] [--procs 2] [--threads 16]
        [--set jpeg_dct_margin=1] [--rounds 3]
 """
 
@@ -35,12 +35,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")
 
-from alternate import spread  # noqa: E402
+from bench.alternate import spread
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cpu() -> tuple[float, float, int, int]:
@@ -154,7 +153,7 @@ def run_case(case: str, meta: Path, args, tmp: Path) -> dict:
         spec = json.dumps([case, str(meta), k * args.n, (k + 1) * args.n, args.threads, args.overrides,
                            str(tmp / f"{case}{k}")])  # fmt: skip
         (tmp / f"{case}{k}").mkdir(exist_ok=True)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--child", spec]))
+        procs.append(subprocess.Popen([sys.executable, "-m", __spec__.name, "--child", spec]))
     outs = []
     for k, p in enumerate(procs):
         if p.wait(timeout=600):
@@ -226,9 +225,9 @@ class Census:
 
 def census_build(meta: Path, tmp: Path, overrides: dict, cores: int) -> dict:
     """One ``build()`` (bench/build_throughput.py's config) in a fresh Ray; CPU seconds per process title."""
-    import build_throughput as BT
     import ray
 
+    from bench import build_throughput as BT
     from jobs.common import init_ray
 
     init_ray(num_cpus=cores)
@@ -264,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         result = child(*spec)
         Path(spec[-1], "result.json").write_text(json.dumps(result))  # img2dataset's imports take over stdout
         return 0
-    import build_throughput as BT
-
+    from bench import build_throughput as BT
     from pipeline.common.config import parse_set
 
     args.overrides = parse_set(args.set) if args.set else {}

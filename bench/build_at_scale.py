@@ -17,7 +17,7 @@ The fits (least squares over the sizes): wall and CPU = a + b·N, driver peak = 
 DataComp small (12.8M), medium (128M) and large (1.28B) — marked as extrapolated in the output.
 Writes ``--out`` (JSON). Each size's output is removed after it is measured (disk: a 16M-row build holds
 ~80 GB of part tars and shards).
-Usage: python bench/build_at_scale.py [--sizes 1000000,4000000,16000000] [--requests 200000] [--quick]
+Usage: python -m bench.build_at_scale [--sizes 1000000,4000000,16000000] [--requests 200000] [--quick]
 """
 
 from __future__ import annotations
@@ -51,18 +51,18 @@ DENSE_FAIL = 0.03
 
 _CHILD = r"""
 import json, os, resource, sys, time
-sys.path.insert(0, sys.argv[3])
-import scale_pool as P
 import ray
+from bench import scale_pool as P
 cfg_json, out_json = sys.argv[1], sys.argv[2]
-env = {"PYTHONPATH": os.pathsep.join([sys.argv[4], sys.argv[3]])}
+env = {"PYTHONPATH": sys.argv[3]}
 ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False,
-         runtime_env={"env_vars": env, "worker_process_setup_hook": "scale_pool.install_standin"})
+         runtime_env={"env_vars": env, "worker_process_setup_hook": "bench.scale_pool.install_standin"})
 P.install_standin()
 from pipeline.build import build
 from pipeline.common.config import load
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
+
 cfg = load(BuildConfig, json.loads(cfg_json))
 t = time.perf_counter()
 res = build(cfg, log=lambda m: print(m, flush=True), store=Storage.from_env(cfg.s3_endpoint))
@@ -138,8 +138,7 @@ def _config(n: int, out: str, metadata: str, s3: str = "") -> dict:
 
 def run_size(n: int, label: str, s3=None, fail: float = 0.0) -> dict:
     """One whole build of ``n`` rows (a ``fail`` share of them 404s) in a child process; its figures."""
-    sys.path.insert(0, str(BENCH))
-    import scale_pool as P
+    from bench import scale_pool as P
 
     fail = fail or FAIL
     pool = P.write_pool(CACHE / f"pool-{n}-{fail}", n, file_rows=min(n, P.FILE_ROWS), fail=fail)
@@ -155,7 +154,7 @@ def run_size(n: int, label: str, s3=None, fail: float = 0.0) -> dict:
     try:
         cpu0 = group.cpu_s()
         proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, json.dumps(cfg), str(result), str(BENCH), str(ROOT)],
+            [sys.executable, "-c", _CHILD, json.dumps(cfg), str(result), str(ROOT)],
             cwd=ROOT, preexec_fn=group.enter, env={**os.environ, **(s3.env if s3 else {})},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
@@ -197,8 +196,7 @@ def fit(xs: list[float], ys: list[float]) -> dict:
 
 def requests(n: int) -> dict:
     """The build of ``n`` rows on SeaweedFS: the S3 requests its server counted, per part and per row."""
-    sys.path.insert(0, str(ROOT))
-    from tests.fixtures.s3_server import _stop, start_seaweedfs
+    from tests.fixtures.s3_server import start_seaweedfs, stop_seaweedfs
 
     data = CACHE / "s3"
     shutil.rmtree(data, ignore_errors=True)
@@ -209,7 +207,7 @@ def requests(n: int) -> dict:
         fig = run_size(n, f"s3-{n}", s3)
         counts = {k: v - before.get(k, 0) for k, v in s3.request_counts().items()}
     finally:
-        _stop(proc)
+        stop_seaweedfs(proc)
         shutil.rmtree(data, ignore_errors=True)
     parts = -(-n // 2_000)
     total = sum(counts.values())

@@ -17,7 +17,7 @@ build at DataComp sizes (1M–16M rows, the driver's and workers' memory): bench
                  append the members to a rolling output tar of ``samples_per_shard``).
 
 Writes ``--out`` (JSON) and a PNG beside it. ``--quick`` runs every part small (a check, not a figure).
-Usage: python bench/build_scale.py [--quick] [--what download,reshard]
+Usage: python -m bench.build_scale [--quick] [--what download,reshard]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import shutil
-import sys
 import tarfile
 import tempfile
 import time
@@ -37,8 +36,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "build_scale.json"
 CACHE = Path(tempfile.gettempdir()) / "prolip-bench-build-scale"
@@ -69,9 +66,9 @@ def write_pool_metadata(n: int, corpus: list[Path], base_url: str, out: Path) ->
 
 
 def run_download(sizes: list[int], corpus_n: int) -> dict:
-    import build_throughput as BT
     import ray
 
+    from bench import build_throughput as BT
     from jobs.common import init_ray
 
     cores = os.cpu_count() or 1

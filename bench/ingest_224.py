@@ -25,7 +25,7 @@ GCS, raylet and workers; the DataLoader's workers; exited processes included), t
 against two processes burning a known CPU time; the wall-clock rate per process is kept beside it. Needs
 root (a cgroup per contender).
 
-Writes bench/results/ingest_224.json. Usage: python bench/ingest_224.py [--samples 2048] [--rounds 3]
+Writes bench/results/ingest_224.json. Usage: python -m bench.ingest_224 [--samples 2048] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -45,11 +45,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.alternate import MIN_ROUNDS, loads_note, results_path, spread
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.alternate import MIN_ROUNDS, loads_note, results_path, spread  # noqa: E402
-
 RESULT = ROOT / "bench" / "results" / "ingest_224.json"
 RECIPES = ("datacomp-small", "prolip-b16")
 PHOTOS = ("astronaut", "cat", "chelsea", "coffee", "hubble_deep_field", "immunohistochemistry", "retina",
@@ -205,7 +203,7 @@ def check_cpu_group(seconds: float = 1.5) -> dict[str, float]:
     return {"reported_cpu_s": reported, "cgroup_cpu_s": counted}
 
 
-def _raw(samples: list[dict]) -> dict[str, np.ndarray]:
+def raw_columns(samples: list[dict]) -> dict[str, np.ndarray]:
     return {k: np.array([s[m] for s in samples], dtype=object) for k, m in
             (("key", "__key__"), ("jpg", "jpg"), ("txt", "txt"))}  # fmt: skip
 
@@ -252,7 +250,7 @@ class Ours:
 
         stage = DecodeAugment(224, self.cfg.context_length, self.tok, self.data, seed=0)
         for i in range(0, len(samples), 64):
-            stage(_raw(samples[i : i + 64]))
+            stage(raw_columns(samples[i : i + 64]))
         return len(samples)
 
 
@@ -327,7 +325,7 @@ class Server:
     def __init__(
         self, kind: str, env: dict[str, str], args: argparse.Namespace, recipe: str, shards: str
     ) -> None:
-        cmd = [sys.executable, __file__, "--serve", kind, "--recipe", recipe, "--shards", shards,
+        cmd = [sys.executable, "-m", __spec__.name, "--serve", kind, "--recipe", recipe, "--shards", shards,
                "--procs", str(args.procs), "--batch", str(args.batch), "--limit-samples", str(args.limit_samples)]  # fmt: skip
         env = {**os.environ, **env, "BENCH_SAMPLES": str(args.samples), "RAY_USAGE_STATS_ENABLED": "0"}
         if kind == "ours":
@@ -457,7 +455,7 @@ def device_augment_cpu(n: int = 256) -> dict:
 
 def records(results: dict, args: argparse.Namespace, date: str) -> list[dict]:
     cmd = (
-        f"python bench/ingest_224.py --samples {args.samples} --rounds {args.rounds} --procs {args.procs}"
+        f"python -m bench.ingest_224 --samples {args.samples} --rounds {args.rounds} --procs {args.procs}"
         + (f" --recipes {args.recipes}" if args.recipes != ",".join(RECIPES) else "")
     )
     out = []

@@ -7,7 +7,7 @@ interpreter (``python -c pass``, the floor of any command), and one run of each 
 tests/jobs/test_bad_inputs.py (missing file, wrong kind of file, unreachable S3, bad key, out-of-range
 value) times the whole process until its one-line error. Writes bench/results/job_cli.json.
 
-Usage: python bench/job_cli.py [--rounds 5]
+Usage: python -m bench.job_cli [--rounds 5]
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.alternate import MIN_ROUNDS, spread
+from tests.jobs.test_bad_inputs import JOBS, KINDS, bad_input_files, cases
 
-from bench.alternate import MIN_ROUNDS, spread  # noqa: E402
-from tests.jobs.test_bad_inputs import JOBS, KINDS, _files, cases  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULT = ROOT / "bench" / "results" / "job_cli.json"
 
@@ -60,7 +59,7 @@ def error_times() -> dict[str, dict]:
     held = socket.socket()  # bound, not listening: connections to it are refused
     held.bind(("127.0.0.1", 0))
     with tempfile.TemporaryDirectory() as tmp, held:
-        files = _files(Path(tmp), f"http://127.0.0.1:{held.getsockname()[1]}")
+        files = bad_input_files(Path(tmp), f"http://127.0.0.1:{held.getsockname()[1]}")
         for (job, kind), (argv, code, _) in cases(files).items():
             load = os.getloadavg()[0]
             wall, rc = _timed(["-m", f"jobs.{job}", *argv])
@@ -77,7 +76,7 @@ def records(helps: dict[str, dict], errors: dict[str, dict], rounds: int) -> lis
             s = r[flag]
             rows.append({
                 "what": f"`jobs.{job} {flag}`, fresh process (the bare interpreter: {r['python -c pass']['median']:.2f} s)",
-                "command": "python bench/job_cli.py",
+                "command": "python -m bench.job_cli",
                 "figure": f"{s['median']:.2f} s",
                 "spread": f"{s['min']:.2f}–{s['max']:.2f} s over {rounds} rounds",
                 "load": f"{min(r['load']):.1f}–{max(r['load']):.1f} on 2 cores",
@@ -89,7 +88,7 @@ def records(helps: dict[str, dict], errors: dict[str, dict], rounds: int) -> lis
         worst = max(JOBS, key=lambda j: errors[f"{j} {kind}"]["wall_s"])
         rows.append({
             "what": f"time to the one-line error, {kind.replace('_', ' ')}: median over the {len(JOBS)} jobs",
-            "command": "python bench/job_cli.py",
+            "command": "python -m bench.job_cli",
             "figure": f"{statistics.median(walls):.2f} s",
             "spread": f"{min(walls):.2f}–{max(walls):.2f} s (slowest: jobs.{worst})",
             "load": f"{min(loads):.1f}–{max(loads):.1f} on 2 cores",

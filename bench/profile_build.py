@@ -19,7 +19,7 @@ Three profiles, each printed as a table and written to ``--out`` (JSON); CPU tim
             the driver thread (wall clock) and ``BuildResult.timings``, then a second call on the finished
             output (resume with nothing to do).
 
-Usage: python bench/profile_build.py [--what stages,part,driver] [--n 300] [--out FILE]
+Usage: python -m bench.profile_build [--what stages,part,driver] [--n 300] [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,18 +31,15 @@ import io
 import json
 import os
 import pstats
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
 os.environ.setdefault("NO_ALBUMENTATIONS_UPDATE", "1")  # no network check on import
-import build_throughput as BT  # noqa: E402  (the corpus and its server)
+from bench import build_throughput as BT  # the corpus and its server
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _per_image_ms(fn, items) -> float:

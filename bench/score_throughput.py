@@ -12,7 +12,7 @@
 2. GPU (when CUDA is available): ViT-B-32 (deterministic, the DataComp small-track scorer) and
    ViT-B-16-ProLIP, bf16 autocast, 224 px pictures: forward-only pairs/s and in-process end-to-end
    pairs/s (single-process decode). Goal ≥ 10k pairs/s/GPU for ViT-B/32. Otherwise "no GPU" is recorded.
-Writes bench/results/score_throughput.json. Usage: python bench/score_throughput.py [--n 2000]
+Writes bench/results/score_throughput.json. Usage: python -m bench.score_throughput [--n 2000]
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,17 +29,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pipeline.ingest.tokenizer import train_tokenizer
+from tests.fixtures.checkpoints import DEMO_CAPTIONS, make_checkpoint
+from tests.fixtures.train_shards import demo_samples
+from training.infer.encode import Encoder
+from training.infer.scoring import score_columns
+from training.model.checkpoint import save_checkpoint
+from training.model.config import model_config
+from training.model.two_tower import ProLIP
 
-from pipeline.ingest.tokenizer import train_tokenizer  # noqa: E402
-from tests.fixtures.checkpoints import DEMO_CAPTIONS, make_checkpoint  # noqa: E402
-from tests.fixtures.train_shards import demo_samples  # noqa: E402
-from training.infer.encode import Encoder  # noqa: E402
-from training.infer.scoring import score_columns  # noqa: E402
-from training.model.checkpoint import save_checkpoint  # noqa: E402
-from training.model.config import model_config  # noqa: E402
-from training.model.two_tower import ProLIP  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _batches(n: int, size: int) -> list[slice]:

@@ -11,7 +11,7 @@ subset alternated (bench/alternate.py) over ``--rounds``:
 Both yield the same rows (tests/pipeline/ingest/test_subset_reader.py); here the figures are the bytes
 written and the wall time. Later epochs without the decoded cache read the copy (reshard) or the pool
 (direct) again: ``epoch_read_s`` gives one such read each. Writes bench/results/subset_read.json.
-Usage: python bench/subset_read.py --run runs/demo [--rounds 3]
+Usage: python -m bench.subset_read --run runs/demo [--rounds 3]
 """
 
 from __future__ import annotations
@@ -21,18 +21,16 @@ import datetime
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.alternate import MIN_ROUNDS, alternate, loads_note, results_path, spread, times
+from pipeline.ingest.subset_reader import SubsetShardReader
+from pipeline.shards.reader import ShardReader, list_shards
+from pipeline.subsets.reshard import reshard
 
-from bench.alternate import MIN_ROUNDS, alternate, loads_note, results_path, spread, times  # noqa: E402
-from pipeline.ingest.subset_reader import SubsetShardReader  # noqa: E402
-from pipeline.shards.reader import ShardReader, list_shards  # noqa: E402
-from pipeline.subsets.reshard import reshard  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULT = ROOT / "bench" / "results" / "subset_read.json"
 
@@ -90,7 +88,7 @@ def main() -> None:
         records.append({
             "what": f"demo subset {name} ({r['rows']} of the pool's rows): resharded copy + its read vs the pool "
                     "read through the .npy (first epoch)",
-            "command": f"python bench/subset_read.py --run RUN --rounds {args.rounds}  (RUN: a demo track's output)",
+            "command": f"python -m bench.subset_read --run RUN --rounds {args.rounds}  (RUN: a demo track's output)",
             "figure": f"{r['reshard']['wall_s']['median']:.2f} s and {r['bytes_written'] / 1e6:.0f} MB written "
                       f"vs {r['direct']['wall_s']['median']:.2f} s and 0 MB",
             "spread": f"reshard {r['reshard']['wall_s']['min']:.2f}–{r['reshard']['wall_s']['max']:.2f} s, direct "

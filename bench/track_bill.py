@@ -11,8 +11,8 @@ scoring and evaluation actors' decode threads are assumed to match); the presets
 Assumed (marked ``*`` in the table): prices, the real web's time per row, the share of rows that download
 and of rows retried late, the GPU's MFU, start-up times, the evaluation sets' size.
 
-    python bench/track_bill.py            # prints the two tables docs/cluster.md shows
-    python bench/track_bill.py --check    # exit 1 when docs/cluster.md shows other figures
+    python -m bench.track_bill            # prints the two tables docs/cluster.md shows
+    python -m bench.track_bill --check    # exit 1 when docs/cluster.md shows other figures
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # --- assumptions (*) ---------------------------------------------------------------------------------------
 PRICE = {
@@ -147,7 +146,7 @@ def render() -> str:
     return "\n\n".join(parts) + "\n"
 
 
-BEGIN, END = "<!-- bill: python bench/track_bill.py -->\n", "<!-- end of bill -->"
+BEGIN, END = "<!-- bill: python -m bench.track_bill -->\n", "<!-- end of bill -->"
 
 
 def main() -> int:

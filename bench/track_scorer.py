@@ -1,31 +1,30 @@
 """The demo track's scorer alone, trained and evaluated exactly as ``jobs.track`` does, for recipe trials.
 
-``bench/scorer_replica.py`` drives the train step without Ray and draws its own batches, so a seed's
-figures there differ from the same seed's track run by as much as seeds differ from each other (seed 2
+A Ray-free replica of the train step (bench/scorer_replica.py, at commit f74a57f) draws its own
+batches, so a seed's figures there differ from the same seed's track run by as much as seeds differ from each other (seed 2
 ordered 83.8% of the hierarchy levels in the replica and 74.7% in the track). This script runs the track's
 own code instead, which is how the scorer's budget was chosen (docs/decisions/0003-demo-pool-and-budgets.md):
 ``jobs.track.config.train_config`` on a finished track run's shards and tokenizer, Ray Train, then
 ``jobs.evaluate`` on the run's eval sets. With no ``--set`` it reproduces that run's scorer to the bit
-(``weights.pt``), in a separate storage path, so the run itself is never touched. Prints and appends one
-JSON line with the σ² claims the acceptance reads.
+(``weights.pt``), in a separate storage path, so the run itself is never touched. Prints and adds one
+run with the σ² claims the acceptance reads.
 
-Usage: python bench/track_scorer.py --run runs/demo-seed2 --seed 2 --out /tmp/trial [--set scorer.k=v ...]
+Usage: python -m bench.track_scorer --run runs/demo-seed2 --seed 2 --out /tmp/trial [--set scorer.k=v ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.schema import append_run
+from jobs import evaluate
+from jobs.common import init_ray
+from jobs.track.config import TRACK_PRESETS, paths, train_config
+from pipeline.common.config import merge, parse_set
 
-from jobs import evaluate  # noqa: E402
-from jobs.common import init_ray  # noqa: E402
-from jobs.track.config import TRACK_PRESETS, paths, train_config  # noqa: E402
-from pipeline.common.config import merge, parse_set  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def claims(analyses: dict) -> dict:
@@ -50,7 +49,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, required=True, help="the scorer's seed (the run's seeds[0])")
     ap.add_argument("--out", required=True, help="where this trial's checkpoints and evaluation go")
     ap.add_argument("--set", nargs="*", default=[], help="track overrides, e.g. scorer.samples_seen=96000")
-    ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "track_scorer.jsonl"))
+    ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "track_scorer.json"))
     args = ap.parse_args()
     cfg = merge(TRACK_PRESETS["demo"], {"output": args.run, "seeds": [args.seed]})
     cfg = merge(cfg, parse_set(args.set))
@@ -69,9 +68,7 @@ def main() -> None:
     result = {"run": args.run, "seed": args.seed, "set": args.set, "train_s": round(res.wall_s, 1)}
     result |= claims(json.loads(Path(ev, "analyses.json").read_text()))
     print(json.dumps(result))
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.results, "a") as f:
-        f.write(json.dumps(result) + "\n")
+    append_run(args.results, result)
 
 
 if __name__ == "__main__":

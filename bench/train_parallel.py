@@ -7,28 +7,26 @@ threads (``train_parallel=1``). Contender ``side_by_side``: both at once through
 ``in_parallel``, one thread and half a logical CPU each (the demo preset's setting,
 docs/decisions/0007-subset-models-two-at-a-time.md). Rounds alternate the two
 (bench/alternate.py); each training writes to a fresh temporary directory, so nothing resumes. Ray starts
-once; its start-up is in neither figure. Appends one JSON line to ``bench/results/train_parallel.jsonl``.
+once; its start-up is in neither figure. Adds one run to ``bench/results/train_parallel.json``.
 
-Usage: python bench/train_parallel.py --run runs/demo [--subsets csd,random] [--rounds 3]
+Usage: python -m bench.train_parallel --run runs/demo [--subsets csd,random] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.alternate import alternate, fmt_spread, loads_note, ratios, times
+from bench.schema import append_run
+from jobs.common import init_ray
+from jobs.track.config import TRACK_PRESETS, train_config
+from jobs.track.run import in_parallel
+from pipeline.common.config import merge
 
-from bench.alternate import alternate, fmt_spread, loads_note, ratios, times  # noqa: E402
-from jobs.common import init_ray  # noqa: E402
-from jobs.track.config import TRACK_PRESETS, train_config  # noqa: E402
-from jobs.track.run import in_parallel  # noqa: E402
-from pipeline.common.config import merge  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 IN_TURN = {"torch_threads": -1, "cpus_per_worker": 1.0}
 SIDE_BY_SIDE = {"torch_threads": 1, "cpus_per_worker": 0.5}
@@ -40,7 +38,7 @@ def main() -> None:
     ap.add_argument("--subsets", default="csd,random", help="two of the run's subsets")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "train_parallel.jsonl"))
+    ap.add_argument("--results", default=str(ROOT / "bench" / "results" / "train_parallel.json"))
     args = ap.parse_args()
     cfg = merge(TRACK_PRESETS["demo"], {"output": args.run, "seeds": [args.seed]})
     subsets = args.subsets.split(",")
@@ -78,9 +76,7 @@ def main() -> None:
         f"({loads_note(loads, os.cpu_count() or 1)}); in turn {fmt_spread(result['in_turn']['wall_s'], 0)} s, "
         f"side by side {fmt_spread(result['side_by_side']['wall_s'], 0)} s"
     )
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.results, "a") as f:
-        f.write(json.dumps(result) + "\n")
+    append_run(args.results, result)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@
    Ray with ``--cpus`` CPUs, against the ceiling: ``DecodeAugment`` called in-process on the same raw
    samples (one core, no Ray). Ratio: delivered ÷ ceiling. Both use ``--ingest-samples`` 64-px demo
    pictures (tests/fixtures/train_shards.py) so the figures compare like with like.
-Writes bench/results/train_step.json. Usage: python bench/train_step.py [--batch 64] [--rounds 20]
+Writes bench/results/train_step.json. Usage: python -m bench.train_step [--batch 64] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -36,20 +36,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratios, results_path, times
+from pipeline.ingest.tokenizer import train_tokenizer
+from pipeline.ingest.transforms import DecodeAugment, MaskedVariants, TrainCollate
+from tests.fixtures.train_shards import demo_samples, write_demo_shards
+from training.config import DataConfig, LossConfig
+from training.losses.registry import build_loss_from_config, loss_spec
+from training.model.config import model_config
+from training.model.param_groups import param_groups
+from training.model.two_tower import ProLIP
+from training.train.salient_masking import SalientDrop
+from training.train.step import TrainModule, loss_shares
 
-from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratios, results_path, times  # noqa: E402
-from pipeline.ingest.tokenizer import train_tokenizer  # noqa: E402
-from pipeline.ingest.transforms import DecodeAugment, MaskedVariants, TrainCollate  # noqa: E402
-from tests.fixtures.train_shards import demo_samples, write_demo_shards  # noqa: E402
-from training.config import DataConfig, LossConfig  # noqa: E402
-from training.losses.registry import build_loss_from_config, loss_spec  # noqa: E402
-from training.model.config import model_config  # noqa: E402
-from training.model.param_groups import param_groups  # noqa: E402
-from training.model.two_tower import ProLIP  # noqa: E402
-from training.train.salient_masking import SalientDrop  # noqa: E402
-from training.train.step import TrainModule, loss_shares  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class StepCase:

@@ -16,7 +16,7 @@ few more steps to stop growing.
 Beside it, the FLOPs per sample of forward + backward counted on the meta device
 (training/model/flops.py) for every preset model: the ratio a GPU would see when compute-bound.
 
-Writes bench/results/train_step_ratio.json. Usage: python bench/train_step_ratio.py [--rounds 5]
+Writes bench/results/train_step_ratio.json. Usage: python -m bench.train_step_ratio [--rounds 5]
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.alternate import MIN_ROUNDS, alternate, loads_note, ratios, results_path, times
+from pipeline.ingest.transforms import MaskedVariants, TrainCollate
+from training.config import DataConfig, LossConfig, OptimConfig, TrainConfig
+from training.model.config import model_config, objective_model_config
+from training.model.flops import samples_per_s, train_flops_per_sample
+from training.train.step import setup_state, train_step
 
-from bench.alternate import MIN_ROUNDS, alternate, loads_note, ratios, results_path, times  # noqa: E402
-from pipeline.ingest.transforms import MaskedVariants, TrainCollate  # noqa: E402
-from training.config import DataConfig, LossConfig, OptimConfig, TrainConfig  # noqa: E402
-from training.model.config import model_config, objective_model_config  # noqa: E402
-from training.model.flops import samples_per_s, train_flops_per_sample  # noqa: E402
-from training.train.step import setup_state, train_step  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULT = ROOT / "bench" / "results" / "train_step_ratio.json"
 # glibc's settings that keep freed memory in the process: no mmap'd blocks to unmap, no trimming of the heap.
@@ -108,7 +107,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.keep_memory and any(os.environ.get(k) != v for k, v in KEEP_MEMORY.items()):
         # glibc reads these once, at start: run again with them set.
-        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **KEEP_MEMORY})
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", __spec__.name, *sys.argv[1:]],
+            {**os.environ, **KEEP_MEMORY},
+        )
     assert args.rounds >= MIN_ROUNDS
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -117,7 +120,7 @@ def main() -> None:
     counted = flops()
     results, records, loads = {}, [], []
     cmd = (
-        f"python bench/train_step_ratio.py --rounds {args.rounds}"
+        f"python -m bench.train_step_ratio --rounds {args.rounds}"
         + (f" --threads {args.threads}" if args.threads else "")
         + (f" --models {args.models}" if args.models != ",".join(CASES) else "")
         + (f" --warmup {args.warmup}" if args.warmup != 2 else "")

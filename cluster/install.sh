@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The install every cluster node runs, once, when its image is built (cluster/Dockerfile), never at boot:
 # this project and every dependency its presets need, with CLIP's BPE vocabulary; INSTALL_EXTRAS=test adds
-# the test extras (pytest and what the tests use), which the first GPU check runs (bench/gpu_check.sh).
+# the test extras (pytest and what the tests use), which the first GPU check runs (tests/gpu_check.sh).
 #   bash cluster/install.sh [PROJECT_DIR]        (pip and python: the environment's own, or $PIP / $PYTHON)
 # tests/cluster/test_image_install.py runs this same file in a fresh venv on a CPU machine.
 set -euo pipefail

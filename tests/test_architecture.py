@@ -13,7 +13,10 @@ local imports included, which is where an upward import would hide), so nothing 
   or ingest; the model never imports the losses);
 - ``ray`` is imported only by the modules in ``RAY_MODULES`` and by ``jobs``;
 - size: no function over ``MAX_FUNCTION_LINES``, no module over ``MAX_MODULE_LINES``, no folder holding
-  more than ``MAX_FOLDER_MODULES`` modules; ``__all__`` only in an ``__init__.py``.
+  more than ``MAX_FOLDER_MODULES`` modules; ``__all__`` only in an ``__init__.py``;
+- ``bench`` (benchmarks, run as ``python -m bench.<name>``) imports only ``bench``, the product packages and
+  ``tests`` (the fixtures and cases the tests use), never edits ``sys.path`` and imports no private name
+  (``_x``) from any module; nothing but ``tests`` imports ``bench``.
 
 Every violation is reported with the rule it breaks.
 """
@@ -21,6 +24,7 @@ Every violation is reported with the rule it breaks.
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from collections import Counter
 from collections.abc import Callable
@@ -214,6 +218,63 @@ def size_violations(root: Path = ROOT) -> list[str]:
     return bad
 
 
+# bench/: what it may import, and the scripts still run by their path (each leaves the set once it runs as
+# ``python -m bench.<name>``; test_not_yet_packaged_is_not_stale fails when one no longer needs its entry).
+BENCH = "bench"
+BENCH_MAY_IMPORT = {BENCH, *PACKAGES, "tests"}
+PROJECT_TOPS = {*BENCH_MAY_IMPORT, "cluster"}
+NOT_YET_PACKAGED = {"bench/curation_scale.py", "bench/loss_memory.py"}
+SYS_PATH = re.compile(r"\bsys\.path\b")  # in code, or in a child process's source held in a string
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def bench_file_violations(text: str, mod: str, is_package: bool) -> list[str]:
+    bad = [f"{mod} edits sys.path (run it as python -m {mod})"] if SYS_PATH.search(text) else []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            names = [f"{node.module or ''}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        bad += [f"{mod} imports the private name {n}" for n in names if any(map(_private, n.split(".")))]
+    for dep in sorted(imports_of(text, mod, is_package)):
+        top = dep.split(".")[0]
+        if top in PROJECT_TOPS and top not in BENCH_MAY_IMPORT:
+            bad.append(f"{mod} imports {dep} (bench may import only {sorted(BENCH_MAY_IMPORT)})")
+    return bad
+
+
+def bench_violations(root: Path = ROOT) -> list[str]:
+    bad = []
+    for path in sorted((root / BENCH).rglob("*.py")):
+        if path.relative_to(root).as_posix() not in NOT_YET_PACKAGED:
+            bad += bench_file_violations(
+                path.read_text(), module_name(path, root), path.name == "__init__.py"
+            )
+    for mod, path in _sources(root).items():
+        deps = imports_of(path.read_text(), mod, path.name == "__init__.py")
+        found = sorted(d for d in deps if d.split(".")[0] == BENCH)
+        if found:
+            bad.append(f"{mod} imports {', '.join(found)} (nothing but tests imports bench)")
+    return bad
+
+
+def test_bench_keeps_the_product_rules() -> None:
+    assert bench_violations() == []
+
+
+def test_not_yet_packaged_is_not_stale() -> None:
+    for rel in sorted(NOT_YET_PACKAGED):
+        path = ROOT / rel
+        assert path.exists() and bench_file_violations(path.read_text(), module_name(path), False), (
+            f"{rel} follows the rules now: take it out of NOT_YET_PACKAGED"
+        )
+
+
 def test_import_direction() -> None:
     assert direction_violations(project_graph()) == []
 
@@ -316,3 +377,26 @@ def test_size_rules_are_caught(tmp_path: Path) -> None:
     assert any("pipeline.b: 401 lines (no module over 400" in b for b in bad), bad
     assert any("pipeline.c: defines __all__" in b for b in bad), bad
     assert any("training/many/: 11 modules (no folder over 10" in b for b in bad), bad
+
+
+@pytest.mark.parametrize(
+    "files, expected",
+    [
+        ({"bench/a.py": "import sys\nsys.path.insert(0, '.')\n"}, "bench.a edits sys.path"),
+        ({"bench/a.py": 'CHILD = "import sys; sys.path.append(x)"\n'}, "bench.a edits sys.path"),
+        ({"bench/a.py": "from pipeline.m import _helper\n", "pipeline/m.py": ""},
+         "bench.a imports the private name pipeline.m._helper"),
+        ({"bench/a.py": "def f():\n    from tests.fixtures import _stop\n"},
+         "bench.a imports the private name tests.fixtures._stop"),
+        ({"bench/a.py": "import cluster.tool\n"}, "bench.a imports cluster.tool (bench may import only"),
+        ({"bench/a.py": "", "jobs/a.py": "def f():\n    from bench import a\n"},
+         "jobs.a imports bench, bench.a (nothing but tests imports bench)"),
+    ],
+)  # fmt: skip
+def test_bench_rules_are_caught(tmp_path: Path, files: dict[str, str], expected: str) -> None:
+    ok = {
+        "bench/__init__.py": "",
+        "bench/ok.py": "from pipeline import m\nfrom bench import a\nimport tests.x\n",
+    }
+    bad = bench_violations(_tree(tmp_path, {**ok, "pipeline/m.py": "", **files}))
+    assert len(bad) == 1 and bad[0].startswith(expected), bad

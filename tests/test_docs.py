@@ -186,7 +186,7 @@ def test_benchmarks_page_matches_the_results():
     generator = load_generator()
     expected = generator.render(ROOT / "bench" / "results")
     committed = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
-    assert committed == expected, "docs/benchmarks.md is stale: run python bench/benchmarks_doc.py"
+    assert committed == expected, "docs/benchmarks.md is stale: run python -m bench.benchmarks_doc"
 
 
 def test_benchmarks_page_has_one_section_per_result_file():

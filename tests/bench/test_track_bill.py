@@ -3,19 +3,15 @@ measured rates now: a preset or a count that changes without the page fails here
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from bench import track_bill
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("track_bill_under_test", ROOT / "bench" / "track_bill.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks itself up there
-    spec.loader.exec_module(module)
-    return module
+    return track_bill
 
 
 def test_the_bill_on_the_page_is_the_one_computed_now() -> None:
@@ -23,7 +19,7 @@ def test_the_bill_on_the_page_is_the_one_computed_now() -> None:
     text = bill.render()
     doc = (ROOT / "docs" / "cluster.md").read_text()
     shown = doc.split(bill.BEGIN, 1)[1].split(bill.END, 1)[0]
-    assert shown.strip() == text.strip(), "docs/cluster.md's bill is stale: python bench/track_bill.py"
+    assert shown.strip() == text.strip(), "docs/cluster.md's bill is stale: python -m bench.track_bill"
     # every step of a track is priced, at both scales, and the medium track costs more
     for scale in ("small", "medium"):
         assert f"**{scale} track**" in text

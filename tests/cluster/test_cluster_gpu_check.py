@@ -1,6 +1,6 @@
 """The first GPU check as docs/cluster.md says to run it, on a cluster of namespace hosts: a head with no GPU,
 a data host, and a host whose Ray offers one GPU (a stand-in resource, no device behind it). The documented
-``ray job submit --entrypoint-num-gpus 1 ... -- bash bench/gpu_check.sh`` puts the entrypoint on the GPU
+``ray job submit --entrypoint-num-gpus 1 ... -- bash tests/gpu_check.sh`` puts the entrypoint on the GPU
 host, where the check's CPU fallback (``--cpu``, no CUDA here) runs and passes; without the flag, the same
 submission runs on the head, which is why the flag is in the command."""
 
@@ -43,7 +43,7 @@ def documented_command() -> tuple[list[str], list[str]]:
 
 def test_the_documented_gpu_check_runs_on_the_gpu_host(tmp_path) -> None:
     options, entrypoint = documented_command()
-    assert options == ["--entrypoint-num-gpus", "1"] and entrypoint == ["bash", "bench/gpu_check.sh"]
+    assert options == ["--entrypoint-num-gpus", "1"] and entrypoint == ["bash", "tests/gpu_check.sh"]
     hosts = [HostSpec("data1", 1, DATA), HostSpec("gpu1", 1, TRAIN, gpus=1)]
     with netns_cluster(tmp_path, hosts) as cluster:
         done = cluster.submit([*entrypoint, "--cpu"], "gpu-check", options=options, timeout=300)

@@ -1,6 +1,6 @@
 """The cluster image's install, run for real: cluster/install.sh in a fresh venv on what cluster/Dockerfile
 copies, with the extras its RUN line names, then CLIP's BPE, one train step of datacomp-small's model and
-the first GPU check's CPU fallback (``bash bench/gpu_check.sh --cpu``) inside that venv; and
+the first GPU check's CPU fallback (``bash tests/gpu_check.sh --cpu``) inside that venv; and
 cluster/image.sh (``make image``), which builds, pushes and names the image in the cluster configs, run with
 a stand-in docker client that records what it was asked.
 
@@ -132,7 +132,7 @@ def test_the_image_install_in_a_fresh_venv_tokenizes_with_clip_and_trains_a_step
                            cwd=tmp_path, env=env, capture_output=True, text=True)  # fmt: skip
     assert str(project) in where.stdout and sys.prefix not in where.stdout
     # The first GPU check runs in the image as it is: its CPU fallback here, from the copied bench/ and tests/.
-    check = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu", "--out", str(tmp_path / "gpu_check.json")],
+    check = subprocess.run(["bash", "tests/gpu_check.sh", "--cpu", "--out", str(tmp_path / "gpu_check.json")],
                            cwd=project, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert check.returncode == 0 and "all checks passed" in check.stdout, (
         check.stdout[-2000:] + check.stderr[-2000:]

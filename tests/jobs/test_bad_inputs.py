@@ -32,11 +32,11 @@ def files(tmp_path_factory):
     can take the port meanwhile."""
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
-    yield _files(tmp_path_factory.mktemp("bad_inputs"), f"http://127.0.0.1:{held.getsockname()[1]}")
+    yield bad_input_files(tmp_path_factory.mktemp("bad_inputs"), f"http://127.0.0.1:{held.getsockname()[1]}")
     held.close()
 
 
-def _files(root, dead: str) -> dict:
+def bad_input_files(root, dead: str) -> dict:
     shard = write_demo_shards(root / "shards", n_shards=1, per_shard=2, size=16)[0]
     subset = root / "subset.npy"
     np.save(subset, np.zeros(1, dtype=np.dtype("u8,u8")))

@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh --cpu: the GPU check script's CPU fallback runs every check on the CPU, so it cannot rot.
+"""tests/gpu_check.sh --cpu: the GPU check script's CPU fallback runs every check on the CPU, so it cannot rot.
 
 The same functions the CUDA run calls (the trainer's step for both presets with bf16 autocast, the host-sync
 check, σ² and loss finiteness, a checkpoint saved and resumed, the ingest rates, the results file), with the
@@ -12,7 +12,7 @@ import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_cpu_fallback_passes_and_writes_its_results(tmp_path) -> None:
@@ -20,7 +20,7 @@ def test_gpu_check_cpu_fallback_passes_and_writes_its_results(tmp_path) -> None:
 
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(["bash", "bench/gpu_check.sh", "--cpu", "--out", str(out)], cwd=ROOT, env=env,
+    done = subprocess.run(["bash", "tests/gpu_check.sh", "--cpu", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "all checks passed" in done.stdout

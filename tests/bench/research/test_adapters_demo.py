@@ -1,22 +1,16 @@
-"""bench/adapters_demo.py's eval-set expansion: one sample per (image, caption), uid shared per image."""
+"""bench/research/adapters_demo.py's eval-set expansion: one sample per (image, caption), uid shared per image."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from bench.research import adapters_demo
 from pipeline.schema import is_valid_uid
 from pipeline.shards.reader import iter_shard
 from pipeline.shards.writer import write_shard
 from training.infer.scoring import sample_uid
-
-_spec = importlib.util.spec_from_file_location(
-    "adapters_demo", Path(__file__).resolve().parents[2] / "bench" / "adapters_demo.py"
-)
-adapters_demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(adapters_demo)
 
 
 def _set(tmp_path: Path) -> Path:

@@ -20,7 +20,7 @@ trained on it (a deterministic CLIP, a ProLIP and a PCME++ model; a run director
 Writes ``OUT/adapters.md`` and ``OUT/adapters.json`` (jobs/adapters.py), the adapter weights, the
 embedding parquets ``OUT/emb/*.parquet`` and ``OUT/adapters_demo.json`` (checkpoints, argv, timings).
 
-Usage: python bench/adapters_demo.py --run RUN --clip C --prolip C --pcmepp C --out OUT
+Usage: python -m bench.research.adapters_demo --run RUN --clip C --prolip C --pcmepp C --out OUT
        [--probvlm-epochs N --asymvlm-epochs N --asymvlm-lr X --asymvlm-batch B] [--extra-nota colours]
        [--reuse]
 """
@@ -35,9 +35,6 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 RETRIEVAL_PER_TAR = 1000  # pairs per eval shard; the demo's 200 images × 3 captions fit in one
 

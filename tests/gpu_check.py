@@ -1,6 +1,6 @@
 """The first GPU run, prepared: every GPU-only part checked in one script, and a results file.
 
-On a CUDA machine (``bash bench/gpu_check.sh``, about 10 minutes on one H100):
+On a CUDA machine (``bash tests/gpu_check.sh``, about 10 minutes on one H100):
 
 1. ``pytest -m gpu``: the CUDA copies of the tests (bf16 steps of every loss against fp32, the device
    augmentation against the CPU, the fp32 σ heads, the train step under ``torch.cuda.set_sync_debug_mode
@@ -16,10 +16,10 @@ On a CUDA machine (``bash bench/gpu_check.sh``, about 10 minutes on one H100):
 
 ``--cpu`` runs the same code on the CPU with the ``demo-32px`` model and small batches (the bf16 step under
 CPU autocast, the sync check with the CPU counter of tests/fixtures/sync_counter.py, the checkpoint round
-trip, the rates), so the script cannot rot: tests/bench/test_gpu_check.py runs it in ``make test``.
+trip, the rates), so the script cannot rot: tests/test_gpu_check.py runs it in ``make test``.
 Writes ``--out`` (default bench/results/gpu_check.json; --cpu: a file under the system temp dir) and prints
 the same report as one ``gpu_check report: {...}`` line last, so a run submitted to a cluster
-(``ray job submit --entrypoint-num-gpus 1 ... -- bash bench/gpu_check.sh``, docs/cluster.md) leaves it in
+(``ray job submit --entrypoint-num-gpus 1 ... -- bash tests/gpu_check.sh``, docs/cluster.md) leaves it in
 ``ray job logs`` whatever happens to the node's disk.
 """
 
@@ -39,15 +39,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pipeline.common.config import merge
+from pipeline.ingest import augment as A
+from pipeline.ingest.transforms import MaskedVariants, TrainCollate
+from training.config import TRAIN_PRESETS
+from training.model.flops import H100_BF16_DENSE, train_flops_per_sample
+from training.train.step import setup_state, train_step
 
-from pipeline.common.config import merge  # noqa: E402
-from pipeline.ingest import augment as A  # noqa: E402
-from pipeline.ingest.transforms import MaskedVariants, TrainCollate  # noqa: E402
-from training.config import TRAIN_PRESETS  # noqa: E402
-from training.model.flops import H100_BF16_DENSE, train_flops_per_sample  # noqa: E402
-from training.train.step import setup_state, train_step  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Dense bf16 peak FLOP/s (vendor datasheets, without sparsity); the PCIe H100 first, its name also says H100.
 PEAKS = {"H100 PCIe": 756e12, "H100": H100_BF16_DENSE, "H200": H100_BF16_DENSE, "A100": 312e12,
@@ -158,7 +157,7 @@ def ingest_check(samples: int) -> dict:
 
 def _decode_rate(n: int) -> tuple[float, float]:
     """(samples per CPU second, samples per wall second) of the datacomp-small decode stage on ``n`` photos."""
-    from bench.ingest_224 import _raw, photo_samples
+    from bench.ingest_224 import photo_samples, raw_columns
     from pipeline.ingest.tokenizer import clip_bpe_tokenizer
     from pipeline.ingest.transforms import DecodeAugment
 
@@ -166,7 +165,7 @@ def _decode_rate(n: int) -> tuple[float, float]:
     stage = DecodeAugment(224, 77, clip_bpe_tokenizer(), TRAIN_PRESETS["datacomp-small"].data, seed=0)
     cpu, wall = time.process_time(), time.perf_counter()
     for i in range(0, n, 64):
-        stage(_raw(samples[i : i + 64]))
+        stage(raw_columns(samples[i : i + 64]))
     return n / (time.process_time() - cpu), n / (time.perf_counter() - wall)
 
 
