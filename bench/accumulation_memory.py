@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> None:
                 str(args.batch),
             ]
             cmd += ["--length", str(args.length)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            if out.returncode:
+                raise SystemExit(f"k={k} failed:\n{out.stderr[-3000:]}")
             runs[k].append(json.loads(out.stdout.strip().splitlines()[-1]))
     rows = []
     for k in args.ks:
