@@ -14,6 +14,11 @@ clipping, a non-finite step skipped and counted; ProLIP App. B.1 parameter group
 LR warmup then cosine. Which columns are gathered, and whether masked variants or PCME++'s mixed images
 are used, is read from the objective's ``LossSpec`` (training/losses/registry.py).
 
+A local batch above ``scaling.max_local_batch`` runs in ``state.micro`` micro-batches
+(``accumulated_backward``): features of every micro-batch without a graph, the loss over the whole global
+batch, each micro-batch recomputed and back-propagated with its features' gradients, one all-reduce —
+the one-batch step's gradients for every objective (docs/decisions/0088-elastic-by-exact-accumulation.md).
+
 The step never waits for the host: every rank's rows and masked count come from the batch plan
 (``BatchPlan``, computed from the config and the world size) instead of an exchange, the skip decision
 stays a device tensor, and the per-step figures accumulate on the device until a report
