@@ -192,11 +192,16 @@ def test_prolip_b16_on_eight_workers_plans_four_micro_batches() -> None:
     import dataclasses
 
     from training.config import TRAIN_PRESETS
+    from training.train.trainer import micro_batch_plan
 
     preset = TRAIN_PRESETS["prolip-b16"]
     cfg = dataclasses.replace(
         preset, scaling=dataclasses.replace(preset.scaling, num_workers=8, max_local_batch=512)
     )
     assert cfg.micro_batches(8) == 4  # 16,384 / 8 = 2,048 per device, 512 at a time
+    assert (
+        micro_batch_plan(cfg)
+        == "scaling.max_local_batch=512: world 8: 2048 a worker in 4 micro-batches of ≤ 512"
+    )
     elastic = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, min_workers=1))
     assert [elastic.micro_batches(w) for w in (1, 2, 3, 8)] == [32, 16, 11, 4]
