@@ -135,6 +135,51 @@ def loss_memory(d: dict[str, Any]) -> list[Cells]:
     return rows
 
 
+def accumulation_memory(d: dict[str, Any]) -> list[Row]:
+    date, rows = day(d.get("date")), []
+    ks = " ".join(str(r["k"]) for r in d["rows"])
+    command = f"python bench/accumulation_memory.py --model {d['model']} --batch {d['batch']} --ks {ks}"
+    loads = [run["load"] for r in d["rows"] for run in r["runs"]]
+    load = load_of(loads)
+    for r in d["rows"]:
+        figure, spread = stat(r["peak_mib"], 0, " MiB")
+        what = f"train step, {d['model']} ProLIP, local batch {d['batch']} in {r['k']} micro-batches of ≤ {r['micro_batch']}: peak memory"
+        rows.append((what, command, figure, f"{spread}; {r['peak_vs_k1']:.2f}× k = 1", load, date))
+        figure, spread = stat(r["wall_s"], 2, " s")
+        rows.append(
+            (
+                "the same step: wall time",
+                command,
+                figure,
+                f"{spread}; {r['wall_vs_k1']:.2f}× k = 1",
+                load,
+                date,
+            )
+        )
+    rows.append(
+        (
+            f"activation memory per sample, {d['model']} float32: measured (slope of the peak over the micro-batch) / counted on the meta device",
+            command,
+            f"{d['measured_mib_per_sample']:.2f} / {d['counted_mib_per_sample_float32']:.2f} MiB",
+            NONE,
+            load,
+            date,
+        )
+    )
+    for name, c in d["presets_counted"].items():
+        rows.append(
+            (
+                f"{name} ({c['model']}, {c['loss']}): activation memory per sample counted on the meta device, float32 / bf16 towers",
+                command,
+                f"{c['float32_mib_per_sample']:.1f} / {c['bf16_mib_per_sample']:.1f} MiB",
+                NONE,
+                NONE,
+                date,
+            )
+        )
+    return rows
+
+
 _TRAIN_STEP_LABELS = {
     "prolip_over_clip": "ProLIP step ÷ CLIP step",
     "prolip_towers_clip_loss_over_clip": "probabilistic towers with the CLIP loss ÷ CLIP step (the [UNC] tokens)",
@@ -573,6 +618,10 @@ KNOWN: dict[str, tuple[str, Extractor] | tuple[str, Extractor, str]] = {
     "image_cpu.json": ("The download worker's image path", image_cpu),
     "decode_memory.json": ("Decode memory of one download actor", decode_memory),
     "loss_memory.json": ("ProLIP loss: time and memory", loss_memory),
+    "accumulation_memory.json": (
+        "Exact accumulation: step memory against micro-batches",
+        accumulation_memory,
+    ),
     "train_step.json": ("Training step and ingest on CPU", train_step),
     "gpu_check.json": ("The first GPU run: the trainer's step and the GPU-only checks", gpu_check),
     "train_parallel.json": ("Two subset models side by side", train_parallel),
@@ -601,6 +650,7 @@ ORDER = (
     "loss_memory.json",
     "train_step.json",
     "train_step_runs.json",
+    "accumulation_memory.json",
     "score_throughput.json",
     "gpu_check.json",
 )

@@ -28,8 +28,9 @@ Elastic training: ``scaling.min_workers > 0`` turns ``num_workers`` into the ran
 checkpoint at whatever size the cluster then holds (a lost node, a spot reclaim). The *global* batch stays
 ``global_batch_size`` at every size: rank r takes ``global_batch_size // world`` samples, one more on the
 first ``global_batch_size % world`` ranks (training/train/distributed.py ``local_batch_sizes``), so no size
-has to divide it; ``scaling.max_local_batch`` caps what one device may take (checked for the smallest
-world at start). Steps, the LR schedule and the checkpoint cadence count optimizer steps of one global
+has to divide it; a local batch above ``scaling.max_local_batch`` runs in micro-batches whose summed
+gradients are the one-batch step's (training/train/step.py ``accumulated_backward``), so any world down to
+one can hold the global batch (docs/decisions/0088-elastic-by-exact-accumulation.md). Steps, the LR schedule and the checkpoint cadence count optimizer steps of one global
 batch. A run that loses one of its two Train hosts continues at world 1 when the Train workers ask for
 a resource only train nodes hold (GPUs, or ``scaling.resources`` on CPU train nodes): Ray Train 2.60
 counts the workers a cluster can hold without its label selectors, so data nodes' CPUs would count
@@ -214,8 +215,8 @@ class WorkersConfig:
     # Seconds a collective may wait before the process group fails (NCCL's watchdog); Ray's default is
     # 1800 s, so a hung rank would hold a whole GPU cluster for half an hour before the restart.
     collective_timeout_s: Positive = 600
-    # Most samples one worker may take per step (0: no cap); with elastic training the smallest world
-    # must fit under it (checked at start).
+    # Most samples one worker runs through the towers at once (0: no cap); a larger local batch runs in
+    # micro-batches with the one-batch step's gradients (exact accumulation, TrainConfig.micro_batches).
     max_local_batch: NonNegative = 0
 
     def __post_init__(self) -> None:
@@ -281,6 +282,13 @@ class TrainConfig:
         lo = self.scaling.min_workers or self.scaling.num_workers
         return list(range(lo, self.scaling.num_workers + 1))
 
+    def micro_batches(self, world: int) -> int:
+        """Micro-batches every worker splits its local batch into at ``world`` workers: the fewest that keep
+        each under ``scaling.max_local_batch`` (1 without a cap); the same on every rank."""
+        cap = self.scaling.max_local_batch
+        largest_local = -(-self.global_batch_size // world)
+        return 1 if cap == 0 else -(-largest_local // cap)
+
     def __post_init__(self) -> None:
         """Rules across sections; each field's own range is in its type."""
         require(
@@ -292,15 +300,6 @@ class TrainConfig:
             "samples_seen",
             f"is less than one global batch ({self.global_batch_size})",
             self.samples_seen,
-        )
-        smallest = min(self.world_sizes())
-        largest_local = -(-self.global_batch_size // smallest)
-        cap = self.scaling.max_local_batch
-        require(
-            cap == 0 or largest_local <= cap,
-            "scaling.max_local_batch",
-            f"is below the {largest_local} samples a worker takes at the smallest world ({smallest})",
-            cap,
         )
         require(
             self.global_batch_size >= max(self.world_sizes()),

@@ -1,6 +1,8 @@
 """Elastic training on a harness cluster of its own (tests/fixtures/netns_cluster.py): a run with
 ``scaling.min_workers=1`` of 2 loses one of its two Train hosts after a committed checkpoint and, with no
-replacement, continues at world 1. Every path is on S3.
+replacement, continues at world 1. A worker runs at most ``scaling.max_local_batch`` = half the global
+batch at once: at world 2 a local batch is one micro-batch, at world 1 it is two, accumulated to the
+one-batch step's gradients (docs/decisions/0088-elastic-by-exact-accumulation.md). Every path is on S3.
 
 Hosts: a head without task CPUs, two data hosts (2 CPUs each), two train hosts (1 CPU and one
 ``train_slot`` each). The workers ask for the slot, so Ray Train's count of the workers the cluster can
@@ -65,7 +67,7 @@ def test_elastic_a_train_host_lost_the_run_continues_at_world_one(cluster, tmp_p
         "global_batch_size": BATCH, "samples_seen": STEPS * BATCH, "run.checkpoint_every": EVERY,
         "run.log_every": EVERY, "run.max_failures": 2, "scaling.num_workers": 2, "scaling.min_workers": 1,
         "scaling.resources.train_slot": 1, "scaling.cpus_per_worker": 1.0, "scaling.torch_threads": 1,
-        "data.shuffle_seed": 0,
+        "data.shuffle_seed": 0, "scaling.max_local_batch": BATCH // 2,
     }  # fmt: skip
     cluster.submit(train_args(shards, storage, name, **values), "train-elastic", wait=False)
     failed = lambda: cluster.job("train-elastic")["status"] in ("FAILED", "STOPPED")  # noqa: E731
@@ -89,6 +91,8 @@ def test_elastic_a_train_host_lost_the_run_continues_at_world_one(cluster, tmp_p
     assert resumed % EVERY == 0 and resumed >= EVERY
     worlds = {m["step"]: m["world_size"] for m in extra["metrics"]}
     assert worlds == {s: (2 if s <= resumed else 1) for s in range(EVERY, STEPS + 1, EVERY)}, worlds
+    micro = {m["step"]: m["micro_batches"] for m in extra["metrics"]}
+    assert micro == {s: 3 - worlds[s] for s in worlds}, micro  # world 1 accumulates 2 micro-batches
     # the schedule of an uninterrupted run: warmup then cosine over the same optimizer steps
     base = extra["metrics"][0]["lr"] / lr_lambda(STEPS, 2)(EVERY)
     lrs = [m["lr"] for m in extra["metrics"]]

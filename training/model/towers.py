@@ -92,12 +92,13 @@ class GaussianHead(nn.Module):
         # log σ² moves in steps of 0.0625 (σ² by 6%), which swamps the differences the inclusion loss and
         # CSD compare; the heads are a (B, D)×(D, E) product each, a rounding error of the step's cost.
         kind = h_cls.device.type
+        wide = torch.promote_types(h_cls.dtype, torch.float32)  # float64 stays float64 (exactness tests)
         with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else nullcontext():
-            projected = self.mu_proj(h_cls.float())  # (B, E)
+            projected = self.mu_proj(h_cls.to(wide))  # (B, E)
             mu = F.normalize(projected, dim=-1)  # (B, E)
             if self.logvar_proj is None or (h_unc is None and not self.logvar_from_mu):
                 return mu, None
-            logvar = self.logvar_proj(projected if self.logvar_from_mu else h_unc.float())  # (B, E)
+            logvar = self.logvar_proj(projected if self.logvar_from_mu else h_unc.to(wide))  # (B, E)
         return mu, logvar
 
 

@@ -73,6 +73,7 @@ def window_metrics(window: Window, state: Any) -> dict[str, Any]:
             "step": state.step,
             "epoch": state.epoch,
             "world_size": world,
+            "micro_batches": getattr(state, "micro", 1),  # a local batch's micro-batches (accumulation)
             "samples_seen": state.step * global_batch,
             "lr": state.sched.get_last_lr()[0],
             "logit_scale": scale,

@@ -14,6 +14,11 @@ clipping, a non-finite step skipped and counted; ProLIP App. B.1 parameter group
 LR warmup then cosine. Which columns are gathered, and whether masked variants or PCME++'s mixed images
 are used, is read from the objective's ``LossSpec`` (training/losses/registry.py).
 
+A local batch above ``scaling.max_local_batch`` runs in ``state.micro`` micro-batches
+(``accumulated_backward``): features of every micro-batch without a graph, the loss over the whole global
+batch, each micro-batch recomputed and back-propagated with its features' gradients, one all-reduce —
+the one-batch step's gradients for every objective (docs/decisions/0088-elastic-by-exact-accumulation.md).
+
 The step never waits for the host: every rank's rows and masked count come from the batch plan
 (``BatchPlan``, computed from the config and the world size) instead of an exchange, the skip decision
 stays a device tensor, and the per-step figures accumulate on the device until a report
@@ -179,6 +184,123 @@ def build_module(cfg: Any, tokenizer: Any) -> tuple[TrainModule, Any]:
     return TrainModule(ProLIP(mcfg), loss, spec), mcfg
 
 
+def micro_slices(rows: int, n_micro: int) -> list[slice]:
+    """``n_micro`` consecutive near-even pieces of ``rows`` rows (the first ``rows % n_micro`` one longer),
+    empty pieces dropped: the micro-batches of one local batch."""
+    base, extra = divmod(rows, n_micro)
+    out, start = [], 0
+    for j in range(n_micro):
+        n = base + (j < extra)
+        if n:
+            out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, saved: tuple[Tensor, Tensor | None]) -> None:
+    torch.set_rng_state(saved[0])
+    if saved[1] is not None:
+        torch.cuda.set_rng_state(saved[1], device)
+
+
+def accumulated_backward(
+    ddp: nn.Module,
+    module: TrainModule,
+    inputs: Mapping[str, Any],
+    n_micro: int,
+    masked_index: Tensor | None = None,
+    mix: tuple[Tensor, Tensor] | None = None,
+    plan: BatchPlan | None = None,
+    backward: Callable[[Tensor], None] = lambda t: t.backward(),
+    forward_ctx: Callable[[], Any] = nullcontext,
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The gradients of the whole local batch's loss share, computed ``n_micro`` micro-batches at a time.
+
+    open_clip's ``--accum-freq`` scheme: (1) every micro-batch forward without a graph, its features kept;
+    (2) the loss over the whole global batch on those features (gathered across workers with gradients,
+    as in one step), differentiated with respect to the features and the loss's own scalars only — no
+    tower runs here; (3) every micro-batch forward again with a graph and backward of
+    Σ (features · their gradient), plus Σ (scalar · its gradient) on the last. By the chain rule the
+    parameters' gradients are the one-batch step's (tests/training/train/test_accumulation.py). Under DDP
+    only the last backward all-reduces (``no_sync`` before it). Each micro-batch's recompute starts from
+    the RNG state its first forward saw, so any sampling in the towers is drawn again identically.
+
+    ``inputs``: the forward's ``images``, ``tokens``, ``masked_tokens``, ``keep_idx`` (whole local batch);
+    ``masked_index`` sorted local rows with masked variants; ``backward`` the update's (loss scale);
+    ``forward_ctx`` the autocast. Returns (loss terms, the detached features of the whole local batch).
+    """
+    images, tokens = inputs["images"], inputs["tokens"]
+    masked_tokens, keep_idx = inputs.get("masked_tokens"), inputs.get("keep_idx")
+    slices = micro_slices(tokens.shape[0], n_micro)
+    # Which masked rows fall in which micro-batch: read on the host once a step (a sorted index).
+    masked_rows = [] if masked_index is None else masked_index.cpu().tolist()
+    micro_masked: list[Tensor | None] = []
+    for s in slices:
+        rows = [i - s.start for i in masked_rows if s.start <= i < s.stop]
+        micro_masked.append(
+            None if masked_index is None else torch.tensor(rows, dtype=torch.long, device=images.device)
+        )
+
+    def run(net: nn.Module, j: int) -> dict[str, Tensor | None]:
+        s = slices[j]
+        with forward_ctx():
+            return net(
+                images[s],
+                tokens[s],
+                None if masked_tokens is None else masked_tokens[s],
+                None if keep_idx is None else keep_idx[s],
+                micro_masked[j],
+            )
+
+    device = images.device
+    rng, cached = [], []
+    with torch.no_grad():
+        for j in range(len(slices)):
+            rng.append(_rng_state(device))
+            cached.append(run(module, j))  # the unwrapped module: no DDP hooks, no collectives
+    keys = list(dict.fromkeys(k for c in cached for k in c))
+    # Masked rows are sorted and micro-batches consecutive: concatenated, they are the one-batch order.
+    feats: dict[str, Tensor | None] = {}
+    for k in keys:
+        parts = [c[k] for c in cached if c.get(k) is not None]
+        feats[k] = torch.cat(parts).requires_grad_(True) if parts else None
+    terms = loss_shares(module.loss, module.spec, feats, masked_index, mix, plan)
+    scalars = [p for p in module.loss.parameters() if p.requires_grad]
+    leaves = {k: v for k, v in feats.items() if v is not None}
+    grads = torch.autograd.grad(
+        terms["total"] * ddp_loss_scale(), [*leaves.values(), *scalars], allow_unused=True
+    )
+    feat_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
+    # Where each micro-batch's rows sit in the concatenated features (masked rows counted apart).
+    starts = {k: 0 for k in leaves}
+    no_sync = getattr(getattr(ddp, "_orig_mod", ddp), "no_sync", nullcontext)
+    for j in range(len(slices)):
+        last = j == len(slices) - 1
+        _set_rng_state(device, rng[j])
+        with nullcontext() if last else no_sync():
+            out = run(ddp, j)
+            surrogate = torch.zeros((), device=device)
+            for k in leaves:
+                f = out.get(k)
+                if f is None:
+                    continue
+                g = feat_grads[k]
+                n = f.shape[0]
+                if g is not None and n:
+                    surrogate = surrogate + (f * g[starts[k] : starts[k] + n]).sum()
+                starts[k] += n
+            if last:
+                for p, g in zip(scalars, grads[len(leaves) :], strict=True):
+                    if g is not None:
+                        surrogate = surrogate + (p * g).sum()
+            backward(surrogate)
+    return {k: v.detach() for k, v in terms.items()}, {k: v.detach() for k, v in leaves.items()}
+
+
 @dataclass
 class TrainState:
     """What one worker carries from step to step; ``extra`` fields are what a checkpoint restores."""
@@ -194,6 +316,7 @@ class TrainState:
     update: GuardedUpdate  # gradient norm, clipping, the finite guard and AdamW
     augment: DeviceAugment  # uint8 crops → the model's input, on the device
     plan: BatchPlan | None = None  # every rank's rows and masked count (None in one process)
+    micro: int = 1  # micro-batches a local batch runs in (scaling.max_local_batch; accumulated_backward)
     step: int = 0
     epoch: int = 0
     history: list[list[int]] = field(default_factory=list)
@@ -246,6 +369,7 @@ def setup_state(
         update=guarded_update(opt, fused, inner, cfg, saved),
         augment=DeviceAugment(cfg.data.mean, cfg.data.std),
         plan=batch_plan(cfg, inner.spec, world) if world > 1 else None,
+        micro=cfg.micro_batches(world),
         step=step,
         epoch=int(extra["epoch"]) + 1 if restore_dir else 0,
         history=[list(r) for r in extra.get("history", [])],
@@ -276,9 +400,12 @@ def salient_masker(cfg: Any, tokenizer: Any) -> SalientDrop | None:
     )
 
 
-def forward_terms(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """The forward half of a step on one collated batch, gradients kept: (this worker's loss terms, the
-    features it computed). ``train_step`` backpropagates its total; diagnostics read single terms."""
+def step_inputs(
+    state: TrainState, batch: Mapping[str, Tensor]
+) -> tuple[dict[str, Tensor | None], Tensor | None, tuple[Tensor, Tensor] | None]:
+    """A collated batch as the forward takes it, on the device: (forward inputs, masked rows, PCME++'s
+    mix). Every random draw of a step (mixing, the salient rewrite) happens here, once for the whole
+    local batch, so micro-batches see the one-batch step's inputs."""
     cfg, device, spec = state.cfg, state.device, state.module.spec
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # no-op once prefetched
     images = state.augment(batch)  # (B, 3, S, S) normalised float32
@@ -288,20 +415,30 @@ def forward_terms(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[
         mix = (partner.to(device), lam)
     masked_index = batch.get("masked_index")
     tokens, masked_tokens = batch["tokens"], batch.get("masked_tokens")
-    with autocast(device, cfg.precision):
-        if state.salient is not None and masked_index is not None and masked_index.numel():
-            # Outside DDP (no gradient, no reducer hooks): the current weights choose the words to remove, for
-            # the first round(share·M) masked captions in batch order (rows arrive shuffled, so any of them).
-            rows = masked_index[: int(round_half_up(cfg.data.salient_share * masked_index.numel()))]
+    if state.salient is not None and masked_index is not None and masked_index.numel():
+        # Outside DDP (no gradient, no reducer hooks): the current weights choose the words to remove, for
+        # the first round(share·M) masked captions in batch order (rows arrive shuffled, so any of them).
+        rows = masked_index[: int(round_half_up(cfg.data.salient_share * masked_index.numel()))]
+        with autocast(device, cfg.precision):
             masked_tokens = state.salient.rewrite(state.module.model.encode_text, tokens, masked_tokens, rows)
+    inputs = {
+        "images": images,
+        "tokens": tokens,
+        "masked_tokens": masked_tokens,
+        "keep_idx": batch.get("keep_idx"),
+    }
+    return inputs, masked_index, mix
+
+
+def forward_terms(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The forward half of a step on one collated batch, gradients kept: (this worker's loss terms, the
+    features it computed). ``train_step`` backpropagates its total; diagnostics read single terms."""
+    inputs, masked_index, mix = step_inputs(state, batch)
+    with autocast(state.device, state.cfg.precision):
         feats = state.ddp(
-            images,
-            tokens,
-            masked_tokens,
-            batch.get("keep_idx"),
-            masked_index,
+            inputs["images"], inputs["tokens"], inputs["masked_tokens"], inputs["keep_idx"], masked_index
         )
-    return loss_shares(state.module.loss, spec, feats, masked_index, mix, state.plan), feats
+    return loss_shares(state.module.loss, state.module.spec, feats, masked_index, mix, state.plan), feats
 
 
 def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -309,9 +446,23 @@ def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str
 
     ``feats["grad_norm"]`` is the step's global gradient norm (before clipping); a step whose loss or norm
     is not finite leaves the weights as they were and counts in ``state.update.skipped``."""
-    terms, feats = forward_terms(state, batch)
     state.opt.zero_grad(set_to_none=True)
-    state.update.backward(terms["total"] * ddp_loss_scale())
+    if state.micro > 1:
+        inputs, masked_index, mix = step_inputs(state, batch)
+        terms, feats = accumulated_backward(
+            state.ddp,
+            state.module,
+            inputs,
+            state.micro,
+            masked_index,
+            mix,
+            state.plan,
+            backward=state.update.backward,
+            forward_ctx=lambda: autocast(state.device, state.cfg.precision),
+        )
+    else:
+        terms, feats = forward_terms(state, batch)
+        state.update.backward(terms["total"] * ddp_loss_scale())
     feats = {**feats, "grad_norm": state.update(terms["total"])}
     state.sched.step()
     state.step += 1

@@ -221,6 +221,18 @@ def h100_rate(cfg: TrainConfig, mcfg: Any, mfu: float = 0.30) -> tuple[float, fl
     return flops, samples_per_s(flops, mfu=mfu)
 
 
+def micro_batch_plan(cfg: TrainConfig) -> str:
+    """One line: the micro-batches a step runs in at each world size the run may take (exact accumulation)."""
+    parts = []
+    for world in cfg.world_sizes():
+        local = -(-cfg.global_batch_size // world)
+        k = cfg.micro_batches(world)
+        parts.append(
+            f"world {world}: {local} a worker in {k} micro-batch{'es' if k > 1 else ''} of ≤ {-(-local // k)}"
+        )
+    return f"scaling.max_local_batch={cfg.scaling.max_local_batch}: " + "; ".join(parts)
+
+
 def decode_sizing(cfg: TrainConfig, mcfg: Any, mfu: float = 0.30) -> str:
     """One line: the decode cores the run's GPUs need at ``mfu`` of an H100 from the measured per-core rate
     (the FLOPs counted on the meta device, training/model/flops.py; docs/gpu.md)."""
@@ -252,6 +264,8 @@ def train(cfg: TrainConfig) -> TrainResult:
         probabilistic = LOSS_SPECS[cfg.loss.name].probabilistic
         sized = objective_model_config(cfg.model, probabilistic, vocab_size=tokenizer.vocab_size)
         print(decode_sizing(cfg, sized), flush=True)
+    if cfg.scaling.max_local_batch:
+        print(micro_batch_plan(cfg), flush=True)
     counters = start_counters()
     try:
         size, context = mcfg.image_size, mcfg.context_length

@@ -194,13 +194,13 @@ def test_config_rules_for_workers_and_batches() -> None:
 
     uneven = TrainConfig(global_batch_size=100, scaling=WorkersConfig(num_workers=3, min_workers=2))
     assert uneven.world_sizes() == [2, 3]  # 3 does not divide 100: uneven local batches are allowed
-    with pytest.raises(ConfigError, match="max_local_batch"):
-        TrainConfig(
-            global_batch_size=100, scaling=WorkersConfig(num_workers=3, min_workers=1, max_local_batch=60)
-        )
-    TrainConfig(
-        global_batch_size=100, scaling=WorkersConfig(num_workers=3, min_workers=2, max_local_batch=50)
+    # A cap below the smallest world's local batch means micro-batches, not a refusal.
+    capped = TrainConfig(
+        global_batch_size=100, scaling=WorkersConfig(num_workers=3, min_workers=1, max_local_batch=60)
     )
+    assert [capped.micro_batches(w) for w in capped.world_sizes()] == [2, 1, 1]
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        TrainConfig(global_batch_size=2, scaling=WorkersConfig(num_workers=3))
     assert WorkersConfig().collective_timeout_s == 600
     assert DataConfig().pin_memory
 
