@@ -12,7 +12,7 @@ activation memory per sample of each preset's model counted on the meta device.
    model, in float32 and with bf16 towers, against the CPU-measured slope of the peak over the micro-batch
    size for ``--model`` (a check of the count).
 
-Writes bench/results/accumulation_memory.json. Usage: python bench/accumulation_memory.py [--batch 128]
+Writes bench/results/accumulation_memory.json. Usage: python -m bench.accumulation_memory [--batch 128]
 """
 
 from __future__ import annotations
@@ -35,15 +35,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.alternate import results_path
+from training.config import TRAIN_PRESETS, LossConfig, OptimConfig, TrainConfig, WorkersConfig
+from training.losses.registry import loss_spec
+from training.model.config import MODEL_CONFIGS
+from training.model.flops import saved_bytes_per_sample
+from training.train.step import setup_state, train_step
 
-from bench.alternate import results_path  # noqa: E402
-from training.config import TRAIN_PRESETS, LossConfig, OptimConfig, TrainConfig, WorkersConfig  # noqa: E402
-from training.losses.registry import loss_spec  # noqa: E402
-from training.model.config import MODEL_CONFIGS  # noqa: E402
-from training.model.flops import saved_bytes_per_sample  # noqa: E402
-from training.train.step import setup_state, train_step  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "accumulation_memory.json"
 TOKENIZER = SimpleNamespace(vocab_size=4096, pad_id=0, end_id=1, mask_id=2, start_id=None)
@@ -154,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         for k in args.ks:
             cmd = [
                 sys.executable,
-                __file__,
+                "-m",
+                __spec__.name,
                 "--child",
                 str(k),
                 "--model",

@@ -138,7 +138,7 @@ def loss_memory(d: dict[str, Any]) -> list[Cells]:
 def accumulation_memory(d: dict[str, Any]) -> list[Row]:
     date, rows = day(d.get("date")), []
     ks = " ".join(str(r["k"]) for r in d["rows"])
-    command = f"python bench/accumulation_memory.py --model {d['model']} --batch {d['batch']} --ks {ks}"
+    command = f"python -m bench.accumulation_memory --model {d['model']} --batch {d['batch']} --ks {ks}"
     loads = [run["load"] for r in d["rows"] for run in r["runs"]]
     load = load_of(loads)
     for r in d["rows"]:

@@ -19,7 +19,7 @@ ppcl/siglip of wall and of CPU time, reported as median (min–max) over --round
 overwrite bench/results/loss_memory.json unless --allow-loaded.
 Threads: --threads (default 1). On a busy machine OpenMP's spinning barriers make small multi-threaded
 ops 10-100x slower (measured on our 2-core CI box), which would swamp the comparison.
-Writes bench/results/loss_memory.json. Usage: python bench/loss_memory.py [--sizes 256 1024 4096] [--rounds 7]
+Writes bench/results/loss_memory.json. Usage: python -m bench.loss_memory [--sizes 256 1024 4096] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -38,13 +38,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratios, results_path, times
+from training.losses.contrastive import siglip_loss
+from training.losses.inclusion import inclusion_loss, vib_kl
+from training.losses.prolip import ppcl_loss, prolip_objective
 
-from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratios, results_path, times  # noqa: E402
-from training.losses.contrastive import siglip_loss  # noqa: E402
-from training.losses.inclusion import inclusion_loss, vib_kl  # noqa: E402
-from training.losses.prolip import ppcl_loss, prolip_objective  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = ("prolip", "ppcl", "naive", "siglip")
 MASKED_KEYS = ("mu_v_masked", "logvar_v_masked", "mu_t_masked", "logvar_t_masked")
@@ -127,7 +126,7 @@ def measure_time(cases: list[str], batch: int, dim: int, columns: int, rounds: i
 
 
 def _child(args: list[str]) -> dict:
-    cmd = [sys.executable, __file__, *args]
+    cmd = [sys.executable, "-m", __spec__.name, *args]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

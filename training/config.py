@@ -29,7 +29,7 @@ checkpoint at whatever size the cluster then holds (a lost node, a spot reclaim)
 ``global_batch_size`` at every size: rank r takes ``global_batch_size // world`` samples, one more on the
 first ``global_batch_size % world`` ranks (training/train/distributed.py ``local_batch_sizes``), so no size
 has to divide it; a local batch above ``scaling.max_local_batch`` runs in micro-batches whose summed
-gradients are the one-batch step's (training/train/step.py ``accumulated_backward``), so any world down to
+gradients are the one-batch step's (training/train/accumulation.py), so any world down to
 one can hold the global batch (docs/decisions/0088-elastic-by-exact-accumulation.md). Steps, the LR schedule and the checkpoint cadence count optimizer steps of one global
 batch. A run that loses one of its two Train hosts continues at world 1 when the Train workers ask for
 a resource only train nodes hold (GPUs, or ``scaling.resources`` on CPU train nodes): Ray Train 2.60

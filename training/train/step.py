@@ -15,7 +15,7 @@ LR warmup then cosine. Which columns are gathered, and whether masked variants o
 are used, is read from the objective's ``LossSpec`` (training/losses/registry.py).
 
 A local batch above ``scaling.max_local_batch`` runs in ``state.micro`` micro-batches
-(``accumulated_backward``): features of every micro-batch without a graph, the loss over the whole global
+(training/train/accumulation.py): features of every micro-batch without a graph, the loss over the whole global
 batch, each micro-batch recomputed and back-propagated with its features' gradients, one all-reduce —
 the one-batch step's gradients for every objective (docs/decisions/0088-elastic-by-exact-accumulation.md).
 
@@ -54,6 +54,7 @@ from training.losses.spec import LossSpec
 from training.model.config import model_config, objective_model_config, text_table
 from training.model.param_groups import param_groups
 from training.model.two_tower import ProLIP
+from training.train.accumulation import accumulated_backward
 from training.train.checkpointing import restore
 from training.train.distributed import BatchPlan, ddp_loss_scale, gather_with_grad, local_batch_sizes
 from training.train.optimizer import GuardedUpdate, make_adamw
@@ -182,123 +183,6 @@ def build_module(cfg: Any, tokenizer: Any) -> tuple[TrainModule, Any]:
     )
     torch.manual_seed(cfg.seed)
     return TrainModule(ProLIP(mcfg), loss, spec), mcfg
-
-
-def micro_slices(rows: int, n_micro: int) -> list[slice]:
-    """``n_micro`` consecutive near-even pieces of ``rows`` rows (the first ``rows % n_micro`` one longer),
-    empty pieces dropped: the micro-batches of one local batch."""
-    base, extra = divmod(rows, n_micro)
-    out, start = [], 0
-    for j in range(n_micro):
-        n = base + (j < extra)
-        if n:
-            out.append(slice(start, start + n))
-        start += n
-    return out
-
-
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(device: torch.device, saved: tuple[Tensor, Tensor | None]) -> None:
-    torch.set_rng_state(saved[0])
-    if saved[1] is not None:
-        torch.cuda.set_rng_state(saved[1], device)
-
-
-def accumulated_backward(
-    ddp: nn.Module,
-    module: TrainModule,
-    inputs: Mapping[str, Any],
-    n_micro: int,
-    masked_index: Tensor | None = None,
-    mix: tuple[Tensor, Tensor] | None = None,
-    plan: BatchPlan | None = None,
-    backward: Callable[[Tensor], None] = lambda t: t.backward(),
-    forward_ctx: Callable[[], Any] = nullcontext,
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """The gradients of the whole local batch's loss share, computed ``n_micro`` micro-batches at a time.
-
-    open_clip's ``--accum-freq`` scheme: (1) every micro-batch forward without a graph, its features kept;
-    (2) the loss over the whole global batch on those features (gathered across workers with gradients,
-    as in one step), differentiated with respect to the features and the loss's own scalars only — no
-    tower runs here; (3) every micro-batch forward again with a graph and backward of
-    Σ (features · their gradient), plus Σ (scalar · its gradient) on the last. By the chain rule the
-    parameters' gradients are the one-batch step's (tests/training/train/test_accumulation.py). Under DDP
-    only the last backward all-reduces (``no_sync`` before it). Each micro-batch's recompute starts from
-    the RNG state its first forward saw, so any sampling in the towers is drawn again identically.
-
-    ``inputs``: the forward's ``images``, ``tokens``, ``masked_tokens``, ``keep_idx`` (whole local batch);
-    ``masked_index`` sorted local rows with masked variants; ``backward`` the update's (loss scale);
-    ``forward_ctx`` the autocast. Returns (loss terms, the detached features of the whole local batch).
-    """
-    images, tokens = inputs["images"], inputs["tokens"]
-    masked_tokens, keep_idx = inputs.get("masked_tokens"), inputs.get("keep_idx")
-    slices = micro_slices(tokens.shape[0], n_micro)
-    # Which masked rows fall in which micro-batch: read on the host once a step (a sorted index).
-    masked_rows = [] if masked_index is None else masked_index.cpu().tolist()
-    micro_masked: list[Tensor | None] = []
-    for s in slices:
-        rows = [i - s.start for i in masked_rows if s.start <= i < s.stop]
-        micro_masked.append(
-            None if masked_index is None else torch.tensor(rows, dtype=torch.long, device=images.device)
-        )
-
-    def run(net: nn.Module, j: int) -> dict[str, Tensor | None]:
-        s = slices[j]
-        with forward_ctx():
-            return net(
-                images[s],
-                tokens[s],
-                None if masked_tokens is None else masked_tokens[s],
-                None if keep_idx is None else keep_idx[s],
-                micro_masked[j],
-            )
-
-    device = images.device
-    rng, cached = [], []
-    with torch.no_grad():
-        for j in range(len(slices)):
-            rng.append(_rng_state(device))
-            cached.append(run(module, j))  # the unwrapped module: no DDP hooks, no collectives
-    keys = list(dict.fromkeys(k for c in cached for k in c))
-    # Masked rows are sorted and micro-batches consecutive: concatenated, they are the one-batch order.
-    feats: dict[str, Tensor | None] = {}
-    for k in keys:
-        parts = [c[k] for c in cached if c.get(k) is not None]
-        feats[k] = torch.cat(parts).requires_grad_(True) if parts else None
-    terms = loss_shares(module.loss, module.spec, feats, masked_index, mix, plan)
-    scalars = [p for p in module.loss.parameters() if p.requires_grad]
-    leaves = {k: v for k, v in feats.items() if v is not None}
-    grads = torch.autograd.grad(
-        terms["total"] * ddp_loss_scale(), [*leaves.values(), *scalars], allow_unused=True
-    )
-    feat_grads = dict(zip(leaves, grads[: len(leaves)], strict=True))
-    # Where each micro-batch's rows sit in the concatenated features (masked rows counted apart).
-    starts = {k: 0 for k in leaves}
-    no_sync = getattr(getattr(ddp, "_orig_mod", ddp), "no_sync", nullcontext)
-    for j in range(len(slices)):
-        last = j == len(slices) - 1
-        _set_rng_state(device, rng[j])
-        with nullcontext() if last else no_sync():
-            out = run(ddp, j)
-            surrogate = torch.zeros((), device=device)
-            for k in leaves:
-                f = out.get(k)
-                if f is None:
-                    continue
-                g = feat_grads[k]
-                n = f.shape[0]
-                if g is not None and n:
-                    surrogate = surrogate + (f * g[starts[k] : starts[k] + n]).sum()
-                starts[k] += n
-            if last:
-                for p, g in zip(scalars, grads[len(leaves) :], strict=True):
-                    if g is not None:
-                        surrogate = surrogate + (p * g).sum()
-            backward(surrogate)
-    return {k: v.detach() for k, v in terms.items()}, {k: v.detach() for k, v in leaves.items()}
 
 
 @dataclass
@@ -449,14 +333,14 @@ def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str
     state.opt.zero_grad(set_to_none=True)
     if state.micro > 1:
         inputs, masked_index, mix = step_inputs(state, batch)
+        module = state.module
         terms, feats = accumulated_backward(
             state.ddp,
-            state.module,
+            module,
             inputs,
             state.micro,
+            lambda f: loss_shares(module.loss, module.spec, f, masked_index, mix, state.plan),
             masked_index,
-            mix,
-            state.plan,
             backward=state.update.backward,
             forward_ctx=lambda: autocast(state.device, state.cfg.precision),
         )

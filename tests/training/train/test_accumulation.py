@@ -1,6 +1,6 @@
 """Exact gradient accumulation: a step over k micro-batches equals the one-batch step, for every objective.
 
-``accumulated_backward`` (training/train/step.py) against the plain step on the same global batch, in float64:
+``accumulated_backward`` (training/train/accumulation.py) against the plain step on the same global batch, in float64:
 k = 1, 2, 4 and k = 3 (8 rows: 3, 3, 2, an uneven last micro-batch), in one process and on two gloo ranks
 under DDP (rows 5 and 3, the batch plan, only the last micro-batch's backward synchronised); loss terms and
 every parameter's gradient (the loss's logit scale and bias included) to 1e-5. ProLIP runs with its masked
@@ -22,7 +22,8 @@ from tests.training.train.test_gpu_step import TOKENIZER, uint8_batch
 from training.config import LossConfig, OptimConfig, TrainConfig, WorkersConfig
 from training.losses.registry import LOSS_SPECS
 from training.train import distributed as D
-from training.train.step import accumulated_backward, loss_shares, micro_slices, setup_state, train_step
+from training.train.accumulation import accumulated_backward, micro_slices
+from training.train.step import loss_shares, setup_state, train_step
 
 OBJECTIVES = tuple(LOSS_SPECS)
 KS = (1, 2, 3, 4)
@@ -85,7 +86,8 @@ def accumulated(name: str, k: int, rank: int = 0, sizes: list[int] | None = None
         plan = D.BatchPlan(sizes, [[m] for m in masked])
     partner = GLOBAL_PARTNER if len(sizes) == 1 else LOCAL_PARTNER[start : start + sizes[rank]]
     mix = (partner, batch["lam"])
-    terms, _ = accumulated_backward(net, module, _inputs(batch), k, masked_index, mix, plan)
+    loss_of = lambda f: loss_shares(module.loss, module.spec, f, masked_index, mix, plan)  # noqa: E731
+    terms, _ = accumulated_backward(net, module, _inputs(batch), k, loss_of, masked_index)
     return {k_: float(v) for k_, v in terms.items()}, _grads(module)
 
 
