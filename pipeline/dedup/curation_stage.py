@@ -283,35 +283,38 @@ def _semantic_sorted(
     import ray
 
     n = len(rows)
-    target = np.full(n, -1, dtype=np.int64)
+    t = cfg.semantic_threshold
     k = max(1, -(-n // cfg.semantic_cluster_rows))
     rng = np.random.default_rng(np.random.SeedSequence([cfg.semantic_seed, 1]))
     sample = np.sort(rng.choice(n, size=min(n, 256 * k), replace=False))
     centroids = SD.kmeans_centroids(vectors.rows(rows[sample]), k, cfg.semantic_seed)
-    cluster = np.concatenate(
-        [SD.assign_clusters(vectors.rows(rows[a : a + (1 << 18)]), centroids) for a in range(0, n, 1 << 18)]
-    )
-    dedup = ray.remote(num_cpus=1)(_dedup_group)
+    primary, g_row, g_cl = [], [], []
+    for a in range(0, n, 1 << 16):
+        p, gr, gc = SD.assign_with_guests(vectors.rows(rows[a : a + (1 << 16)]), centroids, t)
+        primary.append(p)
+        g_row.append(gr + a)
+        g_cl.append(gc)
+    primary, g_row, g_cl = np.concatenate(primary), np.concatenate(g_row), np.concatenate(g_cl)
+    guests = dict(zip(np.unique(g_cl).tolist(), (g_row[m] for m in SD.cluster_members(g_cl)), strict=True))
+    pairs_task = ray.remote(num_cpus=1)(_pairs_group)
+    cref = ray.put(centroids)
     pending: list = []
-    for group in _groups(SD.cluster_members(cluster)):
-        flat = np.concatenate(group)
-        p = None if priority is None else priority[flat]
-        pending.append(
-            dedup.remote(
-                vectors.rows(rows[flat]),
-                vectors.uids[rows[flat]],
-                p,
-                [len(g) for g in group],
-                cfg.semantic_threshold,
-                flat,
-            )
-        )
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for group in _groups(SD.cluster_members(primary)):
+        ids = [int(primary[m[0]]) for m in group]
+        gs = [guests.get(c, np.zeros(0, np.int64)) for c in ids]
+        flat = np.concatenate([x for m, g in zip(group, gs, strict=True) for x in (m, g)])
+        sizes = [(len(m), len(g)) for m, g in zip(group, gs, strict=True)]
+        pending.append(pairs_task.remote(vectors.rows(rows[flat]), flat, primary[flat], sizes, ids, cref, t))
         while len(pending) > _IN_FLIGHT:
             done, pending = ray.wait(pending, num_returns=1)
-            _collect(ray.get(done[0]), target)
-    for ref in pending:
-        _collect(ray.get(ref), target)
-    return target, len(centroids)
+            found.append(ray.get(done[0]))
+    found += [ray.get(ref) for ref in pending]
+    i, j, s = (np.concatenate(c) for c in zip(*found, strict=True)) if found else (np.zeros(0, np.int64),) * 3
+    order = SD.rank_order(vectors.uids[rows], priority)
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    return SD.greedy_duplicates(rank, i, j, s.astype(np.float64)), len(centroids)
 
 
 def _groups(members: list[np.ndarray]) -> list[list[np.ndarray]]:
@@ -327,27 +330,26 @@ def _groups(members: list[np.ndarray]) -> list[list[np.ndarray]]:
     return [g for g in out if g]
 
 
-def _dedup_group(
+def _pairs_group(
     vecs: np.ndarray,
-    uids: np.ndarray,
-    priority: np.ndarray | None,
-    sizes: list[int],
-    threshold: float,
     flat: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """One task: ``dedup_cluster`` on each of a group's clusters (rows concatenated, ``sizes`` each)."""
-    out = np.full(len(flat), -1, dtype=np.int64)
+    home: np.ndarray,
+    sizes: list[tuple[int, int]],
+    clusters: list[int],
+    centroids: np.ndarray,
+    threshold: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One task: ``cluster_candidates`` of each of a group's clusters (per cluster its members, then its
+    guests, whose home clusters are ``home``) → the pairs above the threshold as positions ``flat`` holds."""
+    fi, fj, fs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float64)]
     at = 0
-    for m in sizes:
-        sl = slice(at, at + m)
-        p = None if priority is None else priority[sl]
-        local = SD.dedup_cluster(vecs[sl], uids[sl], p, threshold)
-        hit = local >= 0
-        out[at : at + m][hit] = flat[at + local[hit]]
-        at += m
-    return flat, out
-
-
-def _collect(res: tuple[np.ndarray, np.ndarray], target: np.ndarray) -> None:
-    flat, out = res
-    target[flat] = out
+    for (m, g), cl in zip(sizes, clusters, strict=True):
+        mem, gst = slice(at, at + m), slice(at + m, at + m + g)
+        (mi, mj, ms), (gi, gj, gs) = SD.cluster_candidates(
+            vecs[mem], vecs[gst], home[gst], cl, centroids, threshold
+        )
+        fi += [flat[mem][mi], flat[gst][gi]]
+        fj += [flat[mem][mj], flat[mem][gj]]
+        fs += [ms, gs]
+        at += m + g
+    return np.concatenate(fi), np.concatenate(fj), np.concatenate(fs)
