@@ -10,7 +10,8 @@ the build's Ray stage runs them (pipeline/dedup/curation_stage.py) on one proces
   (blob-like too) of which 0.1% of the pool are lightly perturbed copies;
 - **k-means**: faiss spherical k-means on a 256·k sample, k = ⌈n / cluster_rows⌉, then every row assigned in
   blocks read from the map;
-- **dedup**: every cluster's rows gathered from the map and ``dedup_cluster``-ed (exact, within the cluster);
+- **dedup**: every cluster's rows gathered from the map and ``dedup_cluster``-ed (within the cluster only:
+  single-assignment SemDeDup; the build's guests across borders are measured by bench/semdedup_exact.py);
 - **decontam**: ``eval_leaks`` of every row against the reference, by embedding (exact or inverted-file
   index, ``pipeline/dedup/semantic.py``) and by pHash (multi-index hashing over pool + reference).
 
@@ -228,7 +229,8 @@ def records(rows: list[dict], args) -> dict:
             )
             + " per step and memory = c + d·n by least squares over "
             + ", ".join(f"{r['n']:,}" for r in rows)
-            + " rows; a Ray cluster divides the dedup and decontam steps by its cores",
+            + " rows; without three sizes the k² k-means and n·k assignment terms are left out, and"
+            + " decontamination runs in the curation stage's one task, so more cores do not divide it",
             "load": "see the rows above",
             "date": date,
         }

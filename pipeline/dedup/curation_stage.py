@@ -11,9 +11,12 @@ rows still ``success``, and relabels some of them, so every input row keeps exac
 The image embeddings are DataComp's precomputed ones (``l14_img`` in the ``.npz`` beside each metadata
 parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer). The
 driver copies the downloaded rows' vectors into a float16 memory map on local disk, one metadata file at
-a time; k-means is trained on a sample and the rows are assigned in blocks; then the clusters go to Ray
-tasks in groups of about ``_GROUP_ROWS`` rows, a few groups in flight at once, so neither the driver nor a
-task ever holds more than a group's vectors in memory (the map's pages come and go with the disk cache).
+a time; k-means is trained on a sample and the rows are assigned in blocks, each row to its nearest
+cluster and as a guest to the clusters whose border it is near (``semantic.assign_with_guests``); then the
+clusters go to Ray tasks in groups of about ``_GROUP_ROWS`` member rows with their guests, a few groups in
+flight at once; the tasks return the pairs above the threshold, and the greedy rule runs over their union
+(docs/decisions/0087-exact-semantic-dedup.md). Neither the stage nor a task holds more than a group's
+vectors in memory (the map's pages come and go with the disk cache); the stage holds the pairs.
 """
 
 from __future__ import annotations

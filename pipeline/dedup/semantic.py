@@ -79,6 +79,7 @@ def rank_order(uids: np.ndarray, priority: np.ndarray | None) -> np.ndarray:
     return np.lexsort((uids, key))
 
 
+_GUEST_CHUNK = 256  # guests compared at once, nearest the border first
 _SCREEN = 1e-4  # float32 screen margin below the threshold; the decision is the float64 cosine
 
 
@@ -211,24 +212,27 @@ def cluster_candidates(
     mi, mj, ms = cluster_pairs(members, threshold)
     gi_all, gj_all, gs_all = [], [], []
     if len(guests) and len(members):
-        x = normalize(members).astype(np.float64)
+        x, gx = normalize(members).astype(np.float64), normalize(guests).astype(np.float64)
         c = np.asarray(centroids, dtype=np.float64)
         cb = c[cluster]
         d = reach(threshold)
         for src in np.unique(guest_from).tolist():
-            ca = c[src]
-            sep = float(np.linalg.norm(ca - cb))
-            gap = (x @ (cb - ca) + (ca @ ca - cb @ cb) / 2.0) / max(
-                sep, 1e-300
-            )  # (|y−c_a|²−|y−c_b|²)/2|c_a−c_b|
-            border = np.flatnonzero(gap <= d)
             rows = np.flatnonzero(guest_from == src)
-            if not len(border):
-                continue
-            gi, gj, gs = cross_pairs(guests[rows], members[border], threshold)
-            gi_all.append(rows[gi])
-            gj_all.append(border[gj])
-            gs_all.append(gs)
+            normal = cb - c[src]
+            sep, off = float(np.linalg.norm(normal)), (c[src] @ c[src] - cb @ cb) / 2.0
+            side_m = (x @ normal + off) / sep  # (|y − c_a|² − |y − c_b|²) / 2|c_a − c_b|: ≥ 0 for members
+            side_g = -(gx[rows] @ normal + off) / sep  # the guests' distance to the same hyperplane
+            # the pair's distance is at least the sum of its ends' distances to the hyperplane
+            by = np.argsort(side_g, kind="stable")
+            for lo in range(0, len(by), _GUEST_CHUNK):
+                chunk = rows[by[lo : lo + _GUEST_CHUNK]]
+                border = np.flatnonzero(side_m < d - side_g[by[lo]])
+                if not len(border):
+                    break
+                gi, gj, gs = cross_pairs(guests[chunk], members[border], threshold)
+                gi_all.append(chunk[gi])
+                gj_all.append(border[gj])
+                gs_all.append(gs)
     if gi_all:
         g = (np.concatenate(gi_all), np.concatenate(gj_all), np.concatenate(gs_all))
     else:
