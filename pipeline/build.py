@@ -306,6 +306,8 @@ def _filters(run: _Run, finish: ST.Finish, meta: Metadata, words) -> tuple[dict,
     ]
     if whole:
         run.stage(root, "whole_pool", FS.whole_pool, whole, job)
+    if FS.streamed(job):
+        run.stage(root, "embedding_scores", FS.embedding_scores, FS.score_tasks(job), job)
     job = _find_cuts(run, root, job)
     buckets = range(finish.parts.pool.n_buckets)
     done = run.stage(root, "filters", FS.filter_bucket, buckets, job)

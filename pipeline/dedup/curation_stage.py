@@ -4,7 +4,7 @@
 rows still ``success``, and relabels some of them, so every input row keeps exactly one status:
 
 1. **decontamination** (``build.decontam``): a row that is a near-copy of an evaluation picture, by pHash
-   or by embedding (``pipeline.dedup.semantic.eval_leaks``), becomes ``eval_leak:<task>``;
+   or by embedding (``pipeline.dedup.eval_leaks.eval_leaks``), becomes ``eval_leak:<task>``;
 2. **semantic dedup** (``build.dedupe.semantic``): SemDeDup over the remaining rows' image embeddings;
    a duplicate becomes ``semantic_duplicate`` and names the uid it duplicates in ``duplicate_of``.
 
@@ -34,6 +34,7 @@ from pipeline import schema as S
 from pipeline.common import storage
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig, DedupeConfig
+from pipeline.dedup import eval_leaks as EL
 from pipeline.dedup import semantic as SD
 from pipeline.filters import embedding as E
 
@@ -57,7 +58,7 @@ def reference_path(cfg: BuildConfig) -> str:
     return storage.join(cfg.output, "pool", "eval", "reference.parquet") if ref == "demo" else ref
 
 
-def load_reference(path: str, store: Storage) -> SD.EvalReference:
+def load_reference(path: str, store: Storage) -> EL.EvalReference:
     """An eval reference parquet: ``task``, ``key``, ``phash`` (int64) and, optionally, ``embedding``."""
     try:
         t = store.read_parquet(path)
@@ -70,7 +71,7 @@ def load_reference(path: str, store: Storage) -> SD.EvalReference:
     if "embedding" in t.column_names and t.num_rows:
         flat = pc.list_flatten(t.column("embedding").combine_chunks()).to_numpy(zero_copy_only=False)
         vectors = flat.astype(np.float32).reshape(t.num_rows, -1)
-    return SD.EvalReference(
+    return EL.EvalReference(
         np.asarray(t.column("task").to_pylist(), dtype=object),
         np.asarray(t.column("key").to_pylist(), dtype=object),
         t.column("phash").to_numpy().astype(np.int64),
@@ -238,7 +239,7 @@ def curate(
 
 
 def _leaks(
-    cfg: BuildConfig, ref: SD.EvalReference, phash: pa.Array, vectors: _Vectors | None
+    cfg: BuildConfig, ref: EL.EvalReference, phash: pa.Array, vectors: _Vectors | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per downloaded row the task and key of the eval picture it leaks ("" for none). Rows without a
     pHash are matched by embedding only; rows without an embedding by pHash only."""
@@ -248,14 +249,14 @@ def _leaks(
     hashed = phash.is_valid().to_numpy(zero_copy_only=False)
     h = pc.fill_null(phash.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
     if hashed.any():
-        task[hashed], key[hashed] = SD.eval_leaks(
+        task[hashed], key[hashed] = EL.eval_leaks(
             h[hashed], None, ref, d.phash_threshold, d.embedding_threshold
         )
     if vectors is not None and vectors.have.any() and ref.vectors is not None:
         rows = np.flatnonzero(vectors.have & (task == ""))
         for a in range(0, len(rows), 1 << 16):
             block = rows[a : a + (1 << 16)]
-            task[block], key[block] = SD.eval_leaks(
+            task[block], key[block] = EL.eval_leaks(
                 None, vectors.rows(block), ref, d.phash_threshold, d.embedding_threshold
             )
     return task, key

@@ -48,6 +48,12 @@ def _shard_uids(shards):
 def built(ray_local, demo_pool, tmp_path_factory):
     out = tmp_path_factory.mktemp("build")
     cfg = _cfg(demo_pool, out, tokenizer_vocab=300)
+    pool = Path(demo_pool.pool_dir)
+    # the embedding filters: norm_sim scored per embeddings file and cut over the buckets, neg_clip_loss whole
+    emb = f"embeddings_file={pool / 'embeddings.npz'}"
+    names = [*cfg.filters.names, f"norm_sim:fraction=0.3,target_file={pool / 'target_embeddings.npy'},{emb}",
+             f"neg_clip_loss:fraction=0.3,{emb}"]  # fmt: skip
+    cfg = merge(cfg, {"filters": {"names": names}})
     return cfg, build(cfg, log=lambda m: None)
 
 

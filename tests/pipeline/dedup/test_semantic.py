@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipeline.dedup import eval_leaks as EL
 from pipeline.dedup import semantic as SD
 from pipeline.dedup.decisions import near_pairs
 from pipeline.dedup.phash import hamming
@@ -95,7 +96,7 @@ def test_near_pairs_is_exact():
 def test_eval_leaks_by_phash_and_embedding():
     rng = np.random.default_rng(8)
     ref_vec = SD.normalize(rng.standard_normal((6, 32)))
-    ref = SD.EvalReference(
+    ref = EL.EvalReference(
         np.array(["shapes", "shapes", "colours", "colours", "retrieval", "retrieval"], dtype=object),
         np.array(["000000", "000001", "000000", "000001", "000000", "000001"], dtype=object),
         rng.integers(-(2**63), 2**63 - 1, 6, dtype=np.int64),
@@ -108,10 +109,10 @@ def test_eval_leaks_by_phash_and_embedding():
     ]  # embedding leak of colours/0
     pool_hash[4] = ref.phash[5] ^ 0b111  # pHash leak (3 bits) of retrieval/1
     pool_hash[7] = ref.phash[0] ^ 0b11111  # 5 bits: above the threshold of 4
-    task, key = SD.eval_leaks(pool_hash, pool_vec, ref, phash_threshold=4, embedding_threshold=0.95)
+    task, key = EL.eval_leaks(pool_hash, pool_vec, ref, phash_threshold=4, embedding_threshold=0.95)
     assert task.tolist() == ["", "colours", "", "", "retrieval", "", "", "", "", ""]
     assert key[1] == "000000" and key[4] == "000001"
-    only_hash, _ = SD.eval_leaks(pool_hash, None, ref)
+    only_hash, _ = EL.eval_leaks(pool_hash, None, ref)
     assert only_hash.tolist().count("") == 9
 
 
