@@ -97,7 +97,7 @@ def cut_keys(job: FilterJob) -> dict[str, tuple[str, dict]]:
     for spec in job.specs:
         for name, given in spec.parts:
             params = resolve_params(name, given, config_params(job.filters))
-            if (name == "clip_score" and params["fraction"] > 0) or name in ("random", *SS.STREAMED):
+            if (name == "clip_score" and params["fraction"] > 0) or name in ("random", *SS.RANKED):
                 out[SS.cut_key(name, params)] = (name, params)
     return out
 
@@ -106,7 +106,7 @@ def _keys(table: pa.Table, name: str, params: dict) -> np.ndarray:
     """The uint64 key whose ascending order is the cut's order (NaN scores left out: the caller masks)."""
     if name == "random":
         return F.uid_hash(base.table_column(table, S.UID, "random"), params["seed"])
-    column = SS.score_column(SS.cut_key(name, params)) if name in SS.STREAMED else params["column"]
+    column = SS.score_column(SS.cut_key(name, params)) if name in SS.RANKED else params["column"]
     return SS.descending_keys(float_column(table, column, name))
 
 
@@ -130,7 +130,7 @@ def cut_summary(job: FilterJob, t: pa.Table) -> dict:
             continue
         k, uids = _keys(t, name, params), t.column(S.UID)
         if name != "random":
-            column = SS.score_column(key) if name in SS.STREAMED else params["column"]
+            column = SS.score_column(key) if name in SS.RANKED else params["column"]
             scored = ~np.isnan(float_column(t, column, name))
             k, uids = k[scored], uids.filter(pa.array(scored))
         if cut.bits:
@@ -151,7 +151,7 @@ def first_cuts(job: FilterJob) -> dict[str, Cut]:
         if name == "random":
             k = F.random_count(params["fraction"], job.n_rows)
             cuts[key] = Cut(k - 1, none=k == 0)
-        elif name in SS.STREAMED:
+        elif name in SS.RANKED:
             cuts[key] = Cut(-1)  # its rank counts the rows with an embedding: known after the first pass
         else:  # clip_fraction_threshold's index; its error where DataComp's rule has no threshold
             F.clip_fraction_threshold(np.zeros(job.n_rows), params["fraction"])
@@ -199,7 +199,7 @@ def _gathered(cut: Cut, name: str, params: dict, entries: list[tuple[int, str]])
         return replace(cut, value=value, ties=())
     held = pa.array(sorted(u for v, u in entries if v == value), pa.string())
     taken = cut.rank - int(np.searchsorted(values, np.uint64(value))) + 1
-    if name in SS.STREAMED:  # equal scores: the smaller uids first
+    if name in SS.RANKED:  # equal scores: the smaller uids first
         return replace(cut, value=value, ties=tuple(held.to_pylist()[:taken]))
     order = F.random_order(held, params["seed"])
     return replace(cut, value=value, ties=tuple(held.take(pa.array(order[:taken])).to_pylist()))
@@ -257,7 +257,7 @@ def results(job: FilterJob, table: pa.Table, b: int) -> dict[str, base.FilterRes
                 elif name == "clip_score" and params["fraction"] > 0:
                     cache[key] = _clip_cut(table, params, job.cuts[key])
                 elif name in SS.STREAMED:
-                    cache[key] = SS.score_cut(table, name, params, job.cuts[key])
+                    cache[key] = SS.result(table, name, params, job.cuts.get(key), ctx)
                 elif name in WHOLE_POOL:
                     cache[key] = whole[(i, j)]
                 else:

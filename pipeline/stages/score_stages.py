@@ -1,11 +1,14 @@
-"""The streamed embedding filters of the build: scored per embeddings file, cut over the uid buckets.
+"""The streamed embedding filters of the build: scored per embeddings file, decided per uid bucket.
 
+A row's ``norm_sim`` score and ``image_based`` nearest centroid need only its own vector, so one task per
+embeddings file reads that file a block of rows at a time (``embedding.iter_embedding_blocks``: a block's
+vectors in memory, never the file's or the pool's) and writes each row's value bucketed by uid; each uid
+bucket then reads its rows' values (``with_scores``; the first file holding a uid gives its value, as the
+whole-pool filters' concatenation did). ``image_based`` then decides per row (``image_result``).
 ``norm_sim`` (Wang et al. 2024) keeps the ``round(f·N)`` rows of largest NormSim among the ``N`` pool
 rows with an embedding, ties by uid (``filters.embedding.top_fraction``). A row's score needs only its
 own vector and the targets, so one task per embeddings file scores that file's rows (``embedding_scores``:
-one file's vectors in memory, never the pool's) and writes them bucketed by uid; each uid bucket then
-reads its rows' scores (``with_scores``; the first file holding a uid gives its score, as the whole-pool
-filter's concatenation did), and the cut is found by ``filter_stages``' radix selection over the buckets
+by uid bucket), and the cut is found by ``filter_stages``' radix selection over the buckets
 and applied per bucket (``score_cut``).
 """
 
@@ -22,9 +25,10 @@ from pipeline.filters import base
 from pipeline.filters.base import float_column
 from pipeline.filters.registry import FilterError, config_params
 from pipeline.filters.specs import resolve_params
-from pipeline.stages.buckets import read_bucket, uid_buckets, write_buckets
+from pipeline.stages.buckets import BucketWriter, read_bucket, uid_buckets
 
-STREAMED = ("norm_sim",)  # scored per embeddings file, cut over the buckets
+STREAMED = ("norm_sim", "image_based")  # scored per embeddings file
+RANKED = ("norm_sim",)  # of those, the ones cut at a rank over the buckets
 _SOURCES = 1_000_000  # a scoring task's key: streamed filter · _SOURCES + embeddings file
 
 
@@ -69,35 +73,50 @@ def score_tasks(job: Any) -> list[int]:
         if not params["target_file"]:
             raise FilterError(f"filter {name!r} needs target_file=")
     keys = enumerate(streamed(job))
-    return [q * _SOURCES + s for q, (_, _, p) in keys for s in range(len(_sources(job, p)))]
+    return [q * _SOURCES + s for q, (_, n, p) in keys for s in range(len(_sources(job, n, p)))]
+
+
+def _scorer(name: str, params: dict, store: Any) -> tuple[str, Any]:
+    """The embeddings key a streamed filter reads, and its value per row of a block of vectors."""
+    from pipeline.filters import embedding as E
+
+    if name == "norm_sim":
+        targets = E.load_targets(params["target_file"], store, params["target_key"])
+        return params["image_key"], lambda v: E.norm_sim_scores(v, targets, params["p"])
+    centroids = E.load_centroids(params["centroids_file"], store)
+    E.load_centroid_ids(params["centroid_ids_file"], store)  # a bad file stops the stage, not the buckets
+    return "embedding", lambda v: E.nearest_centroid(v, centroids).astype(np.float64)
 
 
 def embedding_scores(job: Any, key: int) -> dict:
-    """One embeddings file's rows scored by one streamed filter (``embedding.norm_sim_scores``), written
-    bucketed by uid with the file's position."""
+    """One embeddings file's rows valued by one streamed filter, a block at a time, written bucketed by
+    uid with the file's position."""
     from pipeline.filters import embedding as E
 
     q, s = divmod(key, _SOURCES)
     _, name, params = streamed(job)[q]
-    store = job.finish.parts.store
+    store, n_buckets = job.finish.parts.store, job.finish.parts.pool.n_buckets
+    out = BucketWriter(job.scores_file(q, s), store)
+    rows = 0
     try:
-        targets = E.load_targets(params["target_file"], store, params["target_key"])
-        uids, arrays = E.load_embedding_set(_sources(job, params)[s], (params["image_key"],), store)
+        emb_key, value = _scorer(name, params, store)
+        for uids, arrays in E.iter_embedding_blocks(_sources(job, name, params)[s], (emb_key,), store):
+            t = pa.table({S.UID: pa.array(uids, pa.string()), "source": pa.array(np.full(len(uids), s, np.int64)),
+                          "score": pa.array(value(arrays[emb_key]), pa.float64())})  # fmt: skip
+            out.add(t, uid_buckets(t.column(S.UID), n_buckets))
+            rows += len(uids)
     except (FileNotFoundError, ValueError) as exc:
         raise FilterError(f"filter {name!r}: {exc}") from exc
-    score = E.norm_sim_scores(arrays[params["image_key"]], targets, params["p"])
-    t = pa.table({S.UID: pa.array(uids, pa.string()), "source": pa.array(np.full(len(uids), s, np.int64)),
-                  "score": pa.array(score, pa.float64())})  # fmt: skip
-    n_buckets = job.finish.parts.pool.n_buckets
-    write_buckets(t, uid_buckets(t.column(S.UID), n_buckets), job.scores_file(q, s), store)
-    return {"rows": len(uids)}
+    out.close(pa.schema([(S.UID, pa.string()), ("source", pa.int64()), ("score", pa.float64())]))
+    return {"rows": rows}
 
 
 def with_scores(job: Any, table: pa.Table, b: int) -> pa.Table:
     """Bucket ``b``'s rows with a score column per streamed filter (null: no embedding)."""
     store = job.finish.parts.store
-    for q, (key, _, params) in enumerate(streamed(job)):
-        sc = read_bucket([job.scores_file(q, s) for s in range(len(_sources(job, params)))], b, store)
+    for q, (key, name, params) in enumerate(streamed(job)):
+        files = [job.scores_file(q, s) for s in range(len(_sources(job, name, params)))]
+        sc = read_bucket(files, b, store)
         if not sc.num_rows:
             table = table.append_column(score_column(key), pa.nulls(table.num_rows, pa.float64()))
             continue
@@ -123,3 +142,24 @@ def score_cut(table: pa.Table, name: str, params: dict, cut: Any) -> base.Filter
     reason[~present] = "missing_embedding"
     reason[present & ~chosen] = f"{name}_not_in_top_{100 * params['fraction']:g}%"
     return base.FilterResult(reason == "", reason)
+
+
+def image_result(table: pa.Table, params: dict, lang: Any, store: Any) -> base.FilterResult:
+    """DataComp's ``image_based`` over a bucket's rows from their nearest centroids (``datacomp.image_based``:
+    the caption rule, and the nearest centroid among the targets)."""
+    from pipeline.filters import datacomp as F
+    from pipeline.filters import embedding as E
+
+    nearest = float_column(table, score_column(cut_key("image_based", params)), "image_based")
+    present = ~np.isnan(nearest)
+    target = E.load_centroid_ids(params["centroid_ids_file"], store)
+    inside = present & np.isin(nearest, np.asarray(target, np.float64))
+    member = base.from_drops(table.num_rows, [(~present, "missing_embedding"), (~inside, "not_in_centroid")])
+    return base.intersect(F.image_caption(table, lang), member)
+
+
+def result(table: pa.Table, name: str, params: dict, cut: Any, ctx: Any) -> base.FilterResult:
+    """A streamed filter's result over a bucket's rows (``ctx``: the bucket's ``registry.Context``)."""
+    if name in RANKED:
+        return score_cut(table, name, params, cut)
+    return image_result(table, params, ctx.lang, ctx.store)
