@@ -89,7 +89,13 @@ def cross_pairs(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every pair (i, j) of a row of ``x`` and a row of ``y`` with cosine > ``threshold`` (float64 cosine of
     the unit float32 rows), blocked; ``same``: ``x`` is ``y`` and only i < j is wanted."""
-    x, y = normalize(x), normalize(y)
+    return _unit_pairs(normalize(x), normalize(y), threshold, same)
+
+
+def _unit_pairs(
+    x: np.ndarray, y: np.ndarray, threshold: float, same: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``cross_pairs`` of rows already unit float32."""
     found_i, found_j = [], []
     for a in range(0, len(x), _BLOCK):
         sims = x[a : a + _BLOCK] @ y.T  # (B, m)
@@ -201,27 +207,32 @@ def cluster_candidates(
     (g, j, s) guest–member, positions in ``guests`` and ``members``), cosines in float64. A guest from
     cluster a meets only the members within the reach of the a|b hyperplane: a pair across it has both
     ends there."""
-    mi, mj, ms = cluster_pairs(members, threshold)
+    um, ug = normalize(members), normalize(guests)
+    mi, mj, ms = _unit_pairs(um, um, threshold, same=True)
     gi_all, gj_all, gs_all = [], [], []
     if len(guests) and len(members):
-        x, gx = normalize(members).astype(np.float64), normalize(guests).astype(np.float64)
-        c = np.asarray(centroids, dtype=np.float64)
-        cb = c[cluster]
-        d = reach(threshold)
-        for src in np.unique(guest_from).tolist():
-            rows = np.flatnonzero(guest_from == src)
-            normal = cb - c[src]
-            sep, off = float(np.linalg.norm(normal)), (c[src] @ c[src] - cb @ cb) / 2.0
-            side_m = (x @ normal + off) / sep  # (|y − c_a|² − |y − c_b|²) / 2|c_a − c_b|: ≥ 0 for members
-            side_g = -(gx[rows] @ normal + off) / sep  # the guests' distance to the same hyperplane
+        c = np.asarray(centroids, dtype=np.float32)
+        srcs, at = np.unique(guest_from, return_inverse=True)
+        normal = c[cluster][None, :] - c[srcs]  # (s, d): towards b, one per guests' home cluster
+        sep = np.linalg.norm(normal.astype(np.float64), axis=1)
+        off = (
+            (c[srcs].astype(np.float64) ** 2).sum(1) - float((c[cluster].astype(np.float64) ** 2).sum())
+        ) / 2
+        # (|y − c_a|² − |y − c_b|²) / 2|c_a − c_b|: the members' distance to each a|b hyperplane (≥ 0), and
+        # the guests' to their own (float32 products: the slack covers their rounding)
+        side_m = (um @ normal.T + off) / sep  # (m, s)
+        side_g = -(np.einsum("ij,ij->i", ug, normal[at]) + off[at]) / sep[at]
+        d = reach(threshold) + 1e-4
+        for k in range(len(srcs)):
+            rows = np.flatnonzero(at == k)
             # the pair's distance is at least the sum of its ends' distances to the hyperplane
-            by = np.argsort(side_g, kind="stable")
-            for lo in range(0, len(by), _GUEST_CHUNK):
-                chunk = rows[by[lo : lo + _GUEST_CHUNK]]
-                border = np.flatnonzero(side_m < d - side_g[by[lo]])
+            rows = rows[np.argsort(side_g[rows], kind="stable")]
+            for lo in range(0, len(rows), _GUEST_CHUNK):
+                chunk = rows[lo : lo + _GUEST_CHUNK]
+                border = np.flatnonzero(side_m[:, k] < d - side_g[chunk[0]])
                 if not len(border):
                     break
-                gi, gj, gs = cross_pairs(guests[chunk], members[border], threshold)
+                gi, gj, gs = _unit_pairs(ug[chunk], um[border], threshold)
                 gi_all.append(chunk[gi])
                 gj_all.append(border[gj])
                 gs_all.append(gs)
