@@ -58,20 +58,28 @@ def streamed(job: Any) -> list[tuple[str, str, dict]]:
     return [(k, *found[k]) for k in sorted(found)]
 
 
-def _sources(job: Any, params: dict) -> list[str]:
+def _sources(job: Any, name: str, params: dict) -> list[str]:
     """The embeddings files a streamed filter reads (``registry._pool_embeddings``' order)."""
-    return [params["embeddings_file"]] if params["embeddings_file"] else list(job.metadata)
+    given = params["embeddings_file"]
+    return [given] if given or name == "image_based" else list(job.metadata)
+
+
+_NEEDS = {
+    "norm_sim": ("target_file",),
+    "image_based": ("embeddings_file", "centroids_file", "centroid_ids_file"),
+}
 
 
 def score_tasks(job: Any) -> list[int]:
     """One scoring task per (streamed filter, embeddings file); a missing setting stops the build here."""
     for _, name, params in streamed(job):
-        if not _sources(job, params):
+        if not _sources(job, name, params):
             raise FilterError(
                 f"filter {name!r} needs embeddings_file= (no metadata files to find them beside)"
             )
-        if not params["target_file"]:
-            raise FilterError(f"filter {name!r} needs target_file=")
+        for key in _NEEDS[name]:
+            if not params[key]:
+                raise FilterError(f"filter {name!r} needs {key}=")
     keys = enumerate(streamed(job))
     return [q * _SOURCES + s for q, (_, n, p) in keys for s in range(len(_sources(job, n, p)))]
 
