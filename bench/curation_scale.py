@@ -117,6 +117,7 @@ def synth(n: int, n_eval: int, folder: Path, seed: int = 0):
 
 
 def one_size(n: int, n_eval: int, cluster_rows: int, threshold: float) -> dict:
+    from pipeline.dedup import eval_leaks as EL
     from pipeline.dedup import semantic as SD
 
     folder = Path(tempfile.mkdtemp(prefix="prolip-bench-curation-"))
@@ -144,7 +145,7 @@ def one_size(n: int, n_eval: int, cluster_rows: int, threshold: float) -> dict:
                 hit = local >= 0
                 dup_of[rows[hit]] = rows[local[hit]]
             t2 = time.perf_counter()
-            ref = SD.EvalReference(
+            ref = EL.EvalReference(
                 np.full(n_eval, "task", object),
                 np.arange(n_eval).astype(str).astype(object),
                 ref_hash,
@@ -152,11 +153,11 @@ def one_size(n: int, n_eval: int, cluster_rows: int, threshold: float) -> dict:
             )
             task = np.full(n, "", object)
             key = np.full(n, "", object)
-            task[:], key[:] = SD.eval_leaks(hashes, None, ref)
+            task[:], key[:] = EL.eval_leaks(hashes, None, ref)
             for a in range(0, n, 1 << 17):
                 rows = np.arange(a, min(n, a + (1 << 17)))
                 rows = rows[task[rows] == ""]
-                t, kk = SD.eval_leaks(None, np.asarray(vec[rows], np.float32), ref)
+                t, kk = EL.eval_leaks(None, np.asarray(vec[rows], np.float32), ref)
                 task[rows], key[rows] = t, kk
             t3 = time.perf_counter()
         pairs = {(int(a), int(b)) for a, b in zip(src, dst, strict=True)}
