@@ -4,7 +4,8 @@
 picture's reaches ``embedding_threshold`` or its 64-bit pHash is within ``phash_threshold`` bits of the
 picture's (the build's near-duplicate rule, ``pipeline/dedup/decisions.py``); the row is attributed to
 the task of its best match (the embedding match first). DataComp removed such near-duplicates of its
-evaluation images from its pool (Gadre et al. 2023, §3.3, App. F).
+evaluation images from its pool (Gadre et al. 2023, §3.3, App. F). The pHash match pairs pool rows with
+reference pictures only (``phash_matches``), never pool rows with each other.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.dedup.decisions import near_pairs
+from pipeline.dedup.decisions import bands
+from pipeline.dedup.phash import hamming
 from pipeline.dedup.semantic import normalize
 
 
@@ -48,10 +50,7 @@ def eval_leaks(
         hit = sim >= embedding_threshold
         task[hit], key[hit] = ref.task[best[hit]], ref.key[best[hit]]
     if phash is not None and len(ref.task):
-        h = np.concatenate([np.asarray(phash, np.int64), np.asarray(ref.phash, np.int64)])
-        i, j = near_pairs(h, phash_threshold)
-        cross = (i < n) & (j >= n)  # i < j always: a pool row before a reference picture
-        i, j = i[cross], j[cross] - n
+        i, j = phash_matches(phash, ref.phash, phash_threshold)
         order = np.lexsort((j, i))
         i, j = i[order], j[order]
         first = np.r_[True, i[1:] != i[:-1]] if len(i) else np.zeros(0, bool)
@@ -59,6 +58,32 @@ def eval_leaks(
         free = task[i] == ""
         task[i[free]], key[i[free]] = ref.task[j[free]], ref.key[j[free]]
     return task, key
+
+
+def phash_matches(pool: np.ndarray, ref: np.ndarray, threshold: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every (pool row, reference picture) whose int64 pHashes are within ``threshold`` bits, as index
+    arrays. Two such hashes agree on one of ``threshold + 1`` bands (pigeonhole), so each band's pool
+    values are looked up among the reference's sorted values: no pool–pool pair is ever formed."""
+    pool = np.ascontiguousarray(pool, dtype=np.int64)
+    ref = np.ascontiguousarray(ref, dtype=np.int64)
+    if threshold >= 64:
+        i, j = np.indices((len(pool), len(ref))).reshape(2, -1)
+        return i.astype(np.int64), j.astype(np.int64)
+    found = []
+    for shift, width in bands(threshold + 1):
+        mask = np.uint64((1 << width) - 1)
+        pv = (pool.view(np.uint64) >> np.uint64(shift)) & mask
+        rv = (ref.view(np.uint64) >> np.uint64(shift)) & mask
+        order = np.argsort(rv, kind="stable")
+        lo = np.searchsorted(rv[order], pv, "left")
+        counts = np.searchsorted(rv[order], pv, "right") - lo
+        i = np.repeat(np.arange(len(pool), dtype=np.int64), counts)
+        at = np.arange(len(i)) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(lo, counts)
+        found.append(i * len(ref) + order[at])
+    ij = np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+    i, j = ij // max(len(ref), 1), ij % max(len(ref), 1)
+    close = hamming(pool[i], ref[j]) <= threshold
+    return i[close], j[close]
 
 
 _EXACT_MAX = 20_000  # reference pictures searched exactly; above, an inverted-file index

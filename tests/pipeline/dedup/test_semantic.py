@@ -158,3 +158,21 @@ def test_exact_decisions_do_not_depend_on_row_order_or_clusters():
     b = SD.semantic_duplicates(uids[perm], vectors[perm], 0.9, cluster_rows=700, seed=4)
     assert dict(zip(uids, a.duplicate_of, strict=True)) == dict(zip(uids[perm], b.duplicate_of, strict=True))
     assert a.dropped.sum() > 100
+
+
+@pytest.mark.parametrize("threshold", [0, 4, 9])
+def test_phash_matches_are_every_cross_pair_within_the_threshold(threshold):
+    """The pool–reference pHash match by bands equals the brute-force Hamming matrix, without forming a
+    pool–pool pair."""
+    rng = np.random.default_rng(threshold)
+    ref = rng.integers(-(2**63), 2**63 - 1, 300, dtype=np.int64)
+    pool = rng.integers(-(2**63), 2**63 - 1, 2000, dtype=np.int64)
+    for k in range(400):  # near copies of reference hashes, 0-12 bits off
+        flips = rng.choice(64, size=rng.integers(0, 13), replace=False)
+        pool[k] = ref[k % 300] ^ np.bitwise_or.reduce(
+            np.left_shift(np.int64(1), flips.astype(np.int64)), initial=0
+        )
+    pool[400:420] = pool[:20]  # pool-pool duplicates: they must not matter
+    i, j = EL.phash_matches(pool, ref, threshold)
+    want = set(zip(*np.nonzero(hamming(pool[:, None], ref[None, :]) <= threshold), strict=True))
+    assert set(zip(i.tolist(), j.tolist(), strict=True)) == want and len(want) > 20
