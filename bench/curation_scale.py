@@ -10,7 +10,8 @@ the build's Ray stage runs them (pipeline/dedup/curation_stage.py) on one proces
   (blob-like too) of which 0.1% of the pool are lightly perturbed copies;
 - **k-means**: faiss spherical k-means on a 256·k sample, k = ⌈n / cluster_rows⌉, then every row assigned in
   blocks read from the map;
-- **dedup**: every cluster's rows gathered from the map and ``dedup_cluster``-ed (exact, within the cluster);
+- **dedup**: every cluster's rows gathered from the map and ``dedup_cluster``-ed (within the cluster only:
+  single-assignment SemDeDup; the build's guests across borders are measured by bench/semdedup_exact.py);
 - **decontam**: ``eval_leaks`` of every row against the reference, by embedding (exact or inverted-file
   index, ``pipeline/dedup/semantic.py``) and by pHash (multi-index hashing over pool + reference).
 
@@ -20,7 +21,7 @@ itself holds). The extrapolation fits t(n) = a·n + b·n² per step by least squ
 assignment scans k ∝ n centroids per row; dedup and decontam are linear at fixed cluster size and reference)
 and evaluates it at 12.8M. Writes ``--out`` in the recorded-figures format of bench/benchmarks_doc.py.
 
-Usage: python bench/curation_scale.py [--sizes 100000,400000,1600000] [--eval 100000] [--out FILE]
+Usage: python -m bench.curation_scale [--sizes 100000,400000,1600000] [--eval 100000] [--out FILE]
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 DEFAULT_OUT = ROOT / "bench" / "results" / "curation_scale.json"
 D = 768
 BLOB = 1000
@@ -116,6 +115,7 @@ def synth(n: int, n_eval: int, folder: Path, seed: int = 0):
 
 
 def one_size(n: int, n_eval: int, cluster_rows: int, threshold: float) -> dict:
+    from pipeline.dedup import eval_leaks as EL
     from pipeline.dedup import semantic as SD
 
     folder = Path(tempfile.mkdtemp(prefix="prolip-bench-curation-"))
@@ -143,7 +143,7 @@ def one_size(n: int, n_eval: int, cluster_rows: int, threshold: float) -> dict:
                 hit = local >= 0
                 dup_of[rows[hit]] = rows[local[hit]]
             t2 = time.perf_counter()
-            ref = SD.EvalReference(
+            ref = EL.EvalReference(
                 np.full(n_eval, "task", object),
                 np.arange(n_eval).astype(str).astype(object),
                 ref_hash,
@@ -151,11 +151,11 @@ def one_size(n: int, n_eval: int, cluster_rows: int, threshold: float) -> dict:
             )
             task = np.full(n, "", object)
             key = np.full(n, "", object)
-            task[:], key[:] = SD.eval_leaks(hashes, None, ref)
+            task[:], key[:] = EL.eval_leaks(hashes, None, ref)
             for a in range(0, n, 1 << 17):
                 rows = np.arange(a, min(n, a + (1 << 17)))
                 rows = rows[task[rows] == ""]
-                t, kk = SD.eval_leaks(None, np.asarray(vec[rows], np.float32), ref)
+                t, kk = EL.eval_leaks(None, np.asarray(vec[rows], np.float32), ref)
                 task[rows], key[rows] = t, kk
             t3 = time.perf_counter()
         pairs = {(int(a), int(b)) for a, b in zip(src, dst, strict=True)}
@@ -192,7 +192,7 @@ def records(rows: list[dict], args) -> dict:
         recs.append(
             {
                 "what": f"semantic dedup + decontamination, {r['n']:,} rows (vs {r['eval']:,} eval pictures)",
-                "command": f"python bench/curation_scale.py --sizes {r['n']}",
+                "command": f"python -m bench.curation_scale --sizes {r['n']}",
                 "figure": f"{r['total_s']:.0f} s ({r['total_s'] / r['n'] * 1e6 / 60:.1f} min per million rows); "
                 f"peak anonymous memory {r['peak_anon_gb']:.2f} GB, peak RSS {r['peak_rss_gb']:.2f} GB",
                 "spread": f"k-means + assignment {r['kmeans_s']:.0f} s ({r['clusters']} clusters, largest "
@@ -217,7 +217,7 @@ def records(rows: list[dict], args) -> dict:
     recs.append(
         {
             "what": f"extrapolated to {TARGET:,} rows (DataComp small), one process on this machine",
-            "command": "python bench/curation_scale.py",
+            "command": "python -m bench.curation_scale",
             "figure": f"{total / 60:.0f} min ({', '.join(parts)}); peak anonymous memory "
             f"{icpt + slope * TARGET:.1f} GB ({slope * 1e6 * 1024:.0f} MB per million rows: uids, cluster ids "
             f"and decisions per row; the vectors stay in the map), and {TARGET * D * 2 / 2**30:.1f} GB of "
@@ -228,7 +228,8 @@ def records(rows: list[dict], args) -> dict:
             )
             + " per step and memory = c + d·n by least squares over "
             + ", ".join(f"{r['n']:,}" for r in rows)
-            + " rows; a Ray cluster divides the dedup and decontam steps by its cores",
+            + " rows; without three sizes the k² k-means and n·k assignment terms are left out, and"
+            + " decontamination runs in the curation stage's one task, so more cores do not divide it",
             "load": "see the rows above",
             "date": date,
         }
@@ -268,9 +269,9 @@ def main() -> int:
             if str(r["n"]) not in args.sizes.split(",")
         ]
     for n in (int(s) for s in args.sizes.split(",")):
-        cmd = [sys.executable, __file__, "--one", str(n), "--eval", str(args.eval),
+        cmd = [sys.executable, "-m", __spec__.name, "--one", str(n), "--eval", str(args.eval),
                "--cluster-rows", str(args.cluster_rows), "--threshold", str(args.threshold)]  # fmt: skip
-        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
     rows.sort(key=lambda r: r["n"])

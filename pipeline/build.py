@@ -47,6 +47,7 @@ from pipeline.source.output_lock import exclusive
 from pipeline.stages import filter_stages as FS
 from pipeline.stages import image_stages as IS
 from pipeline.stages import row_stages as RS
+from pipeline.stages import score_stages as SC
 from pipeline.stages import shard_stages as SH
 from pipeline.stages import status_stages as ST
 from pipeline.stages.layout import VERSION, Parts, Pool, bucket_count, digest
@@ -306,6 +307,8 @@ def _filters(run: _Run, finish: ST.Finish, meta: Metadata, words) -> tuple[dict,
     ]
     if whole:
         run.stage(root, "whole_pool", FS.whole_pool, whole, job)
+    if SC.streamed(job):
+        run.stage(root, "embedding_scores", SC.embedding_scores, SC.score_tasks(job), job)
     job = _find_cuts(run, root, job)
     buckets = range(finish.parts.pool.n_buckets)
     done = run.stage(root, "filters", FS.filter_bucket, buckets, job)

@@ -83,11 +83,13 @@ class DedupeConfig:
     near_duplicates: bool = False  # also drop near-duplicates by pHash (exact duplicates always go)
     # Max Hamming distance (of 64 bits) to call two images near-duplicates.
     phash_threshold: Annotated[int, Field(ge=0, le=64)] = 4
-    # SemDeDup on image embeddings (pipeline/dedup/semantic.py): cosine above which two images of one
-    # k-means cluster are one picture; about ``semantic_cluster_rows`` rows per cluster.
+    # SemDeDup on image embeddings (pipeline/dedup/semantic.py): cosine above which two images are one
+    # picture, every pair above it found (k-means clusters plus guests across their borders).
     semantic: bool = False  # run SemDeDup after the image dedupe
-    semantic_threshold: OpenFraction = 0.9  # cosine above which two images of one cluster are one picture
-    semantic_cluster_rows: Positive = 1000  # about this many rows per k-means cluster (bounds memory)
+    semantic_threshold: OpenFraction = 0.9  # cosine above which two images are one picture
+    semantic_cluster_rows: Positive = (
+        1000  # about this many rows per k-means cluster (bounds a task's memory)
+    )
     semantic_seed: Seed = 0  # k-means initialisation
     # Where the image embeddings are: empty = DataComp's ``.npz`` beside each metadata parquet, array
     # ``embedding_key``; else a uid-keyed file (.npz uid+embedding, .parquet, .npy + .uid.npy).

@@ -4,16 +4,19 @@
 rows still ``success``, and relabels some of them, so every input row keeps exactly one status:
 
 1. **decontamination** (``build.decontam``): a row that is a near-copy of an evaluation picture, by pHash
-   or by embedding (``pipeline.dedup.semantic.eval_leaks``), becomes ``eval_leak:<task>``;
+   or by embedding (``pipeline.dedup.eval_leaks.eval_leaks``), becomes ``eval_leak:<task>``;
 2. **semantic dedup** (``build.dedupe.semantic``): SemDeDup over the remaining rows' image embeddings;
    a duplicate becomes ``semantic_duplicate`` and names the uid it duplicates in ``duplicate_of``.
 
 The image embeddings are DataComp's precomputed ones (``l14_img`` in the ``.npz`` beside each metadata
 parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer). The
 driver copies the downloaded rows' vectors into a float16 memory map on local disk, one metadata file at
-a time; k-means is trained on a sample and the rows are assigned in blocks; then the clusters go to Ray
-tasks in groups of about ``_GROUP_ROWS`` rows, a few groups in flight at once, so neither the driver nor a
-task ever holds more than a group's vectors in memory (the map's pages come and go with the disk cache).
+a time; k-means is trained on a sample and the rows are assigned in blocks, each row to its nearest
+cluster and as a guest to the clusters whose border it is near (``semantic.assign_with_guests``); then the
+clusters go to Ray tasks in groups of about ``_GROUP_ROWS`` member rows with their guests, a few groups in
+flight at once; the tasks return the pairs above the threshold, and the greedy rule runs over their union
+(docs/decisions/0087-exact-semantic-dedup.md). Neither the stage nor a task holds more than a group's
+vectors in memory (the map's pages come and go with the disk cache); the stage holds the pairs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pipeline import schema as S
 from pipeline.common import storage
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig, DedupeConfig
+from pipeline.dedup import eval_leaks as EL
 from pipeline.dedup import semantic as SD
 from pipeline.filters import embedding as E
 
@@ -54,7 +58,7 @@ def reference_path(cfg: BuildConfig) -> str:
     return storage.join(cfg.output, "pool", "eval", "reference.parquet") if ref == "demo" else ref
 
 
-def load_reference(path: str, store: Storage) -> SD.EvalReference:
+def load_reference(path: str, store: Storage) -> EL.EvalReference:
     """An eval reference parquet: ``task``, ``key``, ``phash`` (int64) and, optionally, ``embedding``."""
     try:
         t = store.read_parquet(path)
@@ -67,7 +71,7 @@ def load_reference(path: str, store: Storage) -> SD.EvalReference:
     if "embedding" in t.column_names and t.num_rows:
         flat = pc.list_flatten(t.column("embedding").combine_chunks()).to_numpy(zero_copy_only=False)
         vectors = flat.astype(np.float32).reshape(t.num_rows, -1)
-    return SD.EvalReference(
+    return EL.EvalReference(
         np.asarray(t.column("task").to_pylist(), dtype=object),
         np.asarray(t.column("key").to_pylist(), dtype=object),
         t.column("phash").to_numpy().astype(np.int64),
@@ -235,7 +239,7 @@ def curate(
 
 
 def _leaks(
-    cfg: BuildConfig, ref: SD.EvalReference, phash: pa.Array, vectors: _Vectors | None
+    cfg: BuildConfig, ref: EL.EvalReference, phash: pa.Array, vectors: _Vectors | None
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per downloaded row the task and key of the eval picture it leaks ("" for none). Rows without a
     pHash are matched by embedding only; rows without an embedding by pHash only."""
@@ -245,14 +249,14 @@ def _leaks(
     hashed = phash.is_valid().to_numpy(zero_copy_only=False)
     h = pc.fill_null(phash.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
     if hashed.any():
-        task[hashed], key[hashed] = SD.eval_leaks(
+        task[hashed], key[hashed] = EL.eval_leaks(
             h[hashed], None, ref, d.phash_threshold, d.embedding_threshold
         )
     if vectors is not None and vectors.have.any() and ref.vectors is not None:
         rows = np.flatnonzero(vectors.have & (task == ""))
         for a in range(0, len(rows), 1 << 16):
             block = rows[a : a + (1 << 16)]
-            task[block], key[block] = SD.eval_leaks(
+            task[block], key[block] = EL.eval_leaks(
                 None, vectors.rows(block), ref, d.phash_threshold, d.embedding_threshold
             )
     return task, key
@@ -283,35 +287,38 @@ def _semantic_sorted(
     import ray
 
     n = len(rows)
-    target = np.full(n, -1, dtype=np.int64)
+    t = cfg.semantic_threshold
     k = max(1, -(-n // cfg.semantic_cluster_rows))
     rng = np.random.default_rng(np.random.SeedSequence([cfg.semantic_seed, 1]))
     sample = np.sort(rng.choice(n, size=min(n, 256 * k), replace=False))
     centroids = SD.kmeans_centroids(vectors.rows(rows[sample]), k, cfg.semantic_seed)
-    cluster = np.concatenate(
-        [SD.assign_clusters(vectors.rows(rows[a : a + (1 << 18)]), centroids) for a in range(0, n, 1 << 18)]
-    )
-    dedup = ray.remote(num_cpus=1)(_dedup_group)
+    primary, g_row, g_cl = [], [], []
+    for a in range(0, n, 1 << 16):
+        p, gr, gc = SD.assign_with_guests(vectors.rows(rows[a : a + (1 << 16)]), centroids, t)
+        primary.append(p)
+        g_row.append(gr + a)
+        g_cl.append(gc)
+    primary, g_row, g_cl = np.concatenate(primary), np.concatenate(g_row), np.concatenate(g_cl)
+    guests = dict(zip(np.unique(g_cl).tolist(), (g_row[m] for m in SD.cluster_members(g_cl)), strict=True))
+    pairs_task = ray.remote(num_cpus=1)(_pairs_group)
+    cref = ray.put(centroids)
     pending: list = []
-    for group in _groups(SD.cluster_members(cluster)):
-        flat = np.concatenate(group)
-        p = None if priority is None else priority[flat]
-        pending.append(
-            dedup.remote(
-                vectors.rows(rows[flat]),
-                vectors.uids[rows[flat]],
-                p,
-                [len(g) for g in group],
-                cfg.semantic_threshold,
-                flat,
-            )
-        )
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for group in _groups(SD.cluster_members(primary)):
+        ids = [int(primary[m[0]]) for m in group]
+        gs = [guests.get(c, np.zeros(0, np.int64)) for c in ids]
+        flat = np.concatenate([x for m, g in zip(group, gs, strict=True) for x in (m, g)])
+        sizes = [(len(m), len(g)) for m, g in zip(group, gs, strict=True)]
+        pending.append(pairs_task.remote(vectors.rows(rows[flat]), flat, primary[flat], sizes, ids, cref, t))
         while len(pending) > _IN_FLIGHT:
             done, pending = ray.wait(pending, num_returns=1)
-            _collect(ray.get(done[0]), target)
-    for ref in pending:
-        _collect(ray.get(ref), target)
-    return target, len(centroids)
+            found.append(ray.get(done[0]))
+    found += [ray.get(ref) for ref in pending]
+    i, j, s = (np.concatenate(c) for c in zip(*found, strict=True)) if found else (np.zeros(0, np.int64),) * 3
+    order = SD.rank_order(vectors.uids[rows], priority)
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n)
+    return SD.greedy_duplicates(rank, i, j, s.astype(np.float64)), len(centroids)
 
 
 def _groups(members: list[np.ndarray]) -> list[list[np.ndarray]]:
@@ -327,27 +334,26 @@ def _groups(members: list[np.ndarray]) -> list[list[np.ndarray]]:
     return [g for g in out if g]
 
 
-def _dedup_group(
+def _pairs_group(
     vecs: np.ndarray,
-    uids: np.ndarray,
-    priority: np.ndarray | None,
-    sizes: list[int],
-    threshold: float,
     flat: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """One task: ``dedup_cluster`` on each of a group's clusters (rows concatenated, ``sizes`` each)."""
-    out = np.full(len(flat), -1, dtype=np.int64)
+    home: np.ndarray,
+    sizes: list[tuple[int, int]],
+    clusters: list[int],
+    centroids: np.ndarray,
+    threshold: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One task: ``cluster_candidates`` of each of a group's clusters (per cluster its members, then its
+    guests, whose home clusters are ``home``) → the pairs above the threshold as positions ``flat`` holds."""
+    fi, fj, fs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float64)]
     at = 0
-    for m in sizes:
-        sl = slice(at, at + m)
-        p = None if priority is None else priority[sl]
-        local = SD.dedup_cluster(vecs[sl], uids[sl], p, threshold)
-        hit = local >= 0
-        out[at : at + m][hit] = flat[at + local[hit]]
-        at += m
-    return flat, out
-
-
-def _collect(res: tuple[np.ndarray, np.ndarray], target: np.ndarray) -> None:
-    flat, out = res
-    target[flat] = out
+    for (m, g), cl in zip(sizes, clusters, strict=True):
+        mem, gst = slice(at, at + m), slice(at + m, at + m + g)
+        (mi, mj, ms), (gi, gj, gs) = SD.cluster_candidates(
+            vecs[mem], vecs[gst], home[gst], cl, centroids, threshold
+        )
+        fi += [flat[mem][mi], flat[gst][gi]]
+        fj += [flat[mem][mj], flat[mem][gj]]
+        fs += [ms, gs]
+        at += m + g
+    return np.concatenate(fi), np.concatenate(fj), np.concatenate(fs)

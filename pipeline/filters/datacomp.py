@@ -282,12 +282,18 @@ def image_based(
     target_ids: np.ndarray,
     lang: Any = None,
 ) -> FilterResult:
+    return intersect(
+        image_caption(table, lang), centroid_membership(table, embeddings, centroids, target_ids)
+    )
+
+
+def image_caption(table: Table, lang: Any = None) -> FilterResult:
+    """The caption half of ``image_based`` (DataComp's ``caption_filter``): English, two words, six chars."""
     labels = language_labels(table, lang, "image_based")
     text = table_column(table, S.TEXT, "image_based")
     words = fasttext_token_counts(text)  # DataComp's caption_filter counts with fasttext.tokenize
     chars = pc.fill_null(pc.utf8_length(text.cast(pa.string())), 0).to_numpy(zero_copy_only=False)
-    caption = from_drops(
+    return from_drops(
         len(labels),
         [(labels != "en", "not_english"), (words <= 1, "too_few_words"), (chars <= 5, "too_short")],
     )
-    return intersect(caption, centroid_membership(table, embeddings, centroids, target_ids))

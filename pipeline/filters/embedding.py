@@ -44,8 +44,11 @@ Files (local or ``s3://``, read through the run's ``pipeline.common.storage.Stor
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,6 +113,60 @@ def load_embedding_set(path: str, keys: tuple[str, ...], store: Storage = LOCAL)
         for k in keys:
             parts[k].append(arrays[k])
     return uids, {k: np.concatenate(v) if v else np.zeros((0, 0), np.float32) for k, v in parts.items()}
+
+
+def iter_embedding_blocks(
+    path: str, keys: tuple[str, ...], store: Storage = LOCAL, rows: int = 1 << 16
+) -> Iterator[tuple[list[str], dict]]:
+    """``load_embedding_set``'s uids and arrays in blocks of at most ``rows`` rows: a ``.npz`` or ``.npy``
+    is read from its stream a block at a time (a block's memory, not the file's); the other layouts
+    one metadata shard at a time."""
+    if not path.endswith((".npz", ".npy")):
+        files = [path] if path.endswith(".parquet") else store.list_files(path, suffix=".parquet")
+        for f in files:
+            yield _parquet_embeddings(f, keys, store)
+        return
+    with contextlib.ExitStack() as stack:
+        if path.endswith(".npz"):
+            z = zipfile.ZipFile(stack.enter_context(store.open_input(path)))
+            have = {n[: -len(".npy")] for n in z.namelist() if n.endswith(".npy")}
+            missing = [k for k in keys if k not in have]
+            if missing:
+                raise ValueError(f"{path}: no array {missing[0]!r} (arrays: {sorted(have)})")
+            if "uid" not in have:
+                raise ValueError(f"{path}: no 'uid' array (give the metadata .parquet beside it)")
+            opened = {k: stack.enter_context(z.open(k + ".npy")) for k in ("uid", *keys)}
+        else:
+            if len(keys) != 1:
+                raise ValueError(f"{path}: a .npy holds one array, {len(keys)} asked for")
+            uid_path = path[: -len(".npy")] + ".uid.npy"
+            opened = {"uid": stack.enter_context(store.open_input(uid_path)),
+                      keys[0]: stack.enter_context(store.open_input(path))}  # fmt: skip
+        arrays = {k: _NpyStream(fh, f"{path}:{k}") for k, fh in opened.items()}
+        n = arrays["uid"].shape[0]
+        bad = [k for k in keys if arrays[k].shape[0] != n]
+        if bad:
+            raise ValueError(f"{path}: {arrays[bad[0]].shape[0]} rows of {bad[0]!r} for {n} uids")
+        for _ in range(0, n, rows):
+            uids = _uid_strings(arrays["uid"].read(rows))
+            yield uids, {k: arrays[k].read(rows).astype(np.float32) for k in keys}
+
+
+class _NpyStream:
+    """A ``.npy`` read from a stream a block of rows at a time (C order, no objects)."""
+
+    def __init__(self, fh, name: str) -> None:
+        fmt = np.lib.format
+        header = fmt.read_array_header_1_0 if fmt.read_magic(fh) == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = header(fh)
+        if fortran or dtype.hasobject:
+            raise ValueError(f"{name}: a C-ordered array of plain values is needed")
+        self.fh, self.shape, self.dtype = fh, shape, dtype
+        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+
+    def read(self, rows: int) -> np.ndarray:
+        data = self.fh.read(rows * self.row_bytes)
+        return np.frombuffer(data, self.dtype).reshape(-1, *self.shape[1:])
 
 
 def _parquet_embeddings(path: str, keys: tuple[str, ...], store: Storage) -> tuple[list[str], dict]:

@@ -2,22 +2,15 @@
 
 Most of DataComp's rules decide a row from its own columns (``basic``, ``english``, ``text_based``,
 ``laion2b``, ``clip_score`` by threshold, ``image_based``): each bucket task runs them as
-``filters.specs.run_filters`` does over the whole pool. Two cut the pool at a rank, and their cut is found
-first, exactly, by a radix selection over the buckets (``Cut``; each pass one task per bucket returning
-the counts of one 8-bit digit, until at most ``GATHER`` keys are left, which one more pass fetches), then
-applied per bucket:
-
-- ``clip_score`` by fraction: DataComp's ``get_threshold``, the ``int(N·f)``-th largest score over all
-  ``N`` rows (``datacomp.clip_fraction_threshold``), then the threshold rule;
-- ``random``: the ``round(f·N)`` rows of smallest (hash of seed and uid, uid bytes): the cut's hash, and
-  among the rows that hold exactly that hash the uids taken (ties are rare).
-
-``neg_clip_loss`` and ``norm_sim`` score the pool against random batches and its own quantile over the
-pool's embedding files; they run over the whole pool in one task (not the driver) until they stream
-(docs/decisions/0086-the-build-on-tasks.md). Each bucket then writes its piece of
-``metadata/filters.parquet`` and of each subset; one task per subset joins the pieces into DataComp's
-sorted ``u8,u8`` ``.npy`` (buckets are uid ranges: the pieces in bucket order are sorted).
-"""
+``filters.specs.run_filters`` does over the whole pool. Three cut the pool at a rank, found first, exactly,
+by a radix selection over the buckets (``Cut``; each pass one task per bucket returning the counts of one
+8-bit digit, until at most ``GATHER`` keys are left, which one more pass fetches), then applied per bucket:
+``clip_score`` by fraction (DataComp's ``get_threshold``: the ``int(N·f)``-th largest score of all ``N``
+rows, then the threshold rule); ``random`` (the ``round(f·N)`` rows of smallest (hash of seed and uid, uid
+bytes)); ``norm_sim`` (the ``round(f·N)`` top scores of the ``N`` rows with an embedding, ties by uid,
+over the scores ``stages/score_stages.py`` wrote per embeddings file). ``neg_clip_loss``'s random batches
+span the pool: one task over it (0086). Each bucket writes its piece of ``metadata/filters.parquet`` and of
+each subset; one task per subset joins them into DataComp's sorted ``u8,u8`` ``.npy`` in bucket order."""
 
 from __future__ import annotations
 
@@ -38,13 +31,14 @@ from pipeline.filters import datacomp as F
 from pipeline.filters.base import float_column
 from pipeline.filters.registry import FILTERS, Context, config_params
 from pipeline.filters.specs import needs_language, parse_filter_specs, resolve_params
+from pipeline.stages import score_stages as SS
 from pipeline.stages.buckets import read_bucket, uid_buckets, write_buckets
 from pipeline.stages.row_stages import FILE, PRE, ROW
 from pipeline.stages.status_stages import Finish
 from pipeline.subsets import eligibility as SR
 from pipeline.subsets.uid_files import arrow_u8pairs
 
-WHOLE_POOL = ("neg_clip_loss", "norm_sim")  # see the module docstring
+WHOLE_POOL = ("neg_clip_loss",)  # see the module docstring
 DIGIT = 8  # bits of a selection pass: a bucket's summary holds at most 2**8 counts
 GATHER = 4096  # keys under a prefix few enough to fetch themselves
 
@@ -93,6 +87,9 @@ class FilterJob:
     def whole(self, i: int) -> str:
         return self.finish.parts.at("whole_pool", f"{i:03d}.parquet")
 
+    def scores_file(self, q: int, s: int) -> str:
+        return self.finish.parts.at("embedding_scores", f"{q:03d}", f"{s:06d}.parquet")
+
 
 def cut_keys(job: FilterJob) -> dict[str, tuple[str, dict]]:
     """key → (filter, parameters) of every whole-pool cut the specs need."""
@@ -100,8 +97,8 @@ def cut_keys(job: FilterJob) -> dict[str, tuple[str, dict]]:
     for spec in job.specs:
         for name, given in spec.parts:
             params = resolve_params(name, given, config_params(job.filters))
-            if (name == "clip_score" and params["fraction"] > 0) or name == "random":
-                out[f"{name}:{sorted(params.items())}"] = (name, params)
+            if (name == "clip_score" and params["fraction"] > 0) or name in ("random", *SS.RANKED):
+                out[SS.cut_key(name, params)] = (name, params)
     return out
 
 
@@ -109,13 +106,13 @@ def _keys(table: pa.Table, name: str, params: dict) -> np.ndarray:
     """The uint64 key whose ascending order is the cut's order (NaN scores left out: the caller masks)."""
     if name == "random":
         return F.uid_hash(base.table_column(table, S.UID, "random"), params["seed"])
-    s = float_column(table, params["column"], "clip_score")
-    bits = np.where(np.isnan(s), 0.0, -s).view(np.uint64)  # descending score = ascending key
-    return np.where(bits >> np.uint64(63), ~bits, bits | np.uint64(1 << 63))
+    column = SS.score_column(SS.cut_key(name, params)) if name in SS.RANKED else params["column"]
+    return SS.descending_keys(float_column(table, column, name))
 
 
 def _bucket_table(job: FilterJob, b: int) -> pa.Table:
-    return job.finish.parts.store.read_parquet(job.finish.pool_rows(b))
+    t = job.finish.parts.store.read_parquet(job.finish.pool_rows(b))
+    return SS.with_scores(job, t, b) if SS.streamed(job) else t
 
 
 def count_digits(job: FilterJob, b: int) -> dict:
@@ -132,8 +129,9 @@ def cut_summary(job: FilterJob, t: pa.Table) -> dict:
         if cut.done or not t.num_rows:
             continue
         k, uids = _keys(t, name, params), t.column(S.UID)
-        if name == "clip_score":
-            scored = ~np.isnan(float_column(t, params["column"], "clip_score"))
+        if name != "random":
+            column = SS.score_column(key) if name in SS.RANKED else params["column"]
+            scored = ~np.isnan(float_column(t, column, name))
             k, uids = k[scored], uids.filter(pa.array(scored))
         if cut.bits:
             under = (k >> np.uint64(64 - cut.bits)) == np.uint64(cut.prefix)
@@ -153,6 +151,8 @@ def first_cuts(job: FilterJob) -> dict[str, Cut]:
         if name == "random":
             k = F.random_count(params["fraction"], job.n_rows)
             cuts[key] = Cut(k - 1, none=k == 0)
+        elif name in SS.RANKED:
+            cuts[key] = Cut(-1)  # its rank counts the rows with an embedding: known after the first pass
         else:  # clip_fraction_threshold's index; its error where DataComp's rule has no threshold
             F.clip_fraction_threshold(np.zeros(job.n_rows), params["fraction"])
             cuts[key] = Cut(int(job.n_rows * params["fraction"]))
@@ -170,6 +170,11 @@ def advance(job: FilterJob, key: str, summaries: list[dict]) -> Cut:
         for d, n in s.get(key, {}).items():
             total[int(d)] = total.get(int(d), 0) + n
     rank = cut.rank
+    if rank < 0:  # a streamed filter's top round(f·N) of the N scored rows (embedding.top_fraction)
+        n_keep = int(np.floor(params["fraction"] * sum(total.values()) + 0.5))
+        if n_keep == 0:
+            return replace(cut, none=True)
+        rank = n_keep - 1
     if cut.bits == 0 and name == "clip_score" and rank >= sum(total.values()):
         scored = sum(total.values())
         if params["nan_cut"] == "datacomp" or scored == 0:
@@ -194,6 +199,8 @@ def _gathered(cut: Cut, name: str, params: dict, entries: list[tuple[int, str]])
         return replace(cut, value=value, ties=())
     held = pa.array(sorted(u for v, u in entries if v == value), pa.string())
     taken = cut.rank - int(np.searchsorted(values, np.uint64(value))) + 1
+    if name in SS.RANKED:  # equal scores: the smaller uids first
+        return replace(cut, value=value, ties=tuple(held.to_pylist()[:taken]))
     order = F.random_order(held, params["seed"])
     return replace(cut, value=value, ties=tuple(held.take(pa.array(order[:taken])).to_pylist()))
 
@@ -249,6 +256,8 @@ def results(job: FilterJob, table: pa.Table, b: int) -> dict[str, base.FilterRes
                     cache[key] = _random_cut(table, params, job.cuts[key])
                 elif name == "clip_score" and params["fraction"] > 0:
                     cache[key] = _clip_cut(table, params, job.cuts[key])
+                elif name in SS.STREAMED:
+                    cache[key] = SS.result(table, name, params, job.cuts.get(key), ctx)
                 elif name in WHOLE_POOL:
                     cache[key] = whole[(i, j)]
                 else:

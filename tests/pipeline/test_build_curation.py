@@ -124,3 +124,39 @@ def test_datacomp_pool_rules_leave_no_leak_and_no_hash_refusal(curated, demo_poo
         theirs[S.STATUS_SUCCESS] >= ours[S.STATUS_SUCCESS] + ours[S.EVAL_LEAK] + ours[S.STATUS_HASH_MISMATCH]
     )
     assert set(snap["subsets"]["no_filter"]) == {u for u, _ in snap["status"] if S.is_valid_uid(u)}
+
+
+class _InMemory:
+    """The stage's view of the embeddings (``curation_stage._Vectors``) over an array: uids and ``rows``."""
+
+    def __init__(self, uids, vectors):
+        self.uids, self.vectors = uids, vectors
+
+    def rows(self, idx):
+        return self.vectors[idx]
+
+
+@pytest.mark.parametrize("group_rows", [400, 50_000])
+def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatch, group_rows):
+    """The Ray stage on a continuum k-means splits: the exact rule's decisions, however many tasks."""
+    import numpy as np
+
+    from pipeline.config import DedupeConfig
+    from pipeline.dedup import curation_stage as CS
+    from pipeline.dedup import semantic as SD
+    from tests.fixtures.continuum import brute_force_pairs, continuum
+
+    uids, vectors, _ = continuum(3000, 32, seed=9)
+    priority = np.random.default_rng(9).random(len(uids))
+    monkeypatch.setattr(CS, "_GROUP_ROWS", group_rows)
+    rows = np.arange(len(uids))[::-1]  # the stage sees rows in any order
+    cfg = DedupeConfig(semantic=True, semantic_cluster_rows=100)
+    target, n_clusters = CS.semantic_stage(_InMemory(uids, vectors), rows, priority[rows], cfg)
+    i, j, s = brute_force_pairs(vectors, 0.9)
+    rank = np.empty(len(uids), dtype=np.int64)
+    rank[SD.rank_order(uids, priority)] = np.arange(len(uids))
+    want = SD.greedy_duplicates(rank, i, j, s)
+    got = np.full(len(uids), -1)
+    got[rows[target >= 0]] = rows[target[target >= 0]]
+    assert n_clusters == 30 and (want >= 0).sum() > 100
+    np.testing.assert_array_equal(got, want)

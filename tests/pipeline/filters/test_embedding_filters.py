@@ -142,3 +142,28 @@ def test_neg_clip_loss_with_norm_sim_is_one_spec():
     with pytest.raises(Exception, match="p"):
         parse_filter_specs(["norm_sim:p=0.5"])
     assert callable(run_filters)
+
+
+@pytest.mark.parametrize("layout", ["stored.npz", "deflated.npz", "plain.npy"])
+def test_embedding_blocks_read_a_file_as_loading_it_whole(tmp_path, layout):
+    """``iter_embedding_blocks`` streams an .npz (stored or deflated) or .npy a block of rows at a time and
+    yields what ``load_embedding_set`` loads."""
+    rng = np.random.default_rng(2)
+    uids = np.array([f"{i:032x}" for i in range(1000)])
+    img, txt = (
+        rng.standard_normal((1000, 16)).astype(np.float32),
+        rng.standard_normal((1000, 16)).astype(np.float16),
+    )
+    path = str(tmp_path / layout)
+    keys = ("img",) if layout.endswith(".npy") else ("img", "txt")
+    if layout == "plain.npy":
+        np.save(path, img)
+        np.save(str(tmp_path / "plain.uid.npy"), uids)
+    else:
+        (np.savez if layout == "stored.npz" else np.savez_compressed)(path, uid=uids, img=img, txt=txt)
+    want_uids, want = E.load_embedding_set(path, keys)
+    blocks = list(E.iter_embedding_blocks(path, keys, rows=300))
+    assert [len(u) for u, _ in blocks] == [300, 300, 300, 100]
+    assert [u for b, _ in blocks for u in b] == want_uids
+    for k in keys:
+        np.testing.assert_array_equal(np.concatenate([a[k] for _, a in blocks]), want[k])

@@ -17,6 +17,7 @@ from pipeline.config import FilterConfig
 from pipeline.dedup.decisions import bands, near_duplicates
 from pipeline.filters import datacomp as F
 from pipeline.stages import filter_stages as FS
+from pipeline.stages import score_stages as SS
 from pipeline.stages.buckets import BucketWriter, read_bucket, uid_buckets, write_buckets
 from pipeline.stages.image_stages import _first_shared_band, greedy_drops
 from pipeline.subsets.uid_files import arrow_u8pairs
@@ -154,3 +155,28 @@ def test_the_random_cut_equals_the_random_baseline(fraction):
     job = _cuts(_job([f"random:fraction={fraction},seed=5"], n), buckets)
     got = np.concatenate([_one(job, t) for t in buckets])
     assert (got == want.keep).all() and got.sum() == F.random_count(fraction, n)
+
+
+@pytest.mark.parametrize(
+    ("case", "fraction"), [("spread", 0.3), ("ties", 0.3), ("ties", 0.5), ("spread", 0.00001)]
+)
+def test_the_norm_sim_cut_equals_the_whole_pool_top_fraction(case, fraction):
+    """NormSim scored per file and cut over the buckets keeps the rows ``top_fraction`` keeps over the
+    whole pool: ties by uid, rows without an embedding ``missing_embedding``, the rank among the scored."""
+    from pipeline.filters import embedding as E
+
+    rng = np.random.default_rng(6)
+    n = 20_000
+    score = {"spread": rng.random(n), "ties": np.round(rng.random(n), 2)}[case]
+    score[rng.random(n) < 0.1] = np.nan  # no embedding
+    pool = _pool(n, rng, np.zeros(n))
+    spec = f"norm_sim:fraction={fraction},target_file=t.npy"
+    job = _job([spec], n)
+    ((key, _, params),) = SS.streamed(job)
+    pool = pool.append_column(SS.score_column(key), pa.array(score, pa.float64()))
+    want = E.top_fraction(pool, score, ~np.isnan(score), fraction, f"norm_sim_not_in_top_{100 * fraction:g}%")
+    buckets = [pool.slice(a, 2500) for a in range(0, n, 2500)]
+    job = _cuts(job, buckets)
+    got = [SS.score_cut(t, "norm_sim", params, job.cuts[key]) for t in buckets]
+    assert np.concatenate([g.reason for g in got]).tolist() == want.reason.tolist()
+    assert 0 < (want.reason == "missing_embedding").sum() < n

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from pipeline.dedup.semantic import EvalReference, eval_leaks
+from pipeline.dedup.eval_leaks import EvalReference, eval_leaks
 from training.eval.reference import reference_table, write_reference
 from training.eval.sets import load_tasks
 
