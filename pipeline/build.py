@@ -199,8 +199,9 @@ def _pre_counts(decided: dict[int, dict], urls: dict[int, dict]) -> dict[str, in
 def _remove_other_stages(run: _Run, keep: str) -> None:
     """Stage files of other pools or settings (this output's earlier builds): never read again."""
     base = storage.join(run.paths["work"], "stages")
-    stale = [p for p in run.store.list_files(f"{base}/**") if not p.startswith(keep.rstrip("/") + "/")]
-    run.store.remove_files(stale)
+    # Both lists in the form the store lists in (a relative local output comes back absolute).
+    kept = set(run.store.list_files(storage.join(keep, "**")))
+    run.store.remove_files([p for p in run.store.list_files(f"{base}/**") if p not in kept])
 
 
 def _parts_layout(run: _Run, pool: Pool, markers: dict[int, R.Marker], n_parts: int) -> Parts:

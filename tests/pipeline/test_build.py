@@ -76,6 +76,16 @@ def test_the_build_on_tasks_equals_the_single_process_rules(built, tmp_path):
     assert got["sizes"] == want["sizes"]
 
 
+def test_a_relative_output_keeps_its_own_stage_files(built, demo_pool, tmp_path, monkeypatch):
+    """The store lists local files by absolute path: a build into a relative directory (``make demo``'s
+    runs/demo) must still tell its own stage files from an earlier pool's. In the driver's process
+    (download_actors=0): Ray's workers keep the directory they started in."""
+    monkeypatch.chdir(tmp_path)
+    res = build(_cfg(demo_pool, "runs/rel", download_actors=0), log=lambda m: None)
+    assert res.status_counts == built[1].status_counts
+    assert list((tmp_path / "runs" / "rel" / "work" / "stages").glob("*/live/*.i64"))
+
+
 def test_status_counts_equal_injected_truth(built, demo_pool):
     _cfg_, result = built
     truth = pq.read_table(Path(demo_pool.pool_dir) / "truth.parquet")
