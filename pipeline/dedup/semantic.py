@@ -255,6 +255,16 @@ class SemanticResult:
         return self.duplicate_of != ""
 
 
+def _clustered(
+    uids: np.ndarray, vectors: np.ndarray, cluster_rows: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(uid order, the unit vectors in that order, k-means centroids at about ``cluster_rows`` rows a
+    cluster): k-means sees the rows in uid order, so row order never matters."""
+    canon = np.argsort(uids, kind="stable")
+    x = normalize(np.asarray(vectors)[canon])
+    return canon, x, kmeans_centroids(x, max(1, -(-len(uids) // int(cluster_rows))), seed)
+
+
 def semantic_duplicates(
     uids: np.ndarray,
     vectors: np.ndarray,
@@ -272,10 +282,7 @@ def semantic_duplicates(
     out = np.full(n, "", dtype=object)
     if n == 0:
         return SemanticResult(out, np.zeros(0, np.int64), 0)
-    canon = np.argsort(uids, kind="stable")  # k-means sees the rows in uid order: row order never matters
-    x = normalize(np.asarray(vectors)[canon])
-    k = max(1, -(-n // int(cluster_rows)))
-    centroids = kmeans_centroids(x, k, seed)
+    canon, x, centroids = _clustered(uids, vectors, cluster_rows, seed)
     primary, g_row, g_cl = assign_with_guests(x, centroids, threshold)
     i, j, s = candidate_pairs_of(x, primary, g_row, g_cl, centroids, threshold)
     order = rank_order(uids[canon], None if priority is None else np.asarray(priority)[canon])
@@ -335,10 +342,7 @@ def single_assignment_duplicates(
     uids = np.asarray(uids).astype(str)
     n = len(uids)
     out = np.full(n, "", dtype=object)
-    canon = np.argsort(uids, kind="stable")
-    x = normalize(np.asarray(vectors)[canon])
-    k = max(1, -(-n // int(cluster_rows)))
-    centroids = kmeans_centroids(x, k, seed)
+    canon, x, centroids = _clustered(uids, vectors, cluster_rows, seed)
     cluster = np.empty(n, dtype=np.int64)
     cluster[canon] = assign_clusters(x, centroids)
     for rows in cluster_members(cluster):
