@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BeforeValidator, PlainSerializer, PlainValidator, ValidationInfo
@@ -35,15 +36,14 @@ class Component:
             cls.family, cls.default = family, default
             Component._members.setdefault(family, {})
             return
-        hints = cls.__dict__.get("__annotations__", {})
-        if "name" not in hints:
-            raise TypeError(f"{cls.__name__}: a component declares name: Literal[...] = ...")
-        Component._members[cls.family][cls.__dict__["name"]] = cls
+        if "name" in cls.__dict__.get("__annotations__", {}):  # else an intermediate base of members
+            Component._members[cls.family][cls.__dict__["name"]] = cls
 
     @classmethod
     def members(cls) -> dict[str, type]:
-        """Every registered member of ``cls``'s family, by name, in definition order."""
-        return dict(Component._members.get(cls.family, {}))
+        """Every registered member of ``cls``'s family, by name, in definition order: the live registry
+        (a member defined later joins it), to be read, not written."""
+        return Component._members[cls.family]
 
     @classmethod
     def member(cls, name: str, key: str = "name") -> type:
@@ -134,3 +134,11 @@ def _split(value: Any, info: ValidationInfo) -> Any:
 def list_of(base: type[Component]) -> Any:
     """The type of a config field holding a list of members (``--set key=a,b:x=1`` or a YAML list)."""
     return Annotated[list[one_of(base)], BeforeValidator(_split)]
+
+
+@dataclass(frozen=True)
+class SpecsOf:
+    """Marks a field of shorthand strings (``Annotated[list[str], SpecsOf(Filter)]``) whose family
+    ``--help-config`` lists with the config's own components."""
+
+    base: type

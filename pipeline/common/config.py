@@ -142,7 +142,7 @@ def describe(exc: ValidationError, root: type, prefix: str = "") -> str:
         return (f"{key}.{text}" if re.match(r"^[a-z_][\w.\[\]]*:? ", text) else f"{key}: {text}") + more
     if kind == "value_error":
         text = str(msg).removeprefix("Value error, ")
-        return (f"{key}.{text}" if key and re.match(r"^[a-z_][\w.\[\]]* ", text) else
+        return (f"{key}.{text}" if key and re.match(r"^[a-z_][\w.\[\]]*:? ", text) else
                 f"{key}: {text}" if key else text) + more  # fmt: skip
     value = err.get("input")
     shown = "" if isinstance(value, Mapping) or " got " in msg else f", got {value!r}"

@@ -21,7 +21,7 @@ import tokenize
 import types
 import typing
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 _NOISE = ("fmt: skip", "fmt: off", "fmt: on", "noqa", "type: ignore")
 
@@ -185,8 +185,14 @@ def _shown(value: Any) -> str:
 def _families(cfg: Any) -> dict[str, type]:
     """Family name → base class of every component (``pipeline/common/components.py``) ``cfg`` holds."""
     out: dict[str, type] = {}
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
+        for mark in (
+            typing.get_args(hints[f.name])[1:] if typing.get_origin(hints[f.name]) is Annotated else ()
+        ):
+            if hasattr(mark, "base"):  # a field of shorthand strings (pipeline.common.components.SpecsOf)
+                out.setdefault(mark.base.family, mark.base)
         for item in value if isinstance(value, list) else [value]:
             if hasattr(item, "family") and hasattr(item, "members"):
                 out.setdefault(item.family, type(item).__mro__[1])
