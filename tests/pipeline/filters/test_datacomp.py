@@ -189,7 +189,7 @@ def test_all_null_clip_column_drops_everything_as_missing():
 
 
 def test_laion2b_is_english_and_b32_threshold():
-    r = F.laion2b(eight_rows())
+    r = F.laion2b(eight_rows(), 0.28)
     assert r.keep.tolist() == [True, True, False, False, True, False, False, True]
     assert r.reason.tolist()[2:7] == [
         "clip_score_below_threshold",
