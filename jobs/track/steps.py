@@ -173,7 +173,11 @@ def make_subsets(
 
     p = paths(cfg)
     store = Storage.from_env(cfg.s3_endpoint)
-    extra = {spec.label for spec in parse_filter_specs(cfg.filters, "filters", known=cfg.subsets)}
+    extra = (
+        {s.label for s in parse_filter_specs(cfg.filters, "filters", known=cfg.subsets)}
+        if cfg.filters
+        else set()
+    )
     from_build = [name for name in cfg.subsets if name not in (*_SCORE_SUBSETS, *extra)]
     scores = read_scores(scores_path, store)
     scored = set(scores.column("uid").to_pylist())  # every downloaded sample was scored
