@@ -3,11 +3,12 @@
 A component is one ``@config_class`` subclass of its family's base (``class ClipScore(Filter)``) whose
 ``name: Literal["clip_score"] = "clip_score"`` field names it and whose other fields are its typed
 parameters, each default written once. Defining the class registers it: a config field typed
-``one_of(Base)`` (or ``list_of(Base)``) accepts any registered member, so a new component needs no other
+``one_of(Base)`` accepts any registered member, so a new component needs no other
 file. The field takes an instance, a mapping (``{name: clip_score, fraction: 0.3}``, its ``name`` choosing
 the class) or the command-line shorthand ``NAME[:key=value,…]`` (``clip_score:fraction=0.3``), whose
 values are read as text like a ``--set`` value. Changing ``name`` in a ``--set`` starts from the new
-class's defaults (``pipeline.common.config.merge``).
+class's defaults (``pipeline.common.config.merge``). A field of spec strings that several members make up
+(the build's filter specs, ``pipeline/filters/specs.py``) is marked ``SpecsOf(Base)`` for ``--help-config``.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar
 
-from pydantic import BeforeValidator, PlainSerializer, PlainValidator, ValidationInfo
+from pydantic import PlainSerializer, PlainValidator, ValidationInfo
 
 from pipeline.common.config import COMPONENT_ERROR, ConfigError, load, to_dict
 
 
 class Component:
-    """Base of a family's base class: ``class Loss(Component, family="loss")``; members register on
+    """Base of a family's base class: ``class LossConfig(Component, family="loss")``; members register on
     definition under their ``name`` field's default."""
 
     family: ClassVar[str] = ""
@@ -114,26 +115,6 @@ def one_of(base: type[Component]) -> Any:
         PlainValidator(lambda v, info: _validate(base, v, info)),
         PlainSerializer(_dump, return_type=dict),
     ]
-
-
-def _split(value: Any, info: ValidationInfo) -> Any:
-    """A comma-separated string of shorthands is a list; a bare ``key=value`` continues the previous."""
-    if not isinstance(value, str):
-        return value
-    out: list[str] = []
-    for item in (s.strip() for s in value.split(",")):
-        if not item:
-            continue
-        if out and "=" in item and not any(c in item.split("=", 1)[0] for c in ":+"):
-            out[-1] += "," + item
-        else:
-            out.append(item)
-    return out
-
-
-def list_of(base: type[Component]) -> Any:
-    """The type of a config field holding a list of members (``--set key=a,b:x=1`` or a YAML list)."""
-    return Annotated[list[one_of(base)], BeforeValidator(_split)]
 
 
 @dataclass(frozen=True)

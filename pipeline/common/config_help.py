@@ -167,10 +167,6 @@ def key_docs(cfg: Any, prefix: str = "") -> Iterator[KeyDoc | tuple[str, str]]:
             doc = (type(value).__doc__ or "").strip().splitlines()
             yield key, meanings.get(f.name) or (doc[0] if doc else type(value).__name__)
             yield from key_docs(value, key + ".")
-        elif isinstance(value, list) and value and all(hasattr(v, "family") for v in value):
-            # a list of components (pipeline/common/components.py) reads as its shorthand strings
-            yield KeyDoc(key, f"list of {value[0].family} NAME[:key=value,…]", [v.spec() for v in value],
-                         meanings.get(f.name, ""))  # fmt: skip
         else:
             yield KeyDoc(key, type_text(hints[f.name]), value, meanings.get(f.name, ""))
 
@@ -193,11 +189,10 @@ def _families(cfg: Any) -> dict[str, type]:
         ):
             if hasattr(mark, "base"):  # a field of shorthand strings (pipeline.common.components.SpecsOf)
                 out.setdefault(mark.base.family, mark.base)
-        for item in value if isinstance(value, list) else [value]:
-            if hasattr(item, "family") and hasattr(item, "members"):
-                out.setdefault(item.family, type(item).__mro__[1])
-            if dataclasses.is_dataclass(item):
-                out.update({k: v for k, v in _families(item).items() if k not in out})
+        if hasattr(value, "family") and hasattr(value, "members"):  # a component: its family's base
+            out.setdefault(value.family, next(c for c in type(value).__mro__ if "family" in c.__dict__))
+        if dataclasses.is_dataclass(value):
+            out.update({k: v for k, v in _families(value).items() if k not in out})
     return out
 
 
