@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from bench.alternate import results_path
-from training.config import TRAIN_PRESETS, LossConfig, OptimConfig, TrainConfig, WorkersConfig
-from training.losses.registry import loss_spec
+from training.config import TRAIN_PRESETS, OptimConfig, TrainConfig, WorkersConfig
+from training.losses.objectives import ProLIPLossConfig
 from training.model.config import MODEL_CONFIGS
 from training.model.flops import saved_bytes_per_sample
 from training.train.step import setup_state, train_step
@@ -76,7 +76,7 @@ def child(model: str, batch: int, k: int, length: int) -> dict:
         model=model,
         global_batch_size=batch,
         samples_seen=batch * 4,
-        loss=LossConfig(name="prolip"),
+        loss=ProLIPLossConfig(),
         optim=OptimConfig(warmup_steps=1),
         scaling=WorkersConfig(num_workers=1, max_local_batch=-(-batch // k)),
     )
@@ -113,7 +113,7 @@ def child(model: str, batch: int, k: int, length: int) -> dict:
 def counted() -> dict:
     out = {}
     for name, preset in TRAIN_PRESETS.items():
-        spec = loss_spec(preset.loss.name)
+        spec = preset.loss
         mcfg = MODEL_CONFIGS[preset.model]
         if spec.probabilistic:
             mcfg = dataclasses.replace(mcfg, probabilistic=True, text_pool="cls")

@@ -40,7 +40,7 @@ from bench.alternate import MIN_ROUNDS, alternate, fmt_spread, loads_note, ratio
 from pipeline.ingest.tokenizer import train_tokenizer
 from pipeline.ingest.transforms import DecodeAugment, MaskedVariants, TrainCollate
 from tests.fixtures.train_shards import demo_samples, write_demo_shards
-from training.config import DataConfig, LossConfig
+from training.config import DataConfig
 from training.losses.registry import build_loss_from_config, loss_spec
 from training.model.config import model_config
 from training.model.param_groups import param_groups
@@ -60,7 +60,7 @@ class StepCase:
         torch.manual_seed(0)
         self.salient = SalientDrop(tokenizer.pad_id, tokenizer.end_id, 0.5) if salient else None
         self.objective = objective
-        self.loss = build_loss_from_config(LossConfig(name=objective))[0]
+        self.loss = build_loss_from_config(loss_spec(objective)())[0]
         cfg = model_config("tiny", vocab_size=tokenizer.vocab_size, probabilistic=probabilistic)
         self.module = TrainModule(ProLIP(cfg), self.loss, loss_spec(objective))
         self.opt = torch.optim.AdamW(param_groups(self.module, 0.2), lr=5e-4, betas=(0.9, 0.98))

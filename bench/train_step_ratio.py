@@ -34,7 +34,7 @@ import torch
 
 from bench.alternate import MIN_ROUNDS, alternate, loads_note, ratios, results_path, times
 from pipeline.ingest.transforms import MaskedVariants, TrainCollate
-from training.config import DataConfig, LossConfig, OptimConfig, TrainConfig
+from training.config import DataConfig, OptimConfig, TrainConfig
 from training.model.config import model_config, objective_model_config
 from training.model.flops import samples_per_s, train_flops_per_sample
 from training.train.step import setup_state, train_step
@@ -68,7 +68,7 @@ def collated(model: str, batch: int, masked: bool, seed: int = 0) -> dict:
 
 
 def state(model: str, loss: str, batch: int):
-    cfg = TrainConfig(model=model, global_batch_size=batch, samples_seen=batch * 1000, loss=LossConfig(name=loss),
+    cfg = TrainConfig(model=model, global_batch_size=batch, samples_seen=batch * 1000, loss={"name": loss},
                       data=DataConfig(augment=False), optim=OptimConfig(warmup_steps=10))  # fmt: skip
     return setup_state(cfg, TOK, torch.device("cpu"), 0)  # CLIP's BPE ids (+ pad, mask) for every model
 

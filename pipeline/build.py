@@ -38,7 +38,6 @@ from pipeline.config import BuildConfig
 from pipeline.dedup import curation_stage as CS
 from pipeline.download.phase import LivePlan, download_parts
 from pipeline.filters import rerun_cache as FR
-from pipeline.filters.registry import config_params
 from pipeline.filters.specs import check_build_filters, parse_filter_specs, required_columns
 from pipeline.source import run_state as R
 from pipeline.source.content import served_hosts
@@ -129,9 +128,7 @@ def _pool_layout(run: _Run, meta: Metadata, served: tuple[str, ...]) -> Pool:
     cfg = run.cfg
     specs = parse_filter_specs(list(cfg.filters.names), "filters.names")
     have = {c for names in meta.names for c in names}
-    columns = tuple(
-        dict.fromkeys([*_FILTER_COLUMNS, *sorted(required_columns(specs, config_params(cfg.filters)) & have)])
-    )
+    columns = tuple(dict.fromkeys([*_FILTER_COLUMNS, *sorted(required_columns(specs) & have)]))
     files = FR.file_stamps(list(meta.files), run.store)
     key = digest([VERSION, files, cfg.max_caption_bytes, served, columns, cfg.bucket_rows])
     n = bucket_count(sum(meta.rows), cfg.bucket_rows)

@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from pipeline.common.components import SpecsOf
 from pipeline.common.config import (
-    Finite,
     Names,
     NonNegative,
     NonNegativeFloat,
@@ -24,6 +24,7 @@ from pipeline.common.config import (
     config_class,
     require,
 )
+from pipeline.filters.registry import Filter
 
 SUBSET_SCOPES = ("metadata", "downloaded")
 
@@ -112,26 +113,12 @@ class DecontamConfig:
 
 @config_class
 class FilterConfig:
-    """Which DataComp baseline filters write a subset, and their parameters."""
+    """Which filters write a subset of the build, each with its parameters (pipeline/filters/registry.py)."""
 
-    # filter specs, one subset .npy each (pipeline/filters/specs.py), e.g. [basic, clip_score:fraction=0.3]
-    names: Names = field(default_factory=lambda: ["no_filter", "basic"])
-    random_fraction: OpenFraction = 0.3  # the random baseline's share of the pool
-    random_seed: Seed = 0  # the random baseline's draw
-    clip_threshold: Finite = 0.3  # clip_score with clip_fraction=0: keep scores at or above this
-    # 0 = select by clip_threshold instead; DataComp's get_threshold indexes past the end at 1: it has no
-    # top-100% threshold (no_filter keeps every row).
-    clip_fraction: Annotated[float, Field(ge=0, lt=1)] = 0.3
-    clip_column: str = "clip_l14_similarity_score"  # the metadata column clip_score ranks by
-    laion_threshold: Finite = 0.28  # laion2b: CLIP B/32 score threshold (LAION-2B's rule)
-    # text_based: a WordNet 3.0 dict directory or nltk's wordnet.zip, and DataComp's ImageNet-21k id list
-    text_wordnet: str = ""
-    text_synsets_file: str = ""  # text_based: DataComp's ImageNet-21k synset id list
-    text_concepts_file: str = ""  # text_based:method=lemmas only
+    # filter specs, one subset .npy each (pipeline/filters/specs.py), e.g. [basic, clip_score:fraction=0.3],
+    # [text_based:wordnet=DIR,synsets_file=F]: each filter's parameters and defaults are its class's
+    names: Annotated[Names, SpecsOf(Filter)] = field(default_factory=lambda: ["no_filter", "basic"])
     language_model: str = ""  # fastText lid.176 model (.bin or .ftz); empty = the wheel's lid.176.ftz
-    image_embeddings_file: str = ""  # image_based: the pool's CLIP L/14 image embeddings (.npy)
-    image_centroids_file: str = ""  # image_based: DataComp's ImageNet-1k cluster centroids
-    image_centroid_ids_file: str = ""  # image_based: the centroids' cluster ids to keep
     # Which uids a build subset lists: "metadata" = every pool uid that passes the filter, downloaded or
     # not (DataComp's filter outputs); "downloaded" = only those that downloaded. Training reads the
     # shards, so it sees the downloaded ones either way.
@@ -140,6 +127,9 @@ class FilterConfig:
     def __post_init__(self) -> None:
         require(all(n.strip() for n in self.names), "names", "must not hold an empty filter name", self.names)
         require(len(set(self.names)) == len(self.names), "names", "must not repeat a filter", self.names)
+        from pipeline.filters.specs import parse_filter_specs  # each spec typed by its filters' classes
+
+        parse_filter_specs(list(self.names), "names")
 
 
 @config_class

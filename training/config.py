@@ -45,6 +45,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from pipeline.common.components import one_of
 from pipeline.common.config import (
     ConfigError,
     NonNegative,
@@ -57,7 +58,7 @@ from pipeline.common.config import (
     require,
     to_dict,
 )
-from training.losses.names import LOSS_NAMES
+from training.losses.objectives import LossConfig, ProLIPLossConfig
 from training.model.config import MODEL_CONFIGS
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -147,33 +148,6 @@ class DataConfig:
             f"needs text_mask_mode='salient' (text_mask_mode is {self.text_mask_mode!r})",
             self.salient_share,
         )
-
-
-@config_class
-class LossConfig:
-    """Objective and its weights; which fields reach which loss is declared by its ``LossSpec``
-    (training/losses/registry.py; the names in training/losses/names.py)."""
-
-    name: str = "prolip"  # prolip, siglip, clip or pcmepp (training/losses/names.py)
-    # Sigmoid losses (prolip, siglip): initial logit bias b. SigLIP's −10 ≈ −log(32k), i.e. p ≈ 1/B at its
-    # batch of 32k; at a small batch, −log(B) starts at the same prior instead of first collapsing every
-    # embedding together to lift all logits (the plateau of docs/environment.md at B = 128).
-    init_bias: float = -10.0
-    alpha1: float = 1e-7  # ProLIP L_inc(v ⊂ t) weight (B.1)
-    alpha2: float = 1e-3  # masked inclusion weight (B.1)
-    beta: float = 1e-4  # VIB weight (official runs)
-    c: float = 1000.0  # inclusion-loss scale, with log ε = −20 (paper's runs)
-    log_eps: float = -20.0  # inclusion loss: log ε inside its log (paper's runs)
-    # How the inclusion and VIB terms reduce over the D dimensions (docs/fidelity.md): "joint" = the paper's
-    # formulas (one sigmoid per sample on H summed over d; KL summed over d), "official" = the official
-    # code's (one sigmoid per dimension, inclusion and KL averaged over d), under which α₁, α₂, β were tuned.
-    reduction: Literal["joint", "official"] = "joint"
-    pcme_alpha: float = 0.1  # PCME++ pseudo-positive weight
-    pcme_beta: float = 1e-4  # PCME++ VIB weight
-    mix_fraction: float = 0.25  # PCME++ Mixup/CutMix share of a local batch
-
-    def __post_init__(self) -> None:
-        require(self.name in LOSS_NAMES, "name", f"must be one of {', '.join(LOSS_NAMES)}", self.name)
 
 
 @config_class
@@ -269,7 +243,9 @@ class TrainConfig:
     compile: bool = False
     seed: Seed = 0  # model initialisation (and the data order when data.shuffle_seed is set by the track)
     data: DataConfig = field(default_factory=DataConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
+    # The objective and its parameters (training/losses/objectives.py): ``--set loss.name=clip``,
+    # ``--set loss.beta=2e-4`` or the shorthand ``--set loss=pcmepp:alpha=0.2``.
+    loss: one_of(LossConfig) = field(default_factory=ProLIPLossConfig)  # type: ignore[valid-type]
     optim: OptimConfig = field(default_factory=OptimConfig)
     scaling: WorkersConfig = field(default_factory=WorkersConfig)
     run: RunOutputConfig = field(default_factory=RunOutputConfig)
@@ -309,7 +285,7 @@ class TrainConfig:
         )
 
     def _check_model_fits_loss(self) -> None:
-        if LOSS_NAMES[self.loss.name]:  # e.g. demo-32px-cnn has no [UNC] token for σ²
+        if self.loss.probabilistic:  # e.g. demo-32px-cnn has no [UNC] token for σ²
             try:
                 # a ProLIP appends its own CLS/UNC tokens (training/train/step.py build_module)
                 dataclasses.replace(MODEL_CONFIGS[self.model], probabilistic=True, text_pool="cls")
@@ -374,7 +350,7 @@ TRAIN_PRESETS: dict[str, TrainConfig] = {
             decode_batch_size=256,
             shuffle_window=8192,
         ),
-        loss=LossConfig(name="prolip", alpha1=1e-7, alpha2=1e-3, beta=1e-4),
+        loss=ProLIPLossConfig(),  # B.1's α₁, α₂ and β: ProLIP's defaults
         optim=OptimConfig(lr=5e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.2, warmup_steps=10_000),
         scaling=WorkersConfig(num_workers=32, use_gpu=True, cpus_per_worker=8),
         run=RunOutputConfig(

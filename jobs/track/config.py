@@ -16,9 +16,11 @@ from pydantic import BeforeValidator, Field
 from jobs.track.datacomp.baselines import METADATA_SCORES
 from jobs.track.datacomp.recipe import check_recipe
 from pipeline.common import storage
+from pipeline.common.components import SpecsOf
 from pipeline.common.config import (
     ConfigError,
     Fraction,
+    Names,
     NonNegative,
     NonNegativeFloat,
     OpenFraction,
@@ -29,6 +31,8 @@ from pipeline.common.config import (
     names_from_text,
 )
 from pipeline.config import BUILD_PRESETS, BuildConfig
+from pipeline.filters.registry import Filter
+from pipeline.filters.specs import parse_filter_specs
 from training.config import TRAIN_PRESETS, TrainConfig
 from training.eval.sets import EvalSetError, load_tasks
 
@@ -59,8 +63,8 @@ class TrackConfig:
     train: TrainConfig = field(default_factory=lambda: TRAIN_PRESETS["demo"])  # one per subset and seed
     # one model per subset and seed: no_filter, basic, english, text_based, image_based (the build's), csd,
     # csd_uncertainty, clip_score_l14 (L/14 at csd_fraction), clip_score_l14_30, clip_score_b32_30,
-    # scorer_cosine, random
-    subsets: Annotated[tuple[SubsetKind, ...], BeforeValidator(names_from_text)] = (
+    # scorer_cosine, random; or the label of any other subset of build.filters.names or of filters
+    subsets: Annotated[tuple[str, ...], BeforeValidator(names_from_text)] = (
         "no_filter",
         "basic",
         "csd",
@@ -74,6 +78,9 @@ class TrackConfig:
     # … and those below this one (0 = none; docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md)
     text_unc_low_quantile: Fraction = 0.0
     random_of: str = "csd"  # the random control matches this subset's size
+    # More subsets chosen on the scorer's scores (or the pool's embeddings), as filter specs
+    # (pipeline/filters/specs.py, e.g. csd_ucb:k=2,label=ucb2): one model each where subsets names its label.
+    filters: Annotated[Names, SpecsOf(Filter)] = field(default_factory=list)
     # csd_ucb: CSD + ucb_k standard deviations of ‖z_v − z_t‖²; csd_inclusion: the inclusion_quantile of
     # pairs least included in their caption go first; csd_posterior: csd_fraction entries drawn by the
     # scorer's match posterior (its trained logit scale and bias). All at csd_fraction.
@@ -137,7 +144,11 @@ class TrackConfig:
                 f"text_unc_low_quantile must be in [0, text_unc_quantile={self.text_unc_quantile}), "
                 f"got {self.text_unc_low_quantile}"
             )
-        from_build = [s for s in self.subsets if s in BUILD_SUBSETS and s not in self.build.filters.names]
+        self._check_subset_names()
+        built = [
+            spec.label for spec in parse_filter_specs(list(self.build.filters.names), "build.filters.names")
+        ]
+        from_build = [s for s in self.subsets if s in BUILD_SUBSETS and s not in built]
         self._check_starts()
         if from_build and not self.start_shards:
             raise ConfigError(f"build.filters.names: add {from_build} (subsets takes them from the build)")
@@ -149,6 +160,16 @@ class TrackConfig:
             )
         self._check_one_tokenizer()
         check_recipe(self, RECIPES)
+
+    def _check_subset_names(self) -> None:
+        """Each subset is a kind of the track, or the label of a build subset or of a spec in ``filters``."""
+        built = parse_filter_specs(list(self.build.filters.names), "build.filters.names")
+        extra = parse_filter_specs(self.filters, "filters", known=SUBSET_KINDS) if self.filters else []
+        labels = {*SUBSET_KINDS, *(s.label for s in built), *(s.label for s in extra)}
+        unknown = [s for s in self.subsets if s not in labels]
+        if unknown:
+            raise ConfigError(f"subsets: {unknown} are neither subset kinds ({', '.join(SUBSET_KINDS)}) nor labels "
+                              "of build.filters.names or filters")  # fmt: skip
 
     def _scorer_kind(self) -> str:
         """The scorer's objective family: an imported open_clip model is a CLIP."""

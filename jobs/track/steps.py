@@ -159,7 +159,7 @@ def subset_specs(cfg: TrackConfig, scalars: tuple[float, float] = (10.0, -10.0))
         "scorer_cosine": f"clip_score_best:fraction={cfg.clip_fraction}",
         "random": f"random_same_size:of={cfg.random_of},seed={cfg.seeds[0]}",
     }
-    return [f"{specs[name]},label={name}" for name in cfg.subsets if name in specs]
+    return [f"{specs[name]},label={name}" for name in cfg.subsets if name in specs] + [*cfg.filters]
 
 
 def make_subsets(
@@ -173,7 +173,12 @@ def make_subsets(
 
     p = paths(cfg)
     store = Storage.from_env(cfg.s3_endpoint)
-    from_build = [name for name in cfg.subsets if name not in _SCORE_SUBSETS]
+    extra = (
+        {s.label for s in parse_filter_specs(cfg.filters, "filters", known=cfg.subsets)}
+        if cfg.filters
+        else set()
+    )
+    from_build = [name for name in cfg.subsets if name not in (*_SCORE_SUBSETS, *extra)]
     scores = read_scores(scores_path, store)
     scored = set(scores.column("uid").to_pylist())  # every downloaded sample was scored
     listed, sizes = {}, {}
@@ -190,7 +195,9 @@ def make_subsets(
     specs = parse_filter_specs(subset_specs(cfg, scalars), "subsets", known=from_build)
     results = run_filters(scores, specs, store=store, sizes=sizes)
     # Named by rule so they never overwrite the build's own subsets (its ``random`` is another draw).
-    files = {s.label: storage.join(p["subsets"], f"{s.name}.npy") for s in specs}
+    files = {
+        s.label: storage.join(p["subsets"], f"{s.label if s.label in extra else s.name}.npy") for s in specs
+    }
     written = write_subsets(store, scores, results, files)
     sizes.update(written)  # a control may be sized like a score subset (of=csd)
     out: dict[str, Any] = {}

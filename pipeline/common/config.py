@@ -38,6 +38,7 @@ class ConfigError(UsageError, ValueError):
 
 _PYDANTIC = ConfigDict(extra="forbid", strict=True, coerce_numbers_to_str=True, revalidate_instances="never")
 _LAX = {"lax": True}  # validation context of values read from text
+COMPONENT_ERROR = "component: "  # a component field's message, whose leading key continues the field's
 
 
 def config_class(cls: type[T]) -> type[T]:
@@ -134,9 +135,14 @@ def describe(exc: ValidationError, root: type, prefix: str = "") -> str:
         return f"unknown config key {key}{known}{more}"
     if kind in ("missing_argument", "missing"):
         return f"{key}: required{more}"
+    if kind == "value_error" and COMPONENT_ERROR in str(msg):
+        text = str(msg).split(COMPONENT_ERROR, 1)[1]
+        if text.startswith("unknown config key "):
+            return f"unknown config key {key}.{text.removeprefix('unknown config key ')}{more}"
+        return (f"{key}.{text}" if re.match(r"^[a-z_][\w.\[\]]*:? ", text) else f"{key}: {text}") + more
     if kind == "value_error":
         text = str(msg).removeprefix("Value error, ")
-        return (f"{key}.{text}" if key and re.match(r"^[a-z_][\w.\[\]]* ", text) else
+        return (f"{key}.{text}" if key and re.match(r"^[a-z_][\w.\[\]]*:? ", text) else
                 f"{key}: {text}" if key else text) + more  # fmt: skip
     value = err.get("input")
     shown = "" if isinstance(value, Mapping) or " got " in msg else f", got {value!r}"
@@ -167,7 +173,13 @@ def _overlay(cfg: Any, updates: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     for key, value in updates.items():
         current = out.get(key)
-        if dataclasses.is_dataclass(current) and isinstance(value, Mapping):
+        if (
+            getattr(current, "family", "")
+            and isinstance(value, Mapping)
+            and value.get("name", current.name) != current.name
+        ):
+            out[key] = dict(value)  # another component (pipeline/common/components.py): its own defaults
+        elif dataclasses.is_dataclass(current) and isinstance(value, Mapping):
             out[key] = _overlay(current, value)
         else:
             out[key] = value  # an unknown key is named by the validation

@@ -21,7 +21,7 @@ import tokenize
 import types
 import typing
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 _NOISE = ("fmt: skip", "fmt: off", "fmt: on", "noqa", "type: ignore")
 
@@ -161,7 +161,9 @@ def key_docs(cfg: Any, prefix: str = "") -> Iterator[KeyDoc | tuple[str, str]]:
     meanings = field_comments(cls)
     for f in dataclasses.fields(cls):
         key, value = prefix + f.name, getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value) and dataclasses.is_dataclass(_unwrap(hints[f.name])):
+        if f.name == "name" and hasattr(cfg, "members"):  # a component: its name picks the class
+            yield KeyDoc(key, "one of " + ", ".join(cfg.members()), value, meanings.get(f.name, ""))
+        elif dataclasses.is_dataclass(value):
             doc = (type(value).__doc__ or "").strip().splitlines()
             yield key, meanings.get(f.name) or (doc[0] if doc else type(value).__name__)
             yield from key_docs(value, key + ".")
@@ -176,14 +178,52 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
+def _families(cfg: Any) -> dict[str, type]:
+    """Family name → base class of every component (``pipeline/common/components.py``) ``cfg`` holds."""
+    out: dict[str, type] = {}
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        for mark in (
+            typing.get_args(hints[f.name])[1:] if typing.get_origin(hints[f.name]) is Annotated else ()
+        ):
+            if hasattr(mark, "base"):  # a field of shorthand strings (pipeline.common.components.SpecsOf)
+                out.setdefault(mark.base.family, mark.base)
+        if hasattr(value, "family") and hasattr(value, "members"):  # a component: its family's base
+            out.setdefault(value.family, next(c for c in type(value).__mro__ if "family" in c.__dict__))
+        if dataclasses.is_dataclass(value):
+            out.update({k: v for k, v in _families(value).items() if k not in out})
+    return out
+
+
+def component_docs(base: type) -> Iterator[tuple[str, list[KeyDoc]]]:
+    """Every member of a component family: (its name and docstring's first line, its parameters)."""
+    for name, cls in base.members().items():  # type: ignore[attr-defined]
+        doc = (cls.__doc__ or "").strip().splitlines()
+        params = [d for d in key_docs(cls()) if isinstance(d, KeyDoc) and d.key != "name"]
+        yield f"{name}: {doc[0] if doc else cls.__name__}", params
+
+
+def _lines(doc: KeyDoc, width: int) -> list[str]:
+    lines = [f"  {doc.key} = {_shown(doc.value)}  ({doc.type})"]
+    if doc.meaning:
+        lines += textwrap.wrap(doc.meaning, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return lines
+
+
 def render_keys(cfg: Any, title: str, width: int = 100) -> str:
-    """``--help-config``'s text: a title, then per key ``key = value  (type)`` and its meaning below."""
+    """``--help-config``'s text: a title, then per key ``key = value  (type)`` and its meaning below; then
+    every member of each component family the config holds (a filter, a loss) with its parameters."""
     lines = [title, ""]
     for doc in key_docs(cfg):
         if isinstance(doc, tuple):
             lines += ["", f"[{doc[0]}] {doc[1]}"]
             continue
-        lines.append(f"  {doc.key} = {_shown(doc.value)}  ({doc.type})")
-        if doc.meaning:
-            lines += textwrap.wrap(doc.meaning, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        lines += _lines(doc, width)
+    for family, base in _families(cfg).items():
+        lines += ["", f"[every {family}: NAME[:key=value,…]]"]
+        for head, params in component_docs(base):
+            lines += [f"  {head}"] + [
+                ln for p in params for ln in _lines(dataclasses.replace(p, key="  " + p.key), width)
+            ]
     return "\n".join(lines) + "\n"

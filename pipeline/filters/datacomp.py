@@ -249,7 +249,7 @@ def clip_score_fraction(
     return clip_score_threshold(table, column, clip_fraction_threshold(scores, fraction, nan_cut))
 
 
-def laion2b(table: Table, threshold: float = 0.28, lang: Any = None) -> FilterResult:
+def laion2b(table: Table, threshold: float, lang: Any = None) -> FilterResult:
     return intersect(english(table, lang), clip_score_threshold(table, S.CLIP_B32, threshold, "laion2b"))
 
 

@@ -1,23 +1,25 @@
-"""The filter registry: every named filter, the parameters a spec may give it (with defaults that type
-them), the columns it reads, and the table it reads (the pool's metadata or model scores).
+"""Every named filter as one class: its typed parameters (each default written here once, with its source),
+the columns and the table it reads, and ``run``, which applies its rule function of
+``pipeline.filters.datacomp``, ``pipeline.filters.embedding``, ``pipeline.filters.text_based`` or
+``pipeline.filters.scores`` to a table.
 
-Each entry adapts ``(table, ctx, **params)`` to a rule function of ``pipeline.filters.datacomp``,
-``pipeline.filters.text_based`` or ``pipeline.filters.scores``; ``pipeline.filters.specs`` parses spec strings against
-this registry and runs them (its docstring has the spec syntax).
+Defining a subclass of ``Filter`` registers it by its ``name`` (``pipeline/common/components.py``): the
+build's ``filters.names``, the filter job and the track then take it by name, and ``--help-config`` lists
+it with its parameters. ``pipeline.filters.specs`` parses spec strings into these classes and runs them
+(its docstring has the spec syntax).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
 
 from pipeline import schema as S
+from pipeline.common.components import Component
 from pipeline.common.config import (
     Finite,
     Fraction,
@@ -29,7 +31,6 @@ from pipeline.common.config import (
     config_class,
 )
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.config import FilterConfig
 from pipeline.filters import datacomp as F
 from pipeline.filters import embedding as C
 from pipeline.filters import scores as SF
@@ -39,6 +40,7 @@ from pipeline.filters.base import FilterError, FilterResult
 
 METADATA, SCORES = "metadata", "scores"  # the table a filter reads: the pool's metadata, or model scores
 SCORE_KEYS = ("uid", "ok")  # every score filter reads these (``training.infer.scoring.SCORE_COLUMNS``)
+_SIZE = (S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT)
 
 
 @dataclass(frozen=True)
@@ -51,149 +53,37 @@ class Context:
     metadata: tuple[str, ...] = ()  # the pool's metadata files: DataComp's embeddings sit beside them
 
 
-@dataclass(frozen=True)
-class Filter:
-    run: Callable[..., FilterResult]  # run(table, ctx, **params)
-    settings: type | None = None  # the parameters a spec may give: a config class (types, ranges, defaults)
-    columns: tuple[str, ...] = ()  # columns read, besides a ``column`` parameter's value
-    table: str = METADATA
-    language: bool = False  # needs fastText labels
+class Filter(Component, family="filter", default="no_filter"):
+    """A named rule over a table: ``run(table, ctx)`` → ``FilterResult`` (a keep mask, a reason per row).
 
-    @property
-    def params(self) -> dict[str, Any]:
+    ``columns``: the columns it reads (besides a ``column`` parameter's value); ``table``: the pool's
+    metadata or model scores; ``language``: needs fastText labels.
+    """
+
+    columns: ClassVar[tuple[str, ...]] = ()
+    table: ClassVar[str] = METADATA
+    language: ClassVar[bool] = False
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
         """Parameter name → default (None for one the spec must give)."""
-        if self.settings is None:
-            return {}
-        return {f.name: f.default for f in dataclasses.fields(self.settings)}
+        return {k: f.default for k, f in cls.__dataclass_fields__.items() if k != "name"}  # type: ignore[attr-defined]
 
-    def needs(self, params: Mapping[str, Any]) -> tuple[str, ...]:
-        return self.columns + ((params["column"],) if "column" in params else ())
+    def needs(self) -> tuple[str, ...]:
+        column = getattr(self, "column", None)
+        return self.columns + ((column,) if column else ())
 
-
-# --- each filter's parameters, declared once (a spec's ``key=value`` is validated against these) --------
-
-
-@config_class
-class RandomParams:
-    fraction: OpenFraction = 0.3
-    seed: Seed = 0
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        raise NotImplementedError
 
 
-@config_class
-class TextBasedParams:
-    method: Literal["wordnet", "lemmas"] = "wordnet"
-    wordnet: str = ""
-    synsets_file: str = ""
-    concepts_file: str = ""
-
-
-@config_class
-class ClipScoreParams:
-    column: str = S.CLIP_L14
-    fraction: Annotated[float, Field(ge=0, lt=1)] = 0.3  # 0 = by threshold
-    threshold: Finite = 0.3
-    nan_cut: Literal["datacomp", "all_scored"] = "datacomp"
-
-
-@config_class
-class Laion2bParams:
-    threshold: Finite = 0.28
-    language_model: Literal["cld3", "fasttext"] = "cld3"
-
-
-@config_class
-class ImageBasedParams:
-    embeddings_file: str = ""
-    centroids_file: str = ""
-    centroid_ids_file: str = ""
-
-
-@config_class
-class NegClipLossParams:
-    fraction: OpenFraction = 0.3  # the paper's top 30% on DataComp small/medium
-    embeddings_file: str = ""  # empty = DataComp's .npz beside each metadata parquet
-    image_key: str = "l14_img"
-    text_key: str = "l14_txt"
-    temperature: PositiveFloat = 0.01  # τ of the teacher CLIP (OpenAI's learned 1/100)
-    batch_size: Positive = 32768
-    batches: Positive = 10  # K random batches per row
-    seed: Seed = 0
-
-
-@config_class
-class NormSimParams:
-    fraction: OpenFraction = 0.3
-    target_file: str = ""  # the target distribution's image embeddings (ImageNet-1k train in the paper)
-    target_key: str = "embedding"
-    embeddings_file: str = ""
-    image_key: str = "l14_img"
-    p: Annotated[float, Field(ge=1)] = 2.0  # 2, or inf for the best match
-
-
-@config_class
-class CsdBestParams:
-    fraction: OpenFraction = 0.2
-
-
-@config_class
-class CsdUncertaintyParams:
-    fraction: OpenFraction = 0.2
-    text_unc_quantile: OpenFraction = 0.9
-    text_unc_low_quantile: Fraction = 0.0  # may be 0; below text_unc_quantile, checked by the rule
-
-
-@config_class
-class CsdUcbParams:
-    fraction: OpenFraction = 0.2
-    k: NonNegativeFloat = 1.0  # standard deviations of ‖z_v − z_t‖² added to CSD
-
-
-@config_class
-class CsdInclusionParams:
-    fraction: OpenFraction = 0.2
-    inclusion_quantile: Annotated[float, Field(ge=0, lt=1)] = 0.1
-
-
-@config_class
-class CsdPosteriorParams:
-    fraction: OpenFraction = 0.2  # entries listed, as a fraction of the scorable rows
-    scale: PositiveFloat = 10.0  # the scorer's logit scale a (exp of its log scale; SigLIP init 10)
-    bias: Finite = -10.0  # and its bias b
-    seed: Seed = 0
-
-
-@config_class
-class ClipScoreBestParams:
-    fraction: OpenFraction = 0.3
-
-
-@config_class
-class ThresholdParams:
-    threshold: Finite = 0.3
-
-
-@config_class
-class SameSizeParams:
-    n_keep: Positive | None = None  # required, unless the spec gives of=LABEL
-    seed: Seed = 0
-
-
-# --- adapters from (table, ctx, **params) to the rule functions -----------------------------------------
+# --- the input files some filters read ------------------------------------------------------------------
 
 
 def _file(name: str, key: str, path: str) -> str:
     if not path:
-        hint = f" (filters.{_CONFIG_KEYS[key]})" if key in _CONFIG_KEYS else ""
-        raise FilterError(f"filter {name!r} needs {key}={hint}")
+        raise FilterError(f"filter {name!r} needs {key}= (e.g. {name}:{key}=PATH)")
     return path
-
-
-def _clip_score(
-    t: Any, ctx: Context, column: str, fraction: float, threshold: float, nan_cut: str
-) -> FilterResult:
-    if fraction > 0:
-        return F.clip_score_fraction(t, column, fraction, nan_cut=nan_cut)
-    return F.clip_score_threshold(t, column, threshold)
 
 
 def _read(name: str, key: str, path: str, store: Storage) -> bytes:
@@ -202,36 +92,6 @@ def _read(name: str, key: str, path: str, store: Storage) -> bytes:
         return store.read_bytes(path)
     except FileNotFoundError as exc:
         raise FilterError(f"filter {name!r}: file not found: {path}") from exc
-
-
-def _text_based(
-    t: Any, ctx: Context, method: str, wordnet: str, synsets_file: str, concepts_file: str
-) -> FilterResult:
-    if method == "lemmas":
-        concepts = T.load_concepts(io.BytesIO(_read("text_based", "concepts_file", concepts_file, ctx.store)))
-        return T.text_based_lemmas(t, concepts, ctx.lang)
-    ids = _read("text_based", "synsets_file", synsets_file, ctx.store).decode("utf-8").splitlines()
-    try:
-        wn = WN.WordNet.load(_file("text_based", "wordnet", wordnet), ctx.store)
-        synset_ids = WN.load_synset_ids(ids)
-    except WN.WordNetError as exc:
-        raise FilterError(f"filter 'text_based': {exc}") from exc
-    return T.text_based(t, wn, synset_ids, ctx.lang)
-
-
-def _image_based(
-    t: Any, ctx: Context, embeddings_file: str, centroids_file: str, centroid_ids_file: str
-) -> FilterResult:
-    emb_path = _file("image_based", "embeddings_file", embeddings_file)
-    cen_path = _file("image_based", "centroids_file", centroids_file)
-    ids_path = _file("image_based", "centroid_ids_file", centroid_ids_file)
-    try:
-        emb = C.load_embeddings(emb_path, ctx.store)
-        centroids = C.load_centroids(cen_path, ctx.store)
-        target = C.load_centroid_ids(ids_path, ctx.store)
-    except (FileNotFoundError, ValueError) as exc:
-        raise FilterError(f"filter 'image_based': {exc}") from exc
-    return F.image_based(t, emb, centroids, target, ctx.lang)
 
 
 def _pool_embeddings(name: str, ctx: Context, path: str, keys: tuple[str, ...]) -> list[C.Embeddings]:
@@ -252,100 +112,288 @@ def _pool_embeddings(name: str, ctx: Context, path: str, keys: tuple[str, ...]) 
     return [C.Embeddings(uids, np.concatenate(parts[k])) for k in keys]
 
 
-def _neg_clip_loss(
-    t: Any, ctx: Context, fraction: float, embeddings_file: str, image_key: str, text_key: str,
-    temperature: float, batch_size: int, batches: int, seed: int,
-) -> FilterResult:  # fmt: skip
-    image, text = _pool_embeddings("neg_clip_loss", ctx, embeddings_file, (image_key, text_key))
-    return C.neg_clip_loss(
-        t, (image, text), fraction, tau=temperature, batch_size=batch_size, batches=batches, seed=seed
-    )
+# --- DataComp's baselines, over the pool's metadata (pipeline.filters.datacomp) ---------------------------
 
 
-def _norm_sim(
-    t: Any, ctx: Context, fraction: float, target_file: str, target_key: str, embeddings_file: str,
-    image_key: str, p: float,
-) -> FilterResult:  # fmt: skip
-    target_file = _file("norm_sim", "target_file", target_file)
-    (image,) = _pool_embeddings("norm_sim", ctx, embeddings_file, (image_key,))
-    try:
-        targets = C.load_targets(target_file, ctx.store, target_key)
-    except (FileNotFoundError, ValueError) as exc:
-        raise FilterError(f"filter 'norm_sim': {exc}") from exc
-    return C.norm_sim(t, image, targets, fraction, p)
+@config_class
+class NoFilter(Filter):
+    """Every row (DataComp's no_filter)."""
+
+    name: Literal["no_filter"] = "no_filter"  # the filter
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        return F.no_filter(t)
 
 
-def _laion2b(t: Any, ctx: Context, threshold: float, language_model: str) -> FilterResult:
-    if language_model == "cld3":  # DataComp's laion2b rule used gcld3
-        from pipeline.filters.language import Cld3LanguageId
+@config_class
+class RandomFilter(Filter):
+    """A seeded random share of the pool (DataComp's random baseline)."""
 
-        return F.laion2b(t, threshold, Cld3LanguageId())
-    return F.laion2b(t, threshold, ctx.lang)
+    columns = (S.UID,)
+    name: Literal["random"] = "random"  # the filter
+    fraction: OpenFraction = 0.3  # the share kept (DataComp's random baseline: 30%)
+    seed: Seed = 0  # the draw
 
-
-def _on_scores(rule: Callable[..., FilterResult]) -> Callable[..., FilterResult]:
-    return lambda t, ctx, **params: rule(t, **params)
-
-
-_CONFIG_KEYS = {
-    "wordnet": "text_wordnet",
-    "synsets_file": "text_synsets_file",
-    "concepts_file": "text_concepts_file",
-    "embeddings_file": "image_embeddings_file",
-    "centroids_file": "image_centroids_file",
-    "centroid_ids_file": "image_centroid_ids_file",
-}
-_SIZE = (S.TEXT, S.ORIGINAL_WIDTH, S.ORIGINAL_HEIGHT)
-FILTERS: dict[str, Filter] = {
-    # DataComp's baselines, over the pool's metadata (pipeline.filters.datacomp).
-    "no_filter": Filter(lambda t, ctx: F.no_filter(t)),
-    "random": Filter(lambda t, ctx, **p: F.random_subset(t, **p), RandomParams, (S.UID,)),
-    "english": Filter(lambda t, ctx: F.english(t, ctx.lang), None, (S.TEXT,), language=True),
-    "basic": Filter(lambda t, ctx: F.basic(t, ctx.lang), None, _SIZE, language=True),
-    "text_based": Filter(_text_based, TextBasedParams, (S.TEXT,), language=True),
-    "clip_score": Filter(_clip_score, ClipScoreParams),
-    "laion2b": Filter(_laion2b, Laion2bParams, (S.CLIP_B32, S.TEXT), language=True),
-    "image_based": Filter(_image_based, ImageBasedParams, (S.UID, S.TEXT), language=True),
-    # On embeddings alone, keyed by uid (pipeline.filters.embedding): any table with a uid column.
-    "neg_clip_loss": Filter(_neg_clip_loss, NegClipLossParams, (S.UID,)),
-    "norm_sim": Filter(_norm_sim, NormSimParams, (S.UID,)),
-    # Our model's scores (pipeline.filters.scores over training.infer.scoring's table).
-    "csd_best": Filter(_on_scores(SF.csd_best), CsdBestParams, (*SCORE_KEYS, "csd"), SCORES),
-    "csd_uncertainty_aware": Filter(
-        _on_scores(SF.csd_uncertainty_aware), CsdUncertaintyParams, (*SCORE_KEYS, "csd", "text_unc"), SCORES
-    ),
-    "csd_ucb": Filter(_on_scores(SF.csd_ucb), CsdUcbParams, (*SCORE_KEYS, "csd", "csd_std"), SCORES),
-    "csd_inclusion": Filter(
-        _on_scores(SF.csd_inclusion), CsdInclusionParams, (*SCORE_KEYS, "csd", "inclusion"), SCORES
-    ),
-    "csd_posterior": Filter(
-        _on_scores(SF.csd_posterior),
-        CsdPosteriorParams,
-        (*SCORE_KEYS, "csd", "dot", "image_unc", "text_unc"),
-        SCORES,
-    ),
-    "clip_score_best": Filter(
-        _on_scores(SF.clip_score_best), ClipScoreBestParams, (*SCORE_KEYS, "cosine"), SCORES
-    ),
-    "clip_score_threshold": Filter(
-        _on_scores(SF.clip_score_threshold), ThresholdParams, (*SCORE_KEYS, "cosine"), SCORES
-    ),
-    "random_same_size": Filter(_on_scores(SF.random_same_size), SameSizeParams, SCORE_KEYS, SCORES),
-}
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        return F.random_subset(t, self.fraction, self.seed)
 
 
-def config_params(cfg: FilterConfig) -> dict[str, dict[str, Any]]:
-    """The build's ``FilterConfig`` fields as per-filter parameters (a spec's own ``key=value`` wins)."""
-    return {
-        "random": {"fraction": cfg.random_fraction, "seed": cfg.random_seed},
-        "clip_score": {
-            "column": cfg.clip_column,
-            "fraction": cfg.clip_fraction,
-            "threshold": cfg.clip_threshold,
-        },
-        "laion2b": {"threshold": cfg.laion_threshold},
-        "text_based": {
-            k: getattr(cfg, _CONFIG_KEYS[k]) for k in ("wordnet", "synsets_file", "concepts_file")
-        },
-        "image_based": {k: getattr(cfg, _CONFIG_KEYS[k]) for k in FILTERS["image_based"].params},
-    }
+@config_class
+class English(Filter):
+    """English captions by fastText (DataComp's language filter)."""
+
+    columns = (S.TEXT,)
+    language = True
+    name: Literal["english"] = "english"  # the filter
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        return F.english(t, ctx.lang)
+
+
+@config_class
+class Basic(Filter):
+    """DataComp's basic filter: English, caption length, image size and aspect."""
+
+    columns = _SIZE
+    language = True
+    name: Literal["basic"] = "basic"  # the filter
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        return F.basic(t, ctx.lang)
+
+
+@config_class
+class TextBased(Filter):
+    """Captions naming an ImageNet-21k concept (DataComp's text-based filter)."""
+
+    columns = (S.TEXT,)
+    language = True
+    name: Literal["text_based"] = "text_based"  # the filter
+    method: Literal["wordnet", "lemmas"] = "wordnet"  # WordNet synsets, or DataComp's lemma list
+    wordnet: str = ""  # a WordNet 3.0 dict directory or nltk's wordnet.zip
+    synsets_file: str = ""  # DataComp's ImageNet-21k synset id list
+    concepts_file: str = ""  # method=lemmas only: the concept lemmas
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        if self.method == "lemmas":
+            data = _read("text_based", "concepts_file", self.concepts_file, ctx.store)
+            return T.text_based_lemmas(t, T.load_concepts(io.BytesIO(data)), ctx.lang)
+        ids = _read("text_based", "synsets_file", self.synsets_file, ctx.store).decode("utf-8").splitlines()
+        try:
+            wn = WN.WordNet.load(_file("text_based", "wordnet", self.wordnet), ctx.store)
+            synset_ids = WN.load_synset_ids(ids)
+        except WN.WordNetError as exc:
+            raise FilterError(f"filter 'text_based': {exc}") from exc
+        return T.text_based(t, wn, synset_ids, ctx.lang)
+
+
+@config_class
+class ClipScore(Filter):
+    """Top CLIP scores of the metadata (DataComp's CLIP-score filter), by fraction or threshold."""
+
+    name: Literal["clip_score"] = "clip_score"  # the filter
+    column: str = S.CLIP_L14  # the metadata column ranked
+    # The share kept; 0 = keep scores at or above ``threshold`` instead. DataComp's get_threshold indexes
+    # past the end at 1: it has no top-100% threshold (no_filter keeps every row).
+    fraction: Annotated[float, Field(ge=0, lt=1)] = 0.3
+    threshold: Finite = 0.3  # with fraction=0 (DataComp's L/14 threshold 0.3)
+    nan_cut: Literal["datacomp", "all_scored"] = "datacomp"  # which rows a fraction counts
+
+    @classmethod
+    def upgrade(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``threshold=`` given without ``fraction=`` asks for the threshold rule."""
+        return {**data, "fraction": 0.0} if "threshold" in data and "fraction" not in data else data
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        if self.fraction > 0:
+            return F.clip_score_fraction(t, self.column, self.fraction, nan_cut=self.nan_cut)
+        return F.clip_score_threshold(t, self.column, self.threshold)
+
+
+@config_class
+class Laion2b(Filter):
+    """LAION-2B's rule: English and a CLIP B/32 score at or above the threshold."""
+
+    columns = (S.CLIP_B32, S.TEXT)
+    language = True
+    name: Literal["laion2b"] = "laion2b"  # the filter
+    threshold: Finite = 0.28  # CLIP B/32 score threshold (LAION-2B's rule)
+    language_model: Literal["cld3", "fasttext"] = "cld3"  # DataComp's laion2b rule used gcld3
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        if self.language_model == "cld3":
+            from pipeline.filters.language import Cld3LanguageId
+
+            return F.laion2b(t, self.threshold, Cld3LanguageId())
+        return F.laion2b(t, self.threshold, ctx.lang)
+
+
+@config_class
+class ImageBased(Filter):
+    """Images nearest an ImageNet-1k centroid kept (DataComp's image-based filter)."""
+
+    columns = (S.UID, S.TEXT)
+    language = True
+    name: Literal["image_based"] = "image_based"  # the filter
+    embeddings_file: str = ""  # the pool's CLIP L/14 image embeddings (.npz, .npy, .parquet)
+    centroids_file: str = ""  # DataComp's ImageNet-1k cluster centroids
+    centroid_ids_file: str = ""  # the centroids' cluster ids to keep
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        emb_path = _file("image_based", "embeddings_file", self.embeddings_file)
+        cen_path = _file("image_based", "centroids_file", self.centroids_file)
+        ids_path = _file("image_based", "centroid_ids_file", self.centroid_ids_file)
+        try:
+            emb = C.load_embeddings(emb_path, ctx.store)
+            centroids = C.load_centroids(cen_path, ctx.store)
+            target = C.load_centroid_ids(ids_path, ctx.store)
+        except (FileNotFoundError, ValueError) as exc:
+            raise FilterError(f"filter 'image_based': {exc}") from exc
+        return F.image_based(t, emb, centroids, target, ctx.lang)
+
+
+# --- on embeddings alone, keyed by uid (pipeline.filters.embedding): any table with a uid column ----------
+
+
+@config_class
+class NegClipLoss(Filter):
+    """negCLIPLoss (Wang et al. 2024): the CLIP score less its batch-normalising term."""
+
+    columns = (S.UID,)
+    name: Literal["neg_clip_loss"] = "neg_clip_loss"  # the filter
+    fraction: OpenFraction = 0.3  # the paper's top 30% on DataComp small/medium
+    embeddings_file: str = ""  # empty = DataComp's .npz beside each metadata parquet
+    image_key: str = "l14_img"  # the image embeddings' array
+    text_key: str = "l14_txt"  # the text embeddings' array
+    temperature: PositiveFloat = 0.01  # τ of the teacher CLIP (OpenAI's learned 1/100)
+    batch_size: Positive = 32768  # rows per random batch (the paper's)
+    batches: Positive = 10  # K random batches per row
+    seed: Seed = 0  # the batches' draw
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        keys = (self.image_key, self.text_key)
+        image, text = _pool_embeddings("neg_clip_loss", ctx, self.embeddings_file, keys)
+        return C.neg_clip_loss(t, (image, text), self.fraction, tau=self.temperature,
+                               batch_size=self.batch_size, batches=self.batches, seed=self.seed)  # fmt: skip
+
+
+@config_class
+class NormSim(Filter):
+    """NormSim (Wang et al. 2024): closeness of each image to a target distribution."""
+
+    columns = (S.UID,)
+    name: Literal["norm_sim"] = "norm_sim"  # the filter
+    fraction: OpenFraction = 0.3  # the share kept (the paper's 30%)
+    target_file: str = ""  # the target distribution's image embeddings (ImageNet-1k train in the paper)
+    target_key: str = "embedding"  # the target file's array
+    embeddings_file: str = ""  # empty = DataComp's .npz beside each metadata parquet
+    image_key: str = "l14_img"  # the image embeddings' array
+    p: Annotated[float, Field(ge=1)] = 2.0  # 2, or inf for the best match
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        target_file = _file("norm_sim", "target_file", self.target_file)
+        (image,) = _pool_embeddings("norm_sim", ctx, self.embeddings_file, (self.image_key,))
+        try:
+            targets = C.load_targets(target_file, ctx.store, self.target_key)
+        except (FileNotFoundError, ValueError) as exc:
+            raise FilterError(f"filter 'norm_sim': {exc}") from exc
+        return C.norm_sim(t, image, targets, self.fraction, self.p)
+
+
+# --- our model's scores (pipeline.filters.scores over training.infer.scoring's table) -------------------
+
+
+class _OnScores(Filter):
+    """A rule of ``pipeline.filters.scores`` called with every parameter."""
+
+    table = SCORES
+    rule: ClassVar[str]
+
+    def run(self, t: Any, ctx: Context) -> FilterResult:
+        return getattr(SF, self.rule)(t, **self.params())
+
+
+@config_class
+class CsdBest(_OnScores):
+    """The pairs of lowest CSD (ProLIP App. C.8)."""
+
+    columns, rule = (*SCORE_KEYS, "csd"), "csd_best"
+    name: Literal["csd_best"] = "csd_best"  # the filter
+    fraction: OpenFraction = 0.2  # the share kept (ProLIP App. C.8: 20% of DataComp)
+
+
+@config_class
+class CsdUncertaintyAware(_OnScores):
+    """Lowest CSD after the most uncertain captions (ProLIP App. C.8)."""
+
+    columns, rule = (*SCORE_KEYS, "csd", "text_unc"), "csd_uncertainty_aware"
+    name: Literal["csd_uncertainty_aware"] = "csd_uncertainty_aware"  # the filter
+    fraction: OpenFraction = CsdBest.fraction  # the share kept
+    # captions above this Σσ²_t quantile go first (1 = none)
+    text_unc_quantile: OpenFraction = 0.9
+    # … and those below this one (0 = none; below text_unc_quantile, checked by the rule;
+    # docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md)
+    text_unc_low_quantile: Fraction = 0.0
+
+
+@config_class
+class CsdUcb(_OnScores):
+    """Lowest CSD plus k standard deviations of ‖z_v − z_t‖² (docs/decisions/0052)."""
+
+    columns, rule = (*SCORE_KEYS, "csd", "csd_std"), "csd_ucb"
+    name: Literal["csd_ucb"] = "csd_ucb"  # the filter
+    fraction: OpenFraction = CsdBest.fraction  # the share kept
+    k: NonNegativeFloat = 1.0  # standard deviations of ‖z_v − z_t‖² added to CSD
+
+
+@config_class
+class CsdInclusion(_OnScores):
+    """Lowest CSD after the pairs least included in their caption (docs/decisions/0052)."""
+
+    columns, rule = (*SCORE_KEYS, "csd", "inclusion"), "csd_inclusion"
+    name: Literal["csd_inclusion"] = "csd_inclusion"  # the filter
+    fraction: OpenFraction = CsdBest.fraction  # the share kept
+    inclusion_quantile: Annotated[float, Field(ge=0, lt=1)] = 0.1  # the least-included share dropped first
+
+
+@config_class
+class CsdPosterior(_OnScores):
+    """Entries drawn by the scorer's match posterior (docs/decisions/0052)."""
+
+    columns, rule = (*SCORE_KEYS, "csd", "dot", "image_unc", "text_unc"), "csd_posterior"
+    name: Literal["csd_posterior"] = "csd_posterior"  # the filter
+    fraction: OpenFraction = CsdBest.fraction  # entries listed, as a fraction of the scorable rows
+    scale: PositiveFloat = 10.0  # the scorer's logit scale a (exp of its log scale; SigLIP init 10)
+    bias: Finite = -10.0  # and its bias b (SigLIP's init)
+    seed: Seed = 0  # the draw
+
+
+@config_class
+class ClipScoreBest(_OnScores):
+    """The pairs of highest cosine of our own scorer."""
+
+    columns, rule = (*SCORE_KEYS, "cosine"), "clip_score_best"
+    name: Literal["clip_score_best"] = "clip_score_best"  # the filter
+    fraction: OpenFraction = ClipScore.fraction  # the share kept (DataComp's CLIP-score 30%)
+
+
+@config_class
+class ClipScoreThreshold(_OnScores):
+    """The pairs whose cosine of our own scorer is at or above a threshold."""
+
+    columns, rule = (*SCORE_KEYS, "cosine"), "clip_score_threshold"
+    name: Literal["clip_score_threshold"] = "clip_score_threshold"  # the filter
+    threshold: Finite = ClipScore.threshold  # the lowest cosine kept
+
+
+@config_class
+class RandomSameSize(_OnScores):
+    """A random control of a given size (``of=LABEL``: the size of that subset)."""
+
+    columns, rule = SCORE_KEYS, "random_same_size"
+    name: Literal["random_same_size"] = "random_same_size"  # the filter
+    n_keep: Positive | None = None  # required, unless the spec gives of=LABEL
+    seed: Seed = 0  # the draw
+
+
+FILTERS: dict[str, type[Filter]] = Filter.members()  # every filter by name, live (a later class joins)

@@ -94,7 +94,7 @@ def status_digest(table: pa.Table) -> str:
 def _is_path_key(key: str) -> bool:
     """Settings and spec parameters that name an input file or directory (and nothing else: a relative
     name such as ``metadata`` or ``cld3`` must never be read as a path)."""
-    return key.endswith("_file") or key in ("wordnet", "text_wordnet", "language_model")
+    return key.endswith("_file") or key in ("wordnet", "language_model")
 
 
 def _input_files(cfg: BuildConfig, specs: list[FilterSpec]) -> list[str]:

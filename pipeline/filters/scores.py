@@ -113,7 +113,7 @@ def _keep_first(order: np.ndarray, n_keep: int, reason: np.ndarray, why: str) ->
 # --- filters ------------------------------------------------------------------------------------------
 
 
-def csd_best(scores: Scores, fraction: float = 0.2) -> FilterResult:
+def csd_best(scores: Scores, fraction: float) -> FilterResult:
     """Keep the round(fraction·n_ok) smallest-CSD rows (Eq. 1; App. C.8 keeps 20%)."""
     _check_fraction("fraction", fraction)
     uids, csd, reason = _scorable(scores, "csd")
@@ -151,7 +151,7 @@ def csd_uncertainty_aware(
     return _keep_first(order, _round(fraction * n_ok), reason, f"csd_not_in_best_{_pct(fraction)}")
 
 
-def csd_ucb(scores: Scores, fraction: float = 0.2, k: float = 1.0) -> FilterResult:
+def csd_ucb(scores: Scores, fraction: float, k: float) -> FilterResult:
     """Keep the round(fraction·n_ok) rows with the smallest CSD + k·csd_std."""
     _check_fraction("fraction", fraction)
     uids, csd, reason = _scorable(scores, "csd")
@@ -164,7 +164,7 @@ def csd_ucb(scores: Scores, fraction: float = 0.2, k: float = 1.0) -> FilterResu
     return _keep_first(order, _round(fraction * len(rows)), reason, f"csd_ucb_not_in_best_{_pct(fraction)}")
 
 
-def csd_inclusion(scores: Scores, fraction: float = 0.2, inclusion_quantile: float = 0.1) -> FilterResult:
+def csd_inclusion(scores: Scores, fraction: float, inclusion_quantile: float) -> FilterResult:
     """Drop the round(q·n_ok) rows with the smallest H(Z_v ⊂ Z_t), then keep round(fraction·n_ok)
     smallest CSD among the rest."""
     _check_fraction("fraction", fraction)
@@ -212,7 +212,7 @@ def csd_posterior(
     return WeightedResult(count > 0, reason, count)
 
 
-def clip_score_best(scores: Scores, fraction: float = 0.3) -> FilterResult:
+def clip_score_best(scores: Scores, fraction: float) -> FilterResult:
     """Keep the round(fraction·n_ok) rows with the largest cosine (DataComp CLIP score), ties by uid."""
     _check_fraction("fraction", fraction)
     uids, cosine, reason = _scorable(scores, "cosine")
@@ -221,7 +221,7 @@ def clip_score_best(scores: Scores, fraction: float = 0.3) -> FilterResult:
     return _keep_first(order, _round(fraction * len(rows)), reason, f"clip_score_not_in_top_{_pct(fraction)}")
 
 
-def clip_score_threshold(scores: Scores, threshold: float = 0.3) -> FilterResult:
+def clip_score_threshold(scores: Scores, threshold: float) -> FilterResult:
     """Keep rows with cosine ≥ threshold (DataComp's threshold rule)."""
     _, cosine, reason = _scorable(scores, "cosine")
     below = (reason == "") & ~(cosine >= threshold)

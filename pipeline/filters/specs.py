@@ -20,9 +20,9 @@ i.e. ``random_same_size`` — sizes it like the subset labelled LABEL: the rando
 ``csd_best:fraction=0.1,label=csd10``, ``random_same_size:of=csd_best,seed=0``. A comma-separated
 string of specs is split where an item is not a bare ``key=value`` (``parse_filter_specs``).
 
-Parameters resolve as: the registry's default, then the build's ``FilterConfig`` field
-(``config_params``), then the spec's own ``key=value``. ``clip_score`` keeps DataComp's two forms: a
-``fraction`` > 0 wins; a spec giving ``threshold=`` but no ``fraction=`` means the threshold rule.
+Parameters resolve as: the filter class's default (``pipeline/filters/registry.py``), then the spec's own
+``key=value``. ``clip_score`` keeps DataComp's two forms: a ``fraction`` > 0 wins; a spec giving
+``threshold=`` but no ``fraction=`` means the threshold rule.
 """
 
 from __future__ import annotations
@@ -40,17 +40,10 @@ from pydantic import TypeAdapter, ValidationError
 from pipeline import schema as S
 from pipeline.common.config import ConfigError, parse_value
 from pipeline.common.storage import LOCAL, Storage
-from pipeline.config import FilterConfig
 from pipeline.filters import base
 from pipeline.filters import datacomp as F
 from pipeline.filters.base import FilterResult
-from pipeline.filters.registry import (
-    FILTERS,
-    METADATA,
-    Context,
-    Filter,
-    config_params,
-)
+from pipeline.filters.registry import FILTERS, METADATA, Context, Filter
 
 # --- spec strings -------------------------------------------------------------------------------------
 
@@ -72,7 +65,8 @@ class FilterSpec:
 
     @property
     def filters(self) -> list[Filter]:
-        return [FILTERS[name] for name, _ in self.parts]
+        """Each part as its filter object (the class's defaults under the spec's parameters)."""
+        return [part(name, given) for name, given in self.parts]
 
 
 def _typed(settings: type, name: str, text: str, key: str) -> Any:
@@ -101,7 +95,7 @@ def _parse_part(piece: str, text: str, key: str) -> tuple[str, dict[str, Any], d
     name = name.strip()
     if name not in FILTERS:
         raise ConfigError(f"{key}: unknown filter {name!r} in {text!r} (known: {', '.join(sorted(FILTERS))})")
-    allowed = FILTERS[name].params
+    allowed = FILTERS[name].defaults()
     params: dict[str, Any] = {}
     spec_keys: dict[str, str] = {}
     for item in (p.strip() for p in rest.replace(";", ",").split(",")):
@@ -116,7 +110,7 @@ def _parse_part(piece: str, text: str, key: str) -> tuple[str, dict[str, Any], d
             known = ", ".join(sorted([*allowed, "label", *(["of"] if "n_keep" in allowed else [])]))
             raise ConfigError(f"{key}.{k}: unknown parameter of {name} (known: {known})")
         else:
-            params[k] = _typed(FILTERS[name].settings, k, v, f"{key}.{k}")
+            params[k] = _typed(FILTERS[name], k, v, f"{key}.{k}")
     if "n_keep" in allowed and "n_keep" not in params and "of" not in spec_keys:
         raise ConfigError(f"{key}.n_keep: {name} needs n_keep=… (or of=LABEL)")
     return name, params, spec_keys
@@ -168,35 +162,33 @@ def parse_filter_specs(items: Any, key: str = "filters", known: Iterable[str] = 
 # --- running specs ------------------------------------------------------------------------------------
 
 
-def resolve_params(
-    name: str, given: Mapping[str, Any], defaults: Mapping[str, Mapping[str, Any]] | None = None
-) -> dict[str, Any]:
-    """Registry default ← ``defaults[name]`` (e.g. ``config_params``) ← the spec's own parameters."""
-    params = {**FILTERS[name].params, **(defaults or {}).get(name, {}), **given}
-    if name == "clip_score" and "threshold" in given and "fraction" not in given:
-        params["fraction"] = 0.0  # the spec asked for the threshold rule
-    return params
+def part(name: str, given: Mapping[str, Any]) -> Filter:
+    """The filter object of one spec part: its class's defaults under the parameters the spec gave."""
+    cls = FILTERS[name]
+    return cls(**{k: v for k, v in cls.upgrade(dict(given)).items() if k != "name"})
 
 
-def required_columns(specs: Sequence[FilterSpec], defaults: Mapping[str, Any] | None = None) -> set[str]:
-    return {
-        c for s in specs for n, given in s.parts for c in FILTERS[n].needs(resolve_params(n, given, defaults))
-    }
+def resolve_params(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """Every parameter of a spec part: the filter's defaults under the spec's own."""
+    return part(name, given).params()
 
 
-def check_build_filters(cfg: FilterConfig, columns: Iterable[str], source: str = "metadata") -> None:
+def required_columns(specs: Sequence[FilterSpec]) -> set[str]:
+    return {c for s in specs for f in s.filters for c in f.needs()}
+
+
+def check_build_filters(cfg: Any, columns: Iterable[str], source: str = "metadata") -> None:
     """Before any download: every filter of the build exists, reads the pool's metadata (not model
     scores), and finds the columns it needs in ``columns`` (the metadata schema of ``source``)."""
     specs = parse_filter_specs(list(cfg.names), "filters.names")
     have = set(columns)
-    defaults = config_params(cfg)
     for spec in specs:
         for name, given in spec.parts:
             if FILTERS[name].table != METADATA:
                 raise ConfigError(
                     f"filters.names: {name!r} filters model scores, not the pool's metadata (use jobs.filter)"
                 )
-            missing = [c for c in FILTERS[name].needs(resolve_params(name, given, defaults)) if c not in have]
+            missing = [c for c in part(name, given).needs() if c not in have]
             if missing:
                 raise S.SchemaError(
                     f"{source}: filter {spec.label!r} ({name}) needs metadata column {missing[0]!r}, "
@@ -212,7 +204,6 @@ def run_filters(
     table: pa.Table | Mapping[str, Any],
     specs: Sequence[FilterSpec],
     *,
-    defaults: Mapping[str, Mapping[str, Any]] | None = None,
     lang: Any = None,
     store: Storage = LOCAL,
     sizes: Mapping[str, int] | None = None,
@@ -225,18 +216,16 @@ def run_filters(
         lang = F.language_labels(table, lang, "english")  # predict once, share across filters
     ctx = Context(lang, store, tuple(metadata))
     sizes = dict(sizes or {})
-    cache: dict[tuple, FilterResult] = {}
+    cache: dict[Filter, FilterResult] = {}
     results: dict[str, FilterResult] = {}
     for spec in sorted(specs, key=lambda s: bool(s.of)):
         parts = []
         for name, given in spec.parts:
-            params = resolve_params(name, given, defaults)
-            if spec.of and "n_keep" in params:
-                params["n_keep"] = sizes[spec.of]
-            cache_key = (name, tuple(sorted(params.items())))
-            if cache_key not in cache:
-                cache[cache_key] = FILTERS[name].run(table, ctx, **params)
-            parts.append(cache[cache_key])
+            sized = spec.of and "n_keep" in FILTERS[name].defaults()
+            rule = part(name, {**given, "n_keep": sizes[spec.of]} if sized else given)
+            if rule not in cache:
+                cache[rule] = rule.run(table, ctx)
+            parts.append(cache[rule])
         results[spec.label] = base.intersect(*parts)
         sizes[spec.label] = int(np.count_nonzero(results[spec.label].keep))
     return {s.label: results[s.label] for s in specs}
@@ -244,15 +233,15 @@ def run_filters(
 
 def apply_filters(
     table: pa.Table | Mapping[str, Any],
-    cfg: FilterConfig,
+    cfg: Any,
     lang: Any = None,
     store: Storage = LOCAL,
     metadata: Sequence[str] = (),
 ) -> dict[str, FilterResult]:
-    """The build's stage: ``cfg.names`` (specs) over the pool's metadata, ``cfg``'s fields as defaults;
-    ``metadata``: its files (embedding filters find DataComp's ``.npz`` beside them)."""
+    """The build's stage: ``cfg.names`` (a ``FilterConfig``'s specs) over the pool's metadata; ``metadata``:
+    its files (embedding filters find DataComp's ``.npz`` beside them)."""
     specs = parse_filter_specs(list(cfg.names), "filters.names")
-    return run_filters(table, specs, defaults=config_params(cfg), lang=lang, store=store, metadata=metadata)
+    return run_filters(table, specs, lang=lang, store=store, metadata=metadata)
 
 
 def apply(spec: str, table: pa.Table | Mapping[str, Any], **kwargs: Any) -> FilterResult:

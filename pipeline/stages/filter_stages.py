@@ -28,8 +28,9 @@ from pipeline.config import FilterConfig
 from pipeline.dedup.curation_stage import leaked_rows
 from pipeline.filters import base
 from pipeline.filters import datacomp as F
+from pipeline.filters import specs as SP
 from pipeline.filters.base import float_column
-from pipeline.filters.registry import FILTERS, Context, config_params
+from pipeline.filters.registry import FILTERS, Context
 from pipeline.filters.specs import needs_language, parse_filter_specs, resolve_params
 from pipeline.stages import score_stages as SS
 from pipeline.stages.buckets import read_bucket, uid_buckets, write_buckets
@@ -96,7 +97,7 @@ def cut_keys(job: FilterJob) -> dict[str, tuple[str, dict]]:
     out = {}
     for spec in job.specs:
         for name, given in spec.parts:
-            params = resolve_params(name, given, config_params(job.filters))
+            params = resolve_params(name, given)
             if (name == "clip_score" and params["fraction"] > 0) or name in ("random", *SS.RANKED):
                 out[SS.cut_key(name, params)] = (name, params)
     return out
@@ -249,7 +250,7 @@ def results(job: FilterJob, table: pa.Table, b: int) -> dict[str, base.FilterRes
     for i, spec in enumerate(specs):
         parts = []
         for j, (name, given) in enumerate(spec.parts):
-            params = resolve_params(name, given, config_params(job.filters))
+            params = resolve_params(name, given)
             key = f"{name}:{sorted(params.items())}"
             if key not in cache:
                 if name == "random":
@@ -261,7 +262,7 @@ def results(job: FilterJob, table: pa.Table, b: int) -> dict[str, base.FilterRes
                 elif name in WHOLE_POOL:
                     cache[key] = whole[(i, j)]
                 else:
-                    cache[key] = FILTERS[name].run(table, ctx, **params)
+                    cache[key] = FILTERS[name](**params).run(table, ctx)
             parts.append(cache[key])
         out[spec.label] = base.intersect(*parts)
     return out
@@ -292,7 +293,7 @@ def whole_pool(job: FilterJob, ij: int) -> dict:
     p = job.finish.parts
     t = p.store.read_parquet([job.finish.pool_rows(b) for b in range(p.pool.n_buckets)])
     t = t.sort_by([(FILE, "ascending"), (ROW, "ascending")])
-    res = FILTERS[name].run(t, Context(None, p.store, job.metadata), **resolve_params(name, given))
+    res = SP.part(name, given).run(t, Context(None, p.store, job.metadata))
     out = pa.table({S.UID: t.column(S.UID), FILE: t.column(FILE), ROW: t.column(ROW),
                     "keep": pa.array(res.keep, pa.bool_()), "reason": pa.array(res.reason.tolist(), pa.string())})  # fmt: skip
     write_buckets(out, uid_buckets(out.column(S.UID), p.pool.n_buckets), job.whole(ij), p.store)

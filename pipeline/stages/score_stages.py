@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from pipeline import schema as S
 from pipeline.filters import base
 from pipeline.filters.base import float_column
-from pipeline.filters.registry import FilterError, config_params
+from pipeline.filters.registry import FilterError
 from pipeline.filters.specs import resolve_params
 from pipeline.stages.buckets import BucketWriter, read_bucket, uid_buckets
 
@@ -53,7 +53,7 @@ def streamed(job: Any) -> list[tuple[str, str, dict]]:
     for spec in job.specs:
         for name, given in spec.parts:
             if name in STREAMED:
-                params = resolve_params(name, given, config_params(job.filters))
+                params = resolve_params(name, given)
                 found[cut_key(name, params)] = (name, params)
     return [(k, *found[k]) for k in sorted(found)]
 

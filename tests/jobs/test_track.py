@@ -404,3 +404,26 @@ def test_in_parallel_keeps_order_lets_the_others_finish_and_raises_the_first_fai
     assert in_parallel(work, [0, 2], 1, lines.append) == [0, 20]  # one at a time: a plain loop
     with pytest.raises(ConfigError, match="train_parallel: input should be greater than 0"):
         merge(TRACK_PRESETS["tiny"], {"train_parallel": 0})
+
+
+def test_more_score_subsets_come_as_filter_specs(tmp_path):
+    """A spec in ``filters`` is one more subset, named by its label, chosen on the scores like csd."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.track.steps import make_subsets
+    from pipeline.schema import u8pairs_to_uids
+    from pipeline.subsets.uid_files import read_subset
+
+    uids = [f"{i:032x}" for i in range(10)]
+    pq.write_table(pa.table({"uid": uids, "ok": [True] * 10, "csd": np.arange(10.0)}), tmp_path / "s.parquet")
+    cfg = merge(TrackConfig(), {"output": str(tmp_path), "subsets": ["csd", "csd30"],
+                                "filters": ["csd_best:fraction=0.3,label=csd30"]})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"filters\[0\]\.fraction: input should be"):
+        merge(cfg, {"filters": ["csd_best:fraction=3,label=csd30"]})
+    out = make_subsets(cfg, {}, str(tmp_path / "s.parquet"), lambda line: None)
+    assert list(out) == ["csd", "csd30"] and out["csd30"]["size"] == 3 and out["csd"]["size"] == 5
+    assert out["csd30"]["rule"] == "csd_best" and out["csd30"]["params"] == {"fraction": 0.3}
+    with open(out["csd30"]["path"], "rb") as fh:
+        assert u8pairs_to_uids(read_subset(fh, out["csd30"]["path"])) == uids[:3]

@@ -58,9 +58,9 @@ def built(ray_local, demo_pool, tmp_path_factory):
     np.save(out / "targets.npy", np.array([0, 3, 4, 9]))
     names = [*cfg.filters.names, f"norm_sim:fraction=0.3,target_file={pool / 'target_embeddings.npy'},{emb}",
              f"neg_clip_loss:fraction=0.3,{emb}"]  # fmt: skip
-    image = {"image_embeddings_file": str(out / "image.npz"), "image_centroids_file": str(out / "centroids.npy"),
-             "image_centroid_ids_file": str(out / "targets.npy")}  # fmt: skip
-    cfg = merge(cfg, {"filters": {"names": [*names, "image_based"], **image}})
+    image = (f"image_based:embeddings_file={out / 'image.npz'},centroids_file={out / 'centroids.npy'},"
+             f"centroid_ids_file={out / 'targets.npy'}")  # fmt: skip
+    cfg = merge(cfg, {"filters": {"names": [*names, image]}})
     return cfg, build(cfg, log=lambda m: None)
 
 
@@ -201,7 +201,8 @@ def test_rerun_reuses_the_filters_until_a_spec_or_the_status_table_changes(built
     }
 
     # A changed spec: that filter's subset is recomputed with the new parameter.
-    changed = merge(again_cfg, {"filters": {"random_fraction": 0.5}})
+    half = [n if n != "random" else "random:fraction=0.5" for n in again_cfg.filters.names]
+    changed = merge(again_cfg, {"filters": {"names": half}})
     logs.clear()
     res = build(changed, log=logs.append)
     assert not any("reusing" in m for m in logs) and any(m.startswith("filter random") for m in logs)

@@ -38,8 +38,8 @@ from torch import Tensor, nn
 
 from training.losses.fused.pairwise import full_precision, pair_sigmoid_loss
 from training.losses.inclusion import REDUCTIONS
+from training.losses.objectives import ProLIPLossConfig, SigLIPLossConfig
 from training.losses.prolip import prolip_objective
-from training.losses.spec import LossSpec
 
 
 def _columns(local: Tensor, gathered: Tensor | None) -> Tensor:
@@ -172,13 +172,13 @@ class ProLIPLoss(nn.Module):
     def __init__(
         self,
         init_log_scale: float = math.log(10.0),
-        init_bias: float = -10.0,
-        alpha1: float = 1e-7,
-        alpha2: float = 1e-3,
-        beta: float = 1e-4,
-        c: float = 1000.0,
-        log_eps: float = -20.0,
-        reduction: str = "joint",
+        init_bias: float = ProLIPLossConfig.init_bias,
+        alpha1: float = ProLIPLossConfig.alpha1,
+        alpha2: float = ProLIPLossConfig.alpha2,
+        beta: float = ProLIPLossConfig.beta,
+        c: float = ProLIPLossConfig.c,
+        log_eps: float = ProLIPLossConfig.log_eps,
+        reduction: str = ProLIPLossConfig.reduction,
     ) -> None:
         super().__init__()
         if reduction not in REDUCTIONS:
@@ -203,7 +203,9 @@ class ProLIPLoss(nn.Module):
 class SigLIPLoss(nn.Module):
     """SigLIP on the means; learnable log a (init log 10) and b (init -10). Log-variances are ignored."""
 
-    def __init__(self, init_log_scale: float = math.log(10.0), init_bias: float = -10.0) -> None:
+    def __init__(
+        self, init_log_scale: float = math.log(10.0), init_bias: float = SigLIPLossConfig.init_bias
+    ) -> None:
         super().__init__()
         self.log_scale = nn.Parameter(torch.tensor(float(init_log_scale)))
         self.bias = nn.Parameter(torch.tensor(float(init_bias)))
@@ -232,26 +234,3 @@ class CLIPLoss(nn.Module):
         log_scale = self.log_scale.clamp(max=MAX_LOG_SCALE)
         loss = clip_loss(mu_v, mu_t, log_scale, **_without(inputs, "logvar_v_all", "logvar_t_all"))
         return {"clip": loss, "total": loss}
-
-
-SPECS = (
-    LossSpec(
-        "prolip",
-        ProLIPLoss,
-        columns=("mu_t", "logvar_t"),
-        terms=("ppcl", "inc_vt", "inc_masked_v", "inc_masked_t", "vib_v", "vib_t"),
-        probabilistic=True,
-        uses_masked=True,
-        config_kwargs=tuple(
-            (k, k) for k in ("alpha1", "alpha2", "beta", "c", "log_eps", "init_bias", "reduction")
-        ),
-    ),
-    LossSpec(
-        "siglip",
-        SigLIPLoss,
-        columns=("mu_t",),
-        terms=("siglip",),
-        config_kwargs=(("init_bias", "init_bias"),),
-    ),
-    LossSpec("clip", CLIPLoss, columns=("mu_v", "mu_t"), terms=("clip",), bias=None),
-)

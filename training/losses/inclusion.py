@@ -15,6 +15,7 @@ from torch import Tensor
 
 from training.losses.fused.pairwise import full_precision, gaussian_kl
 from training.losses.fused.per_sample import inclusion_terms
+from training.losses.objectives import ProLIPLossConfig
 
 _LOG2 = math.log(2.0)
 _LOG_2PI = math.log(2.0 * math.pi)
@@ -74,9 +75,9 @@ def inclusion_loss(
     mu2: Tensor,
     logvar2: Tensor,
     *,
-    c: float = 1000.0,
-    log_eps: float = -20.0,
-    reduction: str = "joint",
+    c: float = ProLIPLossConfig.c,
+    log_eps: float = ProLIPLossConfig.log_eps,
+    reduction: str = ProLIPLossConfig.reduction,
 ) -> Tensor:
     """Inclusion loss per sample (Eq. 5).
 
@@ -93,7 +94,7 @@ def inclusion_loss(
 
 
 @full_precision
-def vib_kl(mu: Tensor, logvar: Tensor, reduction: str = "joint") -> Tensor:
+def vib_kl(mu: Tensor, logvar: Tensor, reduction: str = ProLIPLossConfig.reduction) -> Tensor:
     """VIB term per sample (Eq. A.2): KL(N(mu, sigma^2) || N(0, I)) = -1/2 sum_d (1 + log s - mu^2 - s), s = sigma^2.
 
     ``official``: the same per-dimension KL averaged over d instead of summed (a caller's mean over samples

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from training.losses.contrastive import csd_matrix
 from training.losses.fused.pairwise import full_precision
 from training.losses.inclusion import vib_kl
-from training.losses.spec import LossSpec
+from training.losses.objectives import PCMEppLossConfig
 
 
 @full_precision
@@ -39,8 +39,8 @@ def pcmepp_loss(
     scale: Tensor,
     shift: Tensor,
     *,
-    alpha: float = 0.1,
-    beta: float = 1e-4,
+    alpha: float = PCMEppLossConfig.alpha,
+    beta: float = PCMEppLossConfig.beta,
     soft_labels: Tensor | None = None,
     mu_t_all: Tensor | None = None,
     logvar_t_all: Tensor | None = None,
@@ -97,7 +97,10 @@ def pcmepp_soft_labels(partner_index: Tensor, lam: Tensor, offset: int, n_global
 
 
 def mix_images(
-    images: Tensor, generator: torch.Generator, fraction: float = 0.25, alpha: float = 2.0
+    images: Tensor,
+    generator: torch.Generator,
+    fraction: float = PCMEppLossConfig.mix_fraction,
+    alpha: float = 2.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Mix `fraction` of the float images (B, C, H, W) with another image of the batch (PCME++ Sec. 2.4).
 
@@ -140,7 +143,11 @@ class PCMEppLoss(nn.Module):
     """PCME++ with learnable raw scale a and shift b (init 5, 5), pseudo-positive weight alpha, VIB beta."""
 
     def __init__(
-        self, init_scale: float = 5.0, init_shift: float = 5.0, alpha: float = 0.1, beta: float = 1e-4
+        self,
+        init_scale: float = 5.0,
+        init_shift: float = 5.0,
+        alpha: float = PCMEppLossConfig.alpha,
+        beta: float = PCMEppLossConfig.beta,
     ) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.tensor(float(init_scale)))
@@ -156,19 +163,3 @@ class PCMEppLoss(nn.Module):
         return pcmepp_loss(
             mu_v, logvar_v, mu_t, logvar_t, self.scale, self.shift, alpha=self.alpha, beta=self.beta, **inputs
         )
-
-
-SPECS = (
-    LossSpec(
-        "pcmepp",
-        PCMEppLoss,
-        columns=("mu_t", "logvar_t"),
-        terms=("match", "pseudo_pos", "vib_v", "vib_t"),
-        probabilistic=True,
-        uses_soft_labels=True,
-        config_kwargs=(("pcme_alpha", "alpha"), ("pcme_beta", "beta")),
-        scale="scale",
-        scale_is_log=False,
-        bias="shift",
-    ),
-)

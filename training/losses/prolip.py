@@ -15,6 +15,7 @@ from torch import Tensor
 from training.losses.fused.pairwise import exp_row_sum, full_precision, kl_from_sums, pair_sigmoid_loss
 from training.losses.fused.per_sample import sample_terms
 from training.losses.inclusion import REDUCTIONS
+from training.losses.objectives import ProLIPLossConfig
 
 
 @full_precision
@@ -92,12 +93,12 @@ def prolip_objective(
     logvar_t_masked: Tensor | None = None,
     masked_index: Tensor | None = None,
     n_masked_global: int | None = None,
-    alpha1: float = 1e-7,
-    alpha2: float = 1e-3,
-    beta: float = 1e-4,
-    c: float = 1000.0,
-    log_eps: float = -20.0,
-    reduction: str = "joint",
+    alpha1: float = ProLIPLossConfig.alpha1,
+    alpha2: float = ProLIPLossConfig.alpha2,
+    beta: float = ProLIPLossConfig.beta,
+    c: float = ProLIPLossConfig.c,
+    log_eps: float = ProLIPLossConfig.log_eps,
+    reduction: str = ProLIPLossConfig.reduction,
 ) -> dict[str, Tensor]:
     """ProLIP objective share (Eq. 6), returned as WEIGHTED terms whose sum is `total`:
 

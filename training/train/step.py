@@ -12,7 +12,7 @@ gradients; the sum of shares is the global-batch loss, so the average of the sca
 gradient) → backward → the guarded AdamW update (training/train/optimizer.py: gradient norm, optional
 clipping, a non-finite step skipped and counted; ProLIP App. B.1 parameter groups via ``param_groups``),
 LR warmup then cosine. Which columns are gathered, and whether masked variants or PCME++'s mixed images
-are used, is read from the objective's ``LossSpec`` (training/losses/registry.py).
+are used, is read from the objective's ``LossConfig`` class (training/losses/objectives.py).
 
 A local batch above ``scaling.max_local_batch`` runs in ``state.micro`` micro-batches
 (training/train/accumulation.py): features of every micro-batch without a graph, the loss over the whole global
@@ -48,9 +48,9 @@ from torch import Tensor, nn
 
 from pipeline.ingest.device_augment import DeviceAugment
 from pipeline.ingest.masking import round_half_up
+from training.losses.objectives import LossConfig
 from training.losses.pcmepp import mix_images, pcmepp_soft_labels
 from training.losses.registry import build_loss_from_config
-from training.losses.spec import LossSpec
 from training.model.config import model_config, objective_model_config, text_table
 from training.model.param_groups import param_groups
 from training.model.two_tower import ProLIP
@@ -73,7 +73,7 @@ class TrainModule(nn.Module):
     applied outside ``forward``, after the cross-worker gather.
     """
 
-    def __init__(self, model: ProLIP, loss: nn.Module, spec: LossSpec) -> None:
+    def __init__(self, model: ProLIP, loss: nn.Module, spec: LossConfig) -> None:
         super().__init__()
         self.model, self.loss, self.spec = model, loss, spec
 
@@ -108,7 +108,7 @@ class TrainModule(nn.Module):
 
 def loss_shares(
     loss: nn.Module,
-    spec: LossSpec,
+    spec: LossConfig,
     feats: Mapping[str, Tensor | None],
     masked_index: Tensor | None = None,
     mix: tuple[Tensor, Tensor] | None = None,
@@ -155,7 +155,7 @@ def extend_history(history: list[list[int]], step: int) -> None:
         history.append([step, step])
 
 
-def batch_plan(cfg: Any, spec: LossSpec, world: int) -> BatchPlan:
+def batch_plan(cfg: Any, spec: LossConfig, world: int) -> BatchPlan:
     """Every rank's rows and masked-sample count at ``world`` workers (the collate step masks exactly
     round_half_up(mask_fraction · rows) of each batch, pipeline/ingest/masking.py)."""
     sizes = local_batch_sizes(cfg.global_batch_size, world)

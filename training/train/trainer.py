@@ -213,10 +213,9 @@ def interrupt_reported(name: str):
 
 def h100_rate(cfg: TrainConfig, mcfg: Any, mfu: float = 0.30) -> tuple[float, float]:
     """(training FLOPs a sample, counted on the meta device; the samples/s an H100 trains at ``mfu``)."""
-    from training.losses.registry import LOSS_SPECS
     from training.model.flops import samples_per_s, train_flops_per_sample
 
-    masked = LOSS_SPECS[cfg.loss.name].uses_masked
+    masked = cfg.loss.uses_masked
     flops = train_flops_per_sample(mcfg, masked, cfg.data.mask_fraction, cfg.data.patch_keep_ratio)["total"]
     return flops, samples_per_s(flops, mfu=mfu)
 
@@ -250,7 +249,6 @@ def decode_sizing(cfg: TrainConfig, mcfg: Any, mfu: float = 0.30) -> str:
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) training to ``cfg.total_steps``; needs Ray initialised (jobs.common.init_ray)."""
-    from training.losses.registry import LOSS_SPECS
     from training.model.config import model_config, objective_model_config
 
     t0 = time.perf_counter()
@@ -261,7 +259,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     mcfg = model_config(cfg.model)
     warnings = check_checkpoints(cfg, run_store)
     if cfg.scaling.use_gpu:
-        probabilistic = LOSS_SPECS[cfg.loss.name].probabilistic
+        probabilistic = cfg.loss.probabilistic
         sized = objective_model_config(cfg.model, probabilistic, vocab_size=tokenizer.vocab_size)
         print(decode_sizing(cfg, sized), flush=True)
     if cfg.scaling.max_local_batch:

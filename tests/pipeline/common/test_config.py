@@ -78,9 +78,9 @@ def test_train_config_range_errors_name_the_field(key, value):
         ("part_size=0", "part_size"),
         ("samples_per_shard=0", "samples_per_shard"),
         ("download_actors=-1", "download_actors"),
-        ("filters.random_fraction=5", "filters.random_fraction"),
-        ("filters.random_fraction=0", "filters.random_fraction"),
-        ("filters.clip_fraction=1.5", "filters.clip_fraction"),
+        ("filters.names=random:fraction=5", r"filters.names\[0\].fraction"),
+        ("filters.names=random:fraction=0", r"filters.names\[0\].fraction"),
+        ("filters.names=clip_score:fraction=1.5", r"filters.names\[0\].fraction"),
         ("dedupe.phash_threshold=65", "dedupe.phash_threshold"),
     ],
 )
@@ -161,9 +161,13 @@ def test_fixed_length_tuples_seeds_and_exponent_ints():
     for key in ("seed", "data.mask_seed", "data.shuffle_seed", "data.augment_seed"):
         with pytest.raises(ConfigError, match=f"{key}: input should be greater than or equal to 0, got -1"):
             resolve(TRAIN_PRESETS, "demo", sets=[f"{key}=-1"])
-    for key in ("demo_seed", "filters.random_seed"):
+    for key in ("demo_seed",):
         with pytest.raises(ConfigError, match=f"{key}: input should be greater than or equal to 0, got -2"):
             resolve(BUILD_PRESETS, "demo", sets=[f"{key}=-2"])
+    with pytest.raises(
+        ConfigError, match=r"filters\.names\[0\]\.seed: input should be greater than or equal to 0"
+    ):
+        resolve(BUILD_PRESETS, "demo", sets=["filters.names=random:seed=-2"])
     cfg = resolve(TRAIN_PRESETS, "demo", sets=["samples_seen=1e4", "optim.betas=[0.8, 0.9]"])
     assert cfg.samples_seen == 10_000 and cfg.optim.betas == (0.8, 0.9)  # "1e4" is a number, as in YAML 1.2
     with pytest.raises(

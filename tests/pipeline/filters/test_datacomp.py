@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -191,7 +189,7 @@ def test_all_null_clip_column_drops_everything_as_missing():
 
 
 def test_laion2b_is_english_and_b32_threshold():
-    r = F.laion2b(eight_rows())
+    r = F.laion2b(eight_rows(), 0.28)
     assert r.keep.tolist() == [True, True, False, False, True, False, False, True]
     assert r.reason.tolist()[2:7] == [
         "clip_score_below_threshold",
@@ -298,22 +296,23 @@ def test_image_based_from_files_via_registry(tmp_path):
     pq.write_table(pa.table({"uid": U[:4], "embedding": vectors.tolist()}), tmp_path / "emb.parquet")
     expected = ["", "", "too_few_words", "not_english", "missing_embedding"]
     for name in ("emb.npz", "emb.npy", "emb.parquet"):
-        cfg = FilterConfig(
-            names=["image_based"],
-            image_embeddings_file=str(tmp_path / name),
-            image_centroids_file=str(tmp_path / "centroids.npy"),
-            image_centroid_ids_file=str(tmp_path / "ids.txt"),
-        )
+        files = f"embeddings_file={tmp_path / name},centroids_file={tmp_path / 'centroids.npy'}"
+        cfg = FilterConfig(names=[f"image_based:{files},centroid_ids_file={tmp_path / 'ids.txt'}"])
         assert P.apply_filters(t, cfg)["image_based"].reason.tolist() == expected, name
     # row 1 embeds near centroid 1; a target set without it drops the row
     np.save(tmp_path / "ids.npy", np.array([0]))
-    cfg = dataclasses.replace(cfg, image_centroid_ids_file=str(tmp_path / "ids.npy"))
+    cfg = FilterConfig(names=[f"image_based:{files},centroid_ids_file={tmp_path / 'ids.npy'}"])
     assert P.apply_filters(t, cfg)["image_based"].reason[1] == "not_in_centroid"
 
 
 def test_intersections_and_first_failing_reason():
     cfg = FilterConfig(
-        names=["basic", "clip_score", "basic+clip_score", "clip_score+basic"], clip_fraction=0.3
+        names=[
+            "basic",
+            "clip_score:fraction=0.3",
+            "basic+clip_score:fraction=0.3",
+            "clip_score:fraction=0.3+basic",
+        ]
     )
     res = P.apply_filters(eight_rows(), cfg)
     both = res["basic+clip_score"]
@@ -324,9 +323,9 @@ def test_intersections_and_first_failing_reason():
 
 def test_clip_score_config_fraction_wins_else_threshold():
     t = eight_rows()
-    by_fraction = P.apply_filters(t, FilterConfig(names=["clip_score"], clip_fraction=0.3))["clip_score"]
+    by_fraction = P.apply_filters(t, FilterConfig(names=["clip_score:fraction=0.3"]))["clip_score"]
     assert by_fraction.keep.sum() == 3
-    cfg = FilterConfig(names=["clip_score"], clip_fraction=0.0, clip_threshold=0.55)
+    cfg = FilterConfig(names=["clip_score:fraction=0.0,threshold=0.55"])
     assert P.apply_filters(t, cfg)["clip_score"].keep.sum() == 4
 
 
@@ -338,26 +337,24 @@ def test_unknown_filter_and_missing_inputs_are_named():
         P.apply_filters(t.drop_columns(["original_width"]), FilterConfig(names=["basic"]))
     with pytest.raises(base.FilterError, match="'laion2b' needs column 'clip_b32_similarity_score'"):
         P.apply_filters(t.drop_columns(["clip_b32_similarity_score"]), FilterConfig(names=["laion2b"]))
-    with pytest.raises(base.FilterError, match="text_synsets_file"):
+    with pytest.raises(base.FilterError, match="synsets_file="):
         P.apply_filters(t, FilterConfig(names=["text_based"]))
-    with pytest.raises(base.FilterError, match="text_concepts_file"):
+    with pytest.raises(base.FilterError, match="concepts_file="):
         P.apply_filters(t, FilterConfig(names=["text_based:method=lemmas"]))
-    with pytest.raises(base.FilterError, match="image_embeddings_file"):
+    with pytest.raises(base.FilterError, match="embeddings_file="):
         P.apply_filters(t, FilterConfig(names=["image_based"]))
     missing = FilterConfig(
-        names=["image_based"],
-        image_embeddings_file="/nonexistent/emb.npz",
-        image_centroids_file="/nonexistent/c.npy",
-        image_centroid_ids_file="/nonexistent/ids.txt",
+        names=[
+            "image_based:embeddings_file=/nonexistent/emb.npz,centroids_file=/nonexistent/c.npy,"
+            "centroid_ids_file=/nonexistent/ids.txt"
+        ]
     )
     with pytest.raises(base.FilterError, match="'image_based'.*emb.npz"):
         P.apply_filters(t, missing)
-    no_file = FilterConfig(names=["text_based:method=lemmas"], text_concepts_file="/nonexistent/lemmas.txt")
+    no_file = FilterConfig(names=["text_based:method=lemmas,concepts_file=/nonexistent/lemmas.txt"])
     with pytest.raises(base.FilterError, match="'text_based': file not found: /nonexistent/lemmas.txt"):
         P.apply_filters(t, no_file)
-    no_wordnet = FilterConfig(
-        names=["text_based"], text_synsets_file=__file__, text_wordnet="/nonexistent/wn"
-    )
+    no_wordnet = FilterConfig(names=[f"text_based:synsets_file={__file__},wordnet=/nonexistent/wn"])
     with pytest.raises(base.FilterError, match="WordNet file not found: /nonexistent/wn/index.noun"):
         P.apply_filters(t, no_wordnet)
 
@@ -370,7 +367,7 @@ def test_lang_argument_labels_override_and_length_checked():
         P.apply_filters(t, FilterConfig(names=["english"]), lang=["en"] * 7)
 
 
-def test_spec_parameters_override_the_config_per_part():
+def test_spec_parameters_override_the_defaults_per_part():
     t = eight_rows()
     cfg = FilterConfig(
         names=[
@@ -378,7 +375,6 @@ def test_spec_parameters_override_the_config_per_part():
             "clip_score:threshold=0.55,label=clip55",
             "random:fraction=0.5",
         ],
-        clip_fraction=0.3,
     )
     res = P.apply_filters(t, cfg)
     assert list(res) == ["basic+clip_score", "clip55", "random"]
@@ -401,7 +397,7 @@ def test_spec_parameters_override_the_config_per_part():
 
 
 def test_spec_errors_name_the_key():
-    with pytest.raises(ConfigError, match=r"filters.names\[0\].fracton: unknown parameter of clip_score"):
+    with pytest.raises(ConfigError, match=r"names\[0\].fracton: unknown parameter of clip_score"):
         P.apply_filters(eight_rows(), FilterConfig(names=["basic+clip_score:fracton=0.3"]))
     with pytest.raises(ConfigError, match=r"filters\[0\]\.seed: input should be a valid integer"):
         P.parse_filter_specs(["random:seed=1.5"])

@@ -87,7 +87,7 @@ def _table(rows, extra=None):
 def test_text_based_matches_datacomp_on_pinned_words(wordnet_files):
     wn_dir, ids = wordnet_files
     t, uids = _table(TEXT_ROWS)
-    cfg = FilterConfig(names=["text_based"], text_wordnet=wn_dir, text_synsets_file=ids)
+    cfg = FilterConfig(names=[f"text_based:wordnet={wn_dir},synsets_file={ids}"])
     result = P.apply_filters(t, cfg)["text_based"]
     expected = {u for u, r in zip(uids, TEXT_ROWS, strict=True) if r[2]}
     assert {u for u, k in zip(uids, result.keep, strict=True) if k} == expected
@@ -205,5 +205,5 @@ def test_fraction_cut_among_nulls_keeps_nothing_and_fraction_one_is_refused():
     ]
     with pytest.raises(ConfigError, match="fraction: input should be less than 1"):  # refused at the spec
         P.apply("clip_score:fraction=1.0", t)
-    with pytest.raises(ConfigError, match="clip_fraction: input should be less than 1"):
-        FilterConfig(clip_fraction=1.0)
+    with pytest.raises(ConfigError, match="fraction: input should be less than 1"):
+        P.parse_filter_specs(FilterConfig(names=["clip_score:fraction=1.0"]).names)

@@ -28,7 +28,7 @@ def _setup(tmp_path, **filters):
         {
             "metadata": str(meta),
             "output": str(tmp_path / "out"),
-            "filters": {"text_synsets_file": str(synsets)},
+            "filters": {"names": ["no_filter", "basic", f"text_based:synsets_file={synsets}"]},
         },
     )
     cfg = merge(cfg, {"filters": filters}) if filters else cfg
@@ -53,7 +53,10 @@ def test_stamp_is_stable_and_ignores_row_order_within_a_uid(tmp_path, monkeypatc
 def test_stamp_changes_with_metadata_inputs_specs_and_statuses(tmp_path):
     cfg, status, meta, synsets = _setup(tmp_path)
     first = _stamp(cfg, status)
-    assert _stamp(merge(cfg, {"filters": {"random_fraction": 0.5}}), status) != first
+    random = [*cfg.filters.names, "random"]
+    assert _stamp(
+        merge(cfg, {"filters": {"names": [*random[:-1], "random:fraction=0.5"]}}), status
+    ) != _stamp(merge(cfg, {"filters": {"names": random}}), status)
     assert _stamp(merge(cfg, {"filters": {"names": ["no_filter"]}}), status) != first
     assert _stamp(cfg, status.set_column(1, S.STATUS, pa.array(["x", "duplicate_uid", "x"]))) != first
     assert _stamp(cfg, status.slice(0, 2)) != first

@@ -346,7 +346,7 @@ def test_masked_variants_unchanged_through_the_uint8_ingest(tokenizer) -> None:
     import torch
 
     from pipeline.ingest.device_augment import DeviceAugment
-    from training.config import LossConfig
+    from training.losses.objectives import ProLIPLossConfig
     from training.losses.registry import build_loss_from_config
     from training.model.config import model_config
     from training.model.two_tower import ProLIP
@@ -368,7 +368,7 @@ def test_masked_variants_unchanged_through_the_uint8_ingest(tokenizer) -> None:
         content &= tokens[row] != (tokenizer.start_id if tokenizer.start_id is not None else -1)
         assert (masked[row] == tokenizer.mask_id).sum() == round_half_up(0.75 * content.sum())
     images = DeviceAugment(data.mean, data.std)(batch)
-    loss, spec = build_loss_from_config(LossConfig())
+    loss, spec = build_loss_from_config(ProLIPLossConfig())
     torch.manual_seed(0)
     module = TrainModule(ProLIP(cfg), loss, spec).eval()
     seen = []

@@ -20,9 +20,10 @@ from tests.training.losses.test_losses import (
     ref_softplus,
     scalar,
 )
-from training.config import LossConfig, TrainConfig
+from training.config import TrainConfig
 from training.losses import contrastive as L
 from training.losses import inclusion as INC
+from training.losses.objectives import ProLIPLossConfig as LossConfig
 from training.losses.registry import build_loss_from_config
 
 

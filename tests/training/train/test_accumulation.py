@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from tests.training.train.test_distributed import UNEVEN, _free_port, global_batch, tiny_module
 from tests.training.train.test_gpu_step import TOKENIZER, uint8_batch
-from training.config import LossConfig, OptimConfig, TrainConfig, WorkersConfig
+from training.config import OptimConfig, TrainConfig, WorkersConfig
 from training.losses.registry import LOSS_SPECS
 from training.train import distributed as D
 from training.train.accumulation import accumulated_backward, micro_slices
@@ -168,7 +168,7 @@ def test_train_step_with_a_micro_batch_cap_updates_as_one_batch(
             global_batch_size=8,
             samples_seen=64,
             precision=precision,
-            loss=LossConfig(name=loss),
+            loss={"name": loss},
             optim=OptimConfig(warmup_steps=1, grad_clip=1.0),
             scaling=WorkersConfig(num_workers=1, max_local_batch=cap),
         )

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from training.config import LossConfig
 from training.losses.registry import LOSS_SPECS, build_loss_from_config, loss_spec
 from training.model.config import model_config
 from training.model.two_tower import ProLIP
@@ -27,7 +26,7 @@ WORLD, N, PAD, END, MASK = 2, 8, 0, 1, 2
 
 
 def tiny_module(name: str) -> TrainModule:
-    loss = build_loss_from_config(LossConfig(name=name))[0]
+    loss = build_loss_from_config(loss_spec(name)())[0]
     cfg = model_config(
         "tiny",
         image_size=16,

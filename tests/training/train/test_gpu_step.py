@@ -21,7 +21,7 @@ import torch
 from pipeline.ingest import augment as A
 from pipeline.ingest.device_augment import hue_rows_by_position
 from tests.fixtures.sync_counter import SyncCounter
-from training.config import DataConfig, LossConfig, OptimConfig, TrainConfig
+from training.config import DataConfig, OptimConfig, TrainConfig
 from training.model.param_groups import param_groups
 from training.train.optimizer import GuardedUpdate, make_adamw
 from training.train.step import setup_state, train_step
@@ -45,7 +45,7 @@ def state_for(loss: str = "prolip", fused: bool = True, **kw):
         model="tiny",
         global_batch_size=8,
         samples_seen=64,
-        loss=LossConfig(name=loss),
+        loss={"name": loss},
         optim=OptimConfig(warmup_steps=1, grad_clip=kw.pop("grad_clip", 1.0)),
         **kw,
     )
@@ -210,7 +210,7 @@ def test_config_rules_for_workers_and_batches() -> None:
 def test_train_step_never_syncs_on_cuda(loss: str) -> None:
     """The same step on a GPU under CUDA's own check: ``set_sync_debug_mode("error")`` raises on any sync."""
     cfg = TrainConfig(model="tiny", global_batch_size=8, samples_seen=64, precision="bf16",
-                      loss=LossConfig(name=loss), optim=OptimConfig(warmup_steps=1, grad_clip=1.0))  # fmt: skip
+                      loss={"name": loss}, optim=OptimConfig(warmup_steps=1, grad_clip=1.0))  # fmt: skip
     state = setup_state(cfg, TOKENIZER, torch.device("cuda"), 0)
     assert state.update.fused
     batches = [{k: v.cuda() for k, v in uint8_batch(s).items()} for s in range(3)]

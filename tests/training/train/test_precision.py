@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.training.train.test_distributed import PAD, global_batch, tiny_module
-from training.config import LossConfig, OptimConfig, TrainConfig
+from training.config import OptimConfig, TrainConfig
+from training.losses.objectives import CLIPLossConfig, ProLIPLossConfig
 from training.model.param_groups import is_unc_param
 from training.model.towers import GaussianHead
 from training.train.step import autocast, loss_shares, setup_state, train_step
@@ -78,7 +79,7 @@ def _one_train_step(precision: str, reduction: str) -> tuple[dict[str, float], l
         global_batch_size=8,
         samples_seen=16,
         precision=precision,
-        loss=LossConfig(reduction=reduction),
+        loss=ProLIPLossConfig(reduction=reduction),
         optim=OptimConfig(warmup_steps=1, grad_clip=1.0, unc_lr_mult=10.0),
     )
     state = setup_state(cfg, SimpleNamespace(vocab_size=64, pad_id=PAD), torch.device("cpu"), 0)
@@ -220,7 +221,7 @@ def test_amp_train_step_scales_the_loss_and_skips_an_overflow() -> None:
 
     def step(precision: str, scale: float | None = None):
         cfg = TrainConfig(model="tiny", global_batch_size=8, samples_seen=16, precision=precision,
-                          loss=LossConfig(name="clip"), optim=OptimConfig(warmup_steps=1))  # fmt: skip
+                          loss=CLIPLossConfig(), optim=OptimConfig(warmup_steps=1))  # fmt: skip
         state = setup_state(cfg, SimpleNamespace(vocab_size=64, pad_id=PAD), torch.device("cpu"), 0)
         if scale is not None:
             state.update.loss_scale.scale.fill_(scale)
