@@ -124,7 +124,9 @@ def task_pool(a: dict) -> dict:
                for b in range(a["n_buckets"])]  # fmt: skip
     for start in range(0, a["n"], 1 << 20):
         pairs = _uid_pairs(start, min(a["n"], start + (1 << 20)))
-        bucket = range_bucket(pairs["f0"], a["n_buckets"])
+        bucket = (
+            range_bucket(pairs["f0"], a["n_buckets"]) if a["n_buckets"] > 1 else np.zeros(len(pairs), int)
+        )
         uids = np.asarray(u8pairs_to_uids(pairs), dtype=object)
         for b in range(a["n_buckets"]):
             writers[b].write_table(pa.table({"uid": pa.array(uids[bucket == b].tolist(), pa.string())}))
@@ -162,7 +164,10 @@ def _child(name: str, args: dict) -> dict:
     """Run one task in a fresh process; its result with its peaks (MiB)."""
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "bench.embedding_filters_scale", "--task", name, "--args", json.dumps(args)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if run.returncode:
+        raise RuntimeError(f"task {name} failed:\n{run.stderr[-3000:]}")
+    out = run.stdout
     res = json.loads(out.strip().splitlines()[-1])
     res["wall_s"] = time.perf_counter() - t0
     return res
