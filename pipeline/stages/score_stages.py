@@ -9,7 +9,10 @@ whole-pool filters' concatenation did). ``image_based`` then decides per row (``
 rows with an embedding, ties by uid (``filters.embedding.top_fraction``). A row's score needs only its
 own vector and the targets, so one task per embeddings file scores that file's rows (``embedding_scores``:
 by uid bucket), and the cut is found by ``filter_stages``' radix selection over the buckets
-and applied per bucket (``score_cut``).
+and applied per bucket (``score_cut``). ``neg_clip_loss`` is cut the same way, but a row's score needs
+the other rows of its random batches: each embeddings file's task writes the (image, text) vectors by
+uid range instead (``group_vectors``), and one task per range scores the pool's rows in it
+(``score_group``) with the batches one process would draw (``embedding.neg_clip_batches``; decision 0098).
 """
 
 from __future__ import annotations
