@@ -82,6 +82,9 @@ class FilterJob:
     def filters_file(self, b: int) -> str:
         return storage.join(self.filters_dir, f"{b:05d}.parquet")
 
+    def vectors_file(self, q: int, s: int, block: int) -> str:
+        return self.finish.parts.at("embedding_scores", f"{q:03d}", f"{s:06d}-{block:04d}.parquet")
+
     def group_file(self, q: int, g: int) -> str:
         return self.finish.parts.at("embedding_groups", f"{q:03d}", f"{g:06d}.parquet")
 

@@ -11,12 +11,13 @@ own vector and the targets, so one task per embeddings file scores that file's r
 by uid bucket), and the cut is found by ``filter_stages``' radix selection over the buckets
 and applied per bucket (``score_cut``). ``neg_clip_loss`` is cut the same way, but a row's score needs
 the other rows of its random batches: each embeddings file's task writes the (image, text) vectors by
-uid range instead (``group_vectors``), and one task per range scores the pool's rows in it
+uid range instead (``group_vectors``; one file per ``RANGES_PER_FILE`` ranges), and one task per range scores the pool's rows in it
 (``score_group``) with the batches one process would draw (``embedding.neg_clip_batches``; decision 0098).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ STREAMED = ("norm_sim", "image_based", "neg_clip_loss")  # read per embeddings f
 RANKED = ("norm_sim", "neg_clip_loss")  # of those, the ones cut at a rank over the buckets
 GROUPED = ("neg_clip_loss",)  # of those, the ones whose batches span a uid range: scored per range
 _VECTOR_BYTES = 64 << 20  # vectors a grouping task buffers before writing them out
+RANGES_PER_FILE = 64  # a vectors file's uid ranges: its footer lists flushes × this many row groups
 _SOURCES = 1_000_000  # a scoring task's key: streamed filter · _SOURCES + embeddings file
 
 
@@ -114,7 +116,8 @@ def embedding_scores(job: Any, key: int) -> dict:
     if name in GROUPED:
         groups = E.neg_clip_groups(job.n_rows, params["batch_size"])
         keys = (params["image_key"], params["text_key"])
-        return group_vectors(_sources(job, name, params)[s], s, keys, groups, job.scores_file(q, s), store)
+        out = functools.partial(job.vectors_file, q, s)
+        return group_vectors(_sources(job, name, params)[s], s, keys, groups, out, store)
     out = BucketWriter(job.scores_file(q, s), store)
     rows = 0
     try:
@@ -147,28 +150,37 @@ def _matrix(column: pa.ChunkedArray, n: int) -> np.ndarray:
     return pc.list_flatten(column.combine_chunks()).to_numpy(zero_copy_only=False).reshape(n, -1)
 
 
-def group_vectors(path: str, s: int, keys: tuple[str, str], groups: int, out_path: str, store: Any) -> dict:
+def group_vectors(path: str, s: int, keys: tuple[str, str], groups: int, out: Any, store: Any) -> dict:
     """One embeddings file's (image, text) vectors, a block at a time, written bucketed by uid range
-    (``embedding.neg_clip_group_of``) with the file's position; rows without a valid uid are left out."""
+    (``embedding.neg_clip_group_of``) with the file's position, into one file per ``RANGES_PER_FILE``
+    ranges (``out(block)``: a range task reads footers that do not grow with the pool); rows without a
+    valid uid are left out."""
     from pipeline.filters import embedding as E
 
-    out, rows = None, 0
+    blocks = -(-groups // RANGES_PER_FILE)
+    writers: dict[int, BucketWriter] = {}
+    rows = 0
     try:
         for uids, arrays in E.iter_embedding_blocks(path, keys, store):
             ok = valid_uids(pa.array(uids, pa.string()))
             uids = [u for u, v in zip(uids, ok, strict=True) if v]
             image, text = arrays[keys[0]][ok], arrays[keys[1]][ok]
-            if out is None:  # a buffer of _VECTOR_BYTES, however wide the vectors
-                row_bytes = 4 * (image.shape[1] + text.shape[1]) + 64
-                out = BucketWriter(out_path, store, flush_rows=max(1024, _VECTOR_BYTES // row_bytes))
+            row_bytes = 4 * (image.shape[1] + text.shape[1]) + 64
+            flush = max(1024, _VECTOR_BYTES // row_bytes // blocks)  # all writers: _VECTOR_BYTES
             t = pa.table({S.UID: pa.array(uids, pa.string()), "source": pa.array(np.full(len(uids), s, np.int64)),
                           "image": _fixed(image), "text": _fixed(text)})  # fmt: skip
-            out.add(t, E.neg_clip_group_of(S.uids_to_u8pairs(uids), groups))
+            group = E.neg_clip_group_of(S.uids_to_u8pairs(uids), groups)
+            for blk in np.unique(group // RANGES_PER_FILE).tolist():
+                at = np.flatnonzero(group // RANGES_PER_FILE == blk)
+                if blk not in writers:
+                    writers[blk] = BucketWriter(out(blk), store, flush_rows=flush)
+                writers[blk].add(t.take(pa.array(at)), group[at])
             rows += len(uids)
     except (FileNotFoundError, ValueError) as exc:
         raise FilterError(f"filter 'neg_clip_loss': {exc}") from exc
-    out = out or BucketWriter(out_path, store)
-    out.close(pa.schema([(S.UID, pa.string()), ("source", pa.int64())]))
+    schema = pa.schema([(S.UID, pa.string()), ("source", pa.int64())])
+    for blk in range(blocks):  # every block's file exists, if empty
+        (writers.get(blk) or BucketWriter(out(blk), store)).close(schema)
     return {"rows": rows}
 
 
@@ -188,7 +200,7 @@ def group_scores(job: Any, key: int) -> dict:
     _, name, params = streamed(job)[q]
     p = job.finish.parts
     groups = E.neg_clip_groups(job.n_rows, params["batch_size"])
-    vectors = [job.scores_file(q, s) for s in range(len(_sources(job, name, params)))]
+    vectors = [job.vectors_file(q, s, g // RANGES_PER_FILE) for s in range(len(_sources(job, name, params)))]
     pool = [job.finish.pool_rows(b) for b in overlapping(g, groups, p.pool.n_buckets)]
     return score_group(vectors, pool, g, groups, params, job.group_file(q, g), p.store, p.pool.n_buckets)
 

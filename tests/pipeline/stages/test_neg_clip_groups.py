@@ -20,7 +20,7 @@ def _unit(x):
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
 
 
-def test_ranges_scored_alone_equal_the_pool_scored_at_once(tmp_path):
+def test_ranges_scored_alone_equal_the_pool_scored_at_once(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     uids = [f"{int(a):016x}{int(b):016x}" for a, b in rng.integers(0, 2**64, (320, 2), dtype=np.uint64)]
     image = _unit(rng.standard_normal((320, 8)))
@@ -37,12 +37,20 @@ def test_ranges_scored_alone_equal_the_pool_scored_at_once(tmp_path):
     rows = [str(tmp_path / f"pool{b}.parquet") for b in range(n_buckets)]
     for b in range(n_buckets):
         pq.write_table(table.filter(pa.array(bucket == b)), rows[b])
-    vectors = [str(tmp_path / f"v{s}.parquet") for s in range(2)]
+    monkeypatch.setattr(SS, "RANGES_PER_FILE", 3)  # two vectors files per embeddings file
     for s, f in enumerate(["a.npz", "b.npz"]):
-        SS.group_vectors(str(tmp_path / f), s, ("img", "txt"), groups, vectors[s], LOCAL)
+        out = lambda blk, s=s: str(tmp_path / f"v{s}-{blk}.parquet")  # noqa: E731
+        SS.group_vectors(str(tmp_path / f), s, ("img", "txt"), groups, out, LOCAL)
+    assert sorted(p.name for p in tmp_path.glob("v*.parquet")) == [
+        "v0-0.parquet",
+        "v0-1.parquet",
+        "v1-0.parquet",
+        "v1-1.parquet",
+    ]
     scored = [str(tmp_path / f"g{g}.parquet") for g in range(groups)]
     for g in range(groups):
         pool_files = [rows[b] for b in SS.overlapping(g, groups, n_buckets)]
+        vectors = [str(tmp_path / f"v{s}-{g // 3}.parquet") for s in range(2)]
         SS.score_group(vectors, pool_files, g, groups, PARAMS, scored[g], LOCAL, n_buckets)
     got = {}
     for b in range(n_buckets):
