@@ -153,6 +153,7 @@ def _records(d: dict) -> list[dict]:
                 "spread": "one run a size", "load": load, "date": when}  # fmt: skip
 
     return [
+        row("eval reference: driver peak (RssAnon, Ray client included)", "driver_peak_mib"),
         row("eval reference: driver memory growth over the pass", "driver_growth_mib"),
         row("eval reference: the reference table the driver holds", "table_mib"),
         row("eval reference: largest Ray worker peak (RssAnon)", "worker_peak_mib"),
