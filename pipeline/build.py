@@ -300,13 +300,10 @@ def _filters(run: _Run, finish: ST.Finish, meta: Metadata, words) -> tuple[dict,
     FR.forget(paths, store)
     job = _filter_job(run, finish, meta)
     root = storage.join(finish.parts.root, "filters-" + digest([cfg.filters, FR.combine_words(words)]))
-    whole = [
-        i * 100 + j for i, s in enumerate(specs) for j, (n, _) in enumerate(s.parts) if n in FS.WHOLE_POOL
-    ]
-    if whole:
-        run.stage(root, "whole_pool", FS.whole_pool, whole, job)
     if SC.streamed(job):
         run.stage(root, "embedding_scores", SC.embedding_scores, SC.score_tasks(job), job)
+    if SC.group_tasks(job):
+        run.stage(root, "embedding_groups", SC.group_scores, SC.group_tasks(job), job)
     job = _find_cuts(run, root, job)
     buckets = range(finish.parts.pool.n_buckets)
     done = run.stage(root, "filters", FS.filter_bucket, buckets, job)

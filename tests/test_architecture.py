@@ -67,8 +67,8 @@ MAX_FOLDER_MODULES = 10
 
 # Library modules allowed to import Ray: the builders of Ray datasets (the build, its download phase, the
 # runner of its stages' tasks and its curation stage, whose clusters run as tasks;
-# the shard reads, training ingest and its counters actor), the Ray Train loop and trainer, and the one
-# batch-inference builder.
+# the shard reads, training ingest and its counters actor), the Ray Train loop and trainer, the one
+# batch-inference builder, and the eval reference's pass over the eval sets.
 # Everything else is plain Python/numpy/torch, testable without a cluster.
 RAY_MODULES = {
     "pipeline.build",
@@ -78,6 +78,7 @@ RAY_MODULES = {
     "pipeline.ingest.dataset",
     "pipeline.shards.ray_reader",
     "pipeline.stages.runner",
+    "training.eval.reference_dataset",
     "training.infer.batch_inference",
     "training.train.loop",
     "training.train.trainer",

@@ -57,13 +57,14 @@ def build_pool(cfg: TrackConfig, log: Log) -> dict[str, Any]:
 
 def with_eval_reference(cfg: TrackConfig, bcfg: Any, log: Log) -> Any:
     """``bcfg`` (the build's config) with ``decontam.reference="eval"`` replaced by the reference of the
-    track's own task list, written first to ``<output>/eval_reference.parquet`` (training/eval/reference.py):
-    the pool is decontaminated against exactly the sets its models are evaluated on."""
+    track's own task list, written first to ``<output>/eval_reference.parquet`` by a Ray Data pass over the
+    sets (training/eval/reference_dataset.py): the pool is decontaminated against exactly the sets its
+    models are evaluated on."""
     if bcfg.decontam.reference != "eval":
         return bcfg
     import dataclasses
 
-    from training.eval.reference import write_reference
+    from training.eval.reference_dataset import write_reference
     from training.eval.sets import load_tasks
 
     out = storage.join(cfg.output, "eval_reference.parquet")

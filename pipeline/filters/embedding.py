@@ -17,8 +17,9 @@ f_l(x_j)⟩ and K random batches B_k ∋ i of size b drawn from the pool,
     R_B(i) = (τ/2) [ log Σ_{j∈B} e^{s_ij/τ} + log Σ_{j∈B} e^{s_ji/τ} ],
 
 i.e. the CLIP score minus a normalisation R that is large for pairs similar to many others (the paper's
-τ = 0.01, the teacher CLIP's; b = 32,768; K = 10). Computed in float64, batch rows in chunks, the column
-sums carried along (``neg_clip_loss``).
+τ = 0.01, the teacher CLIP's; b = 32,768; K = 10). The batches are drawn by uid within uid ranges of at
+least 4·b rows (``neg_clip_batches``; decision 0098), so a task holding one range forms them. Computed
+in float64, batch rows in chunks, the column sums carried along (``neg_clip_loss``).
 
 **NormSim** (same paper, Eq. 3): with target embeddings g_1..g_m (the paper's targets: ImageNet-1k train
 images, or the downstream tasks' training sets),
@@ -57,6 +58,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline import schema as S
+from pipeline.common.hashing import splitmix64
 from pipeline.common.storage import LOCAL, Storage
 from pipeline.filters.base import FilterError, FilterResult, Table, num_rows, table_column
 from pipeline.schema import UID_DTYPE, u8pairs_to_uids
@@ -280,25 +282,59 @@ def _batch_log_ratios(v: np.ndarray, t: np.ndarray, tau: float) -> np.ndarray:
     return row + _log_sum_ratio(col_max, col_off)
 
 
+GROUP_BATCHES = 4  # a group holds at least this many batches' rows: each task's memory, not the pool's
+
+
+def neg_clip_groups(n_rows: int, batch_size: int) -> int:
+    """How many uid ranges a pool of ``n_rows`` draws its batches within: each holds ≥ 4 batches' rows."""
+    return max(1, n_rows // (GROUP_BATCHES * batch_size))
+
+
+def neg_clip_group_of(uids: np.ndarray, groups: int) -> np.ndarray:
+    """The range, of ``groups`` equal ranges of the uid's high 64 bits, each ``u8,u8`` uid falls in
+    (``stages.buckets.range_bucket``'s arithmetic)."""
+    if groups <= 1:
+        return np.zeros(len(uids), np.int64)
+    step = np.uint64(((1 << 64) + groups - 1) // groups)
+    return (np.asarray(uids["f0"], np.uint64) // step).astype(np.int64)
+
+
+def neg_clip_batches(uids: np.ndarray, batch_size: int, seed: int, k: int) -> list[np.ndarray]:
+    """Round ``k``'s batches of one group's rows (``u8,u8`` uids): the rows in ascending (hash of seed, k
+    and uid; uid) cut into ⌈n / batch_size⌉ consecutive batches of near-equal size. A pure function of
+    the rows' uids, so a task holding a group forms the batches one process holding the pool forms."""
+    n = len(uids)
+    if n == 0:
+        return []
+    hi, lo = np.asarray(uids["f0"], np.uint64), np.asarray(uids["f1"], np.uint64)
+    salt = splitmix64(np.array([seed % (1 << 64), k + 1], np.uint64))
+    key = splitmix64(splitmix64(hi ^ salt[0]) ^ lo ^ salt[1])
+    order = np.lexsort((lo, hi, key))
+    return np.array_split(order, -(-n // batch_size))
+
+
 def neg_clip_loss_scores(
     image: np.ndarray,
     text: np.ndarray,
+    uids: np.ndarray,
     tau: float = 0.01,
     batch_size: int = 32768,
     batches: int = 10,
     seed: int = 0,
+    groups: int = 1,
 ) -> np.ndarray:
     """negCLIPLoss of every row (module docstring) in float64, as −τ/2 · (ρ_row + ρ_col) averaged over
-    ``batches`` seeded random partitions of the rows into batches of ``batch_size``; equal to s_ii − R
-    but without its cancellation when the pair dominates its batch."""
-    v, t = _unit64(image), _unit64(text)
-    n = len(v)
-    total = np.zeros(n)
-    for k in range(batches):
-        order = np.random.default_rng(np.random.SeedSequence([seed, k])).permutation(n)
-        for a in range(0, n, batch_size):
-            rows = order[a : a + batch_size]
-            total[rows] += _batch_log_ratios(v[rows], t[rows], tau)
+    ``batches`` rounds of random batches of at most ``batch_size`` rows drawn within each of ``groups``
+    uid ranges (``neg_clip_batches`` over ``u8,u8`` ``uids``; decision 0098); equal to s_ii − R but
+    without its cancellation when the pair dominates its batch."""
+    total = np.zeros(len(image))
+    group = neg_clip_group_of(uids, groups)
+    for g in np.unique(group):
+        members = np.flatnonzero(group == g)
+        for k in range(batches):
+            for part in neg_clip_batches(uids[members], batch_size, seed, k):
+                rows = members[part]
+                total[rows] += _batch_log_ratios(_unit64(image[rows]), _unit64(text[rows]), tau)
     return -0.5 * tau * total / max(batches, 1)
 
 
@@ -339,8 +375,14 @@ def neg_clip_loss(
     if image.uids != text.uids:
         raise FilterError("filter 'neg_clip_loss': image and text embeddings list different uids")
     present, at = aligned(table, image, "neg_clip_loss")
+    valid = np.array([S.is_valid_uid(image.uids[i]) for i in at], dtype=bool)  # batches are drawn by uid
+    present[np.flatnonzero(present)[~valid]] = False
+    first, inverse = np.unique(at[valid], return_inverse=True)  # a uid's rows share its one score
+    uids = S.uids_to_u8pairs([image.uids[i] for i in first])
+    groups = neg_clip_groups(num_rows(table), int(params.get("batch_size", 32768)))
     score = np.full(num_rows(table), np.nan)
-    score[present] = neg_clip_loss_scores(image.vectors[at], text.vectors[at], **params)
+    scores = neg_clip_loss_scores(image.vectors[first], text.vectors[first], uids, groups=groups, **params)
+    score[present] = scores[inverse]
     return top_fraction(table, score, present, fraction, f"neg_clip_loss_not_in_top_{100 * fraction:g}%")
 
 

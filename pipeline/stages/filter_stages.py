@@ -2,14 +2,14 @@
 
 Most of DataComp's rules decide a row from its own columns (``basic``, ``english``, ``text_based``,
 ``laion2b``, ``clip_score`` by threshold, ``image_based``): each bucket task runs them as
-``filters.specs.run_filters`` does over the whole pool. Three cut the pool at a rank, found first, exactly,
+``filters.specs.run_filters`` does over the whole pool. Four cut the pool at a rank, found first, exactly,
 by a radix selection over the buckets (``Cut``; each pass one task per bucket returning the counts of one
 8-bit digit, until at most ``GATHER`` keys are left, which one more pass fetches), then applied per bucket:
 ``clip_score`` by fraction (DataComp's ``get_threshold``: the ``int(N·f)``-th largest score of all ``N``
 rows, then the threshold rule); ``random`` (the ``round(f·N)`` rows of smallest (hash of seed and uid, uid
-bytes)); ``norm_sim`` (the ``round(f·N)`` top scores of the ``N`` rows with an embedding, ties by uid,
-over the scores ``stages/score_stages.py`` wrote per embeddings file). ``neg_clip_loss``'s random batches
-span the pool: one task over it (0086). Each bucket writes its piece of ``metadata/filters.parquet`` and of
+bytes)); ``norm_sim`` (the ``round(f·N)`` top scores of the ``N`` rows with an embedding, ties by uid)
+and ``neg_clip_loss`` (the same rule, its batches drawn per uid range: decision 0098), over the scores
+``stages/score_stages.py`` wrote. Each bucket writes its piece of ``metadata/filters.parquet`` and of
 each subset; one task per subset joins them into DataComp's sorted ``u8,u8`` ``.npy`` in bucket order."""
 
 from __future__ import annotations
@@ -28,18 +28,15 @@ from pipeline.config import FilterConfig
 from pipeline.dedup.curation_stage import leaked_rows
 from pipeline.filters import base
 from pipeline.filters import datacomp as F
-from pipeline.filters import specs as SP
 from pipeline.filters.base import float_column
 from pipeline.filters.registry import FILTERS, Context
 from pipeline.filters.specs import needs_language, parse_filter_specs, resolve_params
 from pipeline.stages import score_stages as SS
-from pipeline.stages.buckets import read_bucket, uid_buckets, write_buckets
 from pipeline.stages.row_stages import FILE, PRE, ROW
 from pipeline.stages.status_stages import Finish
 from pipeline.subsets import eligibility as SR
 from pipeline.subsets.uid_files import arrow_u8pairs
 
-WHOLE_POOL = ("neg_clip_loss",)  # see the module docstring
 DIGIT = 8  # bits of a selection pass: a bucket's summary holds at most 2**8 counts
 GATHER = 4096  # keys under a prefix few enough to fetch themselves
 
@@ -85,8 +82,11 @@ class FilterJob:
     def filters_file(self, b: int) -> str:
         return storage.join(self.filters_dir, f"{b:05d}.parquet")
 
-    def whole(self, i: int) -> str:
-        return self.finish.parts.at("whole_pool", f"{i:03d}.parquet")
+    def vectors_file(self, q: int, s: int, block: int) -> str:
+        return self.finish.parts.at("embedding_scores", f"{q:03d}", f"{s:06d}-{block:04d}.parquet")
+
+    def group_file(self, q: int, g: int) -> str:
+        return self.finish.parts.at("embedding_groups", f"{q:03d}", f"{g:06d}.parquet")
 
     def scores_file(self, q: int, s: int) -> str:
         return self.finish.parts.at("embedding_scores", f"{q:03d}", f"{s:06d}.parquet")
@@ -244,12 +244,11 @@ def results(job: FilterJob, table: pa.Table, b: int) -> dict[str, base.FilterRes
     specs = job.specs
     lang = _language(job, table) if needs_language(specs) and table.num_rows else None
     ctx = Context(lang, job.finish.parts.store, job.metadata)
-    whole = _whole_results(job, table, b)
     cache: dict[tuple, base.FilterResult] = {}
     out = {}
-    for i, spec in enumerate(specs):
+    for spec in specs:
         parts = []
-        for j, (name, given) in enumerate(spec.parts):
+        for name, given in spec.parts:
             params = resolve_params(name, given)
             key = f"{name}:{sorted(params.items())}"
             if key not in cache:
@@ -259,45 +258,11 @@ def results(job: FilterJob, table: pa.Table, b: int) -> dict[str, base.FilterRes
                     cache[key] = _clip_cut(table, params, job.cuts[key])
                 elif name in SS.STREAMED:
                     cache[key] = SS.result(table, name, params, job.cuts.get(key), ctx)
-                elif name in WHOLE_POOL:
-                    cache[key] = whole[(i, j)]
                 else:
                     cache[key] = FILTERS[name](**params).run(table, ctx)
             parts.append(cache[key])
         out[spec.label] = base.intersect(*parts)
     return out
-
-
-def _whole_results(job: FilterJob, table: pa.Table, b: int) -> dict[tuple[int, int], base.FilterResult]:
-    out = {}
-    for i, spec in enumerate(job.specs):
-        for j, (name, _) in enumerate(spec.parts):
-            if name in WHOLE_POOL and table.num_rows:
-                t = read_bucket([job.whole(i * 100 + j)], b, job.finish.parts.store)
-                at = pc.index_in(_row_ids(table), value_set=_row_ids(t))
-                keep = t.column("keep").take(at).to_numpy(zero_copy_only=False)
-                reason = np.asarray(t.column("reason").take(at).to_pylist(), dtype=object)
-                out[(i, j)] = base.FilterResult(keep.astype(bool), reason)
-    return out
-
-
-def _row_ids(t: pa.Table) -> pa.Array:
-    ids = pc.add(pc.multiply(t.column(FILE).cast(pa.int64()), 1 << 40), t.column(ROW))
-    return ids.combine_chunks() if isinstance(ids, pa.ChunkedArray) else ids
-
-
-def whole_pool(job: FilterJob, ij: int) -> dict:
-    """Spec ``ij // 100``'s part ``ij % 100`` (a ``WHOLE_POOL`` filter) over every row, in read order."""
-    spec = job.specs[ij // 100]
-    name, given = spec.parts[ij % 100]
-    p = job.finish.parts
-    t = p.store.read_parquet([job.finish.pool_rows(b) for b in range(p.pool.n_buckets)])
-    t = t.sort_by([(FILE, "ascending"), (ROW, "ascending")])
-    res = SP.part(name, given).run(t, Context(None, p.store, job.metadata))
-    out = pa.table({S.UID: t.column(S.UID), FILE: t.column(FILE), ROW: t.column(ROW),
-                    "keep": pa.array(res.keep, pa.bool_()), "reason": pa.array(res.reason.tolist(), pa.string())})  # fmt: skip
-    write_buckets(out, uid_buckets(out.column(S.UID), p.pool.n_buckets), job.whole(ij), p.store)
-    return {"kept": int(np.count_nonzero(res.keep))}
 
 
 def filter_bucket(job: FilterJob, b: int) -> dict:

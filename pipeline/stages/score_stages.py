@@ -9,11 +9,15 @@ whole-pool filters' concatenation did). ``image_based`` then decides per row (``
 rows with an embedding, ties by uid (``filters.embedding.top_fraction``). A row's score needs only its
 own vector and the targets, so one task per embeddings file scores that file's rows (``embedding_scores``:
 by uid bucket), and the cut is found by ``filter_stages``' radix selection over the buckets
-and applied per bucket (``score_cut``).
+and applied per bucket (``score_cut``). ``neg_clip_loss`` is cut the same way, but a row's score needs
+the other rows of its random batches: each embeddings file's task writes the (image, text) vectors by
+uid range instead (``group_vectors``; one file per ``RANGES_PER_FILE`` ranges), and one task per range scores the pool's rows in it
+(``score_group``) with the batches one process would draw (``embedding.neg_clip_batches``; decision 0098).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -25,10 +29,14 @@ from pipeline.filters import base
 from pipeline.filters.base import float_column
 from pipeline.filters.registry import FilterError
 from pipeline.filters.specs import resolve_params
-from pipeline.stages.buckets import BucketWriter, read_bucket, uid_buckets
+from pipeline.source.row_checks import valid_uids
+from pipeline.stages.buckets import BucketWriter, read_bucket, uid_buckets, write_buckets
 
-STREAMED = ("norm_sim", "image_based")  # scored per embeddings file
-RANKED = ("norm_sim",)  # of those, the ones cut at a rank over the buckets
+STREAMED = ("norm_sim", "image_based", "neg_clip_loss")  # read per embeddings file
+RANKED = ("norm_sim", "neg_clip_loss")  # of those, the ones cut at a rank over the buckets
+GROUPED = ("neg_clip_loss",)  # of those, the ones whose batches span a uid range: scored per range
+_VECTOR_BYTES = 64 << 20  # vectors a grouping task buffers before writing them out
+RANGES_PER_FILE = 64  # a vectors file's uid ranges: its footer lists flushes × this many row groups
 _SOURCES = 1_000_000  # a scoring task's key: streamed filter · _SOURCES + embeddings file
 
 
@@ -67,6 +75,7 @@ def _sources(job: Any, name: str, params: dict) -> list[str]:
 _NEEDS = {
     "norm_sim": ("target_file",),
     "image_based": ("embeddings_file", "centroids_file", "centroid_ids_file"),
+    "neg_clip_loss": (),
 }
 
 
@@ -104,6 +113,11 @@ def embedding_scores(job: Any, key: int) -> dict:
     q, s = divmod(key, _SOURCES)
     _, name, params = streamed(job)[q]
     store, n_buckets = job.finish.parts.store, job.finish.parts.pool.n_buckets
+    if name in GROUPED:
+        groups = E.neg_clip_groups(job.n_rows, params["batch_size"])
+        keys = (params["image_key"], params["text_key"])
+        out = functools.partial(job.vectors_file, q, s)
+        return group_vectors(_sources(job, name, params)[s], s, keys, groups, out, store)
     out = BucketWriter(job.scores_file(q, s), store)
     rows = 0
     try:
@@ -119,11 +133,120 @@ def embedding_scores(job: Any, key: int) -> dict:
     return {"rows": rows}
 
 
+# --- negCLIPLoss: vectors grouped by uid range, scored per range (decision 0098) ------------------------
+
+
+def overlapping(i: int, n: int, m: int) -> range:
+    """The ranges, of ``m`` equal ranges of the uid's high 64 bits, that range ``i`` of ``n`` overlaps."""
+    step_n, step_m = -(-(1 << 64) // n), -(-(1 << 64) // m)
+    return range(i * step_n // step_m, min(m - 1, ((i + 1) * step_n - 1) // step_m) + 1)
+
+
+def _fixed(vectors: np.ndarray) -> pa.Array:
+    return pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel(), pa.float32()), vectors.shape[1])
+
+
+def _matrix(column: pa.ChunkedArray, n: int) -> np.ndarray:
+    return pc.list_flatten(column.combine_chunks()).to_numpy(zero_copy_only=False).reshape(n, -1)
+
+
+def group_vectors(path: str, s: int, keys: tuple[str, str], groups: int, out: Any, store: Any) -> dict:
+    """One embeddings file's (image, text) vectors, a block at a time, written bucketed by uid range
+    (``embedding.neg_clip_group_of``) with the file's position, into one file per ``RANGES_PER_FILE``
+    ranges (``out(block)``: a range task reads footers that do not grow with the pool); rows without a
+    valid uid are left out."""
+    from pipeline.filters import embedding as E
+
+    blocks = -(-groups // RANGES_PER_FILE)
+    writers: dict[int, BucketWriter] = {}
+    rows = 0
+    try:
+        for uids, arrays in E.iter_embedding_blocks(path, keys, store):
+            ok = valid_uids(pa.array(uids, pa.string()))
+            uids = [u for u, v in zip(uids, ok, strict=True) if v]
+            image, text = arrays[keys[0]][ok], arrays[keys[1]][ok]
+            row_bytes = 4 * (image.shape[1] + text.shape[1]) + 64
+            flush = max(1024, _VECTOR_BYTES // row_bytes // blocks)  # all writers: _VECTOR_BYTES
+            t = pa.table({S.UID: pa.array(uids, pa.string()), "source": pa.array(np.full(len(uids), s, np.int64)),
+                          "image": _fixed(image), "text": _fixed(text)})  # fmt: skip
+            group = E.neg_clip_group_of(S.uids_to_u8pairs(uids), groups)
+            for blk in np.unique(group // RANGES_PER_FILE).tolist():
+                at = np.flatnonzero(group // RANGES_PER_FILE == blk)
+                if blk not in writers:
+                    writers[blk] = BucketWriter(out(blk), store, flush_rows=flush)
+                writers[blk].add(t.take(pa.array(at)), group[at])
+            rows += len(uids)
+    except (FileNotFoundError, ValueError) as exc:
+        raise FilterError(f"filter 'neg_clip_loss': {exc}") from exc
+    schema = pa.schema([(S.UID, pa.string()), ("source", pa.int64())])
+    for blk in range(blocks):  # every block's file exists, if empty
+        (writers.get(blk) or BucketWriter(out(blk), store)).close(schema)
+    return {"rows": rows}
+
+
+def group_tasks(job: Any) -> list[int]:
+    """One scoring task per (grouped filter, uid range)."""
+    from pipeline.filters import embedding as E
+
+    return [q * _SOURCES + g for q, (_, name, params) in enumerate(streamed(job)) if name in GROUPED
+            for g in range(E.neg_clip_groups(job.n_rows, params["batch_size"]))]  # fmt: skip
+
+
+def group_scores(job: Any, key: int) -> dict:
+    """negCLIPLoss of the pool's rows in one uid range (``score_group``)."""
+    from pipeline.filters import embedding as E
+
+    q, g = divmod(key, _SOURCES)
+    _, name, params = streamed(job)[q]
+    p = job.finish.parts
+    groups = E.neg_clip_groups(job.n_rows, params["batch_size"])
+    vectors = [job.vectors_file(q, s, g // RANGES_PER_FILE) for s in range(len(_sources(job, name, params)))]
+    pool = [job.finish.pool_rows(b) for b in overlapping(g, groups, p.pool.n_buckets)]
+    return score_group(vectors, pool, g, groups, params, job.group_file(q, g), p.store, p.pool.n_buckets)
+
+
+def score_group(
+    vectors: list[str], pool: list[str], g: int, groups: int, params: dict, out_path: str, store: Any,
+    n_buckets: int,
+) -> dict:  # fmt: skip
+    """Range ``g``'s vectors (the first file holding a uid gives them), of the uids the pool lists
+    (``pool``: the pool-row files of the uid buckets the range overlaps), scored with the batches one
+    process holding the pool draws (``embedding.neg_clip_loss_scores``); written bucketed by uid."""
+    from pipeline.filters import embedding as E
+
+    t = read_bucket(vectors, g, store)
+    if t.num_rows:
+        t = t.sort_by([("source", "ascending")])
+        first = pc.index_in(pc.unique(t.column(S.UID)), value_set=t.column(S.UID).combine_chunks())
+        t = t.take(first)
+        listed = store.read_parquet(pool, columns=[S.UID]).column(S.UID).combine_chunks()
+        t = t.filter(pc.is_in(t.column(S.UID), value_set=listed.cast(pa.string())))
+    n = t.num_rows if t.num_columns else 0
+    score = np.zeros(0)
+    if n:
+        uids = t.column(S.UID).to_pylist()
+        score = E.neg_clip_loss_scores(
+            _matrix(t.column("image"), n), _matrix(t.column("text"), n), S.uids_to_u8pairs(uids),
+            tau=params["temperature"], batch_size=params["batch_size"], batches=params["batches"],
+            seed=params["seed"], groups=groups,
+        )  # fmt: skip
+    out = pa.table({S.UID: t.column(S.UID) if n else pa.array([], pa.string()),
+                    "source": pa.array(np.zeros(n, np.int64)), "score": pa.array(score, pa.float64())})  # fmt: skip
+    write_buckets(out, uid_buckets(out.column(S.UID), n_buckets), out_path, store)
+    return {"rows": n}
+
+
 def with_scores(job: Any, table: pa.Table, b: int) -> pa.Table:
     """Bucket ``b``'s rows with a score column per streamed filter (null: no embedding)."""
+    from pipeline.filters import embedding as E
+
     store = job.finish.parts.store
     for q, (key, name, params) in enumerate(streamed(job)):
-        files = [job.scores_file(q, s) for s in range(len(_sources(job, name, params)))]
+        if name in GROUPED:
+            groups = E.neg_clip_groups(job.n_rows, params["batch_size"])
+            files = [job.group_file(q, g) for g in overlapping(b, job.finish.parts.pool.n_buckets, groups)]
+        else:
+            files = [job.scores_file(q, s) for s in range(len(_sources(job, name, params)))]
         sc = read_bucket(files, b, store)
         if not sc.num_rows:
             table = table.append_column(score_column(key), pa.nulls(table.num_rows, pa.float64()))

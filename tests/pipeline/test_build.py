@@ -49,7 +49,7 @@ def built(ray_local, demo_pool, tmp_path_factory):
     out = tmp_path_factory.mktemp("build")
     cfg = _cfg(demo_pool, out, tokenizer_vocab=300)
     pool = Path(demo_pool.pool_dir)
-    # the embedding filters: norm_sim and image_based read per embeddings file in blocks, neg_clip_loss whole
+    # the embedding filters read per embeddings file in blocks; neg_clip_loss then scored per uid range
     emb = f"embeddings_file={pool / 'embeddings.npz'}"
     with np.load(pool / "embeddings.npz") as z:
         uids, img = z["uid"], z["l14_img"]

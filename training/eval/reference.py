@@ -28,21 +28,37 @@ from training.eval.sets import Task
 BUILD_MAX_SIDE = 512  # DownloadConfig.image_size: what the build hashes
 
 
+def parts(tasks: Sequence[Task], store: Storage = LOCAL) -> list[tuple[Task, int, str]]:
+    """(task, index, shard or row chunk) of every part of ``tasks``, in the harness's order: the unit one
+    worker reads (each set checked first, on the caller)."""
+    out = []
+    for task in tasks:
+        found = (
+            hf_sets.validate_task(task, store) if task.hf_dataset else eval_sets.validate_task(task, store)
+        )
+        out += [(task, i, part) for i, part in enumerate(found)]
+    return out
+
+
+def part_pictures(task: Task, i: int, part: str, store: Storage = LOCAL) -> Iterator[tuple[str, bytes]]:
+    """(key, encoded picture) of every picture of one part, in order."""
+    if task.hf_dataset:
+        for r in hf_sets.iter_rows(part, task.kind, store):
+            if "images" in r:
+                for j, image in enumerate(r["images"]):
+                    yield f"{i}:{r['pos']}:{j}", image
+            else:
+                yield f"{i}:{r['pos']}", r["image"]
+    else:
+        for r in eval_sets.iter_rows(part, task.kind, store):
+            yield f"{i}:{r['pos']}", r["image"]
+
+
 def pictures(tasks: Sequence[Task], store: Storage = LOCAL) -> Iterator[tuple[str, str, bytes]]:
     """(task name, key, encoded picture) of every picture of ``tasks``, in the harness's order."""
-    for task in tasks:
-        if task.hf_dataset:
-            for c, chunk in enumerate(hf_sets.validate_task(task, store)):
-                for r in hf_sets.iter_rows(chunk, task.kind, store):
-                    if "images" in r:
-                        for j, image in enumerate(r["images"]):
-                            yield task.name, f"{c}:{r['pos']}:{j}", image
-                    else:
-                        yield task.name, f"{c}:{r['pos']}", r["image"]
-        else:
-            for s, shard in enumerate(eval_sets.validate_task(task, store)):
-                for r in eval_sets.iter_rows(shard, task.kind, store):
-                    yield task.name, f"{s}:{r['pos']}", r["image"]
+    for task, i, part in parts(tasks, store):
+        for key, image in part_pictures(task, i, part, store):
+            yield task.name, key, image
 
 
 def build_phash(data: bytes) -> int | None:
@@ -60,34 +76,68 @@ def build_phash(data: bytes) -> int | None:
     return phash64(image)
 
 
-def reference_table(
-    tasks: Sequence[Task], store: Storage = LOCAL, checkpoint: str = "", batch: int = 256
+def part_table(
+    task: Task, i: int, part: str, store: Storage = LOCAL, encoder=None, batch: int = 256
 ) -> pa.Table:
-    """The reference of ``tasks`` (module docstring); pictures that do not decode are left out."""
-    names, keys, hashes, data = [], [], [], []
-    for name, key, image in pictures(tasks, store):
+    """One part's reference rows (``task``, ``key``, ``phash``; ``embedding`` with an ``encoder``): the
+    pictures are hashed as they are read and encoded ``batch`` at a time, so at most a batch's bytes are
+    held; pictures that do not decode are left out."""
+    keys, hashes, mus, held = [], [], [], []
+    for key, image in part_pictures(task, i, part, store):
         h = build_phash(image)
         if h is None:
             continue
-        names.append(name)
         keys.append(key)
         hashes.append(h)
-        data.append(image)
+        if encoder is not None:
+            held.append(image)
+            if len(held) == batch:
+                mus.append(encoder.images(held)[0])
+                held = []
     cols: dict[str, pa.Array] = {
-        "task": pa.array(names, pa.string()),
+        "task": pa.array([task.name] * len(keys), pa.string()),
         "key": pa.array(keys, pa.string()),
         "phash": pa.array(hashes, pa.int64()),
     }
-    if checkpoint:
-        from training.infer.encode import Encoder
-
-        enc = Encoder(checkpoint, store)
-        mus = [enc.images(data[a : a + batch])[0] for a in range(0, len(data), batch)]
-        mu = np.concatenate(mus) if mus else np.zeros((0, enc.embed_dim), np.float32)
+    if encoder is not None:
+        if held:
+            mus.append(encoder.images(held)[0])
+        mu = np.concatenate(mus) if mus else np.zeros((0, encoder.embed_dim), np.float32)
         cols["embedding"] = pa.FixedSizeListArray.from_arrays(
             pa.array(mu.astype(np.float32).reshape(-1)), mu.shape[1]
         )
     return pa.table(cols)
+
+
+def reference_table(
+    tasks: Sequence[Task], store: Storage = LOCAL, checkpoint: str = "", batch: int = 256
+) -> pa.Table:
+    """The reference of ``tasks`` (module docstring), one part after the other in this process (the Ray
+    Data pass over the parts is ``reference_dataset.build_reference``)."""
+    encoder = None
+    if checkpoint:
+        from training.infer.encode import Encoder
+
+        encoder = Encoder(checkpoint, store)
+    tables = [part_table(t, i, part, store, encoder, batch) for t, i, part in parts(tasks, store)]
+    return pa.concat_tables(tables) if tables else empty_reference(bool(checkpoint))
+
+
+def empty_reference(embedding: bool, dim: int = 0) -> pa.Table:
+    cols = {
+        "task": pa.array([], pa.string()),
+        "key": pa.array([], pa.string()),
+        "phash": pa.array([], pa.int64()),
+    }
+    if embedding:
+        cols["embedding"] = pa.FixedSizeListArray.from_arrays(pa.array([], pa.float32()), max(dim, 1))
+    return pa.table(cols)
+
+
+def reference_counts(table: pa.Table) -> dict[str, int]:
+    """Pictures per task of a reference table."""
+    names, counts = np.unique(np.asarray(table.column("task").to_pylist(), dtype=str), return_counts=True)
+    return {str(n): int(c) for n, c in zip(names, counts, strict=True)}
 
 
 def write_reference(
@@ -96,5 +146,4 @@ def write_reference(
     """Write the reference parquet to ``out``; returns pictures per task."""
     table = reference_table(tasks, store, checkpoint)
     store.write_parquet(table, out)
-    names, counts = np.unique(np.asarray(table.column("task").to_pylist(), dtype=str), return_counts=True)
-    return {str(n): int(c) for n, c in zip(names, counts, strict=True)}
+    return reference_counts(table)

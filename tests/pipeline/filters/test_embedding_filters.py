@@ -11,6 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline import schema as S
+from pipeline.common.hashing import splitmix64
 from pipeline.common.storage import LOCAL
 from pipeline.filters import embedding as E
 from pipeline.filters.base import FilterError
@@ -28,7 +30,27 @@ def _pairs(n=50, d=16, seed=0):
     return image, text
 
 
-def _reference_neg_clip_loss(image, text, tau, batch_size, batches, seed):
+def _uids(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return S.uids_to_u8pairs(
+        [f"{int(a):016x}{int(b):016x}" for a, b in rng.integers(0, 2**64, (n, 2), dtype=np.uint64)]
+    )
+
+
+def _reference_batches(uids, batch_size, seed, k):
+    """The batch rule (decision 0098) written out: sort by (key, uid), ⌈n/b⌉ near-equal runs."""
+    mix = lambda x: int(splitmix64(np.array([x % 2**64], np.uint64))[0])  # noqa: E731
+    salt_seed, salt_k = mix(seed), mix(k + 1)
+    keys = [(mix(mix(int(hi) ^ salt_seed) ^ int(lo) ^ salt_k), int(hi), int(lo), i)
+            for i, (hi, lo) in enumerate(zip(uids["f0"], uids["f1"], strict=True))]  # fmt: skip
+    order = [i for *_, i in sorted(keys)]
+    m = -(-len(order) // batch_size)
+    size, extra = divmod(len(order), m)
+    cuts = np.cumsum([0] + [size + (j < extra) for j in range(m)])
+    return [order[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def _reference_neg_clip_loss(image, text, uids, tau, batch_size, batches, seed):
     """The paper's Eq. 1–2 literally, in 40-digit arithmetic (mpmath): −τ × the CLIP loss of row i in
     each random batch, averaged over the batches; a pair that dominates its batch scores −1e-11 or so,
     where float64's log-softmax of the matched pair would keep only a digit or two."""
@@ -37,9 +59,7 @@ def _reference_neg_clip_loss(image, text, tau, batch_size, batches, seed):
     n = len(v)
     total = [mp.mpf(0)] * n
     for k in range(batches):
-        order = np.random.default_rng(np.random.SeedSequence([seed, k])).permutation(n)
-        for a in range(0, n, batch_size):
-            rows = order[a : a + batch_size]
+        for rows in _reference_batches(uids, batch_size, seed, k):
             s = [
                 [mp.fsum(mp.mpf(x) * mp.mpf(y) for x, y in zip(v[i], t[j], strict=True)) / tau for j in rows]
                 for i in rows
@@ -54,18 +74,52 @@ def _reference_neg_clip_loss(image, text, tau, batch_size, batches, seed):
 @pytest.mark.parametrize("batch_size, batches, tau", [(30, 1, 0.01), (16, 2, 0.01), (7, 3, 0.07)])
 def test_neg_clip_loss_equals_the_papers_definition(batch_size, batches, tau):
     image, text = _pairs(n=30)
-    got = E.neg_clip_loss_scores(image, text, tau=tau, batch_size=batch_size, batches=batches, seed=3)
-    want = _reference_neg_clip_loss(image, text, tau, batch_size, batches, 3)
+    uids = _uids(30)
+    got = E.neg_clip_loss_scores(image, text, uids, tau=tau, batch_size=batch_size, batches=batches, seed=3)
+    want = _reference_neg_clip_loss(image, text, uids, tau, batch_size, batches, 3)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_neg_clip_batches_are_a_function_of_the_uids():
+    """Round k's batches: the written-out rule, at most b rows each, the same rows whatever their order,
+    another draw per round and per seed; a pool of at most b rows is one batch."""
+    uids = _uids(103, seed=1)
+    got = E.neg_clip_batches(uids, 16, seed=2, k=1)
+    assert [r.tolist() for r in got] == _reference_batches(uids, 16, 2, 1)
+    assert len(got) == 7 and {len(r) for r in got} <= {14, 15, 16}
+    perm = np.random.default_rng(0).permutation(103)
+    moved = E.neg_clip_batches(uids[perm], 16, seed=2, k=1)
+    assert [sorted(perm[r].tolist()) for r in moved] == [sorted(r.tolist()) for r in got]
+    assert sorted(E.neg_clip_batches(uids, 16, seed=2, k=2)[0].tolist()) != sorted(got[0].tolist())
+    assert sorted(E.neg_clip_batches(uids, 16, seed=3, k=1)[0].tolist()) != sorted(got[0].tolist())
+    assert [len(r) for r in E.neg_clip_batches(uids, 103, seed=2, k=0)] == [103]
+
+
+def test_neg_clip_loss_groups_are_uid_ranges_scored_alone():
+    """Scores drawn within G uid ranges equal each range scored on its own (what one task holds),
+    whatever order the rows come in."""
+    image, text = _pairs(n=60)
+    uids = _uids(60, seed=2)
+    whole = E.neg_clip_loss_scores(image, text, uids, batch_size=8, batches=2, seed=1, groups=3)
+    group = E.neg_clip_group_of(uids, 3)
+    assert sorted(set(group.tolist())) == [0, 1, 2]
+    for g in range(3):
+        at = np.flatnonzero(group == g)[::-1]
+        alone = E.neg_clip_loss_scores(
+            image[at], text[at], uids[at], batch_size=8, batches=2, seed=1, groups=3
+        )
+        np.testing.assert_array_equal(alone, whole[at])
+    assert E.neg_clip_groups(4 * 32768 - 1, 32768) == 1 and E.neg_clip_groups(12_800_000, 32768) == 97
 
 
 def test_neg_clip_loss_chunks_long_batches(monkeypatch):
     """A batch longer than one row chunk carries its column sums across chunks."""
     image, text = _pairs(n=40)
-    whole = E.neg_clip_loss_scores(image, text, batch_size=40, batches=2, seed=1)
+    uids = _uids(40)
+    whole = E.neg_clip_loss_scores(image, text, uids, batch_size=40, batches=2, seed=1)
     monkeypatch.setattr(E, "_ROWS", 8)
     np.testing.assert_allclose(
-        E.neg_clip_loss_scores(image, text, batch_size=40, batches=2, seed=1), whole, rtol=1e-12
+        E.neg_clip_loss_scores(image, text, uids, batch_size=40, batches=2, seed=1), whole, rtol=1e-12
     )
 
 
@@ -103,6 +157,7 @@ def test_registry_filters_read_datacomp_shards(tmp_path):
     scores = E.neg_clip_loss_scores(
         image.astype(np.float16).astype(np.float32),
         text.astype(np.float16).astype(np.float32),
+        S.uids_to_u8pairs(uids),
         batch_size=16,
         batches=2,
     )

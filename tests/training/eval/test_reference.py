@@ -7,9 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 
 from pipeline.dedup.eval_leaks import EvalReference, eval_leaks
-from training.eval.reference import reference_table, write_reference
+from training.eval.reference import parts, reference_table, write_reference
+from training.eval.reference_dataset import build_reference
+from training.eval.reference_dataset import write_reference as write_reference_on_ray
 from training.eval.sets import load_tasks
 
 
@@ -43,3 +46,15 @@ def test_the_harness_reference_finds_the_planted_leaks(demo_pool):
     task, _ = eval_leaks(np.array([truth["phash"][i] for i in clean], np.int64), None, ref)
     want = [truth["eval_leak"][i] for i in clean]
     assert list(task) == want and sum(bool(w) for w in want) == 6
+
+
+@pytest.mark.ray
+def test_the_ray_data_reference_equals_the_serial_one(ray_local, demo_pool, tmp_path):
+    """The reference built by one Ray Data task per part: the serial table's rows in its order."""
+    tasks = load_tasks("demo", root=str(Path(demo_pool.pool_dir) / "eval"))
+    assert len(parts(tasks)) >= len(tasks) > 1  # several parts: their order matters
+    got = build_reference(tasks)
+    assert got.equals(reference_table(tasks))
+    counts = write_reference_on_ray(tasks, str(tmp_path / "ref.parquet"))
+    assert counts == {"colours": 32, "hierarchy": 16, "retrieval": 16, "shapes": 32}
+    assert pq.read_table(tmp_path / "ref.parquet").equals(got)
