@@ -185,7 +185,9 @@ def test_flat_s3_endpoint_reads_as_the_storage_setting_at_every_depth(tmp_path):
     new = resolve(BUILD_PRESETS, "demo", sets=["storage.s3_endpoint=http://127.0.0.1:8333"])
     assert flat == new and flat.storage.s3_endpoint == "http://127.0.0.1:8333"
     assert flat.storage.store().endpoint == "http://127.0.0.1:8333"
-    assert "s3_endpoint" not in to_dict(flat) and to_dict(flat)["storage"] == {"s3_endpoint": "http://127.0.0.1:8333"}
+    assert "s3_endpoint" not in to_dict(flat) and to_dict(flat)["storage"] == {
+        "s3_endpoint": "http://127.0.0.1:8333"
+    }
     # a config file of the old form, nested (training's data and run hold one each)
     old = tmp_path / "old.yaml"
     old.write_text("data:\n  s3_endpoint: http://h:1\nrun:\n  s3_endpoint: http://h:2\n")
