@@ -159,7 +159,7 @@ def _build_locked(run: _Run, meta: Metadata, served: tuple[str, ...], lock, allo
     plan = LivePlan(pool, tuple(live[f]["live"] for f in files))
     markers, done, n_retried = download_parts(plan, cfg, store, run.paths, log, allow_hosts)
     lock.check()
-    R.record(cfg, fp, store)  # every part now holds this pool's content
+    R.record(cfg.output, fp, store)  # every part now holds this pool's content
     run.timings["download"] = time.perf_counter() - t
 
     parts = _parts_layout(run, pool, markers, plan.n_parts(cfg.part_size))
