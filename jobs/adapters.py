@@ -59,7 +59,8 @@ class AdaptersConfig:
 
 
 PRESETS = {"demo": AdaptersConfig()}
-FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(AdaptersConfig)}
+FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(AdaptersConfig) if f.name != "storage"}
+FLAGS["--s3-endpoint"] = "storage.s3_endpoint"
 
 
 SUMMARY = """\

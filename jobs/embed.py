@@ -50,7 +50,8 @@ class EmbedJobConfig:
 
 
 PRESETS = {"demo": EmbedJobConfig()}
-FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(EmbedJobConfig)}
+FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(EmbedJobConfig) if f.name != "storage"}
+FLAGS["--s3-endpoint"] = "storage.s3_endpoint"
 SUMMARY = """\
 Frozen image and caption embeddings (μ, and log σ² for a probabilistic checkpoint) of every pair in the
 shards, by Ray batch inference, as one parquet file: what jobs.adapters fits on."""
