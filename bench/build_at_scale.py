@@ -65,7 +65,7 @@ from pipeline.config import BuildConfig
 
 cfg = load(BuildConfig, json.loads(cfg_json))
 t = time.perf_counter()
-res = build(cfg, log=lambda m: print(m, flush=True), store=Storage.from_env(cfg.s3_endpoint))
+res = build(cfg, log=lambda m: print(m, flush=True), store=cfg.storage.store())
 wall = time.perf_counter() - t
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 json.dump({"wall_s": wall, "driver_peak_rss": peak, "timings": res.timings, "status": res.status_counts,
@@ -129,7 +129,7 @@ class _WorkerPeak:
 
 def _config(n: int, out: str, metadata: str, s3: str = "") -> dict:
     return {
-        "metadata": metadata, "output": out, "s3_endpoint": s3, "part_size": 2_000, "samples_per_shard": 10_000,
+        "metadata": metadata, "output": out, "storage": {"s3_endpoint": s3}, "part_size": 2_000, "samples_per_shard": 10_000,
         "download_actors": os.cpu_count() or 2, "download_cpus": 0.5,
         "download": {"verify_sha256": False, "late_retries": 0, "threads_per_actor": 16},
         "dedupe": {"near_duplicates": True}, "filters": {"names": FILTERS},

@@ -28,6 +28,7 @@ from pipeline.common.errors import InputError, UsageError
 from pipeline.common.manifest import redacted
 from pipeline.common.preflight import input_files, output_location
 from pipeline.common.storage import Storage
+from pipeline.common.storage_config import StorageConfig
 
 
 @config_class
@@ -50,7 +51,7 @@ class AdaptersConfig:
     zeroshot: str = ""  # clip_benchmark classification set dir (e.g. eval/shapes)
     unseen: NonNegative = 2  # last N classes are held out as unseen
     dummy: str = "a photo"  # the none-of-the-above prompt (AsymVLM Table 2)
-    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
 
     def __post_init__(self) -> None:
         bad = [h for h in self.heads.split(",") if h and h not in ("vmf", "ps")]
@@ -58,7 +59,8 @@ class AdaptersConfig:
 
 
 PRESETS = {"demo": AdaptersConfig()}
-FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(AdaptersConfig)}
+FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(AdaptersConfig) if f.name != "storage"}
+FLAGS["--s3-endpoint"] = "storage.s3_endpoint"
 
 
 SUMMARY = """\
@@ -139,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         example=EXAMPLE,
     )  # fmt: skip
     t0 = time.perf_counter()
-    store = Storage.from_env(args.s3_endpoint)
+    store = args.storage.store()
     train, evald, natives = _inputs(args, store)
     import torch
 

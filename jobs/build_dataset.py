@@ -18,7 +18,7 @@ from pipeline.common.shared_storage import require_shared_storage
 from pipeline.common.storage import Storage
 from pipeline.config import BUILD_PRESETS, BuildConfig
 
-FLAGS = {"--metadata": "metadata", "--output": "output", "--s3-endpoint": "s3_endpoint"}
+FLAGS = {"--metadata": "metadata", "--output": "output", "--s3-endpoint": "storage.s3_endpoint"}
 # A preset for real data has no default output or metadata: a forgotten flag must not write to a bucket.
 REQUIRED = {"*": ("output",), "datacomp-small": ("metadata", "output")}
 SUMMARY = """\
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_job_config(
         argv, SUMMARY, BUILD_PRESETS, FLAGS, required=REQUIRED, prog="jobs.build_dataset", example=EXAMPLE
     )
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     check_inputs(cfg, store)
     import ray
 

@@ -34,7 +34,7 @@ from pipeline.common import storage
 from pipeline.common.config import NonNegativeFloat, Positive, PositiveFloat, config_class
 from pipeline.common.preflight import input_dir, input_files, output_location
 from pipeline.common.shared_storage import require_shared_storage
-from pipeline.common.storage import Storage
+from pipeline.common.storage_config import StorageConfig
 
 
 @config_class
@@ -42,7 +42,7 @@ class EmbedJobConfig:
     checkpoint: str = ""  # checkpoint directory (local or s3://)
     shards: str = ""  # shard directory, glob or comma list (local or s3://)
     out: str = ""  # output .parquet (local or s3://)
-    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     num_actors: Positive = 1  # encoding actors, one model each
     num_gpus: NonNegativeFloat = 0.0  # GPUs per actor (0 on CPU)
     cpus_per_actor: PositiveFloat = 1.0  # Ray CPUs reserved per encoding actor
@@ -50,7 +50,8 @@ class EmbedJobConfig:
 
 
 PRESETS = {"demo": EmbedJobConfig()}
-FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(EmbedJobConfig)}
+FLAGS = {f"--{f.name.replace('_', '-')}": f.name for f in fields(EmbedJobConfig) if f.name != "storage"}
+FLAGS["--s3-endpoint"] = "storage.s3_endpoint"
 SUMMARY = """\
 Frozen image and caption embeddings (μ, and log σ² for a probabilistic checkpoint) of every pair in the
 shards, by Ray batch inference, as one parquet file: what jobs.adapters fits on."""
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, SUMMARY, PRESETS, FLAGS, required=("checkpoint", "shards", "out"), prog="jobs.embed",
         example=EXAMPLE,
     )  # fmt: skip
-    store = Storage.from_env(args.s3_endpoint)
+    store = args.storage.store()
     input_dir(store, args.checkpoint, "checkpoint")  # before torch loads to read it
     input_files(store, args.shards, "shards", "tar", ".tar")
     parent = os.path.dirname(args.out.rstrip("/")) if not storage.is_s3(args.out) else args.out

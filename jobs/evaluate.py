@@ -26,11 +26,21 @@ from pipeline.common.errors import naming
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import input_dir, output_location
 from pipeline.common.shared_storage import require_shared_storage
-from pipeline.common.storage import Storage
 from training.eval.config import EVAL_PRESETS
 
-_KEYS = ("checkpoint", "tasks", "eval_root", "out", "s3_endpoint", "num_actors", "num_gpus", "batch_size")
-FLAGS: dict[str, str | tuple[str, bool]] = {"--" + k.replace("_", "-"): k for k in (*_KEYS, "max_samples")}
+_KEYS = (
+    "checkpoint",
+    "tasks",
+    "eval_root",
+    "out",
+    "storage.s3_endpoint",
+    "num_actors",
+    "num_gpus",
+    "batch_size",
+)
+FLAGS: dict[str, str | tuple[str, bool]] = {
+    "--" + k.rsplit(".", 1)[-1].replace("_", "-"): k for k in (*_KEYS, "max_samples")
+}
 FLAGS["--no-analyses"] = ("analyses", False)
 SUMMARY = """\
 Zero-shot classification and retrieval (by CSD for a probabilistic checkpoint, cosine otherwise) on a
@@ -54,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     from training.eval.sets import load_tasks
 
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     input_dir(store, cfg.checkpoint, "checkpoint")  # before torch loads to read it
     with naming(f"tasks {cfg.tasks}"):
         tasks = load_tasks(cfg.tasks, root=cfg.eval_root or None)
@@ -63,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.eval.run import evaluate
 
     kwargs = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    for key in ("checkpoint", "tasks", "eval_root", "out", "s3_endpoint"):
+    for key in ("checkpoint", "tasks", "eval_root", "out", "storage"):
         kwargs.pop(key)
     # The encoding actors open the checkpoint and every task's files on whichever host they run.
     shared = {"checkpoint": cfg.checkpoint, **{f"tasks[{t.name}].path": t.path for t in tasks}}

@@ -18,6 +18,7 @@ from pipeline.common.config import config_class
 from pipeline.common.errors import InputError, JobError, UsageError
 from pipeline.common.preflight import output_location, sniff
 from pipeline.common.storage import Storage
+from pipeline.common.storage_config import StorageConfig
 
 
 @config_class
@@ -27,11 +28,16 @@ class ImportJobConfig:
     tokenizer: str = ""  # "" = the source's own (CLIP's BPE; ProLIP: its config's SigLIP tokenizer.json)
     # for a tokenizer.json: lower | canonicalize ("" = the source's own)
     tokenizer_clean: Literal["", "lower", "canonicalize"] = ""
-    s3_endpoint: str = ""  # for an s3:// out (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
 
 
 PRESETS = {"demo": ImportJobConfig()}
-FLAGS = {"--source": "source", "--out": "out", "--tokenizer": "tokenizer", "--s3-endpoint": "s3_endpoint"}
+FLAGS = {
+    "--source": "source",
+    "--out": "out",
+    "--tokenizer": "tokenizer",
+    "--s3-endpoint": "storage.s3_endpoint",
+}
 SUMMARY = """\
 An open_clip CLIP or a released ProLIP as one of our checkpoint directories, which jobs.filter,
 jobs.evaluate and jobs.embed load; weights from safetensors or torch files read with weights_only."""
@@ -63,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, SUMMARY, PRESETS, FLAGS, required=("source", "out"), prog="jobs.import_checkpoint",
         example=EXAMPLE,
     )  # fmt: skip
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     check_source(cfg.source)
     output_location(store, cfg.out, "out")
     from training.imports.load import import_checkpoint

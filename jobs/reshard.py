@@ -20,7 +20,7 @@ from jobs.common import job_main, parse_job_config, print_table
 from pipeline.common.config import Names, Positive, config_class
 from pipeline.common.errors import JobError, RefusedError, UsageError, naming
 from pipeline.common.preflight import input_file, input_files, output_location
-from pipeline.common.storage import Storage
+from pipeline.common.storage_config import StorageConfig
 
 
 @config_class
@@ -29,7 +29,7 @@ class ReshardJobConfig:
     subset: str = ""  # DataComp subset .npy (u8,u8 uids), local or s3://
     out: str = ""  # output directory (local or s3://)
     samples_per_shard: Positive = 10_000  # DataComp's default
-    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL / AWS)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     workers: Positive = 1  # input tars read ahead in parallel
     overwrite: bool = False  # replace shards already in out
     skip_corrupt: bool = False  # keep going past a damaged input tar
@@ -42,7 +42,7 @@ FLAGS = {
     "--subset": "subset",
     "--out": "out",
     "--samples-per-shard": "samples_per_shard",
-    "--s3-endpoint": "s3_endpoint",
+    "--s3-endpoint": "storage.s3_endpoint",
     "--workers": "workers",
     "--overwrite": "overwrite",
     "--skip-corrupt": "skip_corrupt",
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     from pipeline.subsets.reshard import load_subset, reshard
 
-    store = Storage.from_env(args.s3_endpoint)
+    store = args.storage.store()
     input_files(store, ",".join(args.shards), "shards", "tar", ".tar")
     input_file(store, args.subset, "subset", "npy")
     with naming(f"subset {args.subset}"):

@@ -29,12 +29,13 @@ from pipeline.common import storage
 from pipeline.common.config import config_class
 from pipeline.common.errors import InputError, naming
 from pipeline.common.storage import Storage
+from pipeline.common.storage_config import StorageConfig
 
 
 @config_class
 class StatusConfig:
     run: str = ""  # a build's output, a training's run directory or a track's output (local or s3://)
-    s3_endpoint: str = ""  # for an s3:// run (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
 
 
 SUMMARY = """\
@@ -169,10 +170,10 @@ def status_lines(run: str, store: Storage) -> list[str]:
 @job_main
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_job_config(
-        argv, SUMMARY, {"default": StatusConfig()}, {"RUN_DIR": "run", "--s3-endpoint": "s3_endpoint"},
+        argv, SUMMARY, {"default": StatusConfig()}, {"RUN_DIR": "run", "--s3-endpoint": "storage.s3_endpoint"},
         default="default", required=("run",), prog="jobs.status", example=EXAMPLE,
     )  # fmt: skip
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     print("\n".join(status_lines(cfg.run.rstrip("/"), store)))
     return 0
 

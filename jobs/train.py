@@ -36,16 +36,16 @@ EXAMPLE = (
 
 def check_inputs(cfg: TrainConfig) -> None:
     """The shards (tar files), a tokenizer given as a path, and the run's storage, before Ray starts."""
-    input_files(Storage.from_env(cfg.data.s3_endpoint), cfg.data.shards, "data.shards", "tar", ".tar")
+    input_files(cfg.data.storage.store(), cfg.data.shards, "data.shards", "tar", ".tar")
     spec = cfg.tokenizer
     path = spec.partition(":")[2] if spec.startswith("clip:") else ("" if spec == "clip" else spec)
     if path and not spec.startswith("hf-hub:"):  # a Hub repository is fetched (and cached) by the trainer
-        local = Storage.from_env(cfg.data.s3_endpoint) if storage.is_s3(path) else Storage()
+        local = cfg.data.storage.store() if storage.is_s3(path) else Storage()
         if local.isdir(path):
             input_files(local, path, "tokenizer", suffix=".json")
         else:
             input_files(local, path, "tokenizer", kind=None if spec.startswith("clip:") else "json")
-    output_location(Storage.from_env(cfg.run.s3_endpoint), cfg.run.storage_path, "run.storage_path")
+    output_location(cfg.run.storage.store(), cfg.run.storage_path, "run.storage_path")
 
 
 @job_main
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         config=to_plain(cfg),
         counts={"steps": out.return_value.get("final_step"), "ingest": out.ingest},
         timings={"train": out.wall_s},
-        store=Storage.from_env(cfg.run.s3_endpoint),
+        store=cfg.run.storage.store(),
         extra={
             "checkpoint": out.checkpoint_path,
             "final_metrics": final,

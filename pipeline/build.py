@@ -103,11 +103,11 @@ def build(
     """Run the whole build for ``cfg`` (Ray must be initialised unless ``download_actors`` is 0).
     Idempotent; resumes each stage where it stopped.
 
-    ``store``: the run's storage as the job built it; by default resolved here, once, from ``cfg.s3_endpoint``.
+    ``store``: the run's storage as the job built it; by default resolved here, once, from ``cfg.storage``.
     ``allow_hosts``: ``download.allow_hosts`` entries for this run only, outside its config and fingerprint
     (the demo pool's server: pipeline/demo/source.py).
     """
-    store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
+    store = store if store is not None else cfg.storage.store()
     t0 = time.perf_counter()
     meta = open_metadata(cfg.metadata, store)
     for name, columns in zip(meta.files, meta.names, strict=True):
@@ -159,7 +159,7 @@ def _build_locked(run: _Run, meta: Metadata, served: tuple[str, ...], lock, allo
     plan = LivePlan(pool, tuple(live[f]["live"] for f in files))
     markers, done, n_retried = download_parts(plan, cfg, store, run.paths, log, allow_hosts)
     lock.check()
-    R.record(cfg, fp, store)  # every part now holds this pool's content
+    R.record(cfg.output, fp, store)  # every part now holds this pool's content
     run.timings["download"] = time.perf_counter() - t
 
     parts = _parts_layout(run, pool, markers, plan.n_parts(cfg.part_size))

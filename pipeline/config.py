@@ -24,6 +24,7 @@ from pipeline.common.config import (
     config_class,
     require,
 )
+from pipeline.common.storage_config import StorageConfig
 from pipeline.filters.registry import Filter
 
 SUBSET_SCOPES = ("metadata", "downloaded")
@@ -141,7 +142,7 @@ class BuildConfig:
     download_actors: NonNegative = 2  # Ray actors downloading parts at once; 0: in the driver, no Ray
     download_cpus: PositiveFloat = 0.5  # Ray CPUs reserved per download actor (I/O-bound; see build.py)
     num_cpus: NonNegative = 0  # local Ray: 0 = all cores
-    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 for a local S3 server
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     keep_parts: bool = False  # keep work/parts/ after a finished build (the shards are cut from it)
     # Rows per bucket of the build's per-uid and per-URL stages (and rows per part group): bounds what one
     # task holds (~1 KB a row); the bucket counts follow from the pool's size (pipeline/stages/layout.py).

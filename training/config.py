@@ -58,6 +58,7 @@ from pipeline.common.config import (
     require,
     to_dict,
 )
+from pipeline.common.storage_config import StorageConfig
 from training.losses.objectives import LossConfig, ProLIPLossConfig
 from training.model.config import MODEL_CONFIGS
 
@@ -77,7 +78,7 @@ class DataConfig:
     # only, each as often as it is listed — the samples jobs.reshard would write, read from the build's
     # own shards (pipeline/ingest/subset_reader.py). Empty: every row of ``shards``.
     subset: str = ""
-    s3_endpoint: str = ""  # for s3:// shards, e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     augment: bool = True  # RandomResizedCrop, colour jitter and grayscale (ProLIP B.1); off = resize only
     crop_scale: tuple[float, float] = (0.8, 1.0)  # RandomResizedCrop area range (ProLIP B.1)
     crop_ratio: tuple[float, float] = (0.75, 4.0 / 3.0)  # aspect range (torchvision's default)
@@ -212,7 +213,7 @@ class RunOutputConfig:
 
     storage_path: str = "runs/train"  # local directory or s3://bucket/prefix
     name: str = "demo"  # same storage_path + name = resume from the latest checkpoint
-    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333; else AWS_ENDPOINT_URL(_S3)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     max_failures: NonNegative = 0  # automatic worker-group restarts from the last checkpoint
     checkpoint_every: Positive = 100  # optimizer steps
     keep_checkpoints: Positive = 2  # newest checkpoints kept in storage_path/name (at least the latest)

@@ -24,7 +24,6 @@ from jobs.fetch.config import FETCH_PRESETS
 from pipeline.common.config import ConfigError, to_dict
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import output_location
-from pipeline.common.storage import Storage
 
 FLAGS = {"--out": "out", "--metadata-out": "metadata_out", "--eval-out": "eval_out", "--npz": ("npz", True)}
 SUMMARY = """\
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [k for k, v in roots.items() if v == ""]
     if missing:
         raise ConfigError(f"{', '.join(missing)} required (give --out DIR)")
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     for key, root in roots.items():
         if root:
             output_location(store, root, key)

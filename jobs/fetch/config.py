@@ -7,6 +7,7 @@ from dataclasses import field
 
 from pipeline.common import storage
 from pipeline.common.config import ConfigError, Names, Positive, PositiveFloat, config_class
+from pipeline.common.storage_config import StorageConfig
 
 SCALES = ("small", "medium", "large", "xlarge")
 
@@ -30,7 +31,7 @@ class FetchConfig:
     # revisions tried in order for a datasets-cache set (Flickr, MSCOCO, WinoGAViL): its parquet test split
     eval_hf_revisions: Names = field(default_factory=lambda: ["main", "refs/convert/parquet"])
     hub_endpoint: str = ""  # the hub's URL; empty = $HF_ENDPOINT, else https://huggingface.co
-    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     staging: str = ""  # local folder for the partial files of an s3:// copy; empty = the system temp dir
     workers: Positive = 8  # files transferred at once
     attempts: Positive = 3  # downloads of one file before bytes that never match its hash fail the set

@@ -21,9 +21,13 @@ from pipeline.common.errors import InputError, JobError, naming
 from pipeline.common.manifest import write_manifest
 from pipeline.common.preflight import input_dir, input_files, output_location
 from pipeline.common.shared_storage import require_shared_storage
-from pipeline.common.storage import Storage
 
-FLAGS = {"--checkpoint": "checkpoint", "--shards": "shards", "--out": "out", "--s3-endpoint": "s3_endpoint"}
+FLAGS = {
+    "--checkpoint": "checkpoint",
+    "--shards": "shards",
+    "--out": "out",
+    "--s3-endpoint": "storage.s3_endpoint",
+}
 SUMMARY = """\
 Score every pool pair with a checkpoint (CSD, cosine, Σσ² per tower; Ray batch inference) and write one
 DataComp subset .npy per filter spec (CSD best k%, the uncertainty-aware variant, CLIP score, random),
@@ -41,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         example=EXAMPLE,
     )  # fmt: skip
     specs = validate(cfg)
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     input_files(store, cfg.shards, "shards", "tar", ".tar")
     output_location(store, cfg.out, "out")
     imported = cfg.checkpoint.split(":", 1)[0] in ("openclip", "prolip") and ":" in cfg.checkpoint
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             **{f"subset.{k}": v.size for k, v in res.subsets.items()},
         },
         timings=res.timings,
-        store=Storage.from_env(cfg.s3_endpoint),
+        store=cfg.storage.store(),
         extra={
             "checkpoint": cfg.checkpoint,
             "imported_from": imported_from,

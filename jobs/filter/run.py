@@ -34,6 +34,7 @@ from pipeline.common.config import (
     names_from_text,
 )
 from pipeline.common.storage import Storage
+from pipeline.common.storage_config import StorageConfig
 from pipeline.filters.specs import FilterSpec, parse_filter_specs, required_columns, run_filters
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class FilterJobConfig:
     checkpoint: str = ""
     checkpoint_tokenizer: str = ""  # for an imported source: a tokenizer other than its own
     out: str = "runs/demo/filter"  # run directory (local or s3://)
-    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     num_actors: Positive = 1  # scoring actors, each holding one model
     num_gpus: NonNegativeFloat = (
         0.0  # per actor; 0 on CPU (a GPU request on a CPU-only cluster waits forever)
@@ -129,7 +130,7 @@ def check_checkpoint(cfg: FilterJobConfig, specs: list[FilterSpec]) -> bool:
     actor starts; a filter that needs σ² with a deterministic checkpoint is a ConfigError."""
     from training.infer.scoring import verify_checkpoint
 
-    model_cfg = verify_checkpoint(cfg.checkpoint, Storage.from_env(cfg.s3_endpoint))
+    model_cfg = verify_checkpoint(cfg.checkpoint, cfg.storage.store())
     for i, spec in enumerate(specs):
         if "text_unc" in required_columns([spec]) and not model_cfg.probabilistic:
             raise ConfigError(
@@ -162,7 +163,7 @@ def run_filter_job(cfg: FilterJobConfig) -> FilterJobResult:
     """Score → filter → write subsets (→ reshard); see the module docstring for the outputs."""
     specs = validate(cfg)
     check_checkpoint(cfg, specs)
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     timings: dict[str, float] = {}
     scores_path = storage.join(cfg.out, "scores", "scores.parquet")
     t0 = time.perf_counter()

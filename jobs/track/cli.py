@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, SUMMARY, TRACK_PRESETS, {"--output": "output"}, required=REQUIRED, prog="jobs.track",
         example=EXAMPLE,
     )  # fmt: skip
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     check_inputs(cfg, store)
     from jobs.track.report import markdown_table
     from jobs.track.run import run_track

@@ -30,6 +30,7 @@ from pipeline.common.config import (
     merge,
     names_from_text,
 )
+from pipeline.common.storage_config import StorageConfig
 from pipeline.config import BUILD_PRESETS, BuildConfig
 from pipeline.filters.registry import Filter
 from pipeline.filters.specs import parse_filter_specs
@@ -53,7 +54,7 @@ SUBSET_KINDS = typing.get_args(SubsetKind)
 @config_class
 class TrackConfig:
     output: str = "runs/demo"  # the run directory, local or s3://
-    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     num_cpus: NonNegative = 0  # local Ray: 0 = all cores
     # the build also trains the BPE that every model shares (share_tokenizer)
     build: BuildConfig = field(
@@ -382,11 +383,11 @@ def train_config(
         "data": {
             "shards": shards,
             "subset": subset,
-            "s3_endpoint": cfg.s3_endpoint,
+            "storage": cfg.storage,
             "shuffle_seed": seed,
             "mask_seed": seed,
         },
-        "run": {"storage_path": p["train"], "name": name, "s3_endpoint": cfg.s3_endpoint},
+        "run": {"storage_path": p["train"], "name": name, "storage": cfg.storage},
     }
     if not base.tokenizer and cfg.start_scorer:
         updates["tokenizer"] = p["scorer_import"]  # the started scorer's own tokenizer, saved with it

@@ -264,8 +264,8 @@ def write_report(
     store: Storage | None = None,
 ) -> tuple[str, list[Row], dict[str, Any]]:
     """Write ``report.md``, ``report.html``, ``figures/`` and ``track_results.json`` under ``cfg.output``;
-    returns (report path, table, verdicts). ``store`` defaults to the one ``cfg.s3_endpoint`` names."""
-    store = store if store is not None else Storage.from_env(cfg.s3_endpoint)
+    returns (report path, table, verdicts). ``store`` defaults to the one ``cfg.storage`` names."""
+    store = store if store is not None else cfg.storage.store()
     rows = comparison_table(cfg, subsets, models, evals)
     verdicts = verdict(cfg, evals)
     view = datacomp_view(cfg, evals)

@@ -45,17 +45,17 @@ from pipeline.source.run_state import RETRY_KNOBS, differences
 # Keys that change where or how fast a step runs, not what it produces (resume_key leaves them out).
 _PLACEMENT = {
     "": (
-        "output", "s3_endpoint", "num_cpus", "seeds", "score_actors", "score_gpus", "eval_gpus", "train_parallel",
+        "output", "storage", "num_cpus", "seeds", "score_actors", "score_gpus", "eval_gpus", "train_parallel",
         "eval_parallel",
     ),
     "build": (
-        "output", "s3_endpoint", "num_cpus", "download_actors", "download_cpus", "keep_parts", "overwrite",
+        "output", "storage", "num_cpus", "download_actors", "download_cpus", "keep_parts", "overwrite",
         "retry_failed", "bucket_rows",
     ),
     "build.download": RETRY_KNOBS,
     "model": ("scaling", "run"),
     "model.data": (
-        "shards", "s3_endpoint", "read_cpus", "decode_tasks", "decode_cpus", "prefetch_batches", "label_selector",
+        "shards", "storage", "read_cpus", "decode_tasks", "decode_cpus", "prefetch_batches", "label_selector",
     ),
 }  # fmt: skip
 
@@ -86,7 +86,7 @@ def resume_key(cfg: TrackConfig) -> dict[str, Any]:
 def claim_output(cfg: TrackConfig, store: Storage | None = None) -> _State:
     """Check ``cfg`` against the steps already recorded in its output, record it and return the state;
     raises ``ResumeMismatch`` (a ``RefusedError``, exit 5) naming what differs."""
-    store = store or Storage.from_env(cfg.s3_endpoint)
+    store = store or cfg.storage.store()
     state = _State(cfg.output, store)
     new = resume_key(cfg)
     steps = [k for k in state.data if k not in NOT_STEPS]

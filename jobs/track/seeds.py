@@ -24,6 +24,7 @@ from pipeline.common import storage
 from pipeline.common.config import Names, config_class
 from pipeline.common.errors import InputError, JobError, UsageError, naming
 from pipeline.common.storage import Storage
+from pipeline.common.storage_config import StorageConfig
 
 # (label, where, test): ``where`` is "results:…" (track_results.json) or "scorer:…" (the scorer's analyses);
 # ``test`` names what holds on a run, counted over the runs.
@@ -157,7 +158,7 @@ def markdown(runs: dict[str, dict[str, Any]], summary: dict[str, dict[str, Any]]
 class SeedsConfig:
     runs: Names = field(default_factory=list)  # track run directories (their --set output=…), local or s3://
     out: str = ""  # also write the table here (markdown; a .json beside it)
-    s3_endpoint: str = ""  # for s3:// runs (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
 
 
 SUMMARY = """\
@@ -169,10 +170,10 @@ EXAMPLE = "python -m jobs.track.seeds runs/demo runs/demo-seed1 runs/demo-seed2 
 @job_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_job_config(
-        argv, SUMMARY, {"default": SeedsConfig()}, {"RUN": "runs", "--out": "out", "--s3-endpoint": "s3_endpoint"},
+        argv, SUMMARY, {"default": SeedsConfig()}, {"RUN": "runs", "--out": "out", "--s3-endpoint": "storage.s3_endpoint"},
         default="default", required=("runs",), prog="jobs.track.seeds", example=EXAMPLE,
     )  # fmt: skip
-    store = Storage.from_env(args.s3_endpoint)
+    store = args.storage.store()
     names = [run.rstrip("/") for run in args.runs]
     twice = sorted(name for name, n in Counter(names).items() if n > 1)
     if twice:

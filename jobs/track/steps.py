@@ -37,12 +37,11 @@ def build_pool(cfg: TrackConfig, log: Log) -> dict[str, Any]:
     from pipeline.build import build
     from pipeline.demo.source import demo_source
 
-    bcfg = dataclasses.replace(
-        cfg.build, output=cfg.output, s3_endpoint=cfg.s3_endpoint or cfg.build.s3_endpoint
-    )
+    storage = cfg.storage if cfg.storage.s3_endpoint else cfg.build.storage
+    bcfg = dataclasses.replace(cfg.build, output=cfg.output, storage=storage)
     bcfg = with_baselines(cfg, datacomp_pool(bcfg) if cfg.pool == "datacomp" else bcfg)
     bcfg = with_eval_reference(cfg, bcfg, log)
-    store = Storage.from_env(bcfg.s3_endpoint)
+    store = bcfg.storage.store()
     # The demo pool is served on the driver's address: 127.0.0.1 locally, the head's on a cluster.
     source = demo_source(bcfg, log, host=ray.util.get_node_ip_address(), store=store)
     with source as run_cfg:
@@ -68,7 +67,7 @@ def with_eval_reference(cfg: TrackConfig, bcfg: Any, log: Log) -> Any:
     from training.eval.sets import load_tasks
 
     out = storage.join(cfg.output, "eval_reference.parquet")
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     if not store.exists(out):
         counts = write_reference(load_tasks(cfg.eval_tasks, root=paths(cfg)["eval_root"]), out, store)
         log(f"[track]   eval reference: {sum(counts.values())} pictures of {len(counts)} tasks → {out}")
@@ -117,7 +116,7 @@ def score_pool(cfg: TrackConfig, checkpoint: str, log: Log) -> dict[str, Any]:
         p["shards"],
         checkpoint,
         p["scores"],
-        store=Storage.from_env(cfg.s3_endpoint),
+        store=cfg.storage.store(),
         num_actors=cfg.score_actors,
         num_gpus=cfg.score_gpus,
     )
@@ -173,7 +172,7 @@ def make_subsets(
     from pipeline.subsets.uid_files import read_subset, write_subsets
 
     p = paths(cfg)
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     extra = (
         {s.label for s in parse_filter_specs(cfg.filters, "filters", known=cfg.subsets)}
         if cfg.filters
@@ -228,7 +227,7 @@ def reshard_subsets(cfg: TrackConfig, subsets: dict[str, Any], log: Log) -> dict
     from pipeline.subsets.materialize import reshard_subsets as reshard_all
 
     p = paths(cfg)
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     targets = {name: storage.join(p["subset_shards"], name) for name in subsets}
     done = reshard_all(
         store,
@@ -264,7 +263,7 @@ def evaluate_models(cfg: TrackConfig, models: dict[str, Any], log: Log) -> dict[
             info["checkpoint"],
             tasks,
             storage.join(p["eval"], name),
-            store=Storage.from_env(cfg.s3_endpoint),
+            store=cfg.storage.store(),
             num_gpus=cfg.eval_gpus,
             analyses=name == "scorer",
             max_samples=cfg.eval_max_samples or None,

@@ -157,13 +157,44 @@ def _adapter(cls: type) -> TypeAdapter:
     return TypeAdapter(cls)
 
 
+# A flat key that older configs, presets and ``--set`` lines use → its home in a sub-config (decision 0101).
+MOVED_KEYS = {"s3_endpoint": ("storage", "s3_endpoint")}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def moved(cls: type, data: Any) -> Any:
+    """``data`` (values for config class ``cls``) with every ``MOVED_KEYS`` flat key, at any depth, moved
+    into its sub-config; a flat key and its new spelling with different values is an error."""
+    if not isinstance(data, Mapping) or not dataclasses.is_dataclass(cls):
+        return data
+    hints = _hints(cls)
+    out = dict(data)
+    for old, (home, key) in MOVED_KEYS.items():
+        if old in out and old not in hints and home in hints:
+            value, sub = out.pop(old), out.get(home)
+            if isinstance(sub, Mapping) and key in sub and sub[key] != value:
+                raise ConfigError(f"{old} and {home}.{key} are one setting, given {value!r} and {sub[key]!r}")
+            if dataclasses.is_dataclass(sub):
+                out[home] = dataclasses.replace(sub, **{key: value})
+            else:
+                out[home] = {**(sub if isinstance(sub, Mapping) else {}), key: value}
+    for name, value in out.items():
+        if isinstance(value, Mapping) and name in hints:
+            out[name] = moved(_unwrap(hints[name]), value)
+    return out
+
+
 def load(cls: type[T], data: Mapping[str, Any], prefix: str = "") -> T:
     """``cls`` from a (partial) mapping of values read from text: lax types, unknown keys refused; an error
     names the key after ``prefix``."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{prefix}expected a mapping for {cls.__name__}, got {data!r}")
     try:
-        return _adapter(cls).validate_python(data, strict=False, context=_LAX)
+        return _adapter(cls).validate_python(moved(cls, data), strict=False, context=_LAX)
     except ValidationError as exc:
         raise ConfigError(describe(exc, cls, prefix)) from None
 
@@ -190,7 +221,7 @@ def merge(cfg: T, updates: Mapping[str, Any]) -> T:
     """A copy of ``cfg`` with nested ``updates`` (values from text) applied and validated."""
     if not updates:
         return cfg
-    return load(type(cfg), _overlay(cfg, updates))
+    return load(type(cfg), _overlay(cfg, moved(type(cfg), updates)))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 Every stage reads and writes through one ``Storage`` object so the same code runs on a laptop (local run
 directory) and on a cluster (S3 run directory). S3 goes through ``pyarrow.fs.S3FileSystem``: credentials
 come from the standard AWS chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` env vars, config files,
-instance profile) and are never logged; a custom endpoint (SeaweedFS, MinIO) is the job's ``s3_endpoint``
-or else ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``. ``Storage.from_env`` reads it all once, in the job.
+instance profile) and are never logged; a custom endpoint (SeaweedFS, MinIO) is the job's
+``storage.s3_endpoint`` (``pipeline.common.storage_config``, declared once, held by every job config) or else
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``. ``StorageConfig.store()`` reads it all once, in the job.
 
 Writes are atomic per file: local files are written to a hidden temp name in the same directory and renamed
 on a successful close; an S3 object appears only when its (multipart) upload completes, and an output that
@@ -71,8 +72,8 @@ def is_s3(path: str) -> bool:
     return path.startswith(S3_PREFIX)
 
 
-def _endpoint(s3_endpoint: str) -> str:
-    return s3_endpoint or os.environ.get("AWS_ENDPOINT_URL_S3", "") or os.environ.get("AWS_ENDPOINT_URL", "")
+def _endpoint(endpoint: str) -> str:
+    return endpoint or os.environ.get("AWS_ENDPOINT_URL_S3", "") or os.environ.get("AWS_ENDPOINT_URL", "")
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, str]:
@@ -128,7 +129,7 @@ def _unresolve(path: str, like: str) -> str:
 class Storage:
     """Where a run's files live, resolved once: an optional S3 endpoint plus the credentials in force.
 
-    Built by a job from its config (``Storage.from_env(cfg.s3_endpoint)``) and passed down as one object, so
+    Built by a job from its config (``cfg.storage.store()``) and passed down as one object, so
     no library function takes an endpoint string. It pickles to Ray workers with the credentials it was
     built with (workers need not share the driver's environment); ``repr`` and ``describe`` never show
     them. Local paths ignore everything here; ``s3://`` paths get a ``pyarrow.fs.S3FileSystem`` per

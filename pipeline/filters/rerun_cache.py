@@ -24,7 +24,7 @@ from pipeline.common import storage
 from pipeline.common.config import to_dict
 from pipeline.common.hashing import splitmix64
 from pipeline.common.storage import Storage
-from pipeline.config import BuildConfig
+from pipeline.config import BuildConfig, FilterConfig
 from pipeline.filters.datacomp import uid_hash
 from pipeline.filters.language import default_model_path
 from pipeline.filters.specs import FilterSpec, needs_language
@@ -97,14 +97,14 @@ def _is_path_key(key: str) -> bool:
     return key.endswith("_file") or key in ("wordnet", "language_model")
 
 
-def _input_files(cfg: BuildConfig, specs: list[FilterSpec]) -> list[str]:
+def _input_files(filters: FilterConfig, specs: list[FilterSpec]) -> list[str]:
     """The input files the filters read: the path settings and the specs' path parameters."""
-    settings = to_dict(cfg.filters)
+    settings = to_dict(filters)
     names = [v for k, v in settings.items() if _is_path_key(k) and isinstance(v, str) and v]
     for spec in specs:
         for _, params in spec.parts:
             names += [v for k, v in params.items() if _is_path_key(k) and isinstance(v, str) and v]
-    if needs_language(specs) and not cfg.filters.language_model:
+    if needs_language(specs) and not filters.language_model:
         names.append(default_model_path())
     return [n for n in names if n not in ("cld3", "fasttext")]  # laion2b's language_model names a model
 
@@ -121,7 +121,7 @@ def filter_stamp(
         "specs": [spec.text or spec.label for spec in specs],
         "max_caption_bytes": cfg.max_caption_bytes,
         "metadata": file_stamps(metadata, store),
-        "inputs": file_stamps([n for n in _input_files(cfg, specs) if _exists(n, store)], store),
+        "inputs": file_stamps([n for n in _input_files(cfg.filters, specs) if _exists(n, store)], store),
         "status": status if isinstance(status, str) else status_digest(status),
     }
 

@@ -9,7 +9,7 @@ Rules (exact counts, so subsets of different filters compare at equal size):
 
 - ``csd_best(fraction)``: the round(fraction·n_ok) rows with the smallest CSD (ProLIP App. C.8 /
   Table C.7 keeps the best 20%); ties broken by uid ascending, so the result does not depend on row order.
-- ``csd_uncertainty_aware(fraction, text_unc_quantile=0.9, text_unc_low_quantile=0)``: first drop the
+- ``csd_uncertainty_aware(fraction, text_unc_quantile, text_unc_low_quantile)``: first drop the
   round((1 − q)·n_ok) rows with the largest text uncertainty Σ_d σ²_t (the top decile for q = 0.9: the
   least informative captions, ProLIP §4.3 — short/general captions have large σ²; q = 1 drops none), and
   the round(q_low·n_ok) rows with the smallest (q_low = 0: none; the demo scorer gives non-English
@@ -123,7 +123,7 @@ def csd_best(scores: Scores, fraction: float) -> FilterResult:
 
 
 def csd_uncertainty_aware(
-    scores: Scores, fraction: float = 0.2, text_unc_quantile: float = 0.9, text_unc_low_quantile: float = 0.0
+    scores: Scores, fraction: float, text_unc_quantile: float, text_unc_low_quantile: float
 ) -> FilterResult:
     """Drop the round((1−q)·n_ok) most and the round(q_low·n_ok) least uncertain captions, then keep
     round(fraction·n_ok) smallest CSD among the rest."""
@@ -190,9 +190,7 @@ def posterior_weights(scores: Scores, scale: float, bias: float) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * logit))  # sigmoid without overflow
 
 
-def csd_posterior(
-    scores: Scores, fraction: float = 0.2, scale: float = 10.0, bias: float = -10.0, seed: int = 0
-) -> FilterResult:
+def csd_posterior(scores: Scores, fraction: float, scale: float, bias: float, seed: int) -> FilterResult:
     """round(fraction·n_ok) entries drawn ∝ the scorer's match posterior (systematic sampling, rows in uid
     order): ``repeat`` says how often each row is listed."""
     _check_fraction("fraction", fraction)

@@ -238,9 +238,10 @@ def remove_temporaries(directory: str, store: Storage, tree: bool = False) -> in
     return len(found)
 
 
-def record(cfg: BuildConfig, fp: dict[str, Any], store: Storage) -> None:
-    """Record ``fp`` once every part is downloaded (a refresh's new content becomes the run's here)."""
-    store.write_json(fp, run_dirs(cfg.output)["fingerprint"])
+def record(output: str, fp: dict[str, Any], store: Storage) -> None:
+    """Record ``fp`` in the run directory ``output`` once every part is downloaded (a refresh's new content
+    becomes the run's here)."""
+    store.write_json(fp, run_dirs(output)["fingerprint"])
 
 
 def discard_outputs(output: str, store: Storage) -> int:

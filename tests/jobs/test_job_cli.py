@@ -87,7 +87,7 @@ FLAG_KEYS = {
     "filter": ("--out", "out"),
     "track": ("--output", "output"),
     "import_checkpoint": ("--out", "out"),
-    "status": ("--s3-endpoint", "s3_endpoint"),
+    "status": ("--s3-endpoint", "storage.s3_endpoint"),
     "track.seeds": ("--out", "out"),
     "fetch": ("--out", "out"),
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.common.config import NonNegativeFloat, Positive, Seed, config_class
+from pipeline.common.storage_config import StorageConfig
 
 
 @config_class
@@ -13,7 +14,7 @@ class EvalConfig:
     tasks: str = "demo"  # a task-list name (training/eval/tasks/NAME.yaml) or a YAML file
     eval_root: str = ""  # root of the task list's relative paths
     out: str = ""  # results directory (local or s3://): eval_results.jsonl, aggregates, analyses, plots
-    s3_endpoint: str = ""  # e.g. http://127.0.0.1:8333 (else AWS_ENDPOINT_URL)
+    storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     # encoding actors, each holding one model; null = one per GPU the cluster has up (or its autoscaler's GPU
     # node holds), 1 without GPUs
     num_actors: Positive | None = None

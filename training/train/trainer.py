@@ -253,8 +253,8 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     t0 = time.perf_counter()
     # Run directory and shards may sit behind different endpoints: each is resolved once, here.
-    run_store = Storage.from_env(cfg.run.s3_endpoint)
-    data_store = Storage.from_env(cfg.data.s3_endpoint)
+    run_store = cfg.run.storage.store()
+    data_store = cfg.data.storage.store()
     tokenizer = prepare_tokenizer(cfg, run_store, data_store)
     mcfg = model_config(cfg.model)
     warnings = check_checkpoints(cfg, run_store)

@@ -19,7 +19,6 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.common import storage
-from pipeline.common.storage import Storage
 
 Log = Callable[[str], None]
 
@@ -39,7 +38,7 @@ def adopt_shards(cfg: Any, log: Log) -> dict[str, Any]:
     from pipeline.shards.ray_reader import read_shards
     from pipeline.subsets.uid_files import write_subset
 
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     ds = read_shards(cfg.start_shards, store, with_json=True).map_batches(_uids, batch_format="pyarrow")
     tables = ray.get(ds.to_arrow_refs())
     uids = np.unique(np.concatenate([t.column("uid").to_numpy(zero_copy_only=False) for t in tables] or [[]]))
@@ -62,7 +61,7 @@ def start_scorer(cfg: Any, checkpoint: str, log: Log) -> dict[str, Any]:
     from training.imports.load import import_checkpoint, is_import_source
     from training.model.checkpoint import load_extra
 
-    store = Storage.from_env(cfg.s3_endpoint)
+    store = cfg.storage.store()
     if is_import_source(cfg.start_scorer):
         import_checkpoint(
             cfg.start_scorer, checkpoint, store, cfg.scorer.tokenizer, cfg.scorer.tokenizer_clean

@@ -175,3 +175,40 @@ def test_fixed_length_tuples_seeds_and_exponent_ints():
         match="samples_seen: input should be a valid integer, got a number with a fractional part",
     ):
         resolve(TRAIN_PRESETS, "demo", sets=["samples_seen=1.5"])
+
+
+def test_flat_s3_endpoint_reads_as_the_storage_setting_at_every_depth(tmp_path):
+    from pipeline.common.config import load, to_dict
+    from training.config import TRAIN_PRESETS, TrainConfig
+
+    flat = resolve(BUILD_PRESETS, "demo", sets=["s3_endpoint=http://127.0.0.1:8333"])
+    new = resolve(BUILD_PRESETS, "demo", sets=["storage.s3_endpoint=http://127.0.0.1:8333"])
+    assert flat == new and flat.storage.s3_endpoint == "http://127.0.0.1:8333"
+    assert flat.storage.store().endpoint == "http://127.0.0.1:8333"
+    assert "s3_endpoint" not in to_dict(flat) and to_dict(flat)["storage"] == {
+        "s3_endpoint": "http://127.0.0.1:8333"
+    }
+    # a config file of the old form, nested (training's data and run hold one each)
+    old = tmp_path / "old.yaml"
+    old.write_text("data:\n  s3_endpoint: http://h:1\nrun:\n  s3_endpoint: http://h:2\n")
+    cfg = resolve(TRAIN_PRESETS, "demo", config_file=str(old))
+    assert (cfg.data.storage.s3_endpoint, cfg.run.storage.s3_endpoint) == ("http://h:1", "http://h:2")
+    assert load(TrainConfig, {"data": {"s3_endpoint": "http://h:1"}}).data.storage.s3_endpoint == "http://h:1"
+    with pytest.raises(ConfigError, match="s3_endpoint and storage.s3_endpoint are one setting"):
+        merge(BuildConfig(), {"s3_endpoint": "http://a:1", "storage": {"s3_endpoint": "http://b:1"}})
+    with pytest.raises(ConfigError, match="unknown config key storage.endpoint"):
+        merge(BuildConfig(), {"storage": {"endpoint": "http://a:1"}})
+
+
+def test_s3_endpoint_is_declared_once():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[3]
+    found = [
+        str(p.relative_to(root))
+        for folder in ("pipeline", "training", "jobs")
+        for p in (root / folder).rglob("*.py")
+        if re.search(r"^\s+s3_endpoint: ", p.read_text(), re.M)
+    ]
+    assert found == ["pipeline/common/storage_config.py"]

@@ -9,6 +9,7 @@ import pytest
 from pipeline.common.config import ConfigError
 from pipeline.filters import scores as F
 from pipeline.filters import specs as P
+from pipeline.filters.registry import CsdUncertaintyAware
 from pipeline.subsets.uid_files import kept_uids
 
 
@@ -54,6 +55,10 @@ def test_ties_are_broken_by_uid_whatever_the_row_order():
     assert kept_uids(shuffled, P.apply("csd_best:fraction=0.5", shuffled)).tolist() == out.tolist()
 
 
+# The filter class holds the rule's defaults (text_unc_quantile, text_unc_low_quantile).
+_UA_DEFAULTS = (CsdUncertaintyAware().text_unc_quantile, CsdUncertaintyAware().text_unc_low_quantile)
+
+
 def test_uncertainty_aware_drops_top_decile_and_keeps_equal_size():
     rng = np.random.default_rng(0)
     n = 50
@@ -61,7 +66,7 @@ def test_uncertainty_aware_drops_top_decile_and_keeps_equal_size():
     text_unc = rng.uniform(0, 1, n)
     csd[np.argsort(text_unc)[-5:]] = 0.0  # the 5 most uncertain captions have the best CSD
     t = _scores(csd, text_unc=text_unc)
-    result = F.csd_uncertainty_aware(t, 0.2)
+    result = F.csd_uncertainty_aware(t, 0.2, *_UA_DEFAULTS)
     keep, reason = result
     top = set(np.argsort(text_unc)[-5:].tolist())
     assert {i for i in range(n) if reason[i] == "text_uncertainty_top_10%"} == top
@@ -70,7 +75,7 @@ def test_uncertainty_aware_drops_top_decile_and_keeps_equal_size():
     assert set(np.flatnonzero(keep)) == set(rest[np.argsort(csd[rest])[:10]].tolist())
     assert result.counts() == {"kept": 10, "text_uncertainty_top_10%": 5, "csd_not_in_best_20%": 35}
     with pytest.raises(ValueError, match="probabilistic"):
-        F.csd_uncertainty_aware(_scores(csd, text_unc=np.full(n, np.nan)), 0.2)
+        F.csd_uncertainty_aware(_scores(csd, text_unc=np.full(n, np.nan)), 0.2, *_UA_DEFAULTS)
 
 
 def test_uncertainty_aware_can_drop_the_least_uncertain_tail_too():
@@ -100,7 +105,11 @@ def test_uncertainty_aware_can_drop_the_least_uncertain_tail_too():
         np.flatnonzero(text_unc >= 36)
     )
     # The default drops no bottom tail: the same rows as before the parameter existed.
-    assert (F.csd_uncertainty_aware(t, 0.25).keep == F.csd_uncertainty_aware(t, 0.25, 0.9, 0.0).keep).all()
+    assert _UA_DEFAULTS == (0.9, 0.0)
+    assert (
+        F.csd_uncertainty_aware(t, 0.25, *_UA_DEFAULTS).keep
+        == F.csd_uncertainty_aware(t, 0.25, 0.9, 0.0).keep
+    ).all()
     for q, q_low in ((0.9, 0.9), (0.9, -0.1), (1.2, 0.0)):
         with pytest.raises(ValueError, match="text_unc"):
             F.csd_uncertainty_aware(t, 0.25, text_unc_quantile=q, text_unc_low_quantile=q_low)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.filters import scores as SF
+from pipeline.filters.registry import CsdPosterior
 from pipeline.filters.specs import apply
 from pipeline.subsets.uid_files import kept_uids
 
@@ -65,12 +66,16 @@ def test_posterior_weights_draw_as_many_entries_as_csd_best_keeps():
     assert len(uids) == res.repeat.sum() and list(uids) == sorted(uids)  # a subset that up-samples
 
 
+# The filter class holds the rule's default logit scale and bias.
+_POSTERIOR_SCALARS = (CsdPosterior().scale, CsdPosterior().bias)
+
+
 def test_posterior_subset_does_not_depend_on_row_order():
     t = _table(n=300)
     perm = np.random.default_rng(2).permutation(300)
     shuffled = {k: v[perm] for k, v in t.items()}
-    a = kept_uids(t, SF.csd_posterior(t, 0.5, seed=3))
-    b = kept_uids(shuffled, SF.csd_posterior(shuffled, 0.5, seed=3))
+    a = kept_uids(t, SF.csd_posterior(t, 0.5, *_POSTERIOR_SCALARS, seed=3))
+    b = kept_uids(shuffled, SF.csd_posterior(shuffled, 0.5, *_POSTERIOR_SCALARS, seed=3))
     assert list(a) == list(b)
 
 
