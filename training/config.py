@@ -128,6 +128,11 @@ class DataConfig:
     salient_share: Unit = 1.0
     patch_keep_ratio: Unit = 0.25  # image patches kept (75% dropped, §4.1)
     mask_seed: Seed = 0  # which samples get a masked variant and which tokens/patches (with uid, epoch)
+    # An epoch's sample order as a pure function of (shuffle_seed, epoch, the shards' row counts), read per
+    # rank by the rank itself, so a resumed run (at any world size) trains exactly the samples an
+    # uninterrupted run would (pipeline/ingest/data_position.py; decision 0094). Off: Ray Data's streaming
+    # ingest, where a resumed run starts a fresh epoch.
+    exact_position: bool = False
     label_selector: dict[str, str] = field(
         default_factory=dict
     )  # ingest nodes (pipeline/common/placement.py)
@@ -140,6 +145,18 @@ class DataConfig:
             "cache_decoded",
             "needs augment=false (cached crops would repeat every epoch)",
             self.cache_decoded,
+        )
+        require(
+            not self.exact_position or (self.shuffle_seed is not None and self.sampling == "epochs"),
+            "exact_position",
+            "needs a shuffle_seed and sampling='epochs' (the order is a function of the seed and the epoch)",
+            self.exact_position,
+        )
+        require(
+            not (self.exact_position and self.cache_decoded),
+            "exact_position",
+            "reads each step's rows itself; cache_decoded does not apply",
+            self.exact_position,
         )
         require(
             self.salient_share == 1.0 or self.text_mask_mode == "salient",

@@ -29,7 +29,7 @@ from pipeline.common.storage import Storage
 from pipeline.ingest.subset_reader import SubsetShardReader, load_counts
 from pipeline.ingest.transforms import TrainCollate, decode_augment_batch, tokenizer_state, window_shuffle
 from pipeline.shards.ray_reader import ShardDatasource, read_shards
-from pipeline.shards.reader import list_shards
+from pipeline.shards.reader import ShardReader, list_shards
 
 # --- the counters actor -------------------------------------------------------------------------------
 
@@ -299,3 +299,30 @@ class RayTrainCollate(NumpyBatchCollateFn):
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         return self.collate(batch)
+
+
+# --- the exact data position (pipeline/ingest/data_position.py) -------------------------------------------
+
+
+def position_reader(data: Any, store: Storage) -> ShardReader:
+    """The reader whose rows the exact plan counts and each rank reads: every row of a shard, or the
+    subset's rows as often as listed. Plain (no counters): a shard counted damaged reads alike each time."""
+    if data.subset:
+        return SubsetShardReader(data.subset, store, verify=data.verify_checksums)
+    return ShardReader(store, verify=data.verify_checksums)
+
+
+def count_shard_rows(data: Any, store: Storage, paths: Sequence[str]) -> list[int]:
+    """Rows of each shard as ``position_reader`` yields them: one Ray task per shard (the driver holds
+    one integer per file)."""
+    options: dict = {"num_cpus": data.read_cpus or data.decode_cpus}
+    if data.label_selector:
+        options["label_selector"] = {str(k): str(v) for k, v in data.label_selector.items()}
+    task = ray.remote(_count).options(**options)
+    return [int(n) for n in ray.get([task.remote(data, store, p) for p in paths])]
+
+
+def _count(data: Any, store: Storage, path: str) -> int:
+    from pipeline.ingest.data_position import count_rows
+
+    return count_rows(position_reader(data, store), path)

@@ -8,9 +8,13 @@ CPU precision: subnormals are flushed to zero (``torch.set_flush_denormal``): sa
 (ProLIP Eq. 5, c = 1000) send gradients of ~1e-39 through the masked forward, and subnormal arithmetic
 made CPU steps 5–15× slower.
 
-Data position on resume: Ray Data cannot seek into a streaming epoch, so a resumed run starts a fresh
-pass (epoch + 1, new shard order and masks), as open_clip does; the step count, LR schedule and samples
-seen continue from the checkpoint.
+Data position on resume: with ``data.exact_position`` each rank reads its share of every step from the
+shard files itself, in an order that is a function of (seed, epoch, the shards' row counts)
+(pipeline/ingest/data_position.py), and a checkpoint records the epoch and the step it began at, so a
+resumed run — at any world size — trains exactly the samples an uninterrupted run would. Without it Ray
+Data's streaming ingest cannot seek into an epoch, so a resumed run starts a fresh pass (epoch + 1, new
+shard order and masks), as open_clip does; the step count, LR schedule and samples seen continue from
+the checkpoint either way.
 
 Reports: every ``log_every`` steps, at every checkpoint and at the last step, every rank computes the
 window's global metrics (loss terms summed over ranks — the shares add up to the global loss — σ² means
@@ -43,10 +47,24 @@ import torch.distributed as dist
 from ray.train import CheckpointUploadMode
 
 from pipeline.common import faults
-from pipeline.ingest.dataset import RayTrainCollate, publish_progress, read_counters
+from pipeline.common.storage import Storage
+from pipeline.ingest.data_position import epoch_plan, rank_steps
+from pipeline.ingest.dataset import (
+    BadImageCounter,
+    RayTrainCollate,
+    position_reader,
+    publish_progress,
+    read_counters,
+)
 from pipeline.ingest.masking import drop_masked_tokens
 from pipeline.ingest.prefetch import device_batches
-from pipeline.ingest.transforms import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
+from pipeline.ingest.transforms import (
+    DecodeAugment,
+    DecodedCache,
+    MaskedVariants,
+    TrainCollate,
+    tokenizer_from_state,
+)
 from training.config import from_plain
 from training.train.checkpointing import restore_with_fallback, save_state
 from training.train.distributed import EpochEnd, local_batch_sizes
@@ -72,7 +90,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     cache = DecodedCache() if cfg.data.cache_decoded else None
     masker = _masker(state, tokenizer) if state.module.spec.uses_masked else None
     pad_id = tokenizer.pad_id if cfg.data.trim_text_padding else None
-    _run_epochs(state, config, tokenizer, (masker, pad_id), cache, rank, writer)
+    if cfg.data.exact_position:
+        _run_exact_epochs(state, config, tokenizer, (masker, pad_id), rank, writer)
+    else:
+        _run_epochs(state, config, tokenizer, (masker, pad_id), cache, rank, writer)
     if writer is not None:
         writer.close()
     return {
@@ -294,6 +315,86 @@ def _run_epochs(
         state.epoch += 1
 
 
+def _run_exact_epochs(
+    state: TrainState,
+    config: dict[str, Any],
+    tokenizer: Any,
+    collate: tuple[Any, int | None],
+    rank: int,
+    writer: Any,
+) -> None:
+    """The epochs of ``data.exact_position``: step k of an epoch trains the plan's rows of step k, this
+    rank's share read here (pipeline/ingest/data_position.py), from the checkpoint's position on."""
+    cfg, data = state.cfg, state.cfg.data
+    world = ray.train.get_context().get_world_size()
+    position = config["position"]
+    read = position_reader(data, Storage.from_env(data.s3_endpoint))
+    counters = config.get("counters")
+    decode = DecodeAugment(state.mcfg.image_size, state.mcfg.context_length, tokenizer, data,
+                           on_bad_images=BadImageCounter(counters) if counters else None)  # fmt: skip
+    fail_armed = cfg.run.fail_at_step > 0 and not state.restored and rank == cfg.run.fail_rank
+    attempt, window = _attempt_id(state.device), Window()
+    while state.step < cfg.total_steps:
+        plan = epoch_plan(position["counts"], data.shuffle_seed, state.epoch, data.shuffle_window)
+        if plan.steps(cfg.global_batch_size) == 0:
+            raise RuntimeError(
+                f"the dataset's {plan.rows} rows make no step of global_batch_size={cfg.global_batch_size}"
+            )
+        start = state.step - state.epoch_start
+        tables = rank_steps(read, position["shards"], plan, cfg.global_batch_size, world, rank, start)
+        first = (state.step + 1, rank, data.augment_seed)
+        host = _exact_batches(tables, decode, TrainCollate(collate[0], state.epoch, collate[1]), first)
+        for batch in device_batches(host, state.device):
+            if state.step >= cfg.total_steps:
+                break
+            t0 = time.perf_counter()
+            keys = batch.pop("keys")
+            terms, feats = train_step(state, batch)
+            faults.samples(attempt, rank, state.step, state.epoch, keys)
+            if state.step - state.epoch_start == plan.steps(cfg.global_batch_size):
+                state.epoch, state.epoch_start = state.epoch + 1, state.step  # the checkpoint's position
+            faults.point("train.step")
+            window.add(terms, feats, 0.0, time.perf_counter() - t0)
+            if fail_armed and state.step == cfg.run.fail_at_step:
+                raise RuntimeError(f"injected failure at step {state.step} on rank {rank} (run.fail_at_step)")
+            if _report_due(state):
+                _report(state, window, config, tokenizer, rank, writer)
+                window = Window()
+        else:
+            if state.step - state.epoch_start:  # a restart at the epoch's very end: the next epoch
+                state.epoch, state.epoch_start = state.epoch + 1, state.step
+
+
+def _exact_batches(
+    tables: Iterator[Any], decode: DecodeAugment, collate: TrainCollate, first: tuple[int, int, int | None]
+) -> Iterator[dict[str, Any]]:
+    """Each step's rows decoded and collated (with their keys); ``first`` = (the first table's step, rank,
+    augment seed). A picture that does not decode is counted and its place taken by a decodable row of the
+    same step, so every rank keeps its planned rows."""
+    step, rank, seed = first
+    for k, table in enumerate(tables):
+        if seed is not None:  # a step's crops do not depend on where the run resumed
+            decode.rng = np.random.default_rng([seed, step + k, rank])
+        rows = decode(
+            {name: table.column(name).to_numpy(zero_copy_only=False) for name in ("key", "jpg", "txt")}
+        )
+        n = table.num_rows
+        if not len(rows["key"]):
+            raise RuntimeError(f"no picture of step {step + k}'s {n} rows on rank {rank} decodes")
+        if len(rows["key"]) < n:
+            fill = np.resize(np.arange(len(rows["key"])), n)
+            rows = {name: v[fill] for name, v in rows.items()}
+        yield {**collate(rows), "keys": [str(key) for key in rows["key"]]}
+
+
+def _attempt_id(device: torch.device) -> int:
+    """One number per (re)start of the worker group, larger for a later one (rank 0's clock, shared)."""
+    token = [time.time_ns()]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(token, src=0, device=device if device.type == "cuda" else None)
+    return int(token[0])
+
+
 def _report_due(state: TrainState) -> bool:
     run = state.cfg.run
     return state.step % run.log_every == 0 or _checkpoint_due(state)
@@ -327,7 +428,9 @@ def _report(
     # our upload (checksums.json last) into a directory name no checkpoint used before; Ray deletes the
     # local copy once it is uploaded (training/train/run_checkpoints.py).
     d = local_save_dir()  # also removes what killed workers of this host left
+    faults.point("checkpoint.before_save")
     save_state(d, state, tokenizer, metrics)
+    faults.point("checkpoint.saved")
     storage = ray.train.get_context().get_storage()
     ray.train.report(
         metrics,
@@ -344,6 +447,7 @@ def _upload(checkpoint: Any, dir_name: str) -> Any:
     storage = ray.train.get_context().get_storage()
     dest = posixpath.join(storage.experiment_fs_path, dir_name)
     upload_checkpoint(checkpoint.path, storage.storage_filesystem, dest)
+    faults.point("checkpoint.uploaded")  # whole in storage, not yet registered by the controller
     return ray.train.Checkpoint(dest, filesystem=storage.storage_filesystem)
 
 
