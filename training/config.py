@@ -128,11 +128,7 @@ class DataConfig:
     salient_share: Unit = 1.0
     patch_keep_ratio: Unit = 0.25  # image patches kept (75% dropped, §4.1)
     mask_seed: Seed = 0  # which samples get a masked variant and which tokens/patches (with uid, epoch)
-    # An epoch's sample order as a pure function of (shuffle_seed, epoch, the shards' row counts), read per
-    # rank by the rank itself, so a resumed run (at any world size) trains exactly the samples an
-    # uninterrupted run would (pipeline/ingest/data_position.py; decision 0094). Off: Ray Data's streaming
-    # ingest, where a resumed run starts a fresh epoch.
-    exact_position: bool = False
+    exact_position: bool = False  # each rank reads a planned order; a resume trains the rest exactly (0094)
     label_selector: dict[str, str] = field(
         default_factory=dict
     )  # ingest nodes (pipeline/common/placement.py)
@@ -146,18 +142,8 @@ class DataConfig:
             "needs augment=false (cached crops would repeat every epoch)",
             self.cache_decoded,
         )
-        require(
-            not self.exact_position or (self.shuffle_seed is not None and self.sampling == "epochs"),
-            "exact_position",
-            "needs a shuffle_seed and sampling='epochs' (the order is a function of the seed and the epoch)",
-            self.exact_position,
-        )
-        require(
-            not (self.exact_position and self.cache_decoded),
-            "exact_position",
-            "reads each step's rows itself; cache_decoded does not apply",
-            self.exact_position,
-        )
+        ok = not self.exact_position or (self.shuffle_seed is not None and self.sampling == "epochs")
+        require(ok and not (self.exact_position and self.cache_decoded), "exact_position", "needs shuffle_seed, sampling='epochs' and no cache_decoded", self.exact_position)  # fmt: skip
         require(
             self.salient_share == 1.0 or self.text_mask_mode == "salient",
             "salient_share",

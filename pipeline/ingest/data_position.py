@@ -141,6 +141,26 @@ def _kept_rows(read: Read, path: str, rows: set[int]) -> tuple[pa.Table, dict[in
     return table, {r: i for i, r in enumerate(sorted(rows))}
 
 
+def decoded_steps(
+    tables: Iterable[pa.Table], decode: Callable, collate: Callable, first: tuple[int, int, int | None]
+) -> Iterator[dict]:
+    """Each step's rows decoded (``DecodeAugment``) and collated (``TrainCollate``), with their ``keys``;
+    ``first`` = (the first table's step, rank, augment seed). A picture that does not decode is counted by
+    ``decode`` and its place taken by a decodable row of the same step, so a rank keeps its planned rows."""
+    step, rank, seed = first
+    for k, table in enumerate(tables):
+        if seed is not None:  # a step's crops do not depend on where the run resumed
+            decode.rng = np.random.default_rng([seed, step + k, rank])
+        rows = decode({c: table.column(c).to_numpy(zero_copy_only=False) for c in ("key", "jpg", "txt")})
+        n = table.num_rows
+        if not len(rows["key"]):
+            raise RuntimeError(f"no picture of step {step + k}'s {n} rows on rank {rank} decodes")
+        if len(rows["key"]) < n:
+            fill = np.resize(np.arange(len(rows["key"])), n)
+            rows = {c: v[fill] for c, v in rows.items()}
+        yield {**collate(rows), "keys": [str(key) for key in rows["key"]]}
+
+
 def count_rows(read: Read, path: str) -> int:
     """Rows ``read`` yields for one shard: what the plan is made of (a Ray task per shard in the trainer)."""
     return sum(t.num_rows for t in read(path))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pipeline.common.placement import scope_dataset
 from pipeline.common.storage import Storage
 from pipeline.ingest.subset_reader import SubsetShardReader, load_counts
-from pipeline.ingest.transforms import TrainCollate, decode_augment_batch, tokenizer_state, window_shuffle
+from pipeline.ingest.transforms import (
+    DecodeAugment,
+    TrainCollate,
+    decode_augment_batch,
+    tokenizer_state,
+    window_shuffle,
+)
 from pipeline.shards.ray_reader import ShardDatasource, read_shards
 from pipeline.shards.reader import ShardReader, list_shards
 
@@ -320,6 +326,31 @@ def count_shard_rows(data: Any, store: Storage, paths: Sequence[str]) -> list[in
         options["label_selector"] = {str(k): str(v) for k, v in data.label_selector.items()}
     task = ray.remote(_count).options(**options)
     return [int(n) for n in ray.get([task.remote(data, store, p) for p in paths])]
+
+
+def exact_batches(
+    data: Any,
+    ingest: dict[str, Any],
+    mcfg: Any,
+    at: tuple[int, int, int],
+    split: tuple[int, int, int],
+    collate: TrainCollate,
+) -> Iterator[dict[str, Any]]:
+    """``data.exact_position``: one rank's collated batches of an epoch, read and decoded here (no Ray Data).
+
+    ``ingest``: ``position`` (the plan's shards and counts), ``tokenizer``, ``counters`` (actor name or
+    None); ``mcfg`` the model config (image size, context length); ``at`` = (epoch, first step in the
+    epoch, its global step); ``split`` = (global batch, world size, rank)."""
+    from pipeline.ingest.data_position import decoded_steps, epoch_plan, rank_steps
+
+    (epoch, start, step), (batch, world, rank) = at, split
+    plan = epoch_plan(ingest["position"]["counts"], data.shuffle_seed, epoch, data.shuffle_window)
+    read = position_reader(data, Storage.from_env(data.s3_endpoint))
+    tables = rank_steps(read, ingest["position"]["shards"], plan, batch, world, rank, start)
+    counters = ingest.get("counters")
+    decode = DecodeAugment(mcfg.image_size, mcfg.context_length, ingest["tokenizer"], data,
+                           on_bad_images=BadImageCounter(counters) if counters else None)  # fmt: skip
+    return decoded_steps(tables, decode, collate, (step, rank, data.augment_seed))
 
 
 def _count(data: Any, store: Storage, path: str) -> int:

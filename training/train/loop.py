@@ -8,13 +8,11 @@ CPU precision: subnormals are flushed to zero (``torch.set_flush_denormal``): sa
 (ProLIP Eq. 5, c = 1000) send gradients of ~1e-39 through the masked forward, and subnormal arithmetic
 made CPU steps 5–15× slower.
 
-Data position on resume: with ``data.exact_position`` each rank reads its share of every step from the
-shard files itself, in an order that is a function of (seed, epoch, the shards' row counts)
-(pipeline/ingest/data_position.py), and a checkpoint records the epoch and the step it began at, so a
-resumed run — at any world size — trains exactly the samples an uninterrupted run would. Without it Ray
-Data's streaming ingest cannot seek into an epoch, so a resumed run starts a fresh pass (epoch + 1, new
-shard order and masks), as open_clip does; the step count, LR schedule and samples seen continue from
-the checkpoint either way.
+Data position on resume: with ``data.exact_position`` each rank reads its rows of every step itself, in
+an order planned from (seed, epoch, shard row counts) (pipeline/ingest/data_position.py), and a resumed run
+continues at the checkpoint's epoch and step, at any world size. Otherwise Ray Data cannot seek into a
+streaming epoch, so a resumed run starts a fresh pass (epoch + 1, new shard order and masks), as open_clip
+does; the step count, LR schedule and samples seen continue from the checkpoint either way.
 
 Reports: every ``log_every`` steps, at every checkpoint and at the last step, every rank computes the
 window's global metrics (loss terms summed over ranks — the shares add up to the global loss — σ² means
@@ -47,24 +45,10 @@ import torch.distributed as dist
 from ray.train import CheckpointUploadMode
 
 from pipeline.common import faults
-from pipeline.common.storage import Storage
-from pipeline.ingest.data_position import epoch_plan, rank_steps
-from pipeline.ingest.dataset import (
-    BadImageCounter,
-    RayTrainCollate,
-    position_reader,
-    publish_progress,
-    read_counters,
-)
+from pipeline.ingest.dataset import RayTrainCollate, exact_batches, publish_progress, read_counters
 from pipeline.ingest.masking import drop_masked_tokens
 from pipeline.ingest.prefetch import device_batches
-from pipeline.ingest.transforms import (
-    DecodeAugment,
-    DecodedCache,
-    MaskedVariants,
-    TrainCollate,
-    tokenizer_from_state,
-)
+from pipeline.ingest.transforms import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
 from training.config import from_plain
 from training.train.checkpointing import restore_with_fallback, save_state
 from training.train.distributed import EpochEnd, local_batch_sizes
@@ -90,10 +74,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     cache = DecodedCache() if cfg.data.cache_decoded else None
     masker = _masker(state, tokenizer) if state.module.spec.uses_masked else None
     pad_id = tokenizer.pad_id if cfg.data.trim_text_padding else None
-    if cfg.data.exact_position:
-        _run_exact_epochs(state, config, tokenizer, (masker, pad_id), rank, writer)
-    else:
-        _run_epochs(state, config, tokenizer, (masker, pad_id), cache, rank, writer)
+    _run_epochs(state, config, tokenizer, (masker, pad_id), cache, rank, writer)
     if writer is not None:
         writer.close()
     return {
@@ -244,6 +225,7 @@ def _epoch_batches(
     cache: DecodedCache | None,
     rank: int,
     local_batch: int,
+    ingest: dict[str, Any],
 ) -> Iterator[dict[str, Any]]:
     """This worker's batches for ``state.epoch`` on its device: from the decoded cache once sealed, else its
     Ray shard (pinned host batches copied one step ahead, pipeline/ingest/prefetch.py).
@@ -251,6 +233,11 @@ def _epoch_batches(
     ``collate`` = (masked-variant maker or None, pad id to trim text padding with or None)."""
     data = state.cfg.data
     masker, pad_id = collate
+    if data.exact_position:  # this rank's rows of the epoch's steps from the checkpoint's position on
+        at = (state.epoch, state.step - state.epoch_start, state.step + 1)
+        split = (state.cfg.global_batch_size, ray.train.get_context().get_world_size(), rank)
+        host = exact_batches(data, ingest, state.mcfg, at, split, TrainCollate(masker, state.epoch, pad_id))
+        return device_batches(host, state.device)
     if cache is not None and cache.sealed:
         seed = data.shuffle_seed
         rng = np.random.default_rng(None if seed is None else [seed, state.epoch, rank])
@@ -284,8 +271,10 @@ def _run_epochs(
     local_batch = local_batch_sizes(cfg.global_batch_size, ray.train.get_context().get_world_size())[rank]
     fail_armed = cfg.run.fail_at_step > 0 and not state.restored and rank == cfg.run.fail_rank
     window, epoch_end = Window(), EpochEnd()
+    ingest = {"position": config.get("position"), "tokenizer": tokenizer, "counters": config.get("counters")}
+    attempt = _attempt_id(state.device) if cfg.data.exact_position else 0
     while state.step < cfg.total_steps:
-        batches, in_epoch = _epoch_batches(state, collate, cache, rank, local_batch), 0
+        batches, in_epoch = _epoch_batches(state, collate, cache, rank, local_batch, ingest), 0
         while state.step < cfg.total_steps:
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -298,7 +287,10 @@ def _run_epochs(
                         pass
                     cache.seal()
                 break
+            keys = batch.pop("keys", None)
             terms, feats = train_step(state, batch)
+            if keys is not None:
+                faults.samples(attempt, rank, state.step, state.epoch, keys)
             in_epoch += 1
             faults.point("train.step")
             window.add(terms, feats, wait, time.perf_counter() - t0)
@@ -307,84 +299,12 @@ def _run_epochs(
             if _report_due(state):
                 _report(state, window, config, tokenizer, rank, writer)
                 window = Window()
-        if in_epoch == 0:
+        if in_epoch == 0 and state.step == state.epoch_start:  # (not a resume at the epoch's very end)
             raise RuntimeError(
                 f"epoch {state.epoch} gave no full batch of {local_batch} per worker: "
                 f"the dataset is smaller than global_batch_size={cfg.global_batch_size}"
             )
-        state.epoch += 1
-
-
-def _run_exact_epochs(
-    state: TrainState,
-    config: dict[str, Any],
-    tokenizer: Any,
-    collate: tuple[Any, int | None],
-    rank: int,
-    writer: Any,
-) -> None:
-    """The epochs of ``data.exact_position``: step k of an epoch trains the plan's rows of step k, this
-    rank's share read here (pipeline/ingest/data_position.py), from the checkpoint's position on."""
-    cfg, data = state.cfg, state.cfg.data
-    world = ray.train.get_context().get_world_size()
-    position = config["position"]
-    read = position_reader(data, Storage.from_env(data.s3_endpoint))
-    counters = config.get("counters")
-    decode = DecodeAugment(state.mcfg.image_size, state.mcfg.context_length, tokenizer, data,
-                           on_bad_images=BadImageCounter(counters) if counters else None)  # fmt: skip
-    fail_armed = cfg.run.fail_at_step > 0 and not state.restored and rank == cfg.run.fail_rank
-    attempt, window = _attempt_id(state.device), Window()
-    while state.step < cfg.total_steps:
-        plan = epoch_plan(position["counts"], data.shuffle_seed, state.epoch, data.shuffle_window)
-        if plan.steps(cfg.global_batch_size) == 0:
-            raise RuntimeError(
-                f"the dataset's {plan.rows} rows make no step of global_batch_size={cfg.global_batch_size}"
-            )
-        start = state.step - state.epoch_start
-        tables = rank_steps(read, position["shards"], plan, cfg.global_batch_size, world, rank, start)
-        first = (state.step + 1, rank, data.augment_seed)
-        host = _exact_batches(tables, decode, TrainCollate(collate[0], state.epoch, collate[1]), first)
-        for batch in device_batches(host, state.device):
-            if state.step >= cfg.total_steps:
-                break
-            t0 = time.perf_counter()
-            keys = batch.pop("keys")
-            terms, feats = train_step(state, batch)
-            faults.samples(attempt, rank, state.step, state.epoch, keys)
-            if state.step - state.epoch_start == plan.steps(cfg.global_batch_size):
-                state.epoch, state.epoch_start = state.epoch + 1, state.step  # the checkpoint's position
-            faults.point("train.step")
-            window.add(terms, feats, 0.0, time.perf_counter() - t0)
-            if fail_armed and state.step == cfg.run.fail_at_step:
-                raise RuntimeError(f"injected failure at step {state.step} on rank {rank} (run.fail_at_step)")
-            if _report_due(state):
-                _report(state, window, config, tokenizer, rank, writer)
-                window = Window()
-        else:
-            if state.step - state.epoch_start:  # a restart at the epoch's very end: the next epoch
-                state.epoch, state.epoch_start = state.epoch + 1, state.step
-
-
-def _exact_batches(
-    tables: Iterator[Any], decode: DecodeAugment, collate: TrainCollate, first: tuple[int, int, int | None]
-) -> Iterator[dict[str, Any]]:
-    """Each step's rows decoded and collated (with their keys); ``first`` = (the first table's step, rank,
-    augment seed). A picture that does not decode is counted and its place taken by a decodable row of the
-    same step, so every rank keeps its planned rows."""
-    step, rank, seed = first
-    for k, table in enumerate(tables):
-        if seed is not None:  # a step's crops do not depend on where the run resumed
-            decode.rng = np.random.default_rng([seed, step + k, rank])
-        rows = decode(
-            {name: table.column(name).to_numpy(zero_copy_only=False) for name in ("key", "jpg", "txt")}
-        )
-        n = table.num_rows
-        if not len(rows["key"]):
-            raise RuntimeError(f"no picture of step {step + k}'s {n} rows on rank {rank} decodes")
-        if len(rows["key"]) < n:
-            fill = np.resize(np.arange(len(rows["key"])), n)
-            rows = {name: v[fill] for name, v in rows.items()}
-        yield {**collate(rows), "keys": [str(key) for key in rows["key"]]}
+        state.epoch, state.epoch_start = state.epoch + 1, state.step
 
 
 def _attempt_id(device: torch.device) -> int:
