@@ -164,9 +164,9 @@ def test_ten_kill_points_each_resume_into_the_uninterrupted_runs_samples(referen
     inside = [s for s in resumed if s % PER_EPOCH]
     print(f"kills {fired}: restarts resumed at steps {resumed} (positions in their epoch "
           f"{[s % PER_EPOCH for s in resumed]}); every step's samples equal the uninterrupted run's")  # fmt: skip
-    # Which checkpoint a restart finds depends on when the controller registered it: at least one
-    # restart resumes inside an epoch on any timing (the equal samples above are what must always hold).
-    assert len(resumed) >= 5 and inside, resumed
+    # Which checkpoint a restart finds depends on when the controller registered it; kills this late in a
+    # process found one every time (8 of 8 restarts resumed inside an epoch, at positions 1 to 5).
+    assert len(inside) >= 5, resumed
 
 
 def test_a_run_killed_mid_epoch_resumes_at_another_world_size(reference, shards, tmp_path) -> None:
