@@ -130,6 +130,7 @@ class DataConfig:
     salient_share: Unit = 1.0
     patch_keep_ratio: Unit = 0.25  # image patches kept (75% dropped, §4.1)
     mask_seed: Seed = 0  # which samples get a masked variant and which tokens/patches (with uid, epoch)
+    exact_position: bool = False  # each rank reads a planned order; a resume trains the rest exactly (0094)
     label_selector: dict[str, str] = field(
         default_factory=dict
     )  # ingest nodes (pipeline/common/placement.py)
@@ -143,6 +144,8 @@ class DataConfig:
             "needs augment=false (cached crops would repeat every epoch)",
             self.cache_decoded,
         )
+        ok = not self.exact_position or (self.shuffle_seed is not None and self.sampling == "epochs")
+        require(ok and not (self.exact_position and self.cache_decoded), "exact_position", "needs shuffle_seed, sampling='epochs' and no cache_decoded", self.exact_position)  # fmt: skip
         require(
             self.salient_share == 1.0 or self.text_mask_mode == "salient",
             "salient_share",

@@ -11,6 +11,9 @@ into what an uninterrupted run gives. A point costs one environment lookup when 
   not depend on which process reaches a point first).
 - ``PROLIP_KILL_TRACE=file``: every point reached is appended to ``file`` (how often each is reached, so
   a suite can pick a random occurrence).
+- ``PROLIP_SAMPLES_TRACE=dir``: the training loop appends every step's samples to
+  ``dir/{attempt}-r{rank}.txt`` (``step epoch key`` lines; ``attempt`` orders the run's (re)starts), so a
+  suite can compare what a killed and resumed run trained with an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import signal
 
 ARM, STATE, TRACE, ORDERED = "PROLIP_KILL_AT", "PROLIP_KILL_STATE", "PROLIP_KILL_TRACE", "PROLIP_KILL_ORDERED"
+SAMPLES = "PROLIP_SAMPLES_TRACE"
 _hits: dict[str, int] = {}
 
 
@@ -56,3 +60,12 @@ def _fired(entry: str) -> bool:
         return False
     with open(state) as f:
         return entry in {line.strip() for line in f}
+
+
+def samples(attempt: int, rank: int, step: int, epoch: int, keys: list[str]) -> None:
+    """Record the samples of one step (module docstring); nothing unless ``PROLIP_SAMPLES_TRACE`` is set."""
+    where = os.environ.get(SAMPLES)
+    if not where:
+        return
+    with open(os.path.join(where, f"{attempt}-r{rank}.txt"), "a") as f:
+        f.write("".join(f"{step} {epoch} {k}\n" for k in keys))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,9 +27,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from pipeline.common.placement import scope_dataset
 from pipeline.common.storage import Storage
 from pipeline.ingest.subset_reader import SubsetShardReader, load_counts
-from pipeline.ingest.transforms import TrainCollate, decode_augment_batch, tokenizer_state, window_shuffle
+from pipeline.ingest.transforms import (
+    DecodeAugment,
+    TrainCollate,
+    decode_augment_batch,
+    tokenizer_state,
+    window_shuffle,
+)
 from pipeline.shards.ray_reader import ShardDatasource, read_shards
-from pipeline.shards.reader import list_shards
+from pipeline.shards.reader import ShardReader, list_shards
 
 # --- the counters actor -------------------------------------------------------------------------------
 
@@ -299,3 +305,55 @@ class RayTrainCollate(NumpyBatchCollateFn):
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         return self.collate(batch)
+
+
+# --- the exact data position (pipeline/ingest/data_position.py) -------------------------------------------
+
+
+def position_reader(data: Any, store: Storage) -> ShardReader:
+    """The reader whose rows the exact plan counts and each rank reads: every row of a shard, or the
+    subset's rows as often as listed. Plain (no counters): a shard counted damaged reads alike each time."""
+    if data.subset:
+        return SubsetShardReader(data.subset, store, verify=data.verify_checksums)
+    return ShardReader(store, verify=data.verify_checksums)
+
+
+def count_shard_rows(data: Any, store: Storage, paths: Sequence[str]) -> list[int]:
+    """Rows of each shard as ``position_reader`` yields them: one Ray task per shard (the driver holds
+    one integer per file)."""
+    options: dict = {"num_cpus": data.read_cpus or data.decode_cpus}
+    if data.label_selector:
+        options["label_selector"] = {str(k): str(v) for k, v in data.label_selector.items()}
+    task = ray.remote(_count).options(**options)
+    return [int(n) for n in ray.get([task.remote(data, store, p) for p in paths])]
+
+
+def exact_batches(
+    data: Any,
+    ingest: dict[str, Any],
+    mcfg: Any,
+    at: tuple[int, int, int],
+    split: tuple[int, int, int],
+    collate: TrainCollate,
+) -> Iterator[dict[str, Any]]:
+    """``data.exact_position``: one rank's collated batches of an epoch, read and decoded here (no Ray Data).
+
+    ``ingest``: ``position`` (the plan's shards and counts), ``tokenizer``, ``counters`` (actor name or
+    None); ``mcfg`` the model config (image size, context length); ``at`` = (epoch, first step in the
+    epoch, its global step); ``split`` = (global batch, world size, rank)."""
+    from pipeline.ingest.data_position import decoded_steps, epoch_plan, rank_steps
+
+    (epoch, start, step), (batch, world, rank) = at, split
+    plan = epoch_plan(ingest["position"]["counts"], data.shuffle_seed, epoch, data.shuffle_window)
+    read = position_reader(data, data.storage.store())
+    tables = rank_steps(read, ingest["position"]["shards"], plan, batch, world, rank, start)
+    counters = ingest.get("counters")
+    decode = DecodeAugment(mcfg.image_size, mcfg.context_length, ingest["tokenizer"], data,
+                           on_bad_images=BadImageCounter(counters) if counters else None)  # fmt: skip
+    return decoded_steps(tables, decode, collate, (step, rank, data.augment_seed))
+
+
+def _count(data: Any, store: Storage, path: str) -> int:
+    from pipeline.ingest.data_position import count_rows
+
+    return count_rows(position_reader(data, store), path)

@@ -40,6 +40,19 @@ def checkpoint_extra(state: Any) -> dict[str, Any]:
         # Inference (training/infer/encode.py) must normalise pixels as this run did.
         "pixel_mean": list(cfg.data.mean),
         "pixel_std": list(cfg.data.std),
+        # data.exact_position: where the next step's rows are (pipeline/ingest/data_position.py): epoch, the
+        # step it began at, and the epoch's next sample index (step in epoch × global batch, any world size).
+        **({"data_position": data_position(state)} if cfg.data.exact_position else {}),
+    }
+
+
+def data_position(state: Any) -> dict[str, int]:
+    step_in_epoch = state.step - state.epoch_start
+    return {
+        "epoch": state.epoch,
+        "epoch_start_step": state.epoch_start,
+        "step_in_epoch": step_in_epoch,
+        "sample_index": step_in_epoch * state.cfg.global_batch_size,
     }
 
 

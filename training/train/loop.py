@@ -8,9 +8,11 @@ CPU precision: subnormals are flushed to zero (``torch.set_flush_denormal``): sa
 (ProLIP Eq. 5, c = 1000) send gradients of ~1e-39 through the masked forward, and subnormal arithmetic
 made CPU steps 5–15× slower.
 
-Data position on resume: Ray Data cannot seek into a streaming epoch, so a resumed run starts a fresh
-pass (epoch + 1, new shard order and masks), as open_clip does; the step count, LR schedule and samples
-seen continue from the checkpoint.
+Data position on resume: with ``data.exact_position`` each rank reads its rows of every step itself, in
+an order planned from (seed, epoch, shard row counts) (pipeline/ingest/data_position.py), and a resumed run
+continues at the checkpoint's epoch and step, at any world size. Otherwise Ray Data cannot seek into a
+streaming epoch, so a resumed run starts a fresh pass (epoch + 1, new shard order and masks), as open_clip
+does; the step count, LR schedule and samples seen continue from the checkpoint either way.
 
 Reports: every ``log_every`` steps, at every checkpoint and at the last step, every rank computes the
 window's global metrics (loss terms summed over ranks — the shares add up to the global loss — σ² means
@@ -43,7 +45,7 @@ import torch.distributed as dist
 from ray.train import CheckpointUploadMode
 
 from pipeline.common import faults
-from pipeline.ingest.dataset import RayTrainCollate, publish_progress, read_counters
+from pipeline.ingest.dataset import RayTrainCollate, exact_batches, publish_progress, read_counters
 from pipeline.ingest.masking import drop_masked_tokens
 from pipeline.ingest.prefetch import device_batches
 from pipeline.ingest.transforms import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
@@ -223,6 +225,7 @@ def _epoch_batches(
     cache: DecodedCache | None,
     rank: int,
     local_batch: int,
+    ingest: dict[str, Any],
 ) -> Iterator[dict[str, Any]]:
     """This worker's batches for ``state.epoch`` on its device: from the decoded cache once sealed, else its
     Ray shard (pinned host batches copied one step ahead, pipeline/ingest/prefetch.py).
@@ -230,6 +233,11 @@ def _epoch_batches(
     ``collate`` = (masked-variant maker or None, pad id to trim text padding with or None)."""
     data = state.cfg.data
     masker, pad_id = collate
+    if data.exact_position:  # this rank's rows of the epoch's steps from the checkpoint's position on
+        at = (state.epoch, state.step - state.epoch_start, state.step + 1)
+        split = (state.cfg.global_batch_size, ray.train.get_context().get_world_size(), rank)
+        host = exact_batches(data, ingest, state.mcfg, at, split, TrainCollate(masker, state.epoch, pad_id))
+        return device_batches(host, state.device)
     if cache is not None and cache.sealed:
         seed = data.shuffle_seed
         rng = np.random.default_rng(None if seed is None else [seed, state.epoch, rank])
@@ -263,8 +271,10 @@ def _run_epochs(
     local_batch = local_batch_sizes(cfg.global_batch_size, ray.train.get_context().get_world_size())[rank]
     fail_armed = cfg.run.fail_at_step > 0 and not state.restored and rank == cfg.run.fail_rank
     window, epoch_end = Window(), EpochEnd()
+    ingest = {"position": config.get("position"), "tokenizer": tokenizer, "counters": config.get("counters")}
+    attempt = _attempt_id(state.device) if cfg.data.exact_position else 0
     while state.step < cfg.total_steps:
-        batches, in_epoch = _epoch_batches(state, collate, cache, rank, local_batch), 0
+        batches, in_epoch = _epoch_batches(state, collate, cache, rank, local_batch, ingest), 0
         while state.step < cfg.total_steps:
             t0 = time.perf_counter()
             batch = next(batches, None)
@@ -277,7 +287,10 @@ def _run_epochs(
                         pass
                     cache.seal()
                 break
+            keys = batch.pop("keys", None)
             terms, feats = train_step(state, batch)
+            if keys is not None:
+                faults.samples(attempt, rank, state.step, state.epoch, keys)
             in_epoch += 1
             faults.point("train.step")
             window.add(terms, feats, wait, time.perf_counter() - t0)
@@ -286,12 +299,20 @@ def _run_epochs(
             if _report_due(state):
                 _report(state, window, config, tokenizer, rank, writer)
                 window = Window()
-        if in_epoch == 0:
+        if in_epoch == 0 and state.step == state.epoch_start:  # (not a resume at the epoch's very end)
             raise RuntimeError(
                 f"epoch {state.epoch} gave no full batch of {local_batch} per worker: "
                 f"the dataset is smaller than global_batch_size={cfg.global_batch_size}"
             )
-        state.epoch += 1
+        state.epoch, state.epoch_start = state.epoch + 1, state.step
+
+
+def _attempt_id(device: torch.device) -> int:
+    """One number per (re)start of the worker group, larger for a later one (rank 0's clock, shared)."""
+    token = [time.time_ns()]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(token, src=0, device=device if device.type == "cuda" else None)
+    return int(token[0])
 
 
 def _report_due(state: TrainState) -> bool:
@@ -327,7 +348,9 @@ def _report(
     # our upload (checksums.json last) into a directory name no checkpoint used before; Ray deletes the
     # local copy once it is uploaded (training/train/run_checkpoints.py).
     d = local_save_dir()  # also removes what killed workers of this host left
+    faults.point("checkpoint.before_save")
     save_state(d, state, tokenizer, metrics)
+    faults.point("checkpoint.saved")
     storage = ray.train.get_context().get_storage()
     ray.train.report(
         metrics,
@@ -344,6 +367,7 @@ def _upload(checkpoint: Any, dir_name: str) -> Any:
     storage = ray.train.get_context().get_storage()
     dest = posixpath.join(storage.experiment_fs_path, dir_name)
     upload_checkpoint(checkpoint.path, storage.storage_filesystem, dest)
+    faults.point("checkpoint.uploaded")  # whole in storage, not yet registered by the controller
     return ray.train.Checkpoint(dest, filesystem=storage.storage_filesystem)
 
 

@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from pipeline.common import faults
 from pipeline.ingest.device_augment import DeviceAugment
 from pipeline.ingest.masking import round_half_up
 from training.losses.objectives import LossConfig
@@ -203,6 +204,7 @@ class TrainState:
     micro: int = 1  # micro-batches a local batch runs in (scaling.max_local_batch; accumulated_backward)
     step: int = 0
     epoch: int = 0
+    epoch_start: int = 0  # the step the epoch began at (data.exact_position: where in the epoch a resume is)
     history: list[list[int]] = field(default_factory=list)
     logged: list[dict[str, Any]] = field(default_factory=list)
     attempts: list[int] = field(default_factory=list)  # first step of every (re)start
@@ -255,7 +257,9 @@ def setup_state(
         plan=batch_plan(cfg, inner.spec, world) if world > 1 else None,
         micro=cfg.micro_batches(world),
         step=step,
-        epoch=int(extra["epoch"]) + 1 if restore_dir else 0,
+        # Exact position: the checkpoint's epoch, at its step; else a resumed run starts a fresh pass.
+        epoch=int(extra.get("epoch", 0)) + (0 if cfg.data.exact_position or not restore_dir else 1),
+        epoch_start=int(extra.get("data_position", {}).get("epoch_start_step", step)),
         history=[list(r) for r in extra.get("history", [])],
         logged=list(extra.get("metrics", [])),
         attempts=[int(a) for a in extra.get("attempts", [])] + [step],
@@ -347,6 +351,7 @@ def train_step(state: TrainState, batch: Mapping[str, Tensor]) -> tuple[dict[str
     else:
         terms, feats = forward_terms(state, batch)
         state.update.backward(terms["total"] * ddp_loss_scale())
+    faults.point("train.mid_step")  # gradients reduced, weights not yet updated
     feats = {**feats, "grad_norm": state.update(terms["total"])}
     state.sched.step()
     state.step += 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import posixpath
 import signal
@@ -40,6 +41,7 @@ from pipeline.common.storage import Storage
 from pipeline.ingest.dataset import (
     ProgressPrinter,
     build_train_dataset,
+    count_shard_rows,
     read_counters,
     start_counters,
     stop_counters,
@@ -135,10 +137,30 @@ def _captions(cfg: TrainConfig, store: Storage):
     return islice(gen(), TOKENIZER_CAPTIONS)
 
 
+POSITION_FILE = "data_position.json"  # the exact plan's shards and row counts, in the run directory
+
+
+def position_plan(cfg: TrainConfig, run_store: Storage, data_store: Storage) -> dict[str, Any]:
+    """``data.exact_position``: the shards and their row counts the run's order is made of, counted once
+    (one Ray task per shard) and kept in the run directory, so a resumed run plans the same order."""
+    saved = storage.join(run_dir(cfg), POSITION_FILE)
+    if run_store.exists(saved):
+        return json.loads(run_store.read_bytes(saved))
+    paths = list_shards(cfg.data.shards, data_store)
+    plan = {"shards": paths, "counts": count_shard_rows(cfg.data, data_store, paths)}
+    run_store.write_bytes(json.dumps(plan).encode(), saved)
+    return plan
+
+
 def build_trainer(
-    cfg: TrainConfig, tokenizer: TextTokenizer, dataset: Any, counters: str | None, run_store: Storage
+    cfg: TrainConfig,
+    tokenizer: TextTokenizer,
+    dataset: Any,
+    counters: str | None,
+    run_store: Storage,
+    position: dict[str, Any] | None = None,
 ) -> Any:
-    """The ``TorchTrainer`` (not yet fitted)."""
+    """The ``TorchTrainer`` (not yet fitted); ``dataset`` None with ``position`` (the exact plan)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -158,9 +180,10 @@ def build_trainer(
             "tokenizer": tokenizer_state(tokenizer),
             "counters": counters,
             "tensorboard_dir": tensorboard,
+            "position": position,
             "faults": {
                 k: os.environ[k]
-                for k in (faults.ARM, faults.STATE, faults.TRACE, faults.ORDERED)
+                for k in (faults.ARM, faults.STATE, faults.TRACE, faults.ORDERED, faults.SAMPLES)
                 if k in os.environ
             },
         },
@@ -179,10 +202,12 @@ def build_trainer(
         ),
         # NCCL's watchdog fails a collective stuck past this (Ray's default is 30 minutes).
         torch_config=TorchConfig(timeout_s=s.collective_timeout_s),
-        datasets={"train": dataset},
+        datasets=None if dataset is None else {"train": dataset},
         # A seeded shuffle promises a repeatable run: without preserve_order the first epoch's batches
         # follow whichever decode task finishes first, and two runs of one seed differ within the first steps.
-        dataset_config=train_dataset_config(cfg.data.label_selector, cfg.data.shuffle_seed is not None),
+        dataset_config=None
+        if dataset is None
+        else train_dataset_config(cfg.data.label_selector, cfg.data.shuffle_seed is not None),
     )
 
 
@@ -267,10 +292,14 @@ def train(cfg: TrainConfig) -> TrainResult:
     counters = start_counters()
     try:
         size, context = mcfg.image_size, mcfg.context_length
-        dataset = build_train_dataset(cfg.data, data_store, tokenizer, size, context, counters)
+        position, dataset = None, None
+        if cfg.data.exact_position:  # each rank reads its own rows (pipeline/ingest/data_position.py)
+            position = position_plan(cfg, run_store, data_store)
+        else:
+            dataset = build_train_dataset(cfg.data, data_store, tokenizer, size, context, counters)
         with ProgressPrinter(counters, cfg.run.name), interrupt_reported(cfg.run.name):
             try:
-                result = build_trainer(cfg, tokenizer, dataset, counters, run_store).fit()
+                result = build_trainer(cfg, tokenizer, dataset, counters, run_store, position).fit()
             except Exception:  # Ray's WorkerGroupError cuts the worker's own message short
                 reason = stop_reason(read_counters(counters), cfg.data.max_bad_shards)
                 if reason is None:
