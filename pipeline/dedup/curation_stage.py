@@ -292,6 +292,7 @@ def _semantic_sorted(
     rng = np.random.default_rng(np.random.SeedSequence([cfg.semantic_seed, 1]))
     sample = np.sort(rng.choice(n, size=min(n, 256 * k), replace=False))
     centroids = SD.kmeans_centroids(vectors.rows(rows[sample]), k, cfg.semantic_seed)
+    basis = SD.screen_basis(vectors.rows(rows[sample[SD.screen_sample(len(sample), cfg.semantic_seed)]]))
     primary, g_row, g_cl = [], [], []
     for a in range(0, n, 1 << 16):
         p, gr, gc = SD.assign_with_guests(vectors.rows(rows[a : a + (1 << 16)]), centroids, t)
@@ -309,7 +310,9 @@ def _semantic_sorted(
         gs = [guests.get(c, np.zeros(0, np.int64)) for c in ids]
         flat = np.concatenate([x for m, g in zip(group, gs, strict=True) for x in (m, g)])
         sizes = [(len(m), len(g)) for m, g in zip(group, gs, strict=True)]
-        pending.append(pairs_task.remote(vectors.rows(rows[flat]), flat, primary[flat], sizes, ids, cref, t))
+        pending.append(
+            pairs_task.remote(vectors.rows(rows[flat]), flat, primary[flat], sizes, ids, cref, t, basis)
+        )
         while len(pending) > _IN_FLIGHT:
             done, pending = ray.wait(pending, num_returns=1)
             found.append(ray.get(done[0]))
@@ -342,15 +345,20 @@ def _pairs_group(
     clusters: list[int],
     centroids: np.ndarray,
     threshold: float,
+    basis: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One task: ``cluster_candidates`` of each of a group's clusters (per cluster its members, then its
-    guests, whose home clusters are ``home``) → the pairs above the threshold as positions ``flat`` holds."""
+    guests, whose home clusters are ``home``; screened in ``basis``'s dimensions when there is one) → the
+    pairs above the threshold as positions ``flat`` holds."""
     fi, fj, fs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float64)]
     at = 0
     for (m, g), cl in zip(sizes, clusters, strict=True):
         mem, gst = slice(at, at + m), slice(at + m, at + m + g)
+        screen = None
+        if basis is not None:
+            screen = (SD.project(SD.normalize(vecs[mem]), basis), SD.project(SD.normalize(vecs[gst]), basis))
         (mi, mj, ms), (gi, gj, gs) = SD.cluster_candidates(
-            vecs[mem], vecs[gst], home[gst], cl, centroids, threshold
+            vecs[mem], vecs[gst], home[gst], cl, centroids, threshold, screen
         )
         fi += [flat[mem][mi], flat[gst][gi]]
         fj += [flat[mem][mj], flat[mem][gj]]
