@@ -6,8 +6,10 @@ cosine similarity exceeds ``threshold`` (the paper's 1 − ε). The paper compar
 and misses the pairs k-means splits (17.6% of the pairs above 0.9 on a continuum of concepts). Here every
 row is also a *guest* of the clusters whose border it is within √(2 − 2t) of (``assign_with_guests``), so
 the pairs found per cluster are every pair above the threshold, and the greedy rule over their union is
-the all-pairs rule exactly (docs/decisions/0087-exact-semantic-dedup.md). Clustering and assignment are
-faiss's spherical k-means on a seeded sample and our own blocked distances, so the clusters are a
+the all-pairs rule exactly (docs/decisions/0087-exact-semantic-dedup.md). A guest meets a cluster's
+members first in a 64-d basis whose product bounds the cosine from above (``screen_basis``, ``project``;
+docs/decisions/0096), so the guests cost a fraction of the members' products. Clustering and assignment
+are faiss's spherical k-means on a seeded sample and our own blocked distances, so the clusters are a
 function of the data and the seed; a cluster's work and memory are bounded by its members and guests
 (``cluster_candidates``), never by the pool; the Ray stage (``pipeline/dedup/curation_stage.py``) runs the
 clusters as tasks.
