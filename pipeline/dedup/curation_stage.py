@@ -16,8 +16,8 @@ rows are assigned in blocks, each row to its nearest cluster and as a guest to t
 it is near (``semantic.assign_with_guests``); then the clusters go to Ray tasks in groups of about
 ``_GROUP_ROWS`` member rows with their guests, a few groups in flight at once; the tasks return the pairs
 above the threshold (guests screened in the basis: docs/decisions/0096), and the greedy rule runs over
-their union (docs/decisions/0087-exact-semantic-dedup.md). Neither the stage nor a task holds more than a group's
-vectors in memory (the map's pages come and go with the disk cache); the stage holds the pairs.
+their union (docs/decisions/0087-exact-semantic-dedup.md). Neither the stage nor a task holds more than a
+group's vectors in memory (the map's pages come and go with the disk cache); the stage holds the pairs.
 """
 
 from __future__ import annotations
