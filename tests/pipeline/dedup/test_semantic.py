@@ -207,3 +207,30 @@ def test_screened_guests_equal_unscreened_guests():
     a, b = (np.lexsort((p[1], p[0])) for p in (plain, screened))  # the same pairs, found in another order
     for x, y in zip(plain, screened, strict=True):
         np.testing.assert_array_equal(x[a], y[b])
+
+
+def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis():
+    """The Ray stage's task bodies without Ray (``curation_stage._fit``, ``_pairs_group``), on the float16
+    rows its map holds, screened in the fitted basis: exactly the brute-force pairs of those rows."""
+    from pipeline.dedup import curation_stage as CS
+
+    _, vectors, _ = continuum(3000, 160, seed=9)
+    x = SD.normalize(vectors).astype(np.float16)
+    sample = np.sort(np.random.default_rng(0).choice(len(x), 2000, replace=False))
+    centroids, basis = CS._fit(x[sample].astype(np.float32), 30, 0)
+    assert basis is not None and basis.shape == (160, 64)
+    primary, g_row, g_cl = SD.assign_with_guests(x, centroids, 0.9)
+    guests = dict(zip(np.unique(g_cl).tolist(), (g_row[m] for m in SD.cluster_members(g_cl)), strict=True))
+    found = []
+    for group in CS._groups(SD.cluster_members(primary)):
+        ids = [int(primary[m[0]]) for m in group]
+        gs = [guests.get(c, np.zeros(0, np.int64)) for c in ids]
+        flat = np.concatenate([v for m, g in zip(group, gs, strict=True) for v in (m, g)])
+        sizes = [(len(m), len(g)) for m, g in zip(group, gs, strict=True)]
+        found.append(CS._pairs_group(x[flat], flat, primary[flat], sizes, ids, centroids, 0.9, basis))
+    i, j, _ = (np.concatenate(c) for c in zip(*found, strict=True))
+    bi, bj, _ = brute_force_pairs(x.astype(np.float32), 0.9)
+    assert len(bi) > 1000 and (primary[bi] != primary[bj]).sum() > 20
+    assert set(zip(np.minimum(i, j).tolist(), np.maximum(i, j).tolist(), strict=True)) == set(
+        zip(bi.tolist(), bj.tolist(), strict=True)
+    )
