@@ -6,7 +6,8 @@ pairs come from brute force: every one of the n² products in float32 blocks, sc
 threshold and recomputed in float64. Against it, per row decision:
 
 - **exact** ``semantic_duplicates``: each row in its nearest cluster and a guest of the clusters whose
-  border it is within √(2 − 2t) of, the greedy over the union of the per-cluster pairs;
+  border it is within √(2 − 2t) of, the guests screened against the members in a 64-d basis
+  (docs/decisions/0096), the greedy over the union of the per-cluster pairs;
 - **single** ``single_assignment_duplicates``: the paper's SemDeDup, each row in one cluster only.
 
 Recall and precision are over the dropped rows (a row both drop, of the rows the exact rule drops / of the

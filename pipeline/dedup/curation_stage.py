@@ -11,12 +11,13 @@ rows still ``success``, and relabels some of them, so every input row keeps exac
 The image embeddings are DataComp's precomputed ones (``l14_img`` in the ``.npz`` beside each metadata
 parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer). The
 driver copies the downloaded rows' vectors into a float16 memory map on local disk, one metadata file at
-a time; k-means is trained on a sample and the rows are assigned in blocks, each row to its nearest
-cluster and as a guest to the clusters whose border it is near (``semantic.assign_with_guests``); then the
-clusters go to Ray tasks in groups of about ``_GROUP_ROWS`` member rows with their guests, a few groups in
-flight at once; the tasks return the pairs above the threshold, and the greedy rule runs over their union
-(docs/decisions/0087-exact-semantic-dedup.md). Neither the stage nor a task holds more than a group's
-vectors in memory (the map's pages come and go with the disk cache); the stage holds the pairs.
+a time; a task fits k-means and the guests' screen basis on a bounded sample (``_FIT_ROWS``), and the
+rows are assigned in blocks, each row to its nearest cluster and as a guest to the clusters whose border
+it is near (``semantic.assign_with_guests``); then the clusters go to Ray tasks in groups of about
+``_GROUP_ROWS`` member rows with their guests, a few groups in flight at once; the tasks return the pairs
+above the threshold (guests screened in the basis: docs/decisions/0096), and the greedy rule runs over
+their union (docs/decisions/0087-exact-semantic-dedup.md). Neither the stage nor a task holds more than a
+group's vectors in memory (the map's pages come and go with the disk cache); the stage holds the pairs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pipeline.filters import embedding as E
 
 _GROUP_ROWS = 50_000  # rows of one task's clusters
 _IN_FLIGHT = 4  # tasks submitted ahead of the results
+_FIT_ROWS = 1 << 21  # k-means and the screen's basis see at most this many rows (a sampled fit)
 
 
 @dataclass
@@ -290,8 +292,9 @@ def _semantic_sorted(
     t = cfg.semantic_threshold
     k = max(1, -(-n // cfg.semantic_cluster_rows))
     rng = np.random.default_rng(np.random.SeedSequence([cfg.semantic_seed, 1]))
-    sample = np.sort(rng.choice(n, size=min(n, 256 * k), replace=False))
-    centroids = SD.kmeans_centroids(vectors.rows(rows[sample]), k, cfg.semantic_seed)
+    sample = np.sort(rng.choice(n, size=min(n, 256 * k, _FIT_ROWS), replace=False))
+    fit = ray.remote(num_cpus=1)(_fit).remote(vectors.rows(rows[sample]), k, cfg.semantic_seed)
+    centroids, basis = ray.get(fit)
     primary, g_row, g_cl = [], [], []
     for a in range(0, n, 1 << 16):
         p, gr, gc = SD.assign_with_guests(vectors.rows(rows[a : a + (1 << 16)]), centroids, t)
@@ -309,7 +312,9 @@ def _semantic_sorted(
         gs = [guests.get(c, np.zeros(0, np.int64)) for c in ids]
         flat = np.concatenate([x for m, g in zip(group, gs, strict=True) for x in (m, g)])
         sizes = [(len(m), len(g)) for m, g in zip(group, gs, strict=True)]
-        pending.append(pairs_task.remote(vectors.rows(rows[flat]), flat, primary[flat], sizes, ids, cref, t))
+        pending.append(
+            pairs_task.remote(vectors.rows(rows[flat]), flat, primary[flat], sizes, ids, cref, t, basis)
+        )
         while len(pending) > _IN_FLIGHT:
             done, pending = ray.wait(pending, num_returns=1)
             found.append(ray.get(done[0]))
@@ -319,6 +324,11 @@ def _semantic_sorted(
     rank = np.empty(n, dtype=np.int64)
     rank[order] = np.arange(n)
     return SD.greedy_duplicates(rank, i, j, s.astype(np.float64)), len(centroids)
+
+
+def _fit(sample: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """One task: k-means centroids and the guests' screen basis from the bounded sample."""
+    return SD.kmeans_centroids(sample, k, seed), SD.screen_basis(sample[SD.screen_sample(len(sample), seed)])
 
 
 def _groups(members: list[np.ndarray]) -> list[list[np.ndarray]]:
@@ -342,15 +352,20 @@ def _pairs_group(
     clusters: list[int],
     centroids: np.ndarray,
     threshold: float,
+    basis: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One task: ``cluster_candidates`` of each of a group's clusters (per cluster its members, then its
-    guests, whose home clusters are ``home``) → the pairs above the threshold as positions ``flat`` holds."""
+    guests, whose home clusters are ``home``; screened in ``basis``'s dimensions when there is one) → the
+    pairs above the threshold as positions ``flat`` holds."""
     fi, fj, fs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float64)]
     at = 0
     for (m, g), cl in zip(sizes, clusters, strict=True):
         mem, gst = slice(at, at + m), slice(at + m, at + m + g)
+        screen = None
+        if basis is not None:
+            screen = (SD.project(SD.normalize(vecs[mem]), basis), SD.project(SD.normalize(vecs[gst]), basis))
         (mi, mj, ms), (gi, gj, gs) = SD.cluster_candidates(
-            vecs[mem], vecs[gst], home[gst], cl, centroids, threshold
+            vecs[mem], vecs[gst], home[gst], cl, centroids, threshold, screen
         )
         fi += [flat[mem][mi], flat[gst][gi]]
         fj += [flat[mem][mj], flat[mem][gj]]

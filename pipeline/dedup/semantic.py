@@ -6,8 +6,10 @@ cosine similarity exceeds ``threshold`` (the paper's 1 − ε). The paper compar
 and misses the pairs k-means splits (17.6% of the pairs above 0.9 on a continuum of concepts). Here every
 row is also a *guest* of the clusters whose border it is within √(2 − 2t) of (``assign_with_guests``), so
 the pairs found per cluster are every pair above the threshold, and the greedy rule over their union is
-the all-pairs rule exactly (docs/decisions/0087-exact-semantic-dedup.md). Clustering and assignment are
-faiss's spherical k-means on a seeded sample and our own blocked distances, so the clusters are a
+the all-pairs rule exactly (docs/decisions/0087-exact-semantic-dedup.md). A guest meets a cluster's
+members first in a 64-d basis whose product bounds the cosine from above (``screen_basis``, ``project``;
+docs/decisions/0096), so the guests cost a fraction of the members' products. Clustering and assignment
+are faiss's spherical k-means on a seeded sample and our own blocked distances, so the clusters are a
 function of the data and the seed; a cluster's work and memory are bounded by its members and guests
 (``cluster_candidates``), never by the pool; the Ray stage (``pipeline/dedup/curation_stage.py``) runs the
 clusters as tasks.
@@ -72,6 +74,9 @@ def rank_order(uids: np.ndarray, priority: np.ndarray | None) -> np.ndarray:
 
 
 _GUEST_CHUNK = 256  # guests compared at once, nearest the border first
+_SCREEN_CHUNK = 4096  # guests screened at once against all of a cluster's members: one large product
+_SCREEN_PASS = 0.02  # above this fraction of a block let through, its exact cosines cost more than a product
+SCREEN_SAMPLE = 20_000  # rows the guests' screen basis is fitted on (it moves cost, never a decision)
 _SCREEN = 1e-4  # float32 screen margin below the threshold; the decision is the float64 cosine
 
 
@@ -176,6 +181,7 @@ def assign_with_guests(
     so both ends lie within the reach of it; the lower-numbered cluster's end is a guest of the other."""
     c = np.ascontiguousarray(centroids, dtype=np.float64)
     cn = (c * c).sum(axis=1)
+    cc = c @ c.T
     d = reach(threshold)
     primary = np.empty(len(vectors), dtype=np.int64)
     g_row, g_cl = [], []
@@ -184,7 +190,7 @@ def assign_with_guests(
         dist2 = cn[None, :] - 2.0 * (x @ c.T)  # |x − c|² − |x|², (B, k)
         a = np.argmin(dist2, axis=1)
         primary[lo : lo + len(x)] = a
-        sep = np.sqrt(np.maximum(cn[a][:, None] + cn[None, :] - 2.0 * (c[a] @ c.T), 1e-300))  # |c_a − c_b|
+        sep = np.sqrt(np.maximum(cn[a][:, None] + cn[None, :] - 2.0 * cc[a], 1e-300))  # |c_a − c_b|
         gap = (dist2 - dist2[np.arange(len(x)), a][:, None]) / (2.0 * sep)
         later = np.arange(len(c))[None, :] > a[:, None]
         r, b = np.nonzero((gap <= d) & later)
@@ -195,6 +201,31 @@ def assign_with_guests(
     return primary, np.concatenate(g_row).astype(np.int64), np.concatenate(g_cl).astype(np.int64)
 
 
+def screen_basis(sample: np.ndarray, dims: int = 64) -> np.ndarray | None:
+    """An orthonormal (d, ``dims``) basis of the sample's top principal directions (uncentred), for the
+    guests' screen; None when ``dims`` is not well below d (the full product is as cheap)."""
+    x = normalize(sample).astype(np.float64)
+    if not len(x) or 2 * dims > x.shape[1]:
+        return None
+    _, vecs = np.linalg.eigh(x.T @ x)
+    return np.ascontiguousarray(vecs[:, ::-1][:, :dims])
+
+
+def project(x: np.ndarray, basis: np.ndarray | None) -> np.ndarray | None:
+    """Unit rows as their coordinates in ``basis`` followed by an upper bound on the norm of what the basis
+    misses (float32; the 1e-5 under the root covers the float32 rounding of |x|² − |Px|²): the product of
+    two such rows is ⟨Px, Py⟩ + |x − Px|·|y − Py| ≥ ⟨x, y⟩ (Cauchy–Schwarz). None without a basis."""
+    if basis is None:
+        return None
+    x = np.asarray(x, dtype=np.float32)
+    out = np.empty((len(x), basis.shape[1] + 1), dtype=np.float32)
+    p = out[:, :-1]
+    np.matmul(x, basis.astype(np.float32), out=p)
+    rest = np.einsum("ij,ij->i", x, x) - np.einsum("ij,ij->i", p, p)
+    out[:, -1] = np.sqrt(np.maximum(rest, 0.0) + 1e-5)
+    return out
+
+
 def cluster_candidates(
     members: np.ndarray,
     guests: np.ndarray,
@@ -202,15 +233,39 @@ def cluster_candidates(
     cluster: int,
     centroids: np.ndarray,
     threshold: float,
+    screen: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """One cluster's pairs above the threshold: ((i, j, s) member–member, i < j, positions in ``members``;
     (g, j, s) guest–member, positions in ``guests`` and ``members``), cosines in float64. A guest from
     cluster a meets only the members within the reach of the a|b hyperplane: a pair across it has both
-    ends there."""
-    um, ug = normalize(members), normalize(guests)
+    ends there. With a ``screen`` (the members' and the guests' ``project``) every guest meets every
+    member in the basis's few dimensions instead, by the bound ⟨Px, Py⟩ + |x − Px|·|y − Py| ≥ ⟨x, y⟩, and
+    only the pairs it lets through get their exact cosine (``guests`` is then read at those rows only)."""
+    um = normalize(members)
     mi, mj, ms = _unit_pairs(um, um, threshold, same=True)
     gi_all, gj_all, gs_all = [], [], []
-    if len(guests) and len(members):
+    if screen is not None and len(guests) and len(members):
+        qm, qg = screen
+        for lo in range(0, len(qg), _SCREEN_CHUNK):
+            hi = min(lo + _SCREEN_CHUNK, len(qg))
+            passed = qg[lo:hi] @ qm.T > threshold - _SCREEN
+            some = np.flatnonzero(passed.any(axis=1))  # most guests have no partner at all
+            gi, gj = np.nonzero(passed[some])
+            gi = some[gi] + lo
+            if len(gi) > _SCREEN_PASS * (hi - lo) * len(qm):
+                # the basis misses too much of these rows: the full product costs less than the cosines
+                gi, gj, gs = _unit_pairs(normalize(guests[np.arange(lo, hi)]), um, threshold)
+                gi += lo
+            else:
+                rows, at = np.unique(gi, return_inverse=True)
+                gs = _exact_cosines(normalize(guests[rows]), um, at, gj)  # guests' vectors read lazily
+                above = gs > threshold
+                gi, gj, gs = gi[above], gj[above], gs[above]
+            gi_all.append(gi)
+            gj_all.append(gj)
+            gs_all.append(gs)
+    elif len(guests) and len(members):
+        ug = normalize(guests[np.arange(len(guests))])
         c = np.asarray(centroids, dtype=np.float32)
         srcs, at = np.unique(guest_from, return_inverse=True)
         normal = c[cluster][None, :] - c[srcs]  # (s, d): towards b, one per guests' home cluster
@@ -265,6 +320,12 @@ def _clustered(
     return canon, x, kmeans_centroids(x, max(1, -(-len(uids) // int(cluster_rows))), seed)
 
 
+def screen_sample(n: int, seed: int, rows: int = SCREEN_SAMPLE) -> np.ndarray:
+    """Sorted positions of the rows (of ``n`` in uid order) the screen basis is fitted on."""
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 2]))
+    return np.sort(rng.choice(n, size=min(n, rows), replace=False))
+
+
 def semantic_duplicates(
     uids: np.ndarray,
     vectors: np.ndarray,
@@ -283,8 +344,9 @@ def semantic_duplicates(
     if n == 0:
         return SemanticResult(out, np.zeros(0, np.int64), 0)
     canon, x, centroids = _clustered(uids, vectors, cluster_rows, seed)
+    basis = screen_basis(x[screen_sample(n, seed)])
     primary, g_row, g_cl = assign_with_guests(x, centroids, threshold)
-    i, j, s = candidate_pairs_of(x, primary, g_row, g_cl, centroids, threshold)
+    i, j, s = candidate_pairs_of(x, primary, g_row, g_cl, centroids, threshold, basis=basis)
     order = rank_order(uids[canon], None if priority is None else np.asarray(priority)[canon])
     rank = np.empty(n, dtype=np.int64)
     rank[order] = np.arange(n)
@@ -296,6 +358,19 @@ def semantic_duplicates(
     return SemanticResult(out, cluster, len(centroids), len(g_row))
 
 
+class _Take:
+    """Rows ``idx`` of ``x``, gathered only when indexed (the screen reads few guests' vectors)."""
+
+    def __init__(self, x: np.ndarray, idx: np.ndarray) -> None:
+        self.x, self.idx = x, idx
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+    def __getitem__(self, rows: np.ndarray) -> np.ndarray:
+        return self.x[self.idx[rows]]
+
+
 def candidate_pairs_of(
     x: np.ndarray,
     primary: np.ndarray,
@@ -304,6 +379,7 @@ def candidate_pairs_of(
     centroids: np.ndarray,
     threshold: float,
     clusters: np.ndarray | None = None,
+    basis: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every pair above the threshold among ``x``'s rows found by ``clusters`` (default: all), as row
     positions (i, j) and float64 cosines: members with members, guests with members."""
@@ -315,13 +391,15 @@ def candidate_pairs_of(
     wanted = ids if clusters is None else clusters
     at = dict(zip(ids.tolist(), range(len(ids)), strict=True))
     fi, fj, fs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float64)]
+    proj = project(x, basis)
     for cl in np.asarray(wanted).tolist():
         if cl not in at:
             continue
         rows = members[at[cl]]
         grows = guest_row[guests[g_at[cl]]] if cl in g_at else np.zeros(0, np.int64)
+        screen = None if proj is None else (proj[rows], proj[grows])
         (mi, mj, ms), (gi, gj, gs) = cluster_candidates(
-            x[rows], x[grows], primary[grows], cl, centroids, threshold
+            x[rows], _Take(x, grows), primary[grows], cl, centroids, threshold, screen
         )
         fi += [rows[mi], grows[gi]]
         fj += [rows[mj], rows[gj]]

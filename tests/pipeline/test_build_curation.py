@@ -136,9 +136,10 @@ class _InMemory:
         return self.vectors[idx]
 
 
-@pytest.mark.parametrize("group_rows", [400, 50_000])
-def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatch, group_rows):
-    """The Ray stage on a continuum k-means splits: the exact rule's decisions, however many tasks."""
+@pytest.mark.parametrize(("group_rows", "d"), [(400, 32), (50_000, 160)])
+def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatch, group_rows, d):
+    """The Ray stage on a continuum k-means splits: the exact rule's decisions, however many tasks, with
+    the guests compared in full (32-d) and screened in a basis (160-d)."""
     import numpy as np
 
     from pipeline.config import DedupeConfig
@@ -146,7 +147,7 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatc
     from pipeline.dedup import semantic as SD
     from tests.fixtures.continuum import brute_force_pairs, continuum
 
-    uids, vectors, _ = continuum(3000, 32, seed=9)
+    uids, vectors, _ = continuum(3000, d, seed=9)
     priority = np.random.default_rng(9).random(len(uids))
     monkeypatch.setattr(CS, "_GROUP_ROWS", group_rows)
     rows = np.arange(len(uids))[::-1]  # the stage sees rows in any order

@@ -176,3 +176,61 @@ def test_phash_matches_are_every_cross_pair_within_the_threshold(threshold):
     i, j = EL.phash_matches(pool, ref, threshold)
     want = set(zip(*np.nonzero(hamming(pool[:, None], ref[None, :]) <= threshold), strict=True))
     assert set(zip(i.tolist(), j.tolist(), strict=True)) == want and len(want) > 20
+
+
+def test_guest_screen_bounds_every_cosine_from_above():
+    """The guests' screen (``screen_basis``, ``project``): ⟨Px, Py⟩ + rest·rest is never below the float64
+    cosine, whether the basis holds almost all of the rows (tiny rests) or little of them (isotropic rows)."""
+    rng = np.random.default_rng(4)
+    _, low, _ = continuum(1500, 160, seed=4)  # a 16-d continuum: rests ≈ 0.1
+    wide = SD.normalize(rng.standard_normal((1500, 160)))  # no subspace holds them: rests ≈ 1
+    rests = []
+    for x in (low, wide, np.concatenate([low[:750], wide[:750]])):
+        q = SD.project(x, SD.screen_basis(x[SD.screen_sample(len(x), 0, 500)], 64)).astype(np.float64)
+        exact = x.astype(np.float64) @ x.T.astype(np.float64)
+        assert (q @ q.T >= exact - SD._SCREEN / 10).all()
+        rests.append(np.median(q[:, -1]))
+    assert rests[0] < 0.2 < rests[1]  # the screen is tight on the continuum
+    assert SD.screen_basis(low[:100, :100], 64) is None  # d below 2·dims: the full product is as cheap
+
+
+def test_screened_guests_equal_unscreened_guests():
+    """``cluster_candidates`` finds the same guest–member pairs with and without the screen."""
+    _, vectors, _ = continuum(2500, 160, seed=8)
+    x = SD.normalize(vectors)
+    centroids = SD.kmeans_centroids(x, 12, seed=0)
+    primary, g_row, g_cl = SD.assign_with_guests(x, centroids, 0.9)
+    basis = SD.screen_basis(x[SD.screen_sample(len(x), 0)])
+    plain = SD.candidate_pairs_of(x, primary, g_row, g_cl, centroids, 0.9)
+    screened = SD.candidate_pairs_of(x, primary, g_row, g_cl, centroids, 0.9, basis=basis)
+    assert len(plain[0]) > 500 and (primary[plain[0]] != primary[plain[1]]).sum() > 20
+    a, b = (np.lexsort((p[1], p[0])) for p in (plain, screened))  # the same pairs, found in another order
+    for x, y in zip(plain, screened, strict=True):
+        np.testing.assert_array_equal(x[a], y[b])
+
+
+def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis():
+    """The Ray stage's task bodies without Ray (``curation_stage._fit``, ``_pairs_group``), on the float16
+    rows its map holds, screened in the fitted basis: exactly the brute-force pairs of those rows."""
+    from pipeline.dedup import curation_stage as CS
+
+    _, vectors, _ = continuum(3000, 160, seed=9)
+    x = SD.normalize(vectors).astype(np.float16)
+    sample = np.sort(np.random.default_rng(0).choice(len(x), 2000, replace=False))
+    centroids, basis = CS._fit(x[sample].astype(np.float32), 30, 0)
+    assert basis is not None and basis.shape == (160, 64)
+    primary, g_row, g_cl = SD.assign_with_guests(x, centroids, 0.9)
+    guests = dict(zip(np.unique(g_cl).tolist(), (g_row[m] for m in SD.cluster_members(g_cl)), strict=True))
+    found = []
+    for group in CS._groups(SD.cluster_members(primary)):
+        ids = [int(primary[m[0]]) for m in group]
+        gs = [guests.get(c, np.zeros(0, np.int64)) for c in ids]
+        flat = np.concatenate([v for m, g in zip(group, gs, strict=True) for v in (m, g)])
+        sizes = [(len(m), len(g)) for m, g in zip(group, gs, strict=True)]
+        found.append(CS._pairs_group(x[flat], flat, primary[flat], sizes, ids, centroids, 0.9, basis))
+    i, j, _ = (np.concatenate(c) for c in zip(*found, strict=True))
+    bi, bj, _ = brute_force_pairs(x.astype(np.float32), 0.9)
+    assert len(bi) > 1000 and (primary[bi] != primary[bj]).sum() > 20
+    assert set(zip(np.minimum(i, j).tolist(), np.maximum(i, j).tolist(), strict=True)) == set(
+        zip(bi.tolist(), bj.tolist(), strict=True)
+    )
