@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import typing
 from dataclasses import field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field
 
@@ -19,7 +19,6 @@ from pipeline.common import storage
 from pipeline.common.components import SpecsOf
 from pipeline.common.config import (
     ConfigError,
-    Fraction,
     Names,
     NonNegative,
     NonNegativeFloat,
@@ -53,6 +52,14 @@ SUBSET_KINDS = typing.get_args(SubsetKind)
 
 @config_class
 class TrackConfig:
+    # Knobs that became filter specs (decision 0100): each names its new spelling in a one-line error.
+    removed_keys: ClassVar[dict[str, str]] = {
+        "text_unc_quantile": "filters=csd_uncertainty_aware:text_unc_quantile=…,label=csd_uncertainty",
+        "text_unc_low_quantile": "filters=csd_uncertainty_aware:text_unc_low_quantile=…,label=csd_uncertainty",
+        "ucb_k": "filters=csd_ucb:k=…,label=csd_ucb",
+        "inclusion_quantile": "filters=csd_inclusion:inclusion_quantile=…,label=csd_inclusion",
+    }
+
     output: str = "runs/demo"  # the run directory, local or s3://
     storage: StorageConfig = StorageConfig()  # storage.s3_endpoint; credentials from the environment
     num_cpus: NonNegative = 0  # local Ray: 0 = all cores
@@ -72,21 +79,15 @@ class TrackConfig:
         "csd_uncertainty",
         "random",
     )
-    csd_fraction: OpenFraction = 0.5  # of the scored (successful) pairs; App. C.8 keeps 20% of DataComp
+    # of the scored (successful) pairs: the size every score subset shares; App. C.8 keeps 20% of DataComp
+    csd_fraction: OpenFraction = 0.5
     clip_fraction: OpenFraction = 0.3  # scorer_cosine: the top fraction by our own scorer's cosine
-    # csd_uncertainty: captions above this Σσ²_t quantile go first (1 = none)
-    text_unc_quantile: OpenFraction = 0.9
-    # … and those below this one (0 = none; docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md)
-    text_unc_low_quantile: Fraction = 0.0
     random_of: str = "csd"  # the random control matches this subset's size
     # More subsets chosen on the scorer's scores (or the pool's embeddings), as filter specs
     # (pipeline/filters/specs.py, e.g. csd_ucb:k=2,label=ucb2): one model each where subsets names its label.
+    # A spec labelled like a built-in subset (csd_uncertainty_aware:text_unc_quantile=1,label=csd_uncertainty)
+    # replaces it, at that subset's size unless it gives fraction; the built-ins take their filters' defaults.
     filters: Annotated[Names, SpecsOf(Filter)] = field(default_factory=list)
-    # csd_ucb: CSD + ucb_k standard deviations of ‖z_v − z_t‖²; csd_inclusion: the inclusion_quantile of
-    # pairs least included in their caption go first; csd_posterior: csd_fraction entries drawn by the
-    # scorer's match posterior (its trained logit scale and bias). All at csd_fraction.
-    ucb_k: NonNegativeFloat = 1.0  # csd_ucb's standard deviations of ‖z_v − z_t‖² added to CSD
-    inclusion_quantile: Annotated[float, Field(ge=0, lt=1)] = 0.1  # csd_inclusion's dropped share
     # neg_clip_loss, norm_sim: the build's embeddings (DataComp's .npz beside its metadata, or the demo
     # pool's stand-in ones) and NormSim's target distribution; empty = the demo pool's
     embeddings: str = ""  # the build's image embeddings; empty = the demo pool's stand-in ones
@@ -140,11 +141,6 @@ class TrackConfig:
             repeated = sorted({v for v in values if values.count(v) > 1}, key=values.index)
             if repeated:
                 raise ConfigError(f"{name}: repeated {repeated} (each may appear once)")
-        if not self.text_unc_low_quantile < self.text_unc_quantile:
-            raise ConfigError(
-                f"text_unc_low_quantile must be in [0, text_unc_quantile={self.text_unc_quantile}), "
-                f"got {self.text_unc_low_quantile}"
-            )
         self._check_subset_names()
         built = [
             spec.label for spec in parse_filter_specs(list(self.build.filters.names), "build.filters.names")
@@ -166,6 +162,11 @@ class TrackConfig:
         """Each subset is a kind of the track, or the label of a build subset or of a spec in ``filters``."""
         built = parse_filter_specs(list(self.build.filters.names), "build.filters.names")
         extra = parse_filter_specs(self.filters, "filters", known=SUBSET_KINDS) if self.filters else []
+        for i, spec in enumerate(extra):
+            try:
+                _ = spec.filters  # building each filter runs its own cross-field rules, at start
+            except ConfigError as exc:
+                raise ConfigError(f"filters[{i}]: {exc}") from None
         labels = {*SUBSET_KINDS, *(s.label for s in built), *(s.label for s in extra)}
         unknown = [s for s in self.subsets if s not in labels]
         if unknown:

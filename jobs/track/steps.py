@@ -137,29 +137,44 @@ def logit_scalars(checkpoint: str, store: Storage) -> tuple[float, float]:
 
 
 def subset_specs(cfg: TrackConfig, scalars: tuple[float, float] = (10.0, -10.0)) -> list[str]:
-    """The track's score-filter subsets as ``pipeline.filters.specs`` specs, labelled by subset kind; the random
-    control is the library's ``of=`` control, sized like ``cfg.random_of`` and seeded by the first seed;
+    """The track's score-filter subsets as ``pipeline.filters.specs`` specs, labelled by subset kind, each
+    from its filter object (the class's defaults at the track's shared size); the random control is the
+    library's ``of=`` control, sized like ``cfg.random_of`` and seeded by the first seed; a spec of
+    ``cfg.filters`` labelled like a built-in replaces it, at its size unless it gives ``fraction``;
     ``scalars``: the scorer's logit scale and bias (``logit_scalars``)."""
+    from pipeline.filters import registry as R
+    from pipeline.filters.specs import parse_filter_specs
+
     p = paths(cfg)
-    f = cfg.csd_fraction
-    curation = {
-        "csd_ucb": f"csd_ucb:fraction={f},k={cfg.ucb_k}",
-        "csd_inclusion": f"csd_inclusion:fraction={f},inclusion_quantile={cfg.inclusion_quantile}",
-        "csd_posterior": f"csd_posterior:fraction={f},scale={scalars[0]},bias={scalars[1]},seed={cfg.seeds[0]}",
-        "neg_clip_loss": f"neg_clip_loss:fraction={f},embeddings_file={p['embeddings']}",
-        "norm_sim": f"norm_sim:fraction={f},embeddings_file={p['embeddings']},target_file={p['norm_sim_target']}",
+    f, seed = cfg.csd_fraction, cfg.seeds[0]
+    filters = {  # keys: _SCORE_SUBSETS
+        "csd": R.CsdBest(fraction=f),
+        "csd_uncertainty": R.CsdUncertaintyAware(fraction=f),
+        "csd_ucb": R.CsdUcb(fraction=f),
+        "csd_inclusion": R.CsdInclusion(fraction=f),
+        "csd_posterior": R.CsdPosterior(fraction=f, scale=scalars[0], bias=scalars[1], seed=seed),
+        "neg_clip_loss": R.NegClipLoss(fraction=f, embeddings_file=p["embeddings"]),
+        "norm_sim": R.NormSim(fraction=f, embeddings_file=p["embeddings"], target_file=p["norm_sim_target"]),
+        "scorer_cosine": R.ClipScoreBest(fraction=cfg.clip_fraction),
+        "random": R.RandomSameSize(seed=seed),
     }
-    specs = {  # keys: _SCORE_SUBSETS
-        **curation,
-        "csd": f"csd_best:fraction={cfg.csd_fraction}",
-        "csd_uncertainty": (
-            f"csd_uncertainty_aware:fraction={cfg.csd_fraction},text_unc_quantile={cfg.text_unc_quantile},"
-            f"text_unc_low_quantile={cfg.text_unc_low_quantile}"
-        ),
-        "scorer_cosine": f"clip_score_best:fraction={cfg.clip_fraction}",
-        "random": f"random_same_size:of={cfg.random_of},seed={cfg.seeds[0]}",
-    }
-    return [f"{specs[name]},label={name}" for name in cfg.subsets if name in specs] + [*cfg.filters]
+    given = parse_filter_specs(cfg.filters, "filters", known=cfg.subsets) if cfg.filters else []
+    variants = []
+    for spec in given:  # a variant of a built-in subset keeps that subset's size unless it says otherwise
+        size = getattr(filters.get(spec.label), "fraction", None)
+        same_size = (
+            size is not None and len(spec.parts) == 1 and "fraction" in R.FILTERS[spec.name].defaults()
+        )
+        variants.append(
+            spec.text + (f",fraction={size}" if same_size and "fraction" not in spec.params else "")
+        )
+    replaced = {spec.label for spec in given}
+    built_in = []
+    for name in (n for n in cfg.subsets if n in filters and n not in replaced):
+        text = filters[name].spec()
+        keys = (f"of={cfg.random_of}," if name == "random" else "") + f"label={name}"
+        built_in.append(text + ("," if ":" in text else ":") + keys)
+    return built_in + variants
 
 
 def make_subsets(

@@ -168,11 +168,15 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def moved(cls: type, data: Any) -> Any:
     """``data`` (values for config class ``cls``) with every ``MOVED_KEYS`` flat key, at any depth, moved
-    into its sub-config; a flat key and its new spelling with different values is an error."""
+    into its sub-config; a flat key and its new spelling with different values is an error, and so is a
+    key of ``cls.removed_keys`` (it names the new spelling)."""
     if not isinstance(data, Mapping) or not dataclasses.is_dataclass(cls):
         return data
     hints = _hints(cls)
     out = dict(data)
+    for old, spelling in getattr(cls, "removed_keys", {}).items():
+        if old in out:  # a knob that became part of another setting: say which
+            raise ConfigError(f"{old} is no longer a key; set {spelling}")
     for old, (home, key) in MOVED_KEYS.items():
         if old in out and old not in hints and home in hints:
             value, sub = out.pop(old), out.get(home)

@@ -21,6 +21,7 @@ from pydantic import Field
 from pipeline import schema as S
 from pipeline.common.components import Component
 from pipeline.common.config import (
+    ConfigError,
     Finite,
     Fraction,
     NonNegativeFloat,
@@ -331,9 +332,16 @@ class CsdUncertaintyAware(_OnScores):
     fraction: OpenFraction = CsdBest.fraction  # the share kept
     # captions above this Σσ²_t quantile go first (1 = none)
     text_unc_quantile: OpenFraction = 0.9
-    # … and those below this one (0 = none; below text_unc_quantile, checked by the rule;
-    # docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md)
+    # … and those below this one (0 = none; docs/decisions/0010-demo-csd-fraction-and-uncertainty-rule.md)
     text_unc_low_quantile: Fraction = 0.0
+
+    def __post_init__(self) -> None:
+        """The two tails must leave captions between them."""
+        if not self.text_unc_low_quantile < self.text_unc_quantile:
+            raise ConfigError(
+                f"text_unc_low_quantile must be in [0, text_unc_quantile={self.text_unc_quantile}), "
+                f"got {self.text_unc_low_quantile}"
+            )
 
 
 @config_class

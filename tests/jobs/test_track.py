@@ -12,6 +12,7 @@ from jobs.track.config import TRACK_PRESETS, TrackConfig
 from jobs.track.report import markdown_table
 from jobs.track.results import comparison_table, verdict
 from pipeline.common.config import ConfigError, merge, resolve
+from pipeline.filters.registry import CsdUncertaintyAware
 
 
 def test_unknown_subset_is_named():
@@ -46,13 +47,41 @@ def test_random_control_needs_its_reference():
 
 
 def test_uncertainty_tails_must_leave_captions_between_them():
-    for low, high in ((0.9, 0.9), (-0.1, 0.9), (0.5, 0.4)):
-        with pytest.raises(ConfigError, match="text_unc_low_quantile"):
-            merge(TrackConfig(), {"text_unc_low_quantile": low, "text_unc_quantile": high})
-    assert (
-        merge(TrackConfig(), {"text_unc_low_quantile": 0.1, "text_unc_quantile": 1.0}).text_unc_quantile
-        == 1.0
-    )
+    for low, high in ((0.9, 0.9), (0.5, 0.4)):
+        spec = f"csd_uncertainty_aware:text_unc_quantile={high},text_unc_low_quantile={low},label=csd_uncertainty"
+        with pytest.raises(ConfigError, match=r"filters\[0\]: .*text_unc_low_quantile"):
+            merge(TrackConfig(), {"filters": spec})
+    with pytest.raises(ConfigError, match="text_unc_low_quantile"):
+        merge(TrackConfig(), {"filters": "csd_uncertainty_aware:text_unc_low_quantile=-0.1,label=x"})
+
+
+def test_a_variant_replaces_its_built_in_subset_at_the_shared_size():
+    from jobs.track.steps import subset_specs
+    from pipeline.filters.specs import parse_filter_specs
+
+    spec = "csd_uncertainty_aware:text_unc_quantile=1,text_unc_low_quantile=0.1,label=csd_uncertainty"
+    cfg = merge(TrackConfig(), {"csd_fraction": 0.4, "filters": spec})  # the text a --set line gives
+    specs = parse_filter_specs(subset_specs(cfg), "subsets", known=["no_filter", "basic"])
+    assert [s.label for s in specs].count("csd_uncertainty") == 1
+    (variant,) = [s for s in specs if s.label == "csd_uncertainty"]
+    assert variant.filters == [
+        CsdUncertaintyAware(fraction=0.4, text_unc_quantile=1.0, text_unc_low_quantile=0.1)
+    ]
+    given = merge(cfg, {"filters": spec + ",fraction=0.2"})  # a fraction it gives wins
+    assert [
+        s.params["fraction"] for s in parse_filter_specs(subset_specs(given)) if s.label == "csd_uncertainty"
+    ] == [0.2]
+
+
+def test_the_removed_knobs_name_their_filter_spelling():
+    for key, value, spelling in (
+        ("text_unc_quantile", 1.0, "filters=csd_uncertainty_aware:text_unc_quantile="),
+        ("text_unc_low_quantile", 0.1, "filters=csd_uncertainty_aware:text_unc_low_quantile="),
+        ("ucb_k", 2.0, "filters=csd_ucb:k="),
+        ("inclusion_quantile", 0.2, "filters=csd_inclusion:inclusion_quantile="),
+    ):
+        with pytest.raises(ConfigError, match=f"{key} is no longer a key; set {spelling}"):
+            merge(TrackConfig(), {key: value})
 
 
 def test_csd_needs_a_prolip_scorer():
@@ -318,7 +347,7 @@ def test_track_subsets_are_filter_specs_with_the_library_random_control():
         ("random", "random_same_size"),
     ]
     assert specs[0].params == {"fraction": 0.5}
-    assert specs[1].params == {"fraction": 0.5, "text_unc_quantile": 0.9, "text_unc_low_quantile": 0.0}
+    assert specs[1].filters == [CsdUncertaintyAware(fraction=0.5)]  # the class's own defaults
     assert specs[-1].of == "basic" and specs[-1].params == {"seed": 3}
 
 

@@ -12,6 +12,7 @@ from jobs.track.config import TRACK_PRESETS, TrackConfig
 from jobs.track.seeds import summarise
 from jobs.track.steps import subset_specs
 from pipeline.common.config import ConfigError, merge
+from pipeline.filters.registry import CsdPosterior, CsdUcb
 from pipeline.filters.specs import parse_filter_specs
 
 _NEW = ["csd", "scorer_cosine", "csd_ucb", "csd_inclusion", "csd_posterior", "neg_clip_loss", "norm_sim"]
@@ -22,10 +23,10 @@ def test_every_new_kind_becomes_a_spec_of_the_one_registry():
     specs = parse_filter_specs(subset_specs(cfg, (12.5, -3.25)), "subsets")
     by_label = {s.label: s for s in specs}
     assert list(by_label) == _NEW
-    assert by_label["csd_posterior"].params == {"fraction": 0.5, "scale": 12.5, "bias": -3.25, "seed": 0}
+    assert by_label["csd_posterior"].filters == [CsdPosterior(fraction=0.5, scale=12.5, bias=-3.25, seed=0)]
     assert by_label["neg_clip_loss"].params["embeddings_file"] == "runs/x/pool/embeddings.npz"
     assert by_label["norm_sim"].params["target_file"] == "runs/x/pool/target_embeddings.npy"
-    assert by_label["csd_ucb"].params == {"fraction": 0.5, "k": 1.0}
+    assert by_label["csd_ucb"].filters == [CsdUcb(fraction=0.5)]
 
 
 def test_the_selection_preset_compares_at_equal_size():
@@ -33,7 +34,7 @@ def test_the_selection_preset_compares_at_equal_size():
     assert cfg.clip_fraction == cfg.csd_fraction and {"csd", "scorer_cosine"} <= set(cfg.subsets)
     assert cfg.build.dedupe.semantic and cfg.build.decontam.reference == "demo"
     with pytest.raises(ConfigError, match="inclusion_quantile"):
-        merge(cfg, {"inclusion_quantile": 1.0})
+        merge(cfg, {"filters": "csd_inclusion:inclusion_quantile=1.0,label=csd_inclusion"})
 
 
 def _evals(averages: dict[str, float]) -> dict:
