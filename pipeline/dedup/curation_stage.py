@@ -260,11 +260,13 @@ def semantic_stage(
     canon_idx = np.argsort(np.asarray(uids).astype(str), kind="stable")
     names = np.asarray(uids).astype(str)[canon_idx]
     canon = ray.put(pa.array(names.tolist(), pa.string()))
-    n, sample = _sample(sources, key, canon, len(uids), cfg, store)
+    n, got, sample = _sample(sources, key, canon, len(uids), cfg, store)
     if n < 2:
         return target, min(n, 1), n
     k = max(1, -(-n // cfg.semantic_cluster_rows))
     m = min(n, 256 * k, _FIT_ROWS)
+    if got < m // 2:  # the files held far fewer rows than named: draw again at the rate the count asks for
+        n, got, sample = _sample(sources, key, canon, n, cfg, store)
     fit = ray.remote(num_cpus=1)(_fit_files).remote(m, k, cfg.semantic_seed, *sample)
     centroids, basis = ray.get(fit)
     own = scratch is None
@@ -286,10 +288,10 @@ def semantic_stage(
 
 def _sample(
     sources: Sequence[str], key: str, canon: object, n_up: int, cfg: DedupeConfig, store: Storage
-) -> tuple[int, list]:
+) -> tuple[int, int, list]:
     """One task per file: its rows counted, and the fit's sample drawn by uid hash at the rate the row
     count before the files were read asks for (an upper bound: ``_fit_files`` trims it) → (rows the files
-    hold, the samples' object refs, left on the workers)."""
+    hold, rows sampled, the samples' object refs, left on the workers)."""
     import ray
 
     k_up = max(1, -(-n_up // cfg.semantic_cluster_rows))
@@ -297,7 +299,8 @@ def _sample(
     cut = 1 << 64 if m_up >= n_up else min(int(m_up / n_up * float(1 << 64)), (1 << 64) - 1)
     task = ray.remote(num_cpus=1, num_returns=2)(SF.sample_file)
     outs = [task.remote(src, key, canon, cut, cfg.semantic_seed, store) for src in sources]
-    return sum(ray.get([o[0] for o in outs])), [o[1] for o in outs]
+    counts = np.array(ray.get([o[0] for o in outs]), np.int64).reshape(-1, 2)
+    return int(counts[:, 0].sum()), int(counts[:, 1].sum()), [o[1] for o in outs]
 
 
 def _pairs(

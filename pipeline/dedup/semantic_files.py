@@ -48,9 +48,9 @@ def sample_hash(canon: pa.Array, at: np.ndarray, seed: int) -> np.ndarray:
 
 def sample_file(
     src: str, key: str, canon: pa.Array, cut: int, seed: int, store: Storage
-) -> tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """→ the number of ``canon``'s rows the file holds, and its sampled rows: (uid hash, position,
-    float16 vector) of those whose hash is below ``cut``."""
+) -> tuple[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """→ (the number of ``canon``'s rows the file holds, how many it sampled), and its sampled rows: (uid
+    hash, position, float16 vector) of those whose hash is below ``cut``."""
     n, hs, ps, vs = 0, [np.zeros(0, np.uint64)], [np.zeros(0, np.int64)], []
     for at, vec in rows_of(src, key, canon, store):
         n += len(at)
@@ -59,11 +59,12 @@ def sample_file(
         hs.append(h[take])
         ps.append(at[take])
         vs.append(vec[take].astype(np.float16))
-    return n, (
+    sample = (
         np.concatenate(hs),
         np.concatenate(ps),
         np.concatenate(vs) if vs else np.zeros((0, 0), np.float16),
     )
+    return (n, len(sample[0])), sample
 
 
 def fit_sample(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], m: int) -> np.ndarray:
