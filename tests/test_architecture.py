@@ -47,8 +47,9 @@ LAYER_RULES: tuple[tuple[str, str, Callable[[str], bool]], ...] = (
      lambda dep: dep.startswith("pipeline.common")),
     ("pipeline.filters", "filters never import download, shards, ingest or the build's stages",
      lambda dep: not dep.startswith(_DATA_STAGES)),
-    ("pipeline.dedup", "dedup never imports download, shards, ingest or the build's stages",
-     lambda dep: not dep.startswith(_DATA_STAGES)),
+    ("pipeline.dedup", "dedup never imports download, shards, ingest or the build's stages (their bucket "
+     "files excepted: the curation stage shuffles by cluster as the stages do by uid, decision 0097)",
+     lambda dep: not dep.startswith(_DATA_STAGES) or dep == "pipeline.stages.buckets"),
     ("pipeline.source", "the row source never imports download, shards, ingest or the build's stages",
      lambda dep: not dep.startswith(_DATA_STAGES)),
     ("pipeline.shards", "shards never import download, filters, subsets, source or ingest",

@@ -9,20 +9,20 @@ rows still ``success``, and relabels some of them, so every input row keeps exac
    a duplicate becomes ``semantic_duplicate`` and names the uid it duplicates in ``duplicate_of``.
 
 The image embeddings are DataComp's precomputed ones (``l14_img`` in the ``.npz`` beside each metadata
-parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer). The
-driver copies the downloaded rows' vectors into a float16 memory map on local disk, one metadata file at
-a time; a task fits k-means and the guests' screen basis on a bounded sample (``_FIT_ROWS``), and the
-rows are assigned in blocks, each row to its nearest cluster and as a guest to the clusters whose border
-it is near (``semantic.assign_with_guests``); then the clusters go to Ray tasks in groups of about
-``_GROUP_ROWS`` member rows with their guests, a few groups in flight at once; the tasks return the pairs
-above the threshold (guests screened in the basis: docs/decisions/0096), and the greedy rule runs over
-their union (docs/decisions/0087-exact-semantic-dedup.md). Neither the stage nor a task holds more than a
-group's vectors in memory (the map's pages come and go with the disk cache); the stage holds the pairs.
+parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer), read in
+place, a block at a time, by one task per file (``semantic_files``; docs/decisions/0097): the embedding
+half of decontamination; a count and the k-means sample, drawn by uid hash (at most ``_FIT_ROWS`` rows),
+that one task fits k-means and the guests' screen basis on; then the assignment of each row to its nearest
+cluster and as a guest to the clusters whose border it is near (``semantic.assign_with_guests``), written
+to bucket files by cluster group (``_GROUP_ROWS`` rows as k-means is asked for them), on ``scratch``.
+One task per group reads its bucket and returns the pairs above the threshold (guests screened in the
+basis: docs/decisions/0096); the greedy rule runs over their union (docs/decisions/0087). Ray schedules
+every task; the stage holds the uids, the centroids and the pairs, never a vector of the pool.
 """
 
 from __future__ import annotations
 
-import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,10 +37,9 @@ from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig, DedupeConfig
 from pipeline.dedup import eval_leaks as EL
 from pipeline.dedup import semantic as SD
-from pipeline.filters import embedding as E
+from pipeline.dedup import semantic_files as SF
 
-_GROUP_ROWS = 50_000  # rows of one task's clusters
-_IN_FLIGHT = 4  # tasks submitted ahead of the results
+_GROUP_ROWS = 50_000  # rows of one task's clusters, as k-means is asked for them
 _FIT_ROWS = 1 << 21  # k-means and the screen's basis see at most this many rows (a sampled fit)
 
 
@@ -79,39 +78,6 @@ def load_reference(path: str, store: Storage) -> EL.EvalReference:
         t.column("phash").to_numpy().astype(np.int64),
         vectors,
     )
-
-
-class _Vectors:
-    """The downloaded rows' image embeddings in a float16 memory map, rows in ``uids`` order; ``have``
-    marks the rows the embeddings files cover."""
-
-    def __init__(self, uids: np.ndarray, sources: Sequence[str], key: str, store: Storage) -> None:
-        self.dir = tempfile.mkdtemp(prefix="prolip-semdedup-")
-        self.uids = uids
-        self.have = np.zeros(len(uids), dtype=bool)
-        self.map: np.ndarray | None = None
-        at = pa.array(uids.tolist(), pa.string())
-        for src in sources:
-            got, arrays = E.load_embedding_set(src, (key,), store)
-            vec = arrays[key]
-            if self.map is None and len(vec):
-                path = os.path.join(self.dir, "vectors.f16")
-                self.map = np.memmap(path, dtype=np.float16, mode="w+", shape=(len(uids), vec.shape[1]))
-            pos = pc.index_in(pa.array(got, pa.string()), value_set=at).to_numpy(zero_copy_only=False)
-            found = ~np.isnan(pos.astype(np.float64))
-            rows = pos[found].astype(np.int64)
-            if len(rows):
-                self.map[rows] = SD.normalize(vec[found]).astype(np.float16)
-                self.have[rows] = True
-
-    def rows(self, idx: np.ndarray) -> np.ndarray:
-        return np.asarray(self.map[idx], dtype=np.float32)
-
-    def close(self) -> None:
-        self.map = None
-        import shutil
-
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _embedding_sources(cfg: BuildConfig, metadata_files: Sequence[str], store: Storage) -> list[str]:
@@ -184,9 +150,11 @@ def curate(
     priority: Callable[[np.ndarray], np.ndarray | None],
     store: Storage,
     log: Callable[[str], None],
+    scratch: str | None = None,
 ) -> CurationResult:
     """Relabel the ``success`` rows of ``parts`` (module docstring). ``priority(uids)``: the score that
-    decides which copy of a semantic group stays (larger first), or None for uid order."""
+    decides which copy of a semantic group stays (larger first), or None for uid order. ``scratch``: a
+    directory every host reaches for the clusters' bucket files (a local temporary one when None)."""
     status = status.cast(pa.string())
     dup_of = np.full(len(status), None, dtype=object)
     leak_of = np.full(len(status), None, dtype=object)
@@ -203,37 +171,36 @@ def curate(
     uids = np.asarray(parts.column(S.UID).combine_chunks().take(taken).to_pylist(), dtype=object)
     labels = np.asarray(status.to_pylist(), dtype=object)
     ref = load_reference(reference_path(cfg), store) if want_leaks else None
-    vectors = None
+    sources: list[str] = []
     if want_semantic or (ref is not None and ref.vectors is not None):
         sources = _embedding_sources(cfg, metadata_files, store)
-        vectors = _Vectors(uids.astype(str), sources, cfg.dedupe.embedding_key, store)
-    try:
-        alive = np.ones(len(ok), dtype=bool)
-        if want_leaks:
-            task, key = _leaks(cfg, ref, parts.column(S.PHASH).combine_chunks().take(taken), vectors)
-            leaked = task != ""
-            labels[ok[leaked]] = [S.eval_leak(t) for t in task[leaked]]
-            leak_of[ok[leaked]] = [f"{t}/{k}" for t, k in zip(task[leaked], key[leaked], strict=True)]
-            alive &= ~leaked
-            tasks, counts = np.unique(task[leaked].astype(str), return_counts=True)
-            result.leaks_by_task = {str(t): int(c) for t, c in zip(tasks, counts, strict=True)}
-            log(
-                f"decontamination: {int(leaked.sum())} of {len(ok)} downloaded rows leak an eval picture {result.leaks_by_task}"
-            )
-        if want_semantic:
-            rows = np.flatnonzero(alive & vectors.have)
-            target, n_clusters = semantic_stage(vectors, rows, priority(uids[rows].astype(str)), cfg.dedupe)
-            hit = target >= 0
-            labels[ok[rows[hit]]] = S.STATUS_SEMANTIC_DUPLICATE
-            dup_of[ok[rows[hit]]] = uids[rows[target[hit]]]
-            result.n_semantic, result.n_clusters = int(hit.sum()), n_clusters
-            log(
-                f"semantic dedup: {result.n_semantic} of {len(rows)} downloaded images duplicate another "
-                f"({n_clusters} clusters, cosine > {cfg.dedupe.semantic_threshold:g})"
-            )
-    finally:
-        if vectors is not None:
-            vectors.close()
+    alive = np.ones(len(ok), dtype=bool)
+    if want_leaks:
+        phash = parts.column(S.PHASH).combine_chunks().take(taken)
+        task, key = _leaks(cfg, ref, phash, uids.astype(str), sources, store)
+        leaked = task != ""
+        labels[ok[leaked]] = [S.eval_leak(t) for t in task[leaked]]
+        leak_of[ok[leaked]] = [f"{t}/{k}" for t, k in zip(task[leaked], key[leaked], strict=True)]
+        alive &= ~leaked
+        tasks, counts = np.unique(task[leaked].astype(str), return_counts=True)
+        result.leaks_by_task = {str(t): int(c) for t, c in zip(tasks, counts, strict=True)}
+        log(
+            f"decontamination: {int(leaked.sum())} of {len(ok)} downloaded rows leak an eval picture {result.leaks_by_task}"
+        )
+    if want_semantic:
+        rows = np.flatnonzero(alive)
+        found = uids[rows].astype(str)
+        target, n_clusters, n = semantic_stage(
+            sources, cfg.dedupe.embedding_key, found, priority(found), cfg.dedupe, store, scratch
+        )
+        hit = target >= 0
+        labels[ok[rows[hit]]] = S.STATUS_SEMANTIC_DUPLICATE
+        dup_of[ok[rows[hit]]] = uids[rows[target[hit]]]
+        result.n_semantic, result.n_clusters = int(hit.sum()), n_clusters
+        log(
+            f"semantic dedup: {result.n_semantic} of {n} downloaded images duplicate another "
+            f"({n_clusters} clusters, cosine > {cfg.dedupe.semantic_threshold:g})"
+        )
     result.status = pa.array(labels.tolist(), pa.string())
     result.duplicate_of = pa.array(dup_of.tolist(), pa.string())
     result.leak_of = pa.array(leak_of.tolist(), pa.string())
@@ -241,10 +208,16 @@ def curate(
 
 
 def _leaks(
-    cfg: BuildConfig, ref: EL.EvalReference, phash: pa.Array, vectors: _Vectors | None
+    cfg: BuildConfig,
+    ref: EL.EvalReference,
+    phash: pa.Array,
+    uids: np.ndarray,
+    sources: Sequence[str],
+    store: Storage,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per downloaded row the task and key of the eval picture it leaks ("" for none). Rows without a
-    pHash are matched by embedding only; rows without an embedding by pHash only."""
+    """Per downloaded row the task and key of the eval picture it leaks ("" for none): by pHash here, then
+    by embedding in one task per embeddings file for the rows still clean. Rows without a pHash are
+    matched by embedding only; rows without an embedding by pHash only."""
     d = cfg.decontam
     task = np.full(len(phash), "", dtype=object)
     key = np.full(len(phash), "", dtype=object)
@@ -254,121 +227,120 @@ def _leaks(
         task[hashed], key[hashed] = EL.eval_leaks(
             h[hashed], None, ref, d.phash_threshold, d.embedding_threshold
         )
-    if vectors is not None and vectors.have.any() and ref.vectors is not None:
-        rows = np.flatnonzero(vectors.have & (task == ""))
-        for a in range(0, len(rows), 1 << 16):
-            block = rows[a : a + (1 << 16)]
-            task[block], key[block] = EL.eval_leaks(
-                None, vectors.rows(block), ref, d.phash_threshold, d.embedding_threshold
-            )
+    rest = np.flatnonzero(task == "")
+    if ref.vectors is None or not sources or not len(rest):
+        return task, key
+    import ray
+
+    leak_task = ray.remote(num_cpus=1)(SF.leak_file)
+    canon, ref_ref = ray.put(pa.array(uids[rest].tolist(), pa.string())), ray.put(ref)
+    emb_key = cfg.dedupe.embedding_key
+    found = [leak_task.remote(s, emb_key, canon, ref_ref, d.embedding_threshold, store) for s in sources]
+    for at, t, k in ray.get(found):  # in file order: a uid two files hold takes the later file's answer
+        task[rest[at]], key[rest[at]] = t, k
     return task, key
 
 
 def semantic_stage(
-    vectors: _Vectors, rows: np.ndarray, priority: np.ndarray | None, cfg: DedupeConfig
-) -> tuple[np.ndarray, int]:
-    """SemDeDup of ``rows`` of ``vectors`` with the clusters on Ray tasks: per row the index (into
-    ``rows``) of the kept row it duplicates, −1 for a kept row; and the number of clusters."""
-    n = len(rows)
-    target = np.full(n, -1, dtype=np.int64)
-    if n < 2:
-        return target, min(n, 1)
-    # k-means sees the rows in uid order, so the parts' row order never moves a decision
-    canon = np.argsort(vectors.uids[rows], kind="stable")
-    sorted_target, n_clusters = _semantic_sorted(
-        vectors, rows[canon], None if priority is None else priority[canon], cfg
-    )
-    hit = sorted_target >= 0
-    target[canon[hit]] = canon[sorted_target[hit]]
-    return target, n_clusters
-
-
-def _semantic_sorted(
-    vectors: _Vectors, rows: np.ndarray, priority: np.ndarray | None, cfg: DedupeConfig
-) -> tuple[np.ndarray, int]:
+    sources: Sequence[str],
+    key: str,
+    uids: np.ndarray,
+    priority: np.ndarray | None,
+    cfg: DedupeConfig,
+    store: Storage,
+    scratch: str | None = None,
+) -> tuple[np.ndarray, int, int]:
+    """SemDeDup of the rows ``uids`` names, their vectors read from ``sources`` by tasks: per row the index
+    (into ``uids``) of the kept row it duplicates, −1 for a kept row (or one no file holds); the number of
+    clusters; the number of rows the files hold."""
     import ray
 
-    n = len(rows)
-    t = cfg.semantic_threshold
+    target = np.full(len(uids), -1, dtype=np.int64)
+    # rows are named by their place in uid order, so the parts' row order never moves a decision
+    canon_idx = np.argsort(np.asarray(uids).astype(str), kind="stable")
+    names = np.asarray(uids).astype(str)[canon_idx]
+    canon = ray.put(pa.array(names.tolist(), pa.string()))
+    n, got, sample = _sample(sources, key, canon, len(uids), cfg, store)
+    if n < 2:
+        return target, min(n, 1), n
     k = max(1, -(-n // cfg.semantic_cluster_rows))
-    rng = np.random.default_rng(np.random.SeedSequence([cfg.semantic_seed, 1]))
-    sample = np.sort(rng.choice(n, size=min(n, 256 * k, _FIT_ROWS), replace=False))
-    fit = ray.remote(num_cpus=1)(_fit).remote(vectors.rows(rows[sample]), k, cfg.semantic_seed)
+    m = min(n, 256 * k, _FIT_ROWS)
+    if got < m // 2:  # the files held far fewer rows than named: draw again at the rate the count asks for
+        n, got, sample = _sample(sources, key, canon, n, cfg, store)
+    fit = ray.remote(num_cpus=1)(_fit_files).remote(m, k, cfg.semantic_seed, *sample)
     centroids, basis = ray.get(fit)
-    primary, g_row, g_cl = [], [], []
-    for a in range(0, n, 1 << 16):
-        p, gr, gc = SD.assign_with_guests(vectors.rows(rows[a : a + (1 << 16)]), centroids, t)
-        primary.append(p)
-        g_row.append(gr + a)
-        g_cl.append(gc)
-    primary, g_row, g_cl = np.concatenate(primary), np.concatenate(g_row), np.concatenate(g_cl)
-    guests = dict(zip(np.unique(g_cl).tolist(), (g_row[m] for m in SD.cluster_members(g_cl)), strict=True))
-    pairs_task = ray.remote(num_cpus=1)(_pairs_group)
-    cref = ray.put(centroids)
-    pending: list = []
-    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for group in _groups(SD.cluster_members(primary)):
-        ids = [int(primary[m[0]]) for m in group]
-        gs = [guests.get(c, np.zeros(0, np.int64)) for c in ids]
-        flat = np.concatenate([x for m, g in zip(group, gs, strict=True) for x in (m, g)])
-        sizes = [(len(m), len(g)) for m, g in zip(group, gs, strict=True)]
-        pending.append(
-            pairs_task.remote(vectors.rows(rows[flat]), flat, primary[flat], sizes, ids, cref, t, basis)
-        )
-        while len(pending) > _IN_FLIGHT:
-            done, pending = ray.wait(pending, num_returns=1)
-            found.append(ray.get(done[0]))
-    found += [ray.get(ref) for ref in pending]
-    i, j, s = (np.concatenate(c) for c in zip(*found, strict=True)) if found else (np.zeros(0, np.int64),) * 3
-    order = SD.rank_order(vectors.uids[rows], priority)
-    rank = np.empty(n, dtype=np.int64)
-    rank[order] = np.arange(n)
-    return SD.greedy_duplicates(rank, i, j, s.astype(np.float64)), len(centroids)
+    own = scratch is None
+    root = tempfile.mkdtemp(prefix="prolip-semdedup-") if own else scratch
+    try:
+        i, j, s = _pairs(sources, key, canon, centroids, basis, cfg, root, store)
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    rank = np.empty(len(names), dtype=np.int64)
+    rank[SD.rank_order(names, None if priority is None else np.asarray(priority)[canon_idx])] = np.arange(
+        len(names)
+    )
+    sorted_target = SD.greedy_duplicates(rank, i, j, s.astype(np.float64))
+    hit = sorted_target >= 0
+    target[canon_idx[hit]] = canon_idx[sorted_target[hit]]
+    return target, len(centroids), n
+
+
+def _sample(
+    sources: Sequence[str], key: str, canon: object, n_up: int, cfg: DedupeConfig, store: Storage
+) -> tuple[int, int, list]:
+    """One task per file: its rows counted, and the fit's sample drawn by uid hash at the rate the row
+    count before the files were read asks for (an upper bound: ``_fit_files`` trims it) → (rows the files
+    hold, rows sampled, the samples' object refs, left on the workers)."""
+    import ray
+
+    k_up = max(1, -(-n_up // cfg.semantic_cluster_rows))
+    m_up = min(n_up, 256 * k_up, _FIT_ROWS)
+    cut = 1 << 64 if m_up >= n_up else min(int(m_up / n_up * float(1 << 64)), (1 << 64) - 1)
+    task = ray.remote(num_cpus=1, num_returns=2)(SF.sample_file)
+    outs = [task.remote(src, key, canon, cut, cfg.semantic_seed, store) for src in sources]
+    counts = np.array(ray.get([o[0] for o in outs]), np.int64).reshape(-1, 2)
+    return int(counts[:, 0].sum()), int(counts[:, 1].sum()), [o[1] for o in outs]
+
+
+def _pairs(
+    sources: Sequence[str],
+    key: str,
+    canon: object,
+    centroids: np.ndarray,
+    basis: np.ndarray | None,
+    cfg: DedupeConfig,
+    root: str,
+    store: Storage,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Assignment in one task per file into bucket files of cluster groups (``_GROUP_ROWS`` rows, as k-means
+    was asked for), then one task per group → the union of their pairs (positions in uid order)."""
+    import ray
+
+    t = cfg.semantic_threshold
+    per_group = max(1, _GROUP_ROWS // cfg.semantic_cluster_rows)
+    paths = [storage.join(root, "assign", f"{f:05d}.parquet") for f in range(len(sources))]
+    cen = ray.put(centroids)
+    assign = ray.remote(num_cpus=1)(SF.assign_file)
+    ray.get(
+        [
+            assign.remote(s, key, canon, cen, t, per_group, p, store)
+            for s, p in zip(sources, paths, strict=True)
+        ]
+    )
+    pairs = ray.remote(num_cpus=1)(SF.group_pairs)
+    groups = range(-(-len(centroids) // per_group))
+    found = ray.get([pairs.remote(paths, g, per_group, cen, t, basis, store) for g in groups])
+    store.remove_files(paths)
+    i, j, s = (np.concatenate(c) for c in zip(*found, strict=True))
+    return i, j, s
+
+
+def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, np.ndarray | None]:
+    """One task: the files' samples trimmed to ``m`` rows, then ``_fit``."""
+    return _fit(SF.fit_sample(sample, m), k, seed)
 
 
 def _fit(sample: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
     """One task: k-means centroids and the guests' screen basis from the bounded sample."""
     return SD.kmeans_centroids(sample, k, seed), SD.screen_basis(sample[SD.screen_sample(len(sample), seed)])
-
-
-def _groups(members: list[np.ndarray]) -> list[list[np.ndarray]]:
-    """Clusters in order, packed into groups of about ``_GROUP_ROWS`` rows."""
-    out: list[list[np.ndarray]] = [[]]
-    size = 0
-    for m in members:
-        if size and size + len(m) > _GROUP_ROWS:
-            out.append([])
-            size = 0
-        out[-1].append(m)
-        size += len(m)
-    return [g for g in out if g]
-
-
-def _pairs_group(
-    vecs: np.ndarray,
-    flat: np.ndarray,
-    home: np.ndarray,
-    sizes: list[tuple[int, int]],
-    clusters: list[int],
-    centroids: np.ndarray,
-    threshold: float,
-    basis: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One task: ``cluster_candidates`` of each of a group's clusters (per cluster its members, then its
-    guests, whose home clusters are ``home``; screened in ``basis``'s dimensions when there is one) → the
-    pairs above the threshold as positions ``flat`` holds."""
-    fi, fj, fs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float64)]
-    at = 0
-    for (m, g), cl in zip(sizes, clusters, strict=True):
-        mem, gst = slice(at, at + m), slice(at + m, at + m + g)
-        screen = None
-        if basis is not None:
-            screen = (SD.project(SD.normalize(vecs[mem]), basis), SD.project(SD.normalize(vecs[gst]), basis))
-        (mi, mj, ms), (gi, gj, gs) = SD.cluster_candidates(
-            vecs[mem], vecs[gst], home[gst], cl, centroids, threshold, screen
-        )
-        fi += [flat[mem][mi], flat[gst][gi]]
-        fj += [flat[mem][mj], flat[mem][gj]]
-        fs += [ms, gs]
-        at += m + g
-    return np.concatenate(fi), np.concatenate(fj), np.concatenate(fs)

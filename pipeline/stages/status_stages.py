@@ -170,7 +170,7 @@ def curate_parts(job: Curation, _key: int = 0) -> dict:
             [p.pool.rows(b) for b in range(p.pool.n_buckets)], columns=[S.UID, S.CLIP_L14]
         )
         priority = CS.clip_priority(rows)
-    res = CS.curate(t, status, cfg, job.files, priority, p.store, print)
+    res = CS.curate(t, status, cfg, job.files, priority, p.store, print, scratch=p.at("curation"))
     changed = (
         pc.invert(pc.equal(res.status, status)).to_numpy(zero_copy_only=False)
         if t.num_rows

@@ -126,22 +126,14 @@ def test_datacomp_pool_rules_leave_no_leak_and_no_hash_refusal(curated, demo_poo
     assert set(snap["subsets"]["no_filter"]) == {u for u, _ in snap["status"] if S.is_valid_uid(u)}
 
 
-class _InMemory:
-    """The stage's view of the embeddings (``curation_stage._Vectors``) over an array: uids and ``rows``."""
-
-    def __init__(self, uids, vectors):
-        self.uids, self.vectors = uids, vectors
-
-    def rows(self, idx):
-        return self.vectors[idx]
-
-
 @pytest.mark.parametrize(("group_rows", "d"), [(400, 32), (50_000, 160)])
-def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatch, group_rows, d):
-    """The Ray stage on a continuum k-means splits: the exact rule's decisions, however many tasks, with
-    the guests compared in full (32-d) and screened in a basis (160-d)."""
+def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatch, tmp_path, group_rows, d):
+    """The Ray stage on a continuum k-means splits, its vectors read in place from two embeddings files by
+    the tasks: the exact rule's decisions, however many tasks, with the guests compared in full (32-d) and
+    screened in a basis (160-d); a row no file holds stays and is not counted."""
     import numpy as np
 
+    from pipeline.common.storage import Storage
     from pipeline.config import DedupeConfig
     from pipeline.dedup import curation_stage as CS
     from pipeline.dedup import semantic as SD
@@ -151,8 +143,15 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatc
     priority = np.random.default_rng(9).random(len(uids))
     monkeypatch.setattr(CS, "_GROUP_ROWS", group_rows)
     rows = np.arange(len(uids))[::-1]  # the stage sees rows in any order
+    files = [str(tmp_path / f"{f}.npz") for f in range(2)]
+    for f, path in enumerate(files):  # every other row in each file, so both files feed every cluster
+        np.savez(path, uid=uids[f::2], emb=vectors[f::2])
+    named = np.append(uids[rows], "f" * 32)  # a row without a vector
     cfg = DedupeConfig(semantic=True, semantic_cluster_rows=100)
-    target, n_clusters = CS.semantic_stage(_InMemory(uids, vectors), rows, priority[rows], cfg)
+    store = Storage()
+    target, n_clusters, n = CS.semantic_stage(files, "emb", named, np.append(priority[rows], 9.0), cfg, store)
+    assert n == len(uids) and target[-1] == -1
+    target = target[:-1]
     i, j, s = brute_force_pairs(vectors, 0.9)
     rank = np.empty(len(uids), dtype=np.int64)
     rank[SD.rank_order(uids, priority)] = np.arange(len(uids))

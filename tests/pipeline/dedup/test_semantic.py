@@ -209,27 +209,31 @@ def test_screened_guests_equal_unscreened_guests():
         np.testing.assert_array_equal(x[a], y[b])
 
 
-def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis():
-    """The Ray stage's task bodies without Ray (``curation_stage._fit``, ``_pairs_group``), on the float16
-    rows its map holds, screened in the fitted basis: exactly the brute-force pairs of those rows."""
-    from pipeline.dedup import curation_stage as CS
+def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
+    """The Ray stage's task bodies without Ray (``curation_stage._fit``, ``semantic_files.assign_file``
+    and ``group_pairs``) on the float16 rows they compare, screened in the fitted basis, with the rows
+    read from an embeddings file and shuffled through bucket files by cluster group: exactly the
+    brute-force pairs of those rows."""
+    import pyarrow as pa
 
-    _, vectors, _ = continuum(3000, 160, seed=9)
-    x = SD.normalize(vectors).astype(np.float16)
+    from pipeline.common.storage import Storage
+    from pipeline.dedup import curation_stage as CS
+    from pipeline.dedup import semantic_files as SF
+
+    uids, vectors, _ = continuum(3000, 160, seed=9)
+    np.savez(tmp_path / "e.npz", uid=uids, emb=vectors)
+    order = np.argsort(uids.astype(str), kind="stable")
+    canon = pa.array(uids.astype(str)[order].tolist(), pa.string())
+    x = SD.normalize(vectors).astype(np.float16)[order]
     sample = np.sort(np.random.default_rng(0).choice(len(x), 2000, replace=False))
     centroids, basis = CS._fit(x[sample].astype(np.float32), 30, 0)
     assert basis is not None and basis.shape == (160, 64)
-    primary, g_row, g_cl = SD.assign_with_guests(x, centroids, 0.9)
-    guests = dict(zip(np.unique(g_cl).tolist(), (g_row[m] for m in SD.cluster_members(g_cl)), strict=True))
-    found = []
-    for group in CS._groups(SD.cluster_members(primary)):
-        ids = [int(primary[m[0]]) for m in group]
-        gs = [guests.get(c, np.zeros(0, np.int64)) for c in ids]
-        flat = np.concatenate([v for m, g in zip(group, gs, strict=True) for v in (m, g)])
-        sizes = [(len(m), len(g)) for m, g in zip(group, gs, strict=True)]
-        found.append(CS._pairs_group(x[flat], flat, primary[flat], sizes, ids, centroids, 0.9, basis))
+    primary, _, _ = SD.assign_with_guests(x.astype(np.float32), centroids, 0.9)
+    store, out = Storage(), str(tmp_path / "assign.parquet")
+    SF.assign_file(str(tmp_path / "e.npz"), "emb", canon, centroids, 0.9, 4, out, store)
+    found = [SF.group_pairs([out], g, 4, centroids, 0.9, basis, store) for g in range(8)]
     i, j, _ = (np.concatenate(c) for c in zip(*found, strict=True))
-    bi, bj, _ = brute_force_pairs(x.astype(np.float32), 0.9)
+    bi, bj, _ = brute_force_pairs(x.astype(np.float32), 0.9)  # in uid order, as the tasks name rows
     assert len(bi) > 1000 and (primary[bi] != primary[bj]).sum() > 20
     assert set(zip(np.minimum(i, j).tolist(), np.maximum(i, j).tolist(), strict=True)) == set(
         zip(bi.tolist(), bj.tolist(), strict=True)
