@@ -34,43 +34,18 @@ import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.memory import PeakAnon
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "curation_scale.json"
 D = 768
 BLOB = 1000
 TARGET = 12_800_000
-
-
-def _anon_kb() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    return 0
-
-
-class PeakAnon:
-    """The largest RssAnon seen while the block runs (sampled every 0.2 s)."""
-
-    def __enter__(self):
-        self.peak, self.stop = _anon_kb(), threading.Event()
-        self.t = threading.Thread(target=self._watch, daemon=True)
-        self.t.start()
-        return self
-
-    def _watch(self):
-        while not self.stop.wait(0.2):
-            self.peak = max(self.peak, _anon_kb())
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.t.join()
 
 
 def synth(n: int, n_eval: int, folder: Path, seed: int = 0):
@@ -122,7 +97,7 @@ def one_size(n: int, n_eval: int, cluster_rows: int, threshold: float) -> dict:
     try:
         vec, (src, dst), hashes, ref_vec, ref_hash, (leak_rows, leak_of) = synth(n, n_eval, folder)
         out: dict = {"n": n, "eval": n_eval, "cluster_rows": cluster_rows, "load_start": os.getloadavg()[0]}
-        with PeakAnon() as peak:
+        with PeakAnon(every_s=0.2) as peak:
             t0 = time.perf_counter()
             k = -(-n // cluster_rows)
             sample = np.sort(np.random.default_rng(1).choice(n, min(n, 256 * k), replace=False))

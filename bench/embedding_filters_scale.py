@@ -30,7 +30,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -38,35 +37,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from bench.memory import PeakAnon
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "embedding_filters_scale.json"
-
-
-def _anon_kb() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    return 0
-
-
-class PeakAnon:
-    """The largest RssAnon seen while the block runs (sampled every 0.1 s)."""
-
-    def __enter__(self):
-        self.peak, self.stop = _anon_kb(), threading.Event()
-        self.t = threading.Thread(target=self._watch, daemon=True)
-        self.t.start()
-        return self
-
-    def _watch(self):
-        while not self.stop.wait(0.1):
-            self.peak = max(self.peak, _anon_kb())
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.t.join()
-        self.peak = max(self.peak, _anon_kb())
 
 
 # --- the tasks, each run in a child process ----------------------------------------------------------

@@ -29,20 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.memory import anon_kb
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "eval_reference_scale.json"
 CLASSES = 10
-
-
-def _anon_kb(pid: int | str = "self") -> int:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def _ray_workers() -> dict[int, str]:
@@ -64,16 +55,16 @@ class Peaks:
     """The driver's largest RssAnon and each Ray worker's, sampled every 0.1 s while the block runs."""
 
     def __enter__(self):
-        self.driver, self.workers, self.ran, self.stop = _anon_kb(), {}, set(), threading.Event()
+        self.driver, self.workers, self.ran, self.stop = anon_kb(), {}, set(), threading.Event()
         self.t = threading.Thread(target=self._watch, daemon=True)
         self.t.start()
         return self
 
     def _watch(self):
         while not self.stop.wait(0.1):
-            self.driver = max(self.driver, _anon_kb())
+            self.driver = max(self.driver, anon_kb())
             for pid, name in _ray_workers().items():
-                self.workers[pid] = max(self.workers.get(pid, 0), _anon_kb(pid))
+                self.workers[pid] = max(self.workers.get(pid, 0), anon_kb(pid))
                 if "part_rows" in name or "write_shard" in name:  # ran a part (not an idle or Ray Data's own)
                     self.ran.add(pid)
 
@@ -122,7 +113,7 @@ def one_size(n: int, shard_rows: int) -> dict:
         t0 = time.perf_counter()
         tasks = synth_set(folder, n, shard_rows)
         gen_s = time.perf_counter() - t0
-        before = _anon_kb()
+        before = anon_kb()
         t0 = time.perf_counter()
         with Peaks() as peaks:
             table = build_reference(tasks)

@@ -24,13 +24,14 @@ from __future__ import annotations
 import json
 import os
 import random
+from functools import reduce
 from pathlib import Path
 
 import pytest
 
 from jobs import train as train_job
 from pipeline.common import faults
-from pipeline.common.config import merge
+from pipeline.common.config import deep_update, merge, nested
 from pipeline.common.storage import Storage
 from pipeline.shards.writer import write_shard
 from tests.fixtures.train_shards import demo_samples, write_demo_shards
@@ -58,14 +59,8 @@ def _shards(root: Path) -> str:
 
 
 def _nested(sets: dict) -> dict:
-    out: dict = {}
-    for key, value in sets.items():
-        *head, last = key.split(".")
-        node = out
-        for h in head:
-            node = node.setdefault(h, {})
-        node[last] = value
-    return out
+    """Dotted keys (``"run.name"``) as the nested mapping ``merge`` takes."""
+    return reduce(deep_update, (nested(k, v) for k, v in sets.items()), {})
 
 
 def _extra(run: Path, name: str) -> dict:

@@ -20,12 +20,13 @@ import json
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterator
+from functools import reduce
 from pathlib import Path
 
 import pytest
 
 from pipeline.common import faults
-from pipeline.common.config import merge
+from pipeline.common.config import deep_update, merge, nested
 from pipeline.common.storage import Storage
 from tests.fixtures.train_shards import write_demo_shards
 from training.config import TRAIN_PRESETS
@@ -58,14 +59,8 @@ KILL_ENV = (faults.ARM, faults.STATE, faults.ORDERED, faults.SAMPLES)
 
 
 def _nested(sets: dict) -> dict:
-    out: dict = {}
-    for key, value in sets.items():
-        *head, last = key.split(".")
-        node = out
-        for h in head:
-            node = node.setdefault(h, {})
-        node[last] = value
-    return out
+    """Dotted keys (``"run.name"``) as the nested mapping ``merge`` takes."""
+    return reduce(deep_update, (nested(k, v) for k, v in sets.items()), {})
 
 
 def trained(trace: Path) -> dict[int, Counter]:
