@@ -146,7 +146,7 @@ def random_order(uids: pa.Array, seed: int) -> np.ndarray:
     return order
 
 
-def random_subset(table: Table, fraction: float, seed: int = 0) -> FilterResult:
+def random_subset(table: Table, fraction: float, seed: int) -> FilterResult:
     """Exactly ``round(fraction·n)`` rows, chosen by the smallest hash of (seed, uid): the same uids
     whatever the row order, and nested as the fraction grows."""
     if not 0.0 <= fraction <= 1.0:
