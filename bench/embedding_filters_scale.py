@@ -38,6 +38,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from bench.memory import PeakAnon
+from bench.schema import write_records
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "embedding_filters_scale.json"
@@ -254,10 +255,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(folder, ignore_errors=True)
         print(json.dumps(sizes[-1]), flush=True)
     d = {**a, "sizes": sizes, "load": os.getloadavg()[0], "date": datetime.date.today().isoformat()}
-    out = {"title": "Streamed embedding filters against the pool's size (negCLIPLoss, NormSim)",
-           "about": (__doc__ or "").split("\n\n")[0].replace("\n", " "), "records": _records(d), **d}  # fmt: skip
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_records(
+        args.out,
+        "Streamed embedding filters against the pool's size (negCLIPLoss, NormSim)",
+        __doc__,
+        _records(d),
+        d,
+    )
     return 0
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.memory import anon_kb
+from bench.schema import write_records
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "bench" / "results" / "eval_reference_scale.json"
@@ -172,10 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     d = {"shard_rows": args.shard_rows, "cpus": args.cpus, "sizes": sizes, "load": os.getloadavg()[0],
          "date": datetime.date.today().isoformat()}  # fmt: skip
-    out = {"title": "Eval reference on Ray Data against the number of eval pictures",
-           "about": (__doc__ or "").split("\n\n")[0].replace("\n", " "), "records": _records(d), **d}  # fmt: skip
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_records(
+        args.out, "Eval reference on Ray Data against the number of eval pictures", __doc__, _records(d), d
+    )
     return 0
 
 

@@ -78,3 +78,12 @@ def append_run(path: Path | str, run: dict[str, Any]) -> None:
     data["runs"].append(run)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+
+
+def write_records(path: Path | str, title: str, doc: str | None, records: list[dict], raw: dict) -> None:
+    """A results file that carries its rows: ``about`` is the module docstring's first paragraph, ``raw``
+    the run's own figures; checked against ``RecordsFile`` before it is written."""
+    about = (doc or "").split("\n\n")[0].replace("\n", " ")
+    data = RecordsFile(title=title, about=about, records=records, **raw).model_dump(mode="json")
+    Path(path).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
