@@ -29,7 +29,7 @@ from pipeline.hub.transfer import staged_path
 from tests.fixtures.hub_server import hub_server  # noqa: F401
 from training.eval import hf_sets
 from training.eval import sets as eval_sets
-from training.eval.reference import write_reference
+from training.eval.reference import reference_table, save_reference
 from training.eval.sets import load_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,8 @@ def test_a_small_shaped_pool_and_two_eval_sets_to_s3_read_by_our_readers(hub, s3
     assert len(rows) == 5 and rows[2]["captions"] == "a picture number 2\npicture 2"  # the test split only
     assert rows[0]["image"][:2] == b"\xff\xd8"
     # the decontamination reference the track builds from its task list reads them too
-    counts = write_reference([tasks["cifar10"], tasks["flickr30k"]], f"{out}/eval_reference.parquet", store)
+    ref = reference_table([tasks["cifar10"], tasks["flickr30k"]], store)
+    counts = save_reference(ref, f"{out}/eval_reference.parquet", store)
     assert counts == {"cifar10": 3, "flickr30k": 5}
     # nothing left in staging, a record per file, the commits in the manifest
     assert not list((tmp_path / "staging").rglob("*.part"))

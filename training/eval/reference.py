@@ -140,10 +140,7 @@ def reference_counts(table: pa.Table) -> dict[str, int]:
     return {str(n): int(c) for n, c in zip(names, counts, strict=True)}
 
 
-def write_reference(
-    tasks: Sequence[Task], out: str, store: Storage = LOCAL, checkpoint: str = ""
-) -> dict[str, int]:
-    """Write the reference parquet to ``out``; returns pictures per task."""
-    table = reference_table(tasks, store, checkpoint)
+def save_reference(table: pa.Table, out: str, store: Storage = LOCAL) -> dict[str, int]:
+    """Write a reference table (built serially or on the cluster) to ``out``; returns pictures per task."""
     store.write_parquet(table, out)
     return reference_counts(table)

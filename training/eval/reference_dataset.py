@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.common.storage import LOCAL, Storage
-from training.eval.reference import empty_reference, part_table, parts, reference_counts
+from training.eval.reference import empty_reference, part_table, parts, save_reference
 from training.eval.sets import Task
 
 _PART = "_part"  # the part's position, to put the rows back in order
@@ -73,6 +73,4 @@ def write_reference(
     tasks: Sequence[Task], out: str, store: Storage = LOCAL, checkpoint: str = ""
 ) -> dict[str, int]:
     """Write the reference parquet to ``out`` (built on the cluster); returns pictures per task."""
-    table = build_reference(tasks, store, checkpoint)
-    store.write_parquet(table, out)
-    return reference_counts(table)
+    return save_reference(build_reference(tasks, store, checkpoint), out, store)

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.dedup.eval_leaks import EvalReference, eval_leaks
-from training.eval.reference import parts, reference_table, write_reference
+from training.eval.reference import parts, reference_table, save_reference
 from training.eval.reference_dataset import build_reference
 from training.eval.reference_dataset import write_reference as write_reference_on_ray
 from training.eval.sets import load_tasks
@@ -29,7 +29,7 @@ def test_reference_of_the_demo_task_list(demo_pool, tmp_path):
         )
         assert mine == gen and len(mine) > 0, task
     assert "embedding" not in table.column_names  # no checkpoint: pHash only
-    counts = write_reference(tasks, str(tmp_path / "ref.parquet"))
+    counts = save_reference(table, str(tmp_path / "ref.parquet"))
     assert counts == {"colours": 32, "hierarchy": 16, "retrieval": 16, "shapes": 32}
 
 
