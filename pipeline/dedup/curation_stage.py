@@ -10,20 +10,24 @@ rows still ``success``, and relabels some of them, so every input row keeps exac
 
 The image embeddings are DataComp's precomputed ones (``l14_img`` in the ``.npz`` beside each metadata
 parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer), read in
-place, a block at a time, by one task per file (``semantic_files``; docs/decisions/0097): the embedding
-half of decontamination; a count and the k-means sample, drawn by uid hash (at most ``_FIT_ROWS`` rows),
-that one task fits k-means and the guests' screen basis on; then the assignment of each row to its nearest
-cluster and as a guest to the clusters whose border it is near (``semantic.assign_with_guests``), written
-to bucket files by cluster group (``_GROUP_ROWS`` rows as k-means is asked for them), on ``scratch``.
-One task per group reads its bucket and returns the pairs above the threshold (guests screened in the
-basis: docs/decisions/0096); the greedy rule runs over their union (docs/decisions/0087). Ray schedules
-every task; the stage holds the uids, the centroids and the pairs, never a vector of the pool.
+place, a block at a time, by one task per file over all its rows (``semantic_files``; docs/decisions/0097
+and 0102): the embedding half of decontamination; a count, then the k-means sample drawn by uid hash (at
+most ``_FIT_ROWS`` rows) that one task fits k-means and the guests' screen basis on; then the assignment
+of each row to its nearest cluster and as a guest to the clusters whose border it is near
+(``semantic.assign_with_guests``), written to bucket files by cluster group (``_GROUP_ROWS`` rows as
+k-means is asked for them), on ``scratch``. One task per group reads its bucket and returns the pairs
+above the threshold as uid pairs (guests screened in the basis: docs/decisions/0096). These candidates
+(uid pairs and leaks) are then checked per uid bucket by one task each (``bucket_facts``: which named
+uids are rows the build still holds as ``success``, their keep-first score, and the bucket's pHash
+leaks), and ``decide`` runs the greedy rule over the pairs whose two ends remain (docs/decisions/0087).
+No process holds a column of the pool: the stage holds the candidates, the centroids and per-bucket facts.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,9 +39,11 @@ from pipeline import schema as S
 from pipeline.common import storage
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig, DedupeConfig
+from pipeline.dedup import curation_rules as CR
 from pipeline.dedup import eval_leaks as EL
 from pipeline.dedup import semantic as SD
 from pipeline.dedup import semantic_files as SF
+from pipeline.stages.buckets import uid_buckets
 
 _GROUP_ROWS = 50_000  # rows of one task's clusters, as k-means is asked for them
 _FIT_ROWS = 1 << 21  # k-means and the screen's basis see at most this many rows (a sampled fit)
@@ -142,6 +148,111 @@ def leaked_rows(table: pa.Table, status_table: pa.Table) -> np.ndarray:
     return pc.is_in(table.column(S.UID), value_set=uids.combine_chunks()).to_numpy(zero_copy_only=False)
 
 
+def find_candidates(
+    cfg: BuildConfig,
+    sources: Sequence[str],
+    ref: EL.EvalReference | None,
+    store: Storage,
+    scratch: str | None = None,
+    log: Callable[[str], None] = lambda m: None,
+) -> CR.Candidates:
+    """Tasks over every row of the embeddings files: the embedding leaks (when the reference has vectors)
+    and the semantic pairs (``dedupe.semantic``) as uids."""
+    import ray
+
+    t0 = time.perf_counter()
+    cand = CR.Candidates()
+    if not sources:
+        return cand
+    key = cfg.dedupe.embedding_key
+    leaks = []
+    if ref is not None and ref.vectors is not None and len(ref.task):
+        leak_task = ray.remote(num_cpus=1)(SF.leak_file)
+        ref_ref = ray.put(ref)
+        leaks = [leak_task.remote(s, key, ref_ref, cfg.decontam.embedding_threshold, store) for s in sources]
+    if cfg.dedupe.semantic:
+        (cand.pair_i, cand.pair_j, cand.pair_s), cand.n_clusters, cand.n_rows = semantic_pairs(
+            sources, key, cfg.dedupe, store, scratch, log
+        )
+    if leaks:
+        found = ray.get(leaks)  # in file order: a uid two files hold takes the later file's answer
+        cand.leak_uid = pa.concat_arrays([f[0] for f in found])
+        cand.leak_task = np.concatenate([f[1] for f in found])
+        cand.leak_key = np.concatenate([f[2] for f in found])
+        log(f"curation: {len(cand.leak_uid)} rows copy an eval picture by embedding ({_since(t0)})")
+    return cand
+
+
+def _since(t0: float) -> str:
+    return f"{time.perf_counter() - t0:.1f} s"
+
+
+def curate_buckets(
+    cfg: BuildConfig,
+    metadata_files: Sequence[str],
+    n_buckets: int,
+    bucket_rows: Callable[[int], pa.Table],
+    store: Storage,
+    log: Callable[[str], None],
+    scratch: str | None = None,
+) -> tuple[CR.Decisions, CR.Candidates]:
+    """The stage over a pool held in ``n_buckets`` uid buckets: candidates from the files, then one task per
+    bucket (``bucket_rows(b)``: its ``uid``, ``status``, ``phash`` and ``priority``, read in the task) for
+    its facts, then the rule. → the decisions (relabels only) and the candidates' counts."""
+    import ray
+
+    want_semantic, want_leaks = cfg.dedupe.semantic, bool(cfg.decontam.reference)
+    if not (want_semantic or want_leaks):
+        return CR.decide(CR.Candidates(), [], False), CR.Candidates()
+    ref = load_reference(reference_path(cfg), store) if want_leaks else None
+    sources: list[str] = []
+    if want_semantic or (ref is not None and ref.vectors is not None):
+        sources = _embedding_sources(cfg, metadata_files, store)
+    cand = find_candidates(cfg, sources, ref, store, scratch, log)
+    t0 = time.perf_counter()
+    named = cand.named()
+    at = uid_buckets(named, n_buckets)
+    by_bucket = np.argsort(at, kind="stable")
+    edges = np.searchsorted(at[by_bucket], np.arange(n_buckets + 1))
+    facts_task = ray.remote(num_cpus=1)(_bucket_facts)
+    ref_ref = ray.put(ref)
+    facts = ray.get(
+        [
+            facts_task.remote(
+                bucket_rows,
+                b,
+                named.take(pa.array(by_bucket[edges[b] : edges[b + 1]])),
+                ref_ref,
+                cfg.decontam,
+            )
+            for b in range(n_buckets)
+        ]
+    )
+    log(f"curation: {len(named)} named uids checked in {n_buckets} uid buckets ({_since(t0)})")
+    out = CR.decide(cand, facts, want_semantic)
+    _log_counts(log, cfg, out, cand, want_leaks, want_semantic)
+    return out, cand
+
+
+def _bucket_facts(
+    bucket_rows: Callable[[int], pa.Table], b: int, named: pa.Array, ref, decontam
+) -> CR.BucketFacts:
+    return CR.bucket_facts(bucket_rows(b), named, ref, decontam)
+
+
+def _log_counts(
+    log, cfg: BuildConfig, out: CR.Decisions, cand: CR.Candidates, leaks: bool, semantic: bool
+) -> None:
+    if leaks:
+        n = sum(out.leaks_by_task.values())
+        log(f"decontamination: {n} downloaded rows leak an eval picture {out.leaks_by_task}")
+    if semantic:
+        log(
+            f"semantic dedup: {out.n_semantic} downloaded images duplicate another ({cand.n_rows} rows in the "
+            f"embeddings files, {cand.n_clusters} clusters, cosine > {cfg.dedupe.semantic_threshold:g})"
+        )
+
+
 def curate(
     parts: pa.Table,
     status: pa.Array,
@@ -152,188 +263,124 @@ def curate(
     log: Callable[[str], None],
     scratch: str | None = None,
 ) -> CurationResult:
-    """Relabel the ``success`` rows of ``parts`` (module docstring). ``priority(uids)``: the score that
-    decides which copy of a semantic group stays (larger first), or None for uid order. ``scratch``: a
-    directory every host reaches for the clusters' bucket files (a local temporary one when None)."""
+    """The stage over one table of part rows (``status`` per row; ``priority(uids)``: the keep-first
+    score, or None for uid order), as one bucket → the relabelled status and the uids each row copies."""
     status = status.cast(pa.string())
-    dup_of = np.full(len(status), None, dtype=object)
-    leak_of = np.full(len(status), None, dtype=object)
-    result = CurationResult(
-        status, pa.array(dup_of.tolist(), pa.string()), pa.array(leak_of.tolist(), pa.string())
+    uids = parts.column(S.UID).combine_chunks().cast(pa.string())
+    score = priority(np.asarray(uids.to_pylist(), dtype=object)) if parts.num_rows else None
+    rows = pa.table(
+        {
+            S.UID: uids,
+            S.STATUS: status,
+            S.PHASH: parts.column(S.PHASH).combine_chunks()
+            if S.PHASH in parts.column_names
+            else pa.nulls(len(uids), pa.int64()),
+            CR.PRIORITY: pa.array(
+                np.full(len(uids), np.nan) if score is None else np.asarray(score, np.float64)
+            ),
+        }
     )
-    want_semantic, want_leaks = cfg.dedupe.semantic, bool(cfg.decontam.reference)
-    if not (want_semantic or want_leaks) or parts.num_rows == 0:
-        return result
-    ok = np.flatnonzero(
-        pc.fill_null(pc.equal(status, S.STATUS_SUCCESS), False).to_numpy(zero_copy_only=False)
+    out, cand = curate_buckets(cfg, metadata_files, 1, _Rows(rows), store, log, scratch)
+    rel = out.relabels
+    at = pc.index_in(uids, value_set=rel.column(S.UID).combine_chunks()) if rel.num_rows else None
+    if at is None:
+        none = pa.nulls(len(uids), pa.string())
+        return CurationResult(status, none, none, out.leaks_by_task, out.n_semantic, cand.n_clusters)
+    hit = at.is_valid()
+    return CurationResult(
+        pc.if_else(hit, rel.column(S.STATUS).combine_chunks().take(at), status),
+        rel.column(S.DUPLICATE_OF).combine_chunks().take(at),
+        rel.column(S.LEAK_OF).combine_chunks().take(at),
+        out.leaks_by_task,
+        out.n_semantic,
+        cand.n_clusters,
     )
-    taken = pa.array(ok, pa.int64())
-    uids = np.asarray(parts.column(S.UID).combine_chunks().take(taken).to_pylist(), dtype=object)
-    labels = np.asarray(status.to_pylist(), dtype=object)
-    ref = load_reference(reference_path(cfg), store) if want_leaks else None
-    sources: list[str] = []
-    if want_semantic or (ref is not None and ref.vectors is not None):
-        sources = _embedding_sources(cfg, metadata_files, store)
-    alive = np.ones(len(ok), dtype=bool)
-    if want_leaks:
-        phash = parts.column(S.PHASH).combine_chunks().take(taken)
-        task, key = _leaks(cfg, ref, phash, uids.astype(str), sources, store)
-        leaked = task != ""
-        labels[ok[leaked]] = [S.eval_leak(t) for t in task[leaked]]
-        leak_of[ok[leaked]] = [f"{t}/{k}" for t, k in zip(task[leaked], key[leaked], strict=True)]
-        alive &= ~leaked
-        tasks, counts = np.unique(task[leaked].astype(str), return_counts=True)
-        result.leaks_by_task = {str(t): int(c) for t, c in zip(tasks, counts, strict=True)}
-        log(
-            f"decontamination: {int(leaked.sum())} of {len(ok)} downloaded rows leak an eval picture {result.leaks_by_task}"
-        )
-    if want_semantic:
-        rows = np.flatnonzero(alive)
-        found = uids[rows].astype(str)
-        target, n_clusters, n = semantic_stage(
-            sources, cfg.dedupe.embedding_key, found, priority(found), cfg.dedupe, store, scratch
-        )
-        hit = target >= 0
-        labels[ok[rows[hit]]] = S.STATUS_SEMANTIC_DUPLICATE
-        dup_of[ok[rows[hit]]] = uids[rows[target[hit]]]
-        result.n_semantic, result.n_clusters = int(hit.sum()), n_clusters
-        log(
-            f"semantic dedup: {result.n_semantic} of {n} downloaded images duplicate another "
-            f"({n_clusters} clusters, cosine > {cfg.dedupe.semantic_threshold:g})"
-        )
-    result.status = pa.array(labels.tolist(), pa.string())
-    result.duplicate_of = pa.array(dup_of.tolist(), pa.string())
-    result.leak_of = pa.array(leak_of.tolist(), pa.string())
-    return result
 
 
-def _leaks(
-    cfg: BuildConfig,
-    ref: EL.EvalReference,
-    phash: pa.Array,
-    uids: np.ndarray,
-    sources: Sequence[str],
-    store: Storage,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per downloaded row the task and key of the eval picture it leaks ("" for none): by pHash here, then
-    by embedding in one task per embeddings file for the rows still clean. Rows without a pHash are
-    matched by embedding only; rows without an embedding by pHash only."""
-    d = cfg.decontam
-    task = np.full(len(phash), "", dtype=object)
-    key = np.full(len(phash), "", dtype=object)
-    hashed = phash.is_valid().to_numpy(zero_copy_only=False)
-    h = pc.fill_null(phash.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
-    if hashed.any():
-        task[hashed], key[hashed] = EL.eval_leaks(
-            h[hashed], None, ref, d.phash_threshold, d.embedding_threshold
-        )
-    rest = np.flatnonzero(task == "")
-    if ref.vectors is None or not sources or not len(rest):
-        return task, key
-    import ray
+@dataclass(frozen=True)
+class _Rows:
+    """``bucket_rows`` of a pool held as one table."""
 
-    leak_task = ray.remote(num_cpus=1)(SF.leak_file)
-    canon, ref_ref = ray.put(pa.array(uids[rest].tolist(), pa.string())), ray.put(ref)
-    emb_key = cfg.dedupe.embedding_key
-    found = [leak_task.remote(s, emb_key, canon, ref_ref, d.embedding_threshold, store) for s in sources]
-    for at, t, k in ray.get(found):  # in file order: a uid two files hold takes the later file's answer
-        task[rest[at]], key[rest[at]] = t, k
-    return task, key
+    table: pa.Table
+
+    def __call__(self, b: int) -> pa.Table:
+        return self.table
 
 
-def semantic_stage(
+def semantic_pairs(
     sources: Sequence[str],
     key: str,
-    uids: np.ndarray,
-    priority: np.ndarray | None,
     cfg: DedupeConfig,
     store: Storage,
     scratch: str | None = None,
-) -> tuple[np.ndarray, int, int]:
-    """SemDeDup of the rows ``uids`` names, their vectors read from ``sources`` by tasks: per row the index
-    (into ``uids``) of the kept row it duplicates, −1 for a kept row (or one no file holds); the number of
-    clusters; the number of rows the files hold."""
+    log: Callable[[str], None] = lambda m: None,
+) -> tuple[tuple[pa.Array, pa.Array, np.ndarray], int, int]:
+    """SemDeDup's candidates over every row of ``sources``, by tasks: the uid pairs above the threshold
+    with their cosines (docs/decisions/0087); the number of clusters; the number of rows the files hold."""
     import ray
 
-    target = np.full(len(uids), -1, dtype=np.int64)
-    # rows are named by their place in uid order, so the parts' row order never moves a decision
-    canon_idx = np.argsort(np.asarray(uids).astype(str), kind="stable")
-    names = np.asarray(uids).astype(str)[canon_idx]
-    canon = ray.put(pa.array(names.tolist(), pa.string()))
-    n, got, sample = _sample(sources, key, canon, len(uids), cfg, store)
+    t0 = time.perf_counter()
+    none = (pa.array([], pa.string()), pa.array([], pa.string()), np.zeros(0, np.float64))
+    count = ray.remote(num_cpus=1)(SF.count_file)
+    n = int(sum(ray.get([count.remote(s, store) for s in sources])))
     if n < 2:
-        return target, min(n, 1), n
+        return none, min(n, 1), n
     k = max(1, -(-n // cfg.semantic_cluster_rows))
     m = min(n, 256 * k, _FIT_ROWS)
-    if got < m // 2:  # the files held far fewer rows than named: draw again at the rate the count asks for
-        n, got, sample = _sample(sources, key, canon, n, cfg, store)
-    fit = ray.remote(num_cpus=1)(_fit_files).remote(m, k, cfg.semantic_seed, *sample)
+    # an upper bound on the rate (the fit task trims to the m smallest hashes): 1% more than m/n asks
+    cut = 1 << 64 if m >= n else min(int(min(1.0, 1.01 * m / n + 64 / n) * float(1 << 64)), (1 << 64) - 1)
+    sample_task = ray.remote(num_cpus=1, num_returns=2)(SF.sample_file)
+    outs = [sample_task.remote(src, key, cut, cfg.semantic_seed, store) for src in sources]
+    fit = ray.remote(num_cpus=1)(_fit_files).remote(m, k, cfg.semantic_seed, *[o[1] for o in outs])
     centroids, basis = ray.get(fit)
+    log(f"semantic dedup: {n} rows in {len(sources)} files, {k} clusters fitted on {m} ({_since(t0)})")
     own = scratch is None
     root = tempfile.mkdtemp(prefix="prolip-semdedup-") if own else scratch
     try:
-        i, j, s = _pairs(sources, key, canon, centroids, basis, cfg, root, store)
+        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log)
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
-    rank = np.empty(len(names), dtype=np.int64)
-    rank[SD.rank_order(names, None if priority is None else np.asarray(priority)[canon_idx])] = np.arange(
-        len(names)
-    )
-    sorted_target = SD.greedy_duplicates(rank, i, j, s.astype(np.float64))
-    hit = sorted_target >= 0
-    target[canon_idx[hit]] = canon_idx[sorted_target[hit]]
-    return target, len(centroids), n
-
-
-def _sample(
-    sources: Sequence[str], key: str, canon: object, n_up: int, cfg: DedupeConfig, store: Storage
-) -> tuple[int, int, list]:
-    """One task per file: its rows counted, and the fit's sample drawn by uid hash at the rate the row
-    count before the files were read asks for (an upper bound: ``_fit_files`` trims it) → (rows the files
-    hold, rows sampled, the samples' object refs, left on the workers)."""
-    import ray
-
-    k_up = max(1, -(-n_up // cfg.semantic_cluster_rows))
-    m_up = min(n_up, 256 * k_up, _FIT_ROWS)
-    cut = 1 << 64 if m_up >= n_up else min(int(m_up / n_up * float(1 << 64)), (1 << 64) - 1)
-    task = ray.remote(num_cpus=1, num_returns=2)(SF.sample_file)
-    outs = [task.remote(src, key, canon, cut, cfg.semantic_seed, store) for src in sources]
-    counts = np.array(ray.get([o[0] for o in outs]), np.int64).reshape(-1, 2)
-    return int(counts[:, 0].sum()), int(counts[:, 1].sum()), [o[1] for o in outs]
+    return pairs, len(centroids), n
 
 
 def _pairs(
     sources: Sequence[str],
     key: str,
-    canon: object,
     centroids: np.ndarray,
     basis: np.ndarray | None,
     cfg: DedupeConfig,
     root: str,
     store: Storage,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    log: Callable[[str], None],
+) -> tuple[pa.Array, pa.Array, np.ndarray]:
     """Assignment in one task per file into bucket files of cluster groups (``_GROUP_ROWS`` rows, as k-means
-    was asked for), then one task per group → the union of their pairs (positions in uid order)."""
+    was asked for), then one task per group → the union of their pairs (uid, uid, cosine)."""
     import ray
 
+    t0 = time.perf_counter()
     t = cfg.semantic_threshold
     per_group = max(1, _GROUP_ROWS // cfg.semantic_cluster_rows)
     paths = [storage.join(root, "assign", f"{f:05d}.parquet") for f in range(len(sources))]
     cen = ray.put(centroids)
     assign = ray.remote(num_cpus=1)(SF.assign_file)
-    ray.get(
-        [
-            assign.remote(s, key, canon, cen, t, per_group, p, store)
-            for s, p in zip(sources, paths, strict=True)
-        ]
+    n = ray.get(
+        [assign.remote(s, key, cen, t, per_group, p, store) for s, p in zip(sources, paths, strict=True)]
     )
+    log(f"semantic dedup: {sum(n)} cluster memberships (homes and guests) written ({_since(t0)})")
+    t0 = time.perf_counter()
     pairs = ray.remote(num_cpus=1)(SF.group_pairs)
     groups = range(-(-len(centroids) // per_group))
     found = ray.get([pairs.remote(paths, g, per_group, cen, t, basis, store) for g in groups])
     store.remove_files(paths)
-    i, j, s = (np.concatenate(c) for c in zip(*found, strict=True))
-    return i, j, s
+    log(
+        f"semantic dedup: {sum(len(f[0]) for f in found)} pairs above the threshold in {len(groups)} groups ({_since(t0)})"
+    )
+    return (
+        pa.concat_arrays([f[0] for f in found]),
+        pa.concat_arrays([f[1] for f in found]),
+        np.concatenate([f[2] for f in found]),
+    )
 
 
 def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, np.ndarray | None]:

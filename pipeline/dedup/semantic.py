@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+_ASSIGN_CELLS = 1 << 22  # rows × centroids per assignment block (32 MiB per float64 array, whatever k is)
 _BLOCK = 4096  # query rows per similarity block: a (block, cluster) float32 matrix at a time
 
 
@@ -181,8 +182,8 @@ def assign_with_guests(
     so both ends lie within the reach of it; the lower-numbered cluster's end is a guest of the other."""
     c = np.ascontiguousarray(centroids, dtype=np.float64)
     cn = (c * c).sum(axis=1)
-    cc = c @ c.T
     d = reach(threshold)
+    block = max(16, min(block, _ASSIGN_CELLS // max(1, len(c))))  # a few (block, k) float64 arrays: flat in k
     primary = np.empty(len(vectors), dtype=np.int64)
     g_row, g_cl = [], []
     for lo in range(0, len(vectors), block):
@@ -190,7 +191,8 @@ def assign_with_guests(
         dist2 = cn[None, :] - 2.0 * (x @ c.T)  # |x − c|² − |x|², (B, k)
         a = np.argmin(dist2, axis=1)
         primary[lo : lo + len(x)] = a
-        sep = np.sqrt(np.maximum(cn[a][:, None] + cn[None, :] - 2.0 * cc[a], 1e-300))  # |c_a − c_b|
+        cc = c[a] @ c.T  # per block, not the (k, k) Gram matrix: its rows of the nearest centroids
+        sep = np.sqrt(np.maximum(cn[a][:, None] + cn[None, :] - 2.0 * cc, 1e-300))  # |c_a − c_b|
         gap = (dist2 - dist2[np.arange(len(x)), a][:, None]) / (2.0 * sep)
         later = np.arange(len(c))[None, :] > a[:, None]
         r, b = np.nonzero((gap <= d) & later)

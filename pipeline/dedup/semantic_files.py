@@ -1,15 +1,16 @@
 """The curation stage's task bodies over embeddings files: each reads one file in blocks, in place.
 
-A row is named by its position in the stage's uid-sorted row list (``canon``), so every task finds its
-rows with one ``index_in`` and no task or driver copies the pool's vectors anywhere but into the
-clusters' bucket files (docs/decisions/0097-curation-off-the-driver.md):
+Every task works on all of its file's rows and names them by uid, so no task needs the list of rows the
+build curates (which rows count is decided from the uid buckets afterwards) and no task or driver copies
+the pool's vectors anywhere but into the clusters' bucket files (docs/decisions/0097):
 
-- ``sample_file``: the file's rows the stage wants, counted, and those whose uid hash falls under the
-  fit's rate, as float16 rows (the k-means sample is drawn by uid, so it does not depend on the files);
+- ``count_file``: the file's rows (its uids only);
+- ``sample_file``: those whose uid hash falls under the fit's rate, as float16 rows (the k-means sample
+  is drawn by uid, so it does not depend on how the files split the pool);
 - ``leak_file``: decontamination by embedding of the file's rows;
 - ``assign_file``: each row to its nearest cluster and as a guest to the clusters whose border it is
   near (``semantic.assign_with_guests``), written to one bucketed file, a bucket per cluster group;
-- ``group_pairs``: one group's bucket → its clusters' pairs above the threshold (``pairs_group``).
+- ``group_pairs``: one group's bucket → its clusters' pairs above the threshold, as uid pairs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from pipeline.common.storage import Storage
 from pipeline.dedup import eval_leaks as EL
@@ -31,64 +31,57 @@ _BLOCK = 1 << 16  # rows read, normalized and assigned at once
 _SAMPLE_SALT = 0x5EED  # the fit sample's uid hash differs from every other use of uid_hash
 
 
-def rows_of(src: str, key: str, canon: pa.Array, store: Storage) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The file's rows that ``canon`` lists, a block at a time: (their positions in ``canon``, their
-    normalized vectors as float16 then float32, the precision every task compares in)."""
+def rows_of(src: str, key: str, store: Storage) -> Iterator[tuple[pa.Array, np.ndarray]]:
+    """The file's rows a block at a time: (their uids, their normalized vectors as float16 then float32,
+    the precision every task compares in)."""
     for uids, arrays in E.iter_embedding_blocks(src, (key,), store, _BLOCK):
-        pos = pc.index_in(pa.array(uids, pa.string()), value_set=canon)
-        found = pos.is_valid().to_numpy(zero_copy_only=False)
-        if found.any():
-            at = pc.drop_null(pos).to_numpy().astype(np.int64)
-            yield at, SD.normalize(arrays[key][found]).astype(np.float16).astype(np.float32)
+        yield pa.array(uids, pa.string()), SD.normalize(arrays[key]).astype(np.float16).astype(np.float32)
 
 
-def sample_hash(canon: pa.Array, at: np.ndarray, seed: int) -> np.ndarray:
-    return uid_hash(canon.take(pa.array(at)), seed ^ _SAMPLE_SALT)
+def count_file(src: str, store: Storage) -> int:
+    """The number of rows the file holds (its uid array read, no vector)."""
+    return sum(len(uids) for uids, _ in E.iter_embedding_blocks(src, (), store, _BLOCK))
+
+
+def sample_hash(uids: pa.Array, seed: int) -> np.ndarray:
+    return uid_hash(uids, seed ^ _SAMPLE_SALT)
 
 
 def sample_file(
-    src: str, key: str, canon: pa.Array, cut: int, seed: int, store: Storage
-) -> tuple[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """→ (the number of ``canon``'s rows the file holds, how many it sampled), and its sampled rows: (uid
-    hash, position, float16 vector) of those whose hash is below ``cut``."""
-    n, hs, ps, vs = 0, [np.zeros(0, np.uint64)], [np.zeros(0, np.int64)], []
-    for at, vec in rows_of(src, key, canon, store):
-        n += len(at)
-        h = sample_hash(canon, at, seed)
+    src: str, key: str, cut: int, seed: int, store: Storage
+) -> tuple[int, tuple[np.ndarray, np.ndarray]]:
+    """→ how many rows it sampled, and the sample: (uid hash, float16 vector) of the rows whose hash is
+    below ``cut``."""
+    hs, vs = [np.zeros(0, np.uint64)], []
+    for uids, vec in rows_of(src, key, store):
+        h = sample_hash(uids, seed)
         take = h < np.uint64(cut) if cut < (1 << 64) else np.ones(len(h), bool)
         hs.append(h[take])
-        ps.append(at[take])
         vs.append(vec[take].astype(np.float16))
-    sample = (
-        np.concatenate(hs),
-        np.concatenate(ps),
-        np.concatenate(vs) if vs else np.zeros((0, 0), np.float16),
-    )
-    return (n, len(sample[0])), sample
+    sample = (np.concatenate(hs), np.concatenate(vs) if vs else np.zeros((0, 0), np.float16))
+    return len(sample[0]), sample
 
 
-def fit_sample(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], m: int) -> np.ndarray:
-    """The files' samples → the ``m`` rows of smallest uid hash, in ``canon`` order (float32)."""
+def fit_sample(parts: Sequence[tuple[np.ndarray, np.ndarray]], m: int) -> np.ndarray:
+    """The files' samples → the ``m`` rows of smallest uid hash, in hash order (float32)."""
     h = np.concatenate([p[0] for p in parts])
-    pos = np.concatenate([p[1] for p in parts])
-    vec = np.concatenate([p[2] for p in parts if len(p[2])])
+    vec = np.concatenate([p[1] for p in parts if len(p[1])])
     keep = np.argsort(h, kind="stable")[:m]
-    keep = keep[np.argsort(pos[keep], kind="stable")]
     return vec[keep].astype(np.float32)
 
 
 def leak_file(
-    src: str, key: str, canon: pa.Array, ref: EL.EvalReference, threshold: float, store: Storage
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """→ (position, task, key) of the file's rows that copy an eval picture by embedding."""
-    at_, task_, key_ = [np.zeros(0, np.int64)], [np.zeros(0, object)], [np.zeros(0, object)]
-    for at, vec in rows_of(src, key, canon, store):
+    src: str, key: str, ref: EL.EvalReference, threshold: float, store: Storage
+) -> tuple[pa.Array, np.ndarray, np.ndarray]:
+    """→ (uid, task, key) of the file's rows that copy an eval picture by embedding."""
+    uid_, task_, key_ = [pa.array([], pa.string())], [np.zeros(0, object)], [np.zeros(0, object)]
+    for uids, vec in rows_of(src, key, store):
         task, k = EL.eval_leaks(None, vec, ref, 0, threshold)
         hit = task != ""
-        at_.append(at[hit])
+        uid_.append(uids.filter(pa.array(hit)))
         task_.append(task[hit])
         key_.append(k[hit])
-    return np.concatenate(at_), np.concatenate(task_), np.concatenate(key_)
+    return pa.concat_arrays(uid_), np.concatenate(task_), np.concatenate(key_)
 
 
 def _vector_column(vec: np.ndarray) -> pa.Array:
@@ -101,7 +94,6 @@ def _vector_column(vec: np.ndarray) -> pa.Array:
 def assign_file(
     src: str,
     key: str,
-    canon: pa.Array,
     centroids: np.ndarray,
     threshold: float,
     per_group: int,
@@ -113,15 +105,15 @@ def assign_file(
     w = BucketWriter(out, store)
     n = 0
     try:
-        for at, vec in rows_of(src, key, canon, store):
+        for uids, vec in rows_of(src, key, store):
             primary, g_row, g_cl = SD.assign_with_guests(vec, centroids, threshold)
-            rows = np.concatenate([np.arange(len(at)), g_row])
+            rows = np.concatenate([np.arange(len(uids)), g_row])
             cluster = np.concatenate([primary, g_cl])
-            t = pa.table({"row": pa.array(at[rows]), "home": pa.array(primary[rows].astype(np.int32)),
+            t = pa.table({"uid": uids.take(pa.array(rows)), "home": pa.array(primary[rows].astype(np.int32)),
                           "cluster": pa.array(cluster.astype(np.int32)), "vec": _vector_column(vec[rows])})  # fmt: skip
             w.add(t, cluster // per_group)
             n += len(rows)
-        w.close(pa.schema([("row", pa.int64()), ("home", pa.int32()), ("cluster", pa.int32()),
+        w.close(pa.schema([("uid", pa.string()), ("home", pa.int32()), ("cluster", pa.int32()),
                            ("vec", pa.binary(centroids.shape[1] * 2))]))  # fmt: skip
     except BaseException:
         w.abort()
@@ -137,12 +129,14 @@ def group_pairs(
     threshold: float,
     basis: np.ndarray | None,
     store: Storage,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cluster group ``g``'s bucket from every file → its pairs above the threshold (positions in canon)."""
+) -> tuple[pa.Array, pa.Array, np.ndarray]:
+    """Cluster group ``g``'s bucket from every file → its pairs above the threshold (uid, uid, cosine)."""
+    none = pa.array([], pa.string()), pa.array([], pa.string()), np.zeros(0, np.float64)
     t = read_bucket(paths, g, store)
     if not t.num_rows:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
-    row = t.column("row").to_numpy()
+        return none
+    t = t.sort_by("uid")  # rows in uid order, so no file or task order moves a pair
+    row = np.arange(t.num_rows)
     home = t.column("home").to_numpy().astype(np.int64)
     cluster = t.column("cluster").to_numpy().astype(np.int64)
     raw = t.column("vec").combine_chunks()
@@ -160,11 +154,13 @@ def group_pairs(
         sizes.append((m, len(pick) - m))
         flat.append(pick)
     if not ids:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
+        return none
     idx = np.concatenate(flat)
-    return pairs_group(
+    i, j, s = pairs_group(
         vec[idx].astype(np.float32), row[idx], home[idx], sizes, ids, centroids, threshold, basis
     )
+    uids = t.column("uid").combine_chunks()
+    return uids.take(pa.array(i)), uids.take(pa.array(j)), s
 
 
 def pairs_group(

@@ -29,8 +29,6 @@ from pipeline.stages.layout import Parts
 from pipeline.stages.row_stages import FILE, PRE, ROW
 
 STATUS_COLUMNS = [S.UID, S.STATUS, "error", S.WIDTH, S.HEIGHT, S.IMAGE_SHA256, S.DUPLICATE_OF, S.LEAK_OF]
-_RELABEL = pa.schema([pa.field(S.UID, pa.string()), pa.field(S.STATUS, pa.string()),
-                      pa.field(S.DUPLICATE_OF, pa.string()), pa.field(S.LEAK_OF, pa.string())])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -151,36 +149,39 @@ class Curation:
     files: tuple[str, ...]
 
 
+def curation_rows(job: Curation, b: int) -> pa.Table:
+    """Bucket ``b``'s part rows after the image dedupe as the curation stage reads them: ``uid``, ``status``,
+    ``phash`` and the keep-first score (the metadata's CLIP L/14 score, NaN when there is none)."""
+    from pipeline.dedup.curation_rules import PRIORITY
+
+    p = job.finish.parts
+    t = final_part_rows(Finish(p, job.finish.status_dir, curated=False), b)
+    phash = t.column(S.PHASH) if S.PHASH in t.column_names else pa.nulls(t.num_rows, pa.int64())
+    score = pa.nulls(t.num_rows, pa.float64())
+    if job.cfg.dedupe.semantic and t.num_rows:
+        pool = p.store.read_parquet(p.pool.rows(b))
+        if S.CLIP_L14 in pool.column_names:
+            at = pc.index_in(t.column(S.UID), value_set=pool.column(S.UID).combine_chunks())
+            score = pool.column(S.CLIP_L14).combine_chunks().cast(pa.float64()).take(at)
+    return pa.table({S.UID: t.column(S.UID), S.STATUS: t.column(S.STATUS), S.PHASH: phash, PRIORITY: score})
+
+
 def curate_parts(job: Curation, _key: int = 0) -> dict:
-    """Eval-set decontamination and semantic dedup (``dedup.curation_stage.curate``) over every part row
-    after the image dedupe, in one task (docs/decisions/0086-the-build-on-tasks.md); its relabels bucketed
-    by uid; → its counts."""
+    """Eval-set decontamination and semantic dedup (``dedup.curation_stage.curate_buckets``): candidates
+    from the embeddings files, facts from one task per uid bucket, in this one planning task, which holds
+    the candidates and no column of the pool (docs/decisions/0102); its relabels bucketed by uid;
+    → its counts."""
+    from functools import partial
+
     from pipeline.dedup import curation_stage as CS
 
     p, cfg = job.finish.parts, job.cfg
-    plain = Finish(p, job.finish.status_dir, curated=False)
-    t = pa.concat_tables(
-        [final_part_rows(plain, b) for b in range(p.pool.n_buckets)], promote_options="permissive"
-    )
-    t = t.sort_by([(PART, "ascending"), (S.UID, "ascending")]) if t.num_rows else t
-    status = t.column(S.STATUS).combine_chunks()
-    priority = lambda uids: None  # noqa: E731
-    if cfg.dedupe.semantic:
-        rows = p.store.read_parquet(
-            [p.pool.rows(b) for b in range(p.pool.n_buckets)], columns=[S.UID, S.CLIP_L14]
-        )
-        priority = CS.clip_priority(rows)
-    res = CS.curate(t, status, cfg, job.files, priority, p.store, print, scratch=p.at("curation"))
-    changed = (
-        pc.invert(pc.equal(res.status, status)).to_numpy(zero_copy_only=False)
-        if t.num_rows
-        else np.zeros(0, bool)
-    )
-    rel = pa.table({S.UID: t.column(S.UID), S.STATUS: res.status, S.DUPLICATE_OF: res.duplicate_of,
-                    S.LEAK_OF: res.leak_of}).filter(pa.array(changed))  # fmt: skip
+    rows = partial(curation_rows, job)
+    out, cand = CS.curate_buckets(cfg, job.files, p.pool.n_buckets, rows, p.store, print, p.at("curation"))
+    rel = out.relabels
     write_buckets(rel, uid_buckets(rel.column(S.UID), p.pool.n_buckets), p.curated(), p.store)
     return {
-        "eval_leaks": res.leaks_by_task,
-        "semantic_duplicates": res.n_semantic,
-        "clusters": res.n_clusters,
+        "eval_leaks": out.leaks_by_task,
+        "semantic_duplicates": out.n_semantic,
+        "clusters": cand.n_clusters,
     }

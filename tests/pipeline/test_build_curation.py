@@ -130,11 +130,14 @@ def test_datacomp_pool_rules_leave_no_leak_and_no_hash_refusal(curated, demo_poo
 def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatch, tmp_path, group_rows, d):
     """The Ray stage on a continuum k-means splits, its vectors read in place from two embeddings files by
     the tasks: the exact rule's decisions, however many tasks, with the guests compared in full (32-d) and
-    screened in a basis (160-d); a row no file holds stays and is not counted."""
+    screened in a basis (160-d); a row no file holds stays and is not counted; rows the build no longer
+    holds as successes (every seventh) are found in pairs but take no part in the rule."""
     import numpy as np
+    import pyarrow as pa
 
     from pipeline.common.storage import Storage
     from pipeline.config import DedupeConfig
+    from pipeline.dedup import curation_rules as CR
     from pipeline.dedup import curation_stage as CS
     from pipeline.dedup import semantic as SD
     from tests.fixtures.continuum import brute_force_pairs, continuum
@@ -146,17 +149,33 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatc
     files = [str(tmp_path / f"{f}.npz") for f in range(2)]
     for f, path in enumerate(files):  # every other row in each file, so both files feed every cluster
         np.savez(path, uid=uids[f::2], emb=vectors[f::2])
-    named = np.append(uids[rows], "f" * 32)  # a row without a vector
+    gone = np.zeros(len(uids), bool)
+    gone[::7] = True
+    named = np.append(uids[rows][~gone[rows]], "f" * 32)  # and a row without a vector
     cfg = DedupeConfig(semantic=True, semantic_cluster_rows=100)
     store = Storage()
-    target, n_clusters, n = CS.semantic_stage(files, "emb", named, np.append(priority[rows], 9.0), cfg, store)
-    assert n == len(uids) and target[-1] == -1
-    target = target[:-1]
+    pairs, n_clusters, n = CS.semantic_pairs(files, "emb", cfg, store)
+    assert n == len(uids)
+    live = CR.BucketFacts(*_no_leaks(), pa.array(named.tolist()), np.append(priority[rows][~gone[rows]], 9.0))
+    out = CR.decide(CR.Candidates(*pairs), [live], semantic=True)
+    rel = out.relabels.to_pydict()
+    assert "f" * 32 not in rel[S.UID] and set(rel[S.STATUS]) == {S.STATUS_SEMANTIC_DUPLICATE}
     i, j, s = brute_force_pairs(vectors, 0.9)
+    stay = ~gone[i] & ~gone[j]
+    assert (~stay).sum() > 50
+    i, j, s = i[stay], j[stay], s[stay]
     rank = np.empty(len(uids), dtype=np.int64)
     rank[SD.rank_order(uids, priority)] = np.arange(len(uids))
     want = SD.greedy_duplicates(rank, i, j, s)
+    where = {u: k for k, u in enumerate(uids.tolist())}
     got = np.full(len(uids), -1)
-    got[rows[target >= 0]] = rows[target[target >= 0]]
+    got[[where[u] for u in rel[S.UID]]] = [where[u] for u in rel[S.DUPLICATE_OF]]
     assert n_clusters == 30 and (want >= 0).sum() > 100
     np.testing.assert_array_equal(got, want)
+
+
+def _no_leaks():
+    import numpy as np
+    import pyarrow as pa
+
+    return pa.array([], pa.string()), np.zeros(0, object), np.zeros(0, object)

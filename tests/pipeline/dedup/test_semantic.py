@@ -213,7 +213,7 @@ def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     """The Ray stage's task bodies without Ray (``curation_stage._fit``, ``semantic_files.assign_file``
     and ``group_pairs``) on the float16 rows they compare, screened in the fitted basis, with the rows
     read from an embeddings file and shuffled through bucket files by cluster group: exactly the
-    brute-force pairs of those rows."""
+    brute-force pairs of those rows, named by uid."""
     import pyarrow as pa
 
     from pipeline.common.storage import Storage
@@ -223,16 +223,16 @@ def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     uids, vectors, _ = continuum(3000, 160, seed=9)
     np.savez(tmp_path / "e.npz", uid=uids, emb=vectors)
     order = np.argsort(uids.astype(str), kind="stable")
-    canon = pa.array(uids.astype(str)[order].tolist(), pa.string())
     x = SD.normalize(vectors).astype(np.float16)[order]
     sample = np.sort(np.random.default_rng(0).choice(len(x), 2000, replace=False))
     centroids, basis = CS._fit(x[sample].astype(np.float32), 30, 0)
     assert basis is not None and basis.shape == (160, 64)
     primary, _, _ = SD.assign_with_guests(x.astype(np.float32), centroids, 0.9)
     store, out = Storage(), str(tmp_path / "assign.parquet")
-    SF.assign_file(str(tmp_path / "e.npz"), "emb", canon, centroids, 0.9, 4, out, store)
+    SF.assign_file(str(tmp_path / "e.npz"), "emb", centroids, 0.9, 4, out, store)
     found = [SF.group_pairs([out], g, 4, centroids, 0.9, basis, store) for g in range(8)]
-    i, j, _ = (np.concatenate(c) for c in zip(*found, strict=True))
+    where = {u: k for k, u in enumerate(uids.astype(str)[order].tolist())}  # positions in uid order
+    i, j = (np.array([where[u] for u in pa.concat_arrays(c).to_pylist()]) for c in list(zip(*found, strict=True))[:2])
     bi, bj, _ = brute_force_pairs(x.astype(np.float32), 0.9)  # in uid order, as the tasks name rows
     assert len(bi) > 1000 and (primary[bi] != primary[bj]).sum() > 20
     assert set(zip(np.minimum(i, j).tolist(), np.maximum(i, j).tolist(), strict=True)) == set(

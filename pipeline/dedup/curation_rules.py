@@ -1,0 +1,193 @@
+"""The curation stage's decisions from its candidates, without Ray: what one uid bucket knows, and the rule.
+
+The Ray stage (``curation_stage``) finds candidates over every row the embeddings files hold: the uid
+pairs above the semantic threshold and the uids that copy an eval picture by embedding. Which of those
+rows count — rows the build still holds as ``success`` — and which copy of a group stays is known per uid
+bucket, so each bucket gives its ``BucketFacts`` and ``decide`` applies, over the union:
+
+1. a ``success`` row whose pHash is within the threshold of an eval picture's leaks it; else one the
+   embedding candidates name (a uid two files name takes the later file's answer);
+2. the greedy rule (``semantic.greedy_duplicates``) over the pairs whose two ends are ``success`` rows
+   that do not leak, in keep-first order: score descending (NaN last), ties by uid.
+
+Restricting the pairs after they are found gives the rule on the remaining rows exactly: a row's
+decision depends only on its pairs with the other remaining rows (docs/decisions/0087, 0102).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline import schema as S
+from pipeline.config import DecontamConfig
+from pipeline.dedup import eval_leaks as EL
+from pipeline.dedup import semantic as SD
+
+PRIORITY = "priority"  # the keep-first score column of a bucket's rows (the metadata's CLIP L/14 score)
+RELABELS = pa.schema([pa.field(S.UID, pa.string()), pa.field(S.STATUS, pa.string()),
+                      pa.field(S.DUPLICATE_OF, pa.string()), pa.field(S.LEAK_OF, pa.string())])  # fmt: skip
+
+
+def _strings(values) -> pa.Array:
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if isinstance(values, pa.Array):
+        return values.cast(pa.string())
+    return pa.array([str(v) for v in values], pa.string())
+
+
+@dataclass
+class Candidates:
+    """What the embeddings files say, over all their rows (uids, not positions)."""
+
+    pair_i: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
+    pair_j: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
+    pair_s: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    leak_uid: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))  # by embedding
+    leak_task: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
+    leak_key: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
+    n_clusters: int = 0
+    n_rows: int = 0  # rows the files hold
+
+    def named(self) -> pa.Array:
+        """Every uid a candidate names, once, sorted: what the uid buckets are asked about."""
+        every = pa.concat_arrays([_strings(self.pair_i), _strings(self.pair_j), _strings(self.leak_uid)])
+        return pc.unique(every).sort() if len(every) else every
+
+
+@dataclass
+class BucketFacts:
+    """One uid bucket's answer: its rows' pHash leaks, and which named uids are its ``success`` rows."""
+
+    phash_uid: pa.Array  # success rows leaking an eval picture by pHash
+    phash_task: np.ndarray
+    phash_key: np.ndarray
+    live_uid: pa.Array  # named uids that are success rows of the bucket
+    live_priority: np.ndarray  # their keep-first score (NaN: none)
+
+
+def bucket_facts(
+    rows: pa.Table, named: pa.Array, ref: EL.EvalReference | None, decontam: DecontamConfig
+) -> BucketFacts:
+    """``rows`` (``uid``, ``status``, ``phash``, ``priority``: one bucket's part rows after the image dedupe)
+    against the candidates' ``named`` uids and the eval reference (None: no decontamination)."""
+    ok = pc.fill_null(pc.equal(rows.column(S.STATUS), S.STATUS_SUCCESS), False)
+    live = rows.filter(ok)
+    uid = live.column(S.UID).combine_chunks().cast(pa.string())
+    p_uid, p_task, p_key = pa.array([], pa.string()), np.zeros(0, object), np.zeros(0, object)
+    if ref is not None and live.num_rows and len(ref.task):
+        phash = live.column(S.PHASH).combine_chunks()
+        hashed = phash.is_valid().to_numpy(zero_copy_only=False)
+        if hashed.any():
+            h = pc.fill_null(phash.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)[hashed]
+            task, key = EL.eval_leaks(h, None, ref, decontam.phash_threshold, decontam.embedding_threshold)
+            hit = np.flatnonzero(hashed)[task != ""]
+            p_uid, p_task, p_key = uid.take(pa.array(hit)), task[task != ""], key[task != ""]
+    at = pc.index_in(_strings(named), value_set=uid) if len(named) and len(uid) else None
+    if at is None:
+        return BucketFacts(p_uid, p_task, p_key, pa.array([], pa.string()), np.zeros(0, np.float64))
+    picked = pc.drop_null(at)
+    score = (
+        live.column(PRIORITY).combine_chunks().cast(pa.float64()) if PRIORITY in live.column_names else None
+    )
+    priority = (
+        pc.fill_null(score.take(picked), np.nan).to_numpy(zero_copy_only=False)
+        if score is not None
+        else np.full(len(picked), np.nan)
+    )
+    return BucketFacts(p_uid, p_task, p_key, uid.take(picked), priority.astype(np.float64))
+
+
+@dataclass
+class Decisions:
+    relabels: pa.Table  # uid, status, duplicate_of, leak_of: only the rows the stage relabels
+    leaks_by_task: dict[str, int]
+    n_semantic: int
+
+
+def decide(cand: Candidates, facts: list[BucketFacts], semantic: bool) -> Decisions:
+    """The leaks, then the greedy rule over the pairs of remaining rows (module docstring)."""
+    live = pa.concat_arrays([_strings(f.live_uid) for f in facts]) if facts else pa.array([], pa.string())
+    score = np.concatenate([f.live_priority for f in facts]) if facts else np.zeros(0)
+    # leaks: pHash first (each bucket's), then the embedding candidates that are live rows without one
+    p_uid = pa.concat_arrays([_strings(f.phash_uid) for f in facts]) if facts else pa.array([], pa.string())
+    p_task = np.concatenate([f.phash_task for f in facts]) if facts else np.zeros(0, object)
+    p_key = np.concatenate([f.phash_key for f in facts]) if facts else np.zeros(0, object)
+    e_uid = _strings(cand.leak_uid)
+    last = _last_of_each(e_uid)
+    e_uid, e_task, e_key = e_uid.take(pa.array(last)), cand.leak_task[last], cand.leak_key[last]
+    keep = pc.and_(pc.is_in(e_uid, value_set=live), pc.invert(pc.is_in(e_uid, value_set=p_uid)))
+    keep = keep.to_numpy(zero_copy_only=False) if len(e_uid) else np.zeros(0, bool)
+    leak_uid = pa.concat_arrays([p_uid, e_uid.filter(pa.array(keep))])
+    leak_task = np.concatenate([p_task, e_task[keep]]).astype(str)
+    leak_key = np.concatenate([p_key, e_key[keep]]).astype(str)
+    tasks, counts = np.unique(leak_task, return_counts=True)
+    leaks_by_task = {str(t): int(c) for t, c in zip(tasks, counts, strict=True)}
+    relabel = [
+        pa.table(
+            {
+                S.UID: leak_uid,
+                S.STATUS: pa.array([S.eval_leak(t) for t in leak_task], pa.string()),
+                S.DUPLICATE_OF: pa.nulls(len(leak_uid), pa.string()),
+                S.LEAK_OF: pa.array(
+                    [f"{t}/{k}" for t, k in zip(leak_task, leak_key, strict=True)], pa.string()
+                ),
+            },
+            schema=RELABELS,
+        )
+    ]
+    n_semantic = 0
+    if semantic and len(cand.pair_i):
+        remain = pc.invert(pc.is_in(live, value_set=leak_uid)) if len(leak_uid) else None
+        alive = live.filter(remain) if remain is not None else live
+        alive_score = score[remain.to_numpy(zero_copy_only=False)] if remain is not None else score
+        dup, of = _greedy(cand, alive, alive_score)
+        n_semantic = len(dup)
+        relabel.append(
+            pa.table(
+                {
+                    S.UID: dup,
+                    S.STATUS: pa.array([S.STATUS_SEMANTIC_DUPLICATE] * len(dup), pa.string()),
+                    S.DUPLICATE_OF: of,
+                    S.LEAK_OF: pa.nulls(len(dup), pa.string()),
+                },
+                schema=RELABELS,
+            )
+        )
+    return Decisions(pa.concat_tables(relabel), leaks_by_task, n_semantic)
+
+
+def _last_of_each(uids: pa.Array) -> np.ndarray:
+    """Positions of the last occurrence of each uid, in first-seen order of those positions."""
+    if not len(uids):
+        return np.zeros(0, np.int64)
+    names = np.asarray(uids.to_pylist(), dtype=object)
+    _, first_rev = np.unique(names[::-1], return_index=True)
+    return np.sort(len(names) - 1 - first_rev)
+
+
+def _greedy(cand: Candidates, alive: pa.Array, score: np.ndarray) -> tuple[pa.Array, pa.Array]:
+    """The greedy rule over the candidate pairs between ``alive`` uids → (duplicates, the uid each copies)."""
+    i, j = _strings(cand.pair_i), _strings(cand.pair_j)
+    both = pc.and_(
+        pc.and_(pc.is_in(i, value_set=alive), pc.is_in(j, value_set=alive)), pc.not_equal(i, j)
+    ).to_numpy(zero_copy_only=False)
+    i, j, s = i.filter(pa.array(both)), j.filter(pa.array(both)), cand.pair_s[both]
+    if not len(i):
+        return pa.array([], pa.string()), pa.array([], pa.string())
+    names = pc.unique(pa.concat_arrays([i, j])).sort()
+    pi = pc.index_in(i, value_set=names).to_numpy().astype(np.int64)
+    pj = pc.index_in(j, value_set=names).to_numpy().astype(np.int64)
+    del i, j
+    at = pc.index_in(names, value_set=alive).to_numpy().astype(np.int64)
+    key = np.where(np.isfinite(score[at]), -score[at], np.inf)  # score descending, NaN last, then uid
+    order = pc.sort_indices(pa.table({"k": key, "u": names}), [("k", "ascending"), ("u", "ascending")])
+    rank = np.empty(len(names), dtype=np.int64)
+    rank[order.to_numpy()] = np.arange(len(names))
+    target = SD.greedy_duplicates(rank, pi, pj, np.asarray(s, np.float64))
+    hit = np.flatnonzero(target >= 0)
+    return names.take(pa.array(hit)), names.take(pa.array(target[hit]))
