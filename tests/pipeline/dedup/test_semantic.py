@@ -232,7 +232,10 @@ def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     SF.assign_file(str(tmp_path / "e.npz"), "emb", centroids, 0.9, 4, out, store)
     found = [SF.group_pairs([out], g, 4, centroids, 0.9, basis, store) for g in range(8)]
     where = {u: k for k, u in enumerate(uids.astype(str)[order].tolist())}  # positions in uid order
-    i, j = (np.array([where[u] for u in pa.concat_arrays(c).to_pylist()]) for c in list(zip(*found, strict=True))[:2])
+    i, j = (
+        np.array([where[u] for u in pa.concat_arrays(c).to_pylist()])
+        for c in list(zip(*found, strict=True))[:2]
+    )
     bi, bj, _ = brute_force_pairs(x.astype(np.float32), 0.9)  # in uid order, as the tasks name rows
     assert len(bi) > 1000 and (primary[bi] != primary[bj]).sum() > 20
     assert set(zip(np.minimum(i, j).tolist(), np.maximum(i, j).tolist(), strict=True)) == set(
