@@ -13,8 +13,8 @@ parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s out
 place, a block at a time, by one task per file over all its rows (``semantic_files``; docs/decisions/0097
 and 0102): the embedding half of decontamination; a count, then the k-means sample drawn by uid hash (at
 most ``_FIT_ROWS`` rows) that one task fits k-means and the guests' screen basis on; then the assignment
-of each row to its nearest cluster and as a guest to the clusters whose border it is near
-(``semantic.assign_with_guests``), written to bucket files by cluster group (``_GROUP_ROWS`` rows as
+of each row to its nearest cluster and as a guest to the clusters whose border it is near and whose
+members it can reach (``semantic.assign_with_guests``, after a pass for each cluster's extent), written to bucket files by cluster group (``_GROUP_ROWS`` rows as
 k-means is asked for them), on ``scratch``. One task per group reads its bucket and returns the pairs
 above the threshold as uid pairs (guests screened in the basis: docs/decisions/0096). These candidates
 (uid pairs and leaks) are then checked per uid bucket by one task each (``bucket_facts``: which named
@@ -363,9 +363,16 @@ def _pairs(
     per_group = max(1, _GROUP_ROWS // cfg.semantic_cluster_rows)
     paths = [storage.join(root, "assign", f"{f:05d}.parquet") for f in range(len(sources))]
     cen = ray.put(centroids)
+    cosines = ray.remote(num_cpus=1)(SF.cosines_file)
+    member_cos = np.min(np.stack(ray.get([cosines.remote(s, key, cen, store) for s in sources])), axis=0)
+    log(f"semantic dedup: the clusters' extents measured ({_since(t0)})")
+    t0 = time.perf_counter()
     assign = ray.remote(num_cpus=1)(SF.assign_file)
     n = ray.get(
-        [assign.remote(s, key, cen, t, per_group, p, store) for s, p in zip(sources, paths, strict=True)]
+        [
+            assign.remote(s, key, cen, member_cos, t, per_group, p, store)
+            for s, p in zip(sources, paths, strict=True)
+        ]
     )
     log(f"semantic dedup: {sum(n)} cluster memberships (homes and guests) written ({_since(t0)})")
     t0 = time.perf_counter()

@@ -171,31 +171,74 @@ def reach(threshold: float) -> float:
     return float(np.sqrt(2.0 - 2.0 * threshold + 1e-5))
 
 
+def _nearest_block(x: np.ndarray, c: np.ndarray, cn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(|x − c|² − |x|² for every centroid, (B, k)), the nearest centroid of each unit float64 row."""
+    dist2 = cn[None, :] - 2.0 * (x @ c.T)
+    return dist2, np.argmin(dist2, axis=1)
+
+
+def _blocks(n: int, k: int, block: int) -> range:
+    return range(0, n, max(16, min(block, _ASSIGN_CELLS // max(1, k))))  # (block, k) arrays flat in k
+
+
+def cluster_cosines(vectors: np.ndarray, centroids: np.ndarray, block: int = 4096) -> np.ndarray:
+    """Per cluster the smallest cosine of a member to its unit centroid (1 for an empty cluster), each row
+    counted in every cluster it is nearest to up to rounding, so any assignment of a tie is covered.
+    The minimum over several blocks or files is the minimum of their figures."""
+    c = np.ascontiguousarray(centroids, dtype=np.float64)
+    cn = (c * c).sum(axis=1)
+    unit = c / np.sqrt(np.maximum(cn, 1e-300))[:, None]
+    out = np.ones(len(c), dtype=np.float64)
+    step = _blocks(len(vectors), len(c), block).step
+    for lo in range(0, len(vectors), step):
+        x = normalize(vectors[lo : lo + step]).astype(np.float64)
+        dist2, a = _nearest_block(x, c, cn)
+        best = dist2[np.arange(len(x)), a]
+        r, b = np.nonzero(dist2 <= best[:, None] + 1e-9 * (1.0 + np.abs(best[:, None])))
+        np.minimum.at(out, b, np.einsum("ij,ij->i", x[r], unit[b]))
+    return out
+
+
 def assign_with_guests(
-    vectors: np.ndarray, centroids: np.ndarray, threshold: float, block: int = 4096
+    vectors: np.ndarray,
+    centroids: np.ndarray,
+    threshold: float,
+    block: int = 4096,
+    member_cos: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row its nearest centroid (``primary``), and the rows' guest memberships (``guest_row``,
     ``guest_cluster``): row x of cluster a is a guest of cluster b > a when its distance to the bisecting
-    hyperplane of c_a and c_b, (|x − c_b|² − |x − c_a|²) / (2|c_a − c_b|), is at most ``reach(threshold)``.
+    hyperplane of c_a and c_b, (|x − c_b|² − |x − c_a|²) / (2|c_a − c_b|), is at most ``reach(threshold)``
+    and, given ``member_cos`` (``cluster_cosines``: every member of b within angle R_b of b's direction),
+    its angle to b's direction is at most R_b + arccos(t).
 
     Complete: for a pair x ∈ a, y ∈ b, a ≠ b, closer than the reach, the segment xy crosses the hyperplane,
-    so both ends lie within the reach of it; the lower-numbered cluster's end is a guest of the other."""
+    so both ends lie within the reach of it; the lower-numbered cluster's end is a guest of the other. And
+    the angle from x to b's direction is at most angle(x, y) + angle(y, b) ≤ arccos(t) + R_b (the triangle
+    inequality on the sphere), so the second test drops no such pair: it keeps rows off the borders of
+    clusters they cannot reach, which the first alone lets in when clusters lie within the reach of each
+    other everywhere (unstructured or high-dimensional data)."""
     c = np.ascontiguousarray(centroids, dtype=np.float64)
     cn = (c * c).sum(axis=1)
     d = reach(threshold)
-    block = max(16, min(block, _ASSIGN_CELLS // max(1, len(c))))  # a few (block, k) float64 arrays: flat in k
+    cone = None
+    if member_cos is not None:
+        angle = np.arccos(np.clip(member_cos, -1.0, 1.0)) + np.arccos(np.clip(threshold, -1.0, 1.0)) + 1e-6
+        cone = np.where(angle >= np.pi, -2.0, np.cos(np.minimum(angle, np.pi))) * np.sqrt(np.maximum(cn, 0.0))
     primary = np.empty(len(vectors), dtype=np.int64)
     g_row, g_cl = [], []
-    for lo in range(0, len(vectors), block):
-        x = normalize(vectors[lo : lo + block]).astype(np.float64)
-        dist2 = cn[None, :] - 2.0 * (x @ c.T)  # |x − c|² − |x|², (B, k)
-        a = np.argmin(dist2, axis=1)
+    step = _blocks(len(vectors), len(c), block).step
+    for lo in range(0, len(vectors), step):
+        x = normalize(vectors[lo : lo + step]).astype(np.float64)
+        dist2, a = _nearest_block(x, c, cn)
         primary[lo : lo + len(x)] = a
         cc = c[a] @ c.T  # per block, not the (k, k) Gram matrix: its rows of the nearest centroids
         sep = np.sqrt(np.maximum(cn[a][:, None] + cn[None, :] - 2.0 * cc, 1e-300))  # |c_a − c_b|
         gap = (dist2 - dist2[np.arange(len(x)), a][:, None]) / (2.0 * sep)
-        later = np.arange(len(c))[None, :] > a[:, None]
-        r, b = np.nonzero((gap <= d) & later)
+        near = (gap <= d) & (np.arange(len(c))[None, :] > a[:, None])
+        if cone is not None:  # x · c_b = (cn_b − dist2) / 2 ≥ |c_b| cos(R_b + arccos t)
+            near &= (cn[None, :] - dist2) / 2.0 >= cone[None, :] - 1e-9
+        r, b = np.nonzero(near)
         g_row.append(r + lo)
         g_cl.append(b)
     if not g_row:
@@ -347,7 +390,9 @@ def semantic_duplicates(
         return SemanticResult(out, np.zeros(0, np.int64), 0)
     canon, x, centroids = _clustered(uids, vectors, cluster_rows, seed)
     basis = screen_basis(x[screen_sample(n, seed)])
-    primary, g_row, g_cl = assign_with_guests(x, centroids, threshold)
+    primary, g_row, g_cl = assign_with_guests(
+        x, centroids, threshold, member_cos=cluster_cosines(x, centroids)
+    )
     i, j, s = candidate_pairs_of(x, primary, g_row, g_cl, centroids, threshold, basis=basis)
     order = rank_order(uids[canon], None if priority is None else np.asarray(priority)[canon])
     rank = np.empty(n, dtype=np.int64)

@@ -8,8 +8,10 @@ the pool's vectors anywhere but into the clusters' bucket files (docs/decisions/
 - ``sample_file``: those whose uid hash falls under the fit's rate, as float16 rows (the k-means sample
   is drawn by uid, so it does not depend on how the files split the pool);
 - ``leak_file``: decontamination by embedding of the file's rows;
+- ``cosines_file``: how far each cluster's members of the file lie from its direction;
 - ``assign_file``: each row to its nearest cluster and as a guest to the clusters whose border it is
-  near (``semantic.assign_with_guests``), written to one bucketed file, a bucket per cluster group;
+  near and whose members it can reach (``semantic.assign_with_guests``), written to one bucketed file,
+  a bucket per cluster group;
 - ``group_pairs``: one group's bucket → its clusters' pairs above the threshold, as uid pairs.
 """
 
@@ -84,6 +86,14 @@ def leak_file(
     return pa.concat_arrays(uid_), np.concatenate(task_), np.concatenate(key_)
 
 
+def cosines_file(src: str, key: str, centroids: np.ndarray, store: Storage) -> np.ndarray:
+    """Per cluster the smallest cosine of the file's members to its direction (``semantic.cluster_cosines``)."""
+    out = np.ones(len(centroids), dtype=np.float64)
+    for _, vec in rows_of(src, key, store):
+        out = np.minimum(out, SD.cluster_cosines(vec, centroids))
+    return out
+
+
 def _vector_column(vec: np.ndarray) -> pa.Array:
     raw = np.ascontiguousarray(vec.astype(np.float16))
     return pa.FixedSizeBinaryArray.from_buffers(
@@ -95,6 +105,7 @@ def assign_file(
     src: str,
     key: str,
     centroids: np.ndarray,
+    member_cos: np.ndarray,
     threshold: float,
     per_group: int,
     out: str,
@@ -106,13 +117,16 @@ def assign_file(
     n = 0
     try:
         for uids, vec in rows_of(src, key, store):
-            primary, g_row, g_cl = SD.assign_with_guests(vec, centroids, threshold)
-            rows = np.concatenate([np.arange(len(uids)), g_row])
-            cluster = np.concatenate([primary, g_cl])
-            t = pa.table({"uid": uids.take(pa.array(rows)), "home": pa.array(primary[rows].astype(np.int32)),
-                          "cluster": pa.array(cluster.astype(np.int32)), "vec": _vector_column(vec[rows])})  # fmt: skip
-            w.add(t, cluster // per_group)
-            n += len(rows)
+            primary, g_row, g_cl = SD.assign_with_guests(vec, centroids, threshold, member_cos=member_cos)
+            every = np.concatenate([np.arange(len(uids)), g_row])
+            clusters = np.concatenate([primary, g_cl])
+            half = vec.astype(np.float16)
+            for a in range(0, len(every), _BLOCK):  # a row may be a guest of many clusters: bounded tables
+                rows, cluster = every[a : a + _BLOCK], clusters[a : a + _BLOCK]
+                t = pa.table({"uid": uids.take(pa.array(rows)), "home": pa.array(primary[rows].astype(np.int32)),
+                              "cluster": pa.array(cluster.astype(np.int32)), "vec": _vector_column(half[rows])})  # fmt: skip
+                w.add(t, cluster // per_group)
+            n += len(every)
         w.close(pa.schema([("uid", pa.string()), ("home", pa.int32()), ("cluster", pa.int32()),
                            ("vec", pa.binary(centroids.shape[1] * 2))]))  # fmt: skip
     except BaseException:

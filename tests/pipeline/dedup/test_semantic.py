@@ -209,6 +209,38 @@ def test_screened_guests_equal_unscreened_guests():
         np.testing.assert_array_equal(x[a], y[b])
 
 
+@pytest.mark.parametrize("data", ["blobs", "continuum"])
+def test_the_clusters_extent_keeps_guests_off_clusters_they_cannot_reach(data):
+    """On blobs in 64-d whose clusters all lie within the reach of each other (every row near every
+    border), far fewer guests with each cluster's extent; there and on a continuum, still every pair above
+    the threshold that brute force finds, however k-means split them."""
+    rng = np.random.default_rng(3)
+    if data == "blobs":
+        centres = SD.normalize(rng.standard_normal((40, 64)))
+        x = SD.normalize(
+            0.85 * centres[rng.integers(0, 40, 6000)] + 0.55 * rng.standard_normal((6000, 64)) / 8
+        )
+        copies = rng.choice(6000, 300, replace=False)
+        x[copies[150:]] = SD.normalize(x[copies[:150]] + 0.25 * rng.standard_normal((150, 64)) / 8)
+    else:
+        _, x, _ = continuum(6000, 64, seed=3)
+    x = x.astype(np.float32)
+    centroids = SD.kmeans_centroids(x, 60, seed=0)
+    plain = SD.assign_with_guests(x, centroids, 0.9)
+    cone = SD.assign_with_guests(x, centroids, 0.9, member_cos=SD.cluster_cosines(x, centroids))
+    np.testing.assert_array_equal(plain[0], cone[0])
+    if data == "blobs":  # the continuum's clusters reach each other: there it prunes little
+        assert len(cone[1]) < len(plain[1]) / 2, (len(cone[1]), len(plain[1]))
+    assert len(cone[1]) <= len(plain[1])
+    i, j, _ = SD.candidate_pairs_of(x, *cone, centroids, 0.9)
+    bi, bj, _ = brute_force_pairs(x, 0.9)
+    assert len(bi) > 100 and (
+        data == "blobs" or (cone[0][bi] != cone[0][bj]).sum() > 5
+    )  # pairs k-means split
+    got = set(zip(np.minimum(i, j).tolist(), np.maximum(i, j).tolist(), strict=True))
+    assert got == set(zip(bi.tolist(), bj.tolist(), strict=True))
+
+
 def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     """The Ray stage's task bodies without Ray (``curation_stage._fit``, ``semantic_files.assign_file``
     and ``group_pairs``) on the float16 rows they compare, screened in the fitted basis, with the rows
@@ -229,7 +261,8 @@ def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     assert basis is not None and basis.shape == (160, 64)
     primary, _, _ = SD.assign_with_guests(x.astype(np.float32), centroids, 0.9)
     store, out = Storage(), str(tmp_path / "assign.parquet")
-    SF.assign_file(str(tmp_path / "e.npz"), "emb", centroids, 0.9, 4, out, store)
+    member_cos = SF.cosines_file(str(tmp_path / "e.npz"), "emb", centroids, store)
+    SF.assign_file(str(tmp_path / "e.npz"), "emb", centroids, member_cos, 0.9, 4, out, store)
     found = [SF.group_pairs([out], g, 4, centroids, 0.9, basis, store) for g in range(8)]
     where = {u: k for k, u in enumerate(uids.astype(str)[order].tolist())}  # positions in uid order
     i, j = (
