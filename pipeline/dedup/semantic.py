@@ -217,7 +217,7 @@ def assign_with_guests(
     the angle from x to b's direction is at most angle(x, y) + angle(y, b) ≤ arccos(t) + R_b (the triangle
     inequality on the sphere), so the second test drops no such pair: it keeps rows off the borders of
     clusters they cannot reach, which the first alone lets in when clusters lie within the reach of each
-    other everywhere (unstructured or high-dimensional data)."""
+    other everywhere (unstructured or high-dimensional data; docs/decisions/0103)."""
     c = np.ascontiguousarray(centroids, dtype=np.float64)
     cn = (c * c).sum(axis=1)
     d = reach(threshold)
