@@ -38,3 +38,42 @@ class PeakAnon:
         self.stop.set()
         self.t.join()
         self.peak = max(self.peak, anon_kb())
+
+
+def _titled(prefix: str) -> list[str]:
+    """PIDs of the processes whose command line starts with ``prefix`` (Ray names its workers ``ray::…``)."""
+    import os
+
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    if fh.read(len(prefix)).decode(errors="replace") == prefix:
+                        found.append(pid)
+            except OSError:
+                pass
+    return found
+
+
+class PeakAnonWorkers(PeakAnon):
+    """The largest RssAnon any one process titled ``prefix`` reached while the block runs (the object
+    store's shared pages are not anonymous, so a worker's figure is what it holds itself)."""
+
+    def __init__(self, prefix: str = "ray::", every_s: float = 0.25):
+        super().__init__(every_s)
+        self.prefix = prefix
+
+    def __enter__(self):
+        self.peak, self.stop = 0, threading.Event()
+        self.t = threading.Thread(target=self._watch, daemon=True)
+        self.t.start()
+        return self
+
+    def _watch(self):
+        while not self.stop.wait(self.every_s):
+            self.peak = max([self.peak, *(anon_kb(p) for p in _titled(self.prefix))])
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.t.join()

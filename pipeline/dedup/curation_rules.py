@@ -27,6 +27,7 @@ from pipeline.config import DecontamConfig
 from pipeline.dedup import eval_leaks as EL
 from pipeline.dedup import semantic as SD
 
+_PHASH_BLOCK = 1 << 16  # rows matched against the eval reference's pHashes at once
 PRIORITY = "priority"  # the keep-first score column of a bucket's rows (the metadata's CLIP L/14 score)
 RELABELS = pa.schema([pa.field(S.UID, pa.string()), pa.field(S.STATUS, pa.string()),
                       pa.field(S.DUPLICATE_OF, pa.string()), pa.field(S.LEAK_OF, pa.string())])  # fmt: skip
@@ -84,7 +85,14 @@ def bucket_facts(
         hashed = phash.is_valid().to_numpy(zero_copy_only=False)
         if hashed.any():
             h = pc.fill_null(phash.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)[hashed]
-            task, key = EL.eval_leaks(h, None, ref, decontam.phash_threshold, decontam.embedding_threshold)
+            task, key = np.full(len(h), "", dtype=object), np.full(len(h), "", dtype=object)
+            for a in range(
+                0, len(h), _PHASH_BLOCK
+            ):  # each row's match is its own: blocks bound the candidates
+                sl = slice(a, a + _PHASH_BLOCK)
+                task[sl], key[sl] = EL.eval_leaks(
+                    h[sl], None, ref, decontam.phash_threshold, decontam.embedding_threshold
+                )
             hit = np.flatnonzero(hashed)[task != ""]
             p_uid, p_task, p_key = uid.take(pa.array(hit)), task[task != ""], key[task != ""]
     at = pc.index_in(_strings(named), value_set=uid) if len(named) and len(uid) else None

@@ -14,8 +14,9 @@ place, a block at a time, by one task per file over all its rows (``semantic_fil
 and 0102): the embedding half of decontamination; a count, then the k-means sample drawn by uid hash (at
 most ``_FIT_ROWS`` rows) that one task fits k-means and the guests' screen basis on; then the assignment
 of each row to its nearest cluster and as a guest to the clusters whose border it is near and whose
-members it can reach (``semantic.assign_with_guests``, after a pass for each cluster's extent), written to bucket files by cluster group (``_GROUP_ROWS`` rows as
-k-means is asked for them), on ``scratch``. One task per group reads its bucket and returns the pairs
+members it can reach (``semantic.assign_with_guests``, after a pass for each cluster's extent), written
+to bucket files by cluster group (``_GROUP_ROWS`` rows as k-means is asked for them, fewer clusters where
+a sample says rows are guests of many: ``_GROUP_MEMBERSHIPS``), on ``scratch``. One task per group reads its bucket and returns the pairs
 above the threshold as uid pairs (guests screened in the basis: docs/decisions/0096). These candidates
 (uid pairs and leaks) are then checked per uid bucket by one task each (``bucket_facts``: which named
 uids are rows the build still holds as ``success``, their keep-first score, and the bucket's pHash
@@ -45,7 +46,9 @@ from pipeline.dedup import semantic as SD
 from pipeline.dedup import semantic_files as SF
 from pipeline.stages.buckets import uid_buckets
 
-_GROUP_ROWS = 50_000  # rows of one task's clusters, as k-means is asked for them
+_GROUP_ROWS = 50_000  # rows of one task's clusters, as k-means is asked for them, at most
+_GROUP_MEMBERSHIPS = 1 << 18  # memberships (members and guests) of one task's clusters, as estimated
+_ESTIMATE_ROWS = 1 << 16  # sample rows the memberships a row are estimated on
 _FIT_ROWS = 1 << 21  # k-means and the screen's basis see at most this many rows (a sampled fit)
 
 
@@ -337,7 +340,7 @@ def semantic_pairs(
     own = scratch is None
     root = tempfile.mkdtemp(prefix="prolip-semdedup-") if own else scratch
     try:
-        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log)
+        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, [o[1] for o in outs])
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
@@ -353,6 +356,7 @@ def _pairs(
     root: str,
     store: Storage,
     log: Callable[[str], None],
+    sample: Sequence = (),
 ) -> tuple[pa.Array, pa.Array, np.ndarray]:
     """Assignment in one task per file into bucket files of cluster groups (``_GROUP_ROWS`` rows, as k-means
     was asked for), then one task per group → the union of their pairs (uid, uid, cosine)."""
@@ -360,11 +364,16 @@ def _pairs(
 
     t0 = time.perf_counter()
     t = cfg.semantic_threshold
-    per_group = max(1, _GROUP_ROWS // cfg.semantic_cluster_rows)
     paths = [storage.join(root, "assign", f"{f:05d}.parquet") for f in range(len(sources))]
     cen = ray.put(centroids)
     cosines = ray.remote(num_cpus=1)(SF.cosines_file)
     member_cos = np.min(np.stack(ray.get([cosines.remote(s, key, cen, store) for s in sources])), axis=0)
+    per_group = max(1, _GROUP_ROWS // cfg.semantic_cluster_rows)
+    if sample:  # groups sized by their memberships: where rows are guests of many clusters, fewer clusters
+        est = ray.remote(num_cpus=1)(_memberships_a_row).remote(_ESTIMATE_ROWS, cen, member_cos, t, *sample)
+        a_row = max(1.0, float(ray.get(est)))
+        per_group = max(1, min(per_group, int(_GROUP_MEMBERSHIPS / (cfg.semantic_cluster_rows * a_row))))
+        log(f"semantic dedup: ~{a_row:.1f} memberships a row in a sample, {per_group} clusters a group")
     log(f"semantic dedup: the clusters' extents measured ({_since(t0)})")
     t0 = time.perf_counter()
     assign = ray.remote(num_cpus=1)(SF.assign_file)
@@ -388,6 +397,15 @@ def _pairs(
         pa.concat_arrays([f[1] for f in found]),
         np.concatenate([f[2] for f in found]),
     )
+
+
+def _memberships_a_row(
+    m: int, centroids: np.ndarray, member_cos: np.ndarray, threshold: float, *sample
+) -> float:
+    """One task: the memberships (home and guests) a row of the first ``m`` rows of the fit's sample gets."""
+    x = SF.fit_sample(sample, m)
+    _, g_row, _ = SD.assign_with_guests(x, centroids, threshold, member_cos=member_cos)
+    return (len(x) + len(g_row)) / max(1, len(x))
 
 
 def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, np.ndarray | None]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _ASSIGN_CELLS = 1 << 22  # rows × centroids per assignment block (32 MiB per float64 array, whatever k is)
+_GRAM_MAX = 4096  # up to this many centroids their (k, k) products are kept (128 MiB); past it, per block
 _BLOCK = 4096  # query rows per similarity block: a (block, cluster) float32 matrix at a time
 
 
@@ -225,6 +226,7 @@ def assign_with_guests(
     if member_cos is not None:
         angle = np.arccos(np.clip(member_cos, -1.0, 1.0)) + np.arccos(np.clip(threshold, -1.0, 1.0)) + 1e-6
         cone = np.where(angle >= np.pi, -2.0, np.cos(np.minimum(angle, np.pi))) * np.sqrt(np.maximum(cn, 0.0))
+    gram = c @ c.T if len(c) <= _GRAM_MAX else None
     primary = np.empty(len(vectors), dtype=np.int64)
     g_row, g_cl = [], []
     step = _blocks(len(vectors), len(c), block).step
@@ -232,7 +234,7 @@ def assign_with_guests(
         x = normalize(vectors[lo : lo + step]).astype(np.float64)
         dist2, a = _nearest_block(x, c, cn)
         primary[lo : lo + len(x)] = a
-        cc = c[a] @ c.T  # per block, not the (k, k) Gram matrix: its rows of the nearest centroids
+        cc = gram[a] if gram is not None else c[a] @ c.T  # past _GRAM_MAX the block's rows of it
         sep = np.sqrt(np.maximum(cn[a][:, None] + cn[None, :] - 2.0 * cc, 1e-300))  # |c_a − c_b|
         gap = (dist2 - dist2[np.arange(len(x)), a][:, None]) / (2.0 * sep)
         near = (gap <= d) & (np.arange(len(c))[None, :] > a[:, None])
