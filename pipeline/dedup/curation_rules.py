@@ -86,9 +86,7 @@ def bucket_facts(
         if hashed.any():
             h = pc.fill_null(phash.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)[hashed]
             task, key = np.full(len(h), "", dtype=object), np.full(len(h), "", dtype=object)
-            for a in range(
-                0, len(h), _PHASH_BLOCK
-            ):  # each row's match is its own: blocks bound the candidates
+            for a in range(0, len(h), _PHASH_BLOCK):  # a row's match is its own: blocks bound the candidates
                 sl = slice(a, a + _PHASH_BLOCK)
                 task[sl], key[sl] = EL.eval_leaks(
                     h[sl], None, ref, decontam.phash_threshold, decontam.embedding_threshold

@@ -16,8 +16,9 @@ most ``_FIT_ROWS`` rows) that one task fits k-means and the guests' screen basis
 of each row to its nearest cluster and as a guest to the clusters whose border it is near and whose
 members it can reach (``semantic.assign_with_guests``, after a pass for each cluster's extent), written
 to bucket files by cluster group (``_GROUP_ROWS`` rows as k-means is asked for them, fewer clusters where
-a sample says rows are guests of many: ``_GROUP_MEMBERSHIPS``), on ``scratch``. One task per group reads its bucket and returns the pairs
-above the threshold as uid pairs (guests screened in the basis: docs/decisions/0096). These candidates
+a sample says rows are guests of many: ``_GROUP_MEMBERSHIPS``), on ``scratch``. One task per group reads
+its bucket and returns the pairs above the threshold as uid pairs (guests screened in the basis:
+docs/decisions/0096). These candidates
 (uid pairs and leaks) are then checked per uid bucket by one task each (``bucket_facts``: which named
 uids are rows the build still holds as ``success``, their keep-first score, and the bucket's pHash
 leaks), and ``decide`` runs the greedy rule over the pairs whose two ends remain (docs/decisions/0087).
@@ -218,7 +219,8 @@ def curate_buckets(
     by_bucket = np.argsort(at, kind="stable")
     edges = np.searchsorted(at[by_bucket], np.arange(n_buckets + 1))
     facts_task = ray.remote(num_cpus=1)(_bucket_facts)
-    ref_ref = ray.put(ref)
+    # the buckets match by pHash only: their reference carries no vectors (700k × 768 float32 is 2 GB)
+    ref_ref = ray.put(None if ref is None else EL.EvalReference(ref.task, ref.key, ref.phash))
     facts = ray.get(
         [
             facts_task.remote(
@@ -332,15 +334,15 @@ def semantic_pairs(
     m = min(n, 256 * k, _FIT_ROWS)
     # an upper bound on the rate (the fit task trims to the m smallest hashes): 1% more than m/n asks
     cut = 1 << 64 if m >= n else min(int(min(1.0, 1.01 * m / n + 64 / n) * float(1 << 64)), (1 << 64) - 1)
-    sample_task = ray.remote(num_cpus=1, num_returns=2)(SF.sample_file)
+    sample_task = ray.remote(num_cpus=1)(SF.sample_file)
     outs = [sample_task.remote(src, key, cut, cfg.semantic_seed, store) for src in sources]
-    fit = ray.remote(num_cpus=1)(_fit_files).remote(m, k, cfg.semantic_seed, *[o[1] for o in outs])
+    fit = ray.remote(num_cpus=1)(_fit_files).remote(m, k, cfg.semantic_seed, *outs)
     centroids, basis = ray.get(fit)
     log(f"semantic dedup: {n} rows in {len(sources)} files, {k} clusters fitted on {m} ({_since(t0)})")
     own = scratch is None
     root = tempfile.mkdtemp(prefix="prolip-semdedup-") if own else scratch
     try:
-        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, [o[1] for o in outs])
+        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, outs)
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)

@@ -178,8 +178,8 @@ def _nearest_block(x: np.ndarray, c: np.ndarray, cn: np.ndarray) -> tuple[np.nda
     return dist2, np.argmin(dist2, axis=1)
 
 
-def _blocks(n: int, k: int, block: int) -> range:
-    return range(0, n, max(16, min(block, _ASSIGN_CELLS // max(1, k))))  # (block, k) arrays flat in k
+def _block_rows(k: int, block: int) -> int:
+    return max(16, min(block, _ASSIGN_CELLS // max(1, k)))  # (block, k) float64 arrays flat in k
 
 
 def cluster_cosines(vectors: np.ndarray, centroids: np.ndarray, block: int = 4096) -> np.ndarray:
@@ -190,7 +190,7 @@ def cluster_cosines(vectors: np.ndarray, centroids: np.ndarray, block: int = 409
     cn = (c * c).sum(axis=1)
     unit = c / np.sqrt(np.maximum(cn, 1e-300))[:, None]
     out = np.ones(len(c), dtype=np.float64)
-    step = _blocks(len(vectors), len(c), block).step
+    step = _block_rows(len(c), block)
     for lo in range(0, len(vectors), step):
         x = normalize(vectors[lo : lo + step]).astype(np.float64)
         dist2, a = _nearest_block(x, c, cn)
@@ -229,7 +229,7 @@ def assign_with_guests(
     gram = c @ c.T if len(c) <= _GRAM_MAX else None
     primary = np.empty(len(vectors), dtype=np.int64)
     g_row, g_cl = [], []
-    step = _blocks(len(vectors), len(c), block).step
+    step = _block_rows(len(c), block)
     for lo in range(0, len(vectors), step):
         x = normalize(vectors[lo : lo + step]).astype(np.float64)
         dist2, a = _nearest_block(x, c, cn)

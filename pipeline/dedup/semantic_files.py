@@ -49,19 +49,15 @@ def sample_hash(uids: pa.Array, seed: int) -> np.ndarray:
     return uid_hash(uids, seed ^ _SAMPLE_SALT)
 
 
-def sample_file(
-    src: str, key: str, cut: int, seed: int, store: Storage
-) -> tuple[int, tuple[np.ndarray, np.ndarray]]:
-    """→ how many rows it sampled, and the sample: (uid hash, float16 vector) of the rows whose hash is
-    below ``cut``."""
+def sample_file(src: str, key: str, cut: int, seed: int, store: Storage) -> tuple[np.ndarray, np.ndarray]:
+    """The file's sample: (uid hash, float16 vector) of the rows whose hash is below ``cut``."""
     hs, vs = [np.zeros(0, np.uint64)], []
     for uids, vec in rows_of(src, key, store):
         h = sample_hash(uids, seed)
         take = h < np.uint64(cut) if cut < (1 << 64) else np.ones(len(h), bool)
         hs.append(h[take])
         vs.append(vec[take].astype(np.float16))
-    sample = (np.concatenate(hs), np.concatenate(vs) if vs else np.zeros((0, 0), np.float16))
-    return len(sample[0]), sample
+    return np.concatenate(hs), np.concatenate(vs) if vs else np.zeros((0, 0), np.float16)
 
 
 def fit_sample(parts: Sequence[tuple[np.ndarray, np.ndarray]], m: int) -> np.ndarray:
