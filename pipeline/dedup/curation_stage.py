@@ -15,8 +15,8 @@ and 0102): the embedding half of decontamination; a count, then the k-means samp
 most ``_FIT_ROWS`` rows) that one task fits k-means and the guests' screen basis on; then the assignment
 of each row to its nearest cluster and as a guest to the clusters whose border it is near and whose
 members it can reach (``semantic.assign_with_guests``, after a pass for each cluster's extent), written
-to bucket files by cluster group (``_GROUP_ROWS`` rows as k-means is asked for them, fewer clusters where
-a sample says rows are guests of many: ``_GROUP_MEMBERSHIPS``), on ``scratch``. One task per group reads
+to bucket files by cluster group (``_GROUP_MEMBERSHIPS`` members and guests as a sample estimates them;
+a wide cluster's guests shared over several groups: docs/decisions/0104), on ``scratch``. One task per group reads
 its bucket and returns the pairs above the threshold as uid pairs (guests screened in the basis:
 docs/decisions/0096). These candidates
 (uid pairs and leaks) are then checked per uid bucket by one task each (``bucket_facts``: which named
@@ -27,6 +27,7 @@ No process holds a column of the pool: the stage holds the candidates, the centr
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
 import time
@@ -39,6 +40,7 @@ import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.common import storage
+from pipeline.common.process_memory import release_free_memory
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig, DedupeConfig
 from pipeline.dedup import curation_rules as CR
@@ -47,9 +49,8 @@ from pipeline.dedup import semantic as SD
 from pipeline.dedup import semantic_files as SF
 from pipeline.stages.buckets import uid_buckets
 
-_GROUP_ROWS = 50_000  # rows of one task's clusters, as k-means is asked for them, at most
 _GROUP_MEMBERSHIPS = 1 << 18  # memberships (members and guests) of one task's clusters, as estimated
-_ESTIMATE_ROWS = 1 << 16  # sample rows the memberships a row are estimated on
+_ESTIMATE_ROWS = 1 << 17  # sample rows each cluster's members and guests are estimated on
 _FIT_ROWS = 1 << 21  # k-means and the screen's basis see at most this many rows (a sampled fit)
 
 
@@ -171,7 +172,7 @@ def find_candidates(
     key = cfg.dedupe.embedding_key
     leaks = []
     if ref is not None and ref.vectors is not None and len(ref.task):
-        leak_task = ray.remote(num_cpus=1)(SF.leak_file)
+        leak_task = _task(SF.leak_file)
         ref_ref = ray.put(ref)
         leaks = [leak_task.remote(s, key, ref_ref, cfg.decontam.embedding_threshold, store) for s in sources]
     if cfg.dedupe.semantic:
@@ -189,6 +190,21 @@ def find_candidates(
 
 def _since(t0: float) -> str:
     return f"{time.perf_counter() - t0:.1f} s"
+
+
+def _task(fn: Callable):
+    """``fn`` as a one-CPU Ray task that hands its worker's freed memory back when it ends, so the next
+    task on that worker starts from what the worker holds, not from the largest task before it."""
+    import ray
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            release_free_memory()
+
+    return ray.remote(num_cpus=1)(run)
 
 
 def curate_buckets(
@@ -218,7 +234,7 @@ def curate_buckets(
     at = uid_buckets(named, n_buckets)
     by_bucket = np.argsort(at, kind="stable")
     edges = np.searchsorted(at[by_bucket], np.arange(n_buckets + 1))
-    facts_task = ray.remote(num_cpus=1)(_bucket_facts)
+    facts_task = _task(_bucket_facts)
     # the buckets match by pHash only: their reference carries no vectors (700k × 768 float32 is 2 GB)
     ref_ref = ray.put(None if ref is None else EL.EvalReference(ref.task, ref.key, ref.phash))
     facts = ray.get(
@@ -326,7 +342,7 @@ def semantic_pairs(
 
     t0 = time.perf_counter()
     none = (pa.array([], pa.string()), pa.array([], pa.string()), np.zeros(0, np.float64))
-    count = ray.remote(num_cpus=1)(SF.count_file)
+    count = _task(SF.count_file)
     n = int(sum(ray.get([count.remote(s, store) for s in sources])))
     if n < 2:
         return none, min(n, 1), n
@@ -334,15 +350,15 @@ def semantic_pairs(
     m = min(n, 256 * k, _FIT_ROWS)
     # an upper bound on the rate (the fit task trims to the m smallest hashes): 1% more than m/n asks
     cut = 1 << 64 if m >= n else min(int(min(1.0, 1.01 * m / n + 64 / n) * float(1 << 64)), (1 << 64) - 1)
-    sample_task = ray.remote(num_cpus=1)(SF.sample_file)
+    sample_task = _task(SF.sample_file)
     outs = [sample_task.remote(src, key, cut, cfg.semantic_seed, store) for src in sources]
-    fit = ray.remote(num_cpus=1)(_fit_files).remote(m, k, cfg.semantic_seed, *outs)
+    fit = _task(_fit_files).remote(m, k, cfg.semantic_seed, *outs)
     centroids, basis = ray.get(fit)
     log(f"semantic dedup: {n} rows in {len(sources)} files, {k} clusters fitted on {m} ({_since(t0)})")
     own = scratch is None
     root = tempfile.mkdtemp(prefix="prolip-semdedup-") if own else scratch
     try:
-        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, outs)
+        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, outs, n)
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
@@ -358,38 +374,44 @@ def _pairs(
     root: str,
     store: Storage,
     log: Callable[[str], None],
-    sample: Sequence = (),
+    sample: Sequence,
+    n_rows: int,
 ) -> tuple[pa.Array, pa.Array, np.ndarray]:
-    """Assignment in one task per file into bucket files of cluster groups (``_GROUP_ROWS`` rows, as k-means
-    was asked for), then one task per group → the union of their pairs (uid, uid, cosine)."""
+    """Assignment in one task per file into bucket files of cluster groups (``SF.plan_groups`` over the
+    ``sample``'s estimate of each cluster's members and guests among ``n_rows``: ``_GROUP_MEMBERSHIPS``
+    a group), then one task per group → the union of their pairs (uid, uid, cosine)."""
     import ray
 
     t0 = time.perf_counter()
     t = cfg.semantic_threshold
     paths = [storage.join(root, "assign", f"{f:05d}.parquet") for f in range(len(sources))]
     cen = ray.put(centroids)
-    cosines = ray.remote(num_cpus=1)(SF.cosines_file)
+    cosines = _task(SF.cosines_file)
     member_cos = np.min(np.stack(ray.get([cosines.remote(s, key, cen, store) for s in sources])), axis=0)
-    per_group = max(1, _GROUP_ROWS // cfg.semantic_cluster_rows)
-    if sample:  # groups sized by their memberships: where rows are guests of many clusters, fewer clusters
-        est = ray.remote(num_cpus=1)(_memberships_a_row).remote(_ESTIMATE_ROWS, cen, member_cos, t, *sample)
-        a_row = max(1.0, float(ray.get(est)))
-        per_group = max(1, min(per_group, int(_GROUP_MEMBERSHIPS / (cfg.semantic_cluster_rows * a_row))))
-        log(f"semantic dedup: ~{a_row:.1f} memberships a row in a sample, {per_group} clusters a group")
+    est = _task(_cluster_loads).remote(_ESTIMATE_ROWS, cen, member_cos, t, *sample)
+    members, guests = ray.get(est)  # on a sample: scaled to the pool
+    scale = n_rows / max(1.0, members.sum())
+    members, guests = members * scale, guests * scale
+    plan = SF.plan_groups(members, guests, _GROUP_MEMBERSHIPS)
+    log(
+        f"semantic dedup: ~{(members.sum() + guests.sum()) / max(1.0, n_rows):.1f} memberships a row in a sample, "
+        f"{plan.n_buckets} groups ({int((plan.slices > 1).sum())} clusters over several)"
+    )
     log(f"semantic dedup: the clusters' extents measured ({_since(t0)})")
     t0 = time.perf_counter()
-    assign = ray.remote(num_cpus=1)(SF.assign_file)
+    assign = _task(SF.assign_file)
     n = ray.get(
         [
-            assign.remote(s, key, cen, member_cos, t, per_group, p, store)
+            assign.remote(s, key, cen, member_cos, t, plan, p, store)
             for s, p in zip(sources, paths, strict=True)
         ]
     )
     log(f"semantic dedup: {sum(n)} cluster memberships (homes and guests) written ({_since(t0)})")
     t0 = time.perf_counter()
-    pairs = ray.remote(num_cpus=1)(SF.group_pairs)
-    groups = range(-(-len(centroids) // per_group))
-    found = ray.get([pairs.remote(paths, g, per_group, cen, t, basis, store) for g in groups])
+    pairs = _task(SF.group_pairs)
+    groups = range(plan.n_buckets)
+    first = ray.put(plan.first)
+    found = ray.get([pairs.remote(paths, g, first, cen, t, basis, store) for g in groups])
     store.remove_files(paths)
     log(
         f"semantic dedup: {sum(len(f[0]) for f in found)} pairs above the threshold in {len(groups)} groups ({_since(t0)})"
@@ -401,13 +423,16 @@ def _pairs(
     )
 
 
-def _memberships_a_row(
+def _cluster_loads(
     m: int, centroids: np.ndarray, member_cos: np.ndarray, threshold: float, *sample
-) -> float:
-    """One task: the memberships (home and guests) a row of the first ``m`` rows of the fit's sample gets."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """One task: per cluster, the members and the guests the first ``m`` rows of the fit's sample give it."""
     x = SF.fit_sample(sample, m)
-    _, g_row, _ = SD.assign_with_guests(x, centroids, threshold, member_cos=member_cos)
-    return (len(x) + len(g_row)) / max(1, len(x))
+    primary, _, g_cl = SD.assign_with_guests(x, centroids, threshold, member_cos=member_cos)
+    k = len(centroids)
+    return np.bincount(primary, minlength=k).astype(np.float64), np.bincount(g_cl, minlength=k).astype(
+        np.float64
+    )
 
 
 def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, np.ndarray | None]:

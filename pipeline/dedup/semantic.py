@@ -281,15 +281,18 @@ def cluster_candidates(
     centroids: np.ndarray,
     threshold: float,
     screen: tuple[np.ndarray, np.ndarray] | None = None,
+    member_pairs: bool = True,
 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """One cluster's pairs above the threshold: ((i, j, s) member–member, i < j, positions in ``members``;
     (g, j, s) guest–member, positions in ``guests`` and ``members``), cosines in float64. A guest from
     cluster a meets only the members within the reach of the a|b hyperplane: a pair across it has both
     ends there. With a ``screen`` (the members' and the guests' ``project``) every guest meets every
     member in the basis's few dimensions instead, by the bound ⟨Px, Py⟩ + |x − Px|·|y − Py| ≥ ⟨x, y⟩, and
-    only the pairs it lets through get their exact cosine (``guests`` is then read at those rows only)."""
+    only the pairs it lets through get their exact cosine (``guests`` is then read at those rows only).
+    Without ``member_pairs`` the member–member pairs are left to another task (none returned)."""
     um = normalize(members)
-    mi, mj, ms = _unit_pairs(um, um, threshold, same=True)
+    none = np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
+    mi, mj, ms = _unit_pairs(um, um, threshold, same=True) if member_pairs else none
     gi_all, gj_all, gs_all = [], [], []
     if screen is not None and len(guests) and len(members):
         qm, qg = screen

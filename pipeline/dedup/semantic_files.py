@@ -11,13 +11,19 @@ the pool's vectors anywhere but into the clusters' bucket files (docs/decisions/
 - ``cosines_file``: how far each cluster's members of the file lie from its direction;
 - ``assign_file``: each row to its nearest cluster and as a guest to the clusters whose border it is
   near and whose members it can reach (``semantic.assign_with_guests``), written to one bucketed file,
-  a bucket per cluster group;
+  a bucket per cluster group of the ``GroupPlan``;
 - ``group_pairs``: one group's bucket → its clusters' pairs above the threshold, as uid pairs.
+
+The ``GroupPlan`` packs clusters into groups of a bounded number of memberships by a sample's estimate
+of each cluster's members and guests, and splits a cluster with more guests than a group holds over
+several groups, each with all its members and a share of its guests by uid hash, so no task's memory
+follows the widest cluster (docs/decisions/0104).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -31,6 +37,7 @@ from pipeline.stages.buckets import BucketWriter, read_bucket
 
 _BLOCK = 1 << 16  # rows read, normalized and assigned at once
 _SAMPLE_SALT = 0x5EED  # the fit sample's uid hash differs from every other use of uid_hash
+_SLICE_SALT = 0x511CE  # and so does the hash that shares a wide cluster's guests out
 
 
 def rows_of(src: str, key: str, store: Storage) -> Iterator[tuple[pa.Array, np.ndarray]]:
@@ -97,32 +104,65 @@ def _vector_column(vec: np.ndarray) -> pa.Array:
     )
 
 
+@dataclass(frozen=True)
+class GroupPlan:
+    """Cluster c's members go to buckets ``first[c]`` … ``first[c] + slices[c] − 1``, each of them, and each
+    of its guests to one of those by uid hash; the task of bucket ``first[c]`` alone pairs c's members
+    with each other, so every pair is found once."""
+
+    first: np.ndarray
+    slices: np.ndarray
+
+    @property
+    def n_buckets(self) -> int:
+        return int((self.first + self.slices).max()) if len(self.first) else 0
+
+
+def plan_groups(members: np.ndarray, guests: np.ndarray, budget: float) -> GroupPlan:
+    """Consecutive clusters packed into groups of at most ``budget`` memberships (as estimated: members
+    plus guests); a cluster past it on its own, its guests over as many groups as keep each within it
+    (at least half the budget of guests each, when its members alone take more than half)."""
+    k = len(members)
+    first, slices = np.zeros(k, np.int64), np.ones(k, np.int64)
+    b, load = 0, 0.0
+    for c in range(k):
+        m, g = float(members[c]), float(guests[c])
+        if m + g > budget:
+            b += load > 0
+            first[c], slices[c] = b, max(1, int(np.ceil(g / max(budget - m, budget / 2))))
+            b, load = b + int(slices[c]), 0.0
+            continue
+        if load > 0 and load + m + g > budget:
+            b, load = b + 1, 0.0
+        first[c], load = b, load + m + g
+    return GroupPlan(first, slices)
+
+
 def assign_file(
     src: str,
     key: str,
     centroids: np.ndarray,
     member_cos: np.ndarray,
     threshold: float,
-    per_group: int,
+    plan: GroupPlan,
     out: str,
     store: Storage,
 ) -> int:
-    """The file's rows' cluster memberships (home, then guest ones), bucketed by cluster group
-    (``cluster // per_group``) into ``out`` → the number of memberships written."""
+    """The file's rows' cluster memberships (home, then guest ones), bucketed by the ``plan``'s groups
+    into ``out`` → the number of memberships written (a wide cluster's members once for each of its
+    groups)."""
     w = BucketWriter(out, store)
     n = 0
     try:
-        for uids, vec in rows_of(src, key, store):
-            primary, g_row, g_cl = SD.assign_with_guests(vec, centroids, threshold, member_cos=member_cos)
-            every = np.concatenate([np.arange(len(uids)), g_row])
-            clusters = np.concatenate([primary, g_cl])
-            half = vec.astype(np.float16)
-            for a in range(0, len(every), _BLOCK):  # a row may be a guest of many clusters: bounded tables
-                rows, cluster = every[a : a + _BLOCK], clusters[a : a + _BLOCK]
-                t = pa.table({"uid": uids.take(pa.array(rows)), "home": pa.array(primary[rows].astype(np.int32)),
-                              "cluster": pa.array(cluster.astype(np.int32)), "vec": _vector_column(half[rows])})  # fmt: skip
-                w.add(t, cluster // per_group)
-            n += len(every)
+        rows_at_once = _BLOCK
+        for block_uids, block in rows_of(src, key, store):
+            lo = 0
+            while lo < len(block_uids):
+                uids, vec = block_uids[lo : lo + rows_at_once], block[lo : lo + rows_at_once]
+                written = _assign_rows(uids, vec, centroids, member_cos, threshold, plan, w)
+                n, lo = n + written, lo + len(uids)
+                # a row may be a guest of many clusters: the next rows sized to ~_BLOCK memberships
+                rows_at_once = int(np.clip(_BLOCK * len(uids) // max(1, written), 256, _BLOCK))
         w.close(pa.schema([("uid", pa.string()), ("home", pa.int32()), ("cluster", pa.int32()),
                            ("vec", pa.binary(centroids.shape[1] * 2))]))  # fmt: skip
     except BaseException:
@@ -131,16 +171,46 @@ def assign_file(
     return n
 
 
+def _assign_rows(
+    uids: pa.Array,
+    vec: np.ndarray,
+    centroids: np.ndarray,
+    member_cos: np.ndarray,
+    threshold: float,
+    plan: GroupPlan,
+    w: BucketWriter,
+) -> int:
+    """``assign_file`` for one block of rows → the memberships it wrote."""
+    primary, g_row, g_cl = SD.assign_with_guests(vec, centroids, threshold, member_cos=member_cos)
+    copies = plan.slices[primary]
+    home_rows = np.repeat(np.arange(len(uids)), copies)
+    nth = np.arange(len(home_rows)) - np.repeat(np.cumsum(copies) - copies, copies)
+    share = uid_hash(uids, _SLICE_SALT)[g_row] % plan.slices[g_cl].astype(np.uint64)
+    every = np.concatenate([home_rows, g_row])
+    clusters = np.concatenate([primary[home_rows], g_cl])
+    buckets = np.concatenate(
+        [plan.first[primary][home_rows] + nth, plan.first[g_cl] + share.astype(np.int64)]
+    )
+    half = vec.astype(np.float16)
+    for a in range(0, len(every), _BLOCK):  # bounded tables
+        rows, cluster = every[a : a + _BLOCK], clusters[a : a + _BLOCK]
+        t = pa.table({"uid": uids.take(pa.array(rows)), "home": pa.array(primary[rows].astype(np.int32)),
+                      "cluster": pa.array(cluster.astype(np.int32)), "vec": _vector_column(half[rows])})  # fmt: skip
+        w.add(t, buckets[a : a + _BLOCK])
+    return len(every)
+
+
 def group_pairs(
     paths: Sequence[str],
     g: int,
-    per_group: int,
+    first: np.ndarray,
     centroids: np.ndarray,
     threshold: float,
     basis: np.ndarray | None,
     store: Storage,
 ) -> tuple[pa.Array, pa.Array, np.ndarray]:
-    """Cluster group ``g``'s bucket from every file → its pairs above the threshold (uid, uid, cosine)."""
+    """Group ``g``'s bucket from every file → its clusters' pairs above the threshold (uid, uid, cosine);
+    member–member pairs only of the clusters whose first group it is (``GroupPlan.first``)."""
     none = pa.array([], pa.string()), pa.array([], pa.string()), np.zeros(0, np.float64)
     t = read_bucket(paths, g, store)
     if not t.num_rows:
@@ -154,20 +224,23 @@ def group_pairs(
     buf = np.frombuffer(raw.buffers()[1], np.uint8)[raw.offset * width : (raw.offset + len(raw)) * width]
     vec = buf.view(np.float16).reshape(len(raw), -1)
     order = np.lexsort((row, home != cluster, cluster))  # per cluster its members, then its guests, by row
-    ids, sizes, flat = [], [], []
-    for c in range(g * per_group, min((g + 1) * per_group, len(centroids))):
-        pick = order[cluster[order] == c]
+    ids, starts = np.unique(cluster[order], return_index=True)
+    ends = np.append(starts[1:], len(order))
+    keep, sizes, flat = [], [], []
+    for c, lo, hi in zip(ids.tolist(), starts.tolist(), ends.tolist(), strict=True):
+        pick = order[lo:hi]
         m = int((home[pick] == c).sum())
         if m == 0:
             continue
-        ids.append(c)
+        keep.append(c)
         sizes.append((m, len(pick) - m))
         flat.append(pick)
-    if not ids:
+    if not keep:
         return none
     idx = np.concatenate(flat)
+    own = [int(first[c]) == g for c in keep]
     i, j, s = pairs_group(
-        vec[idx].astype(np.float32), row[idx], home[idx], sizes, ids, centroids, threshold, basis
+        vec[idx].astype(np.float32), row[idx], home[idx], sizes, keep, centroids, threshold, basis, own
     )
     uids = t.column("uid").combine_chunks()
     return uids.take(pa.array(i)), uids.take(pa.array(j)), s
@@ -182,19 +255,22 @@ def pairs_group(
     centroids: np.ndarray,
     threshold: float,
     basis: np.ndarray | None = None,
+    own: Sequence[bool] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One task: ``cluster_candidates`` of each of a group's clusters (per cluster its members, then its
-    guests, whose home clusters are ``home``; screened in ``basis``'s dimensions when there is one) → the
-    pairs above the threshold as positions ``flat`` holds."""
+    guests, whose home clusters are ``home``; screened in ``basis``'s dimensions when there is one; the
+    members paired with each other where ``own`` says so, every cluster without it) → the pairs above
+    the threshold as positions ``flat`` holds."""
     fi, fj, fs = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.float64)]
     at = 0
-    for (m, g), cl in zip(sizes, clusters, strict=True):
+    own = [True] * len(clusters) if own is None else own
+    for (m, g), cl, mine in zip(sizes, clusters, own, strict=True):
         mem, gst = slice(at, at + m), slice(at + m, at + m + g)
         screen = None
         if basis is not None:
             screen = (SD.project(SD.normalize(vecs[mem]), basis), SD.project(SD.normalize(vecs[gst]), basis))
         (mi, mj, ms), (gi, gj, gs) = SD.cluster_candidates(
-            vecs[mem], vecs[gst], home[gst], cl, centroids, threshold, screen
+            vecs[mem], vecs[gst], home[gst], cl, centroids, threshold, screen, member_pairs=mine
         )
         fi += [flat[mem][mi], flat[gst][gi]]
         fj += [flat[mem][mj], flat[mem][gj]]

@@ -1,7 +1,7 @@
 """What one download actor's threads may hold at once while decoding, and glibc's large-buffer release.
 
 ``PixelBudget`` bounds the decoded pixels in flight (docs/download.md, "Decode memory: bounded by design");
-``return_large_buffers_to_os`` and ``release_free_memory`` keep an actor's idle size flat between large
+``return_large_buffers_to_os`` and ``pipeline.common.process_memory.release_free_memory`` keep an actor's idle size flat between large
 images without mapping fresh pages for every image.
 """
 
@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import math
 import threading
 import time
 from collections.abc import Iterator
+
+from pipeline.common.process_memory import glibc
 
 
 class PixelBudget:
@@ -62,36 +61,19 @@ class PixelBudget:
 # and zero-filled fresh pages, ~390 page faults and ~0.6 ms of CPU an image (docs/download.md).
 MMAP_THRESHOLD = 8 << 20
 # Free memory at the top of a heap is kept for reuse up to this much, not handed back after every image;
-# ``release_free_memory`` hands it all back between parts.
+# ``process_memory.release_free_memory`` hands it all back between parts.
 TRIM_THRESHOLD = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc only
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
 def return_large_buffers_to_os(threshold: int = MMAP_THRESHOLD, keep: int = TRIM_THRESHOLD) -> bool:
     """Ask glibc to serve allocations ≥ ``threshold`` with their own mmap, returned to the OS on free, and
-    to keep up to ``keep`` bytes of freed heap for reuse (``release_free_memory`` returns them).
+    to keep up to ``keep`` bytes of freed heap for reuse (``process_memory.release_free_memory`` returns them).
 
     By default glibc raises the mmap threshold after freeing a large buffer (up to 32 MiB), after which
     Pillow's 16 MiB blocks land in per-thread heaps that are rarely given back: an actor's idle size then
     grows to its largest image. Fixed values also stop that adjusting. Process-wide; a no-op (False) where
     the C library is not glibc.
     """
-    libc = _libc()
+    libc = glibc()
     return bool(libc and libc.mallopt(_M_MMAP_THRESHOLD, threshold) and libc.mallopt(_M_TRIM_THRESHOLD, keep))
-
-
-def release_free_memory() -> bool:
-    """Hand every arena's free pages back to the OS (``malloc_trim(0)``): an actor's size between parts is
-    what it holds, not what its threads freed. False where the C library is not glibc."""
-    libc = _libc()
-    return bool(libc and libc.malloc_trim(0) >= 0)

@@ -19,15 +19,11 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline import schema as S
+from pipeline.common.process_memory import release_free_memory
 from pipeline.config import DownloadConfig
 from pipeline.download.fetch import CHUNK, DEADLINE, DEADLINE_GRACE_S, fetch
 from pipeline.download.netguard import UrlGuard
-from pipeline.download.pixel_budget import (
-    MMAP_THRESHOLD,
-    PixelBudget,
-    release_free_memory,
-    return_large_buffers_to_os,
-)
+from pipeline.download.pixel_budget import MMAP_THRESHOLD, PixelBudget, return_large_buffers_to_os
 from pipeline.download.politeness import HostSlots
 from pipeline.download.resize import DECODE_BYTES_PER_PIXEL, STRIP_PIXELS, process_image
 from pipeline.download.resolver import CachingResolver

@@ -126,11 +126,14 @@ def test_datacomp_pool_rules_leave_no_leak_and_no_hash_refusal(curated, demo_poo
     assert set(snap["subsets"]["no_filter"]) == {u for u, _ in snap["status"] if S.is_valid_uid(u)}
 
 
-@pytest.mark.parametrize(("group_rows", "d"), [(400, 32), (50_000, 160)])
-def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatch, tmp_path, group_rows, d):
+@pytest.mark.parametrize(("group_memberships", "d"), [(400, 32), (1 << 18, 160)])
+def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(
+    ray_local, monkeypatch, tmp_path, group_memberships, d
+):
     """The Ray stage on a continuum k-means splits, its vectors read in place from two embeddings files by
     the tasks: the exact rule's decisions, however many tasks, with the guests compared in full (32-d) and
-    screened in a basis (160-d); a row no file holds stays and is not counted; rows the build no longer
+    screened in a basis (160-d), in groups of 400 memberships (wide clusters' guests over several) and in
+    one; a row no file holds stays and is not counted; rows the build no longer
     holds as successes (every seventh) are found in pairs but take no part in the rule."""
     import numpy as np
     import pyarrow as pa
@@ -144,7 +147,7 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatc
 
     uids, vectors, _ = continuum(3000, d, seed=9)
     priority = np.random.default_rng(9).random(len(uids))
-    monkeypatch.setattr(CS, "_GROUP_ROWS", group_rows)
+    monkeypatch.setattr(CS, "_GROUP_MEMBERSHIPS", group_memberships)
     rows = np.arange(len(uids))[::-1]  # the stage sees rows in any order
     files = [str(tmp_path / f"{f}.npz") for f in range(2)]
     for f, path in enumerate(files):  # every other row in each file, so both files feed every cluster
@@ -154,8 +157,11 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(ray_local, monkeypatc
     named = np.append(uids[rows][~gone[rows]], "f" * 32)  # and a row without a vector
     cfg = DedupeConfig(semantic=True, semantic_cluster_rows=100)
     store = Storage()
-    pairs, n_clusters, n = CS.semantic_pairs(files, "emb", cfg, store)
+    said = []
+    pairs, n_clusters, n = CS.semantic_pairs(files, "emb", cfg, store, log=said.append)
     assert n == len(uids)
+    split = [int(m.split("(")[1].split()[0]) for m in said if "clusters over several" in m]
+    assert (split[0] > 0) == (group_memberships < 1000), said
     live = CR.BucketFacts(*_no_leaks(), pa.array(named.tolist()), np.append(priority[rows][~gone[rows]], 9.0))
     out = CR.decide(CR.Candidates(*pairs), [live], semantic=True)
     rel = out.relabels.to_pydict()

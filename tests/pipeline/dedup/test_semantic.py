@@ -244,8 +244,9 @@ def test_the_clusters_extent_keeps_guests_off_clusters_they_cannot_reach(data):
 def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     """The Ray stage's task bodies without Ray (``curation_stage._fit``, ``semantic_files.assign_file``
     and ``group_pairs``) on the float16 rows they compare, screened in the fitted basis, with the rows
-    read from an embeddings file and shuffled through bucket files by cluster group: exactly the
-    brute-force pairs of those rows, named by uid."""
+    read from an embeddings file and shuffled through bucket files by cluster group, the wide clusters'
+    guests shared over several groups: exactly the brute-force pairs of those rows, named by uid, each
+    once."""
     import pyarrow as pa
 
     from pipeline.common.storage import Storage
@@ -262,8 +263,14 @@ def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     primary, _, _ = SD.assign_with_guests(x.astype(np.float32), centroids, 0.9)
     store, out = Storage(), str(tmp_path / "assign.parquet")
     member_cos = SF.cosines_file(str(tmp_path / "e.npz"), "emb", centroids, store)
-    SF.assign_file(str(tmp_path / "e.npz"), "emb", centroids, member_cos, 0.9, 4, out, store)
-    found = [SF.group_pairs([out], g, 4, centroids, 0.9, basis, store) for g in range(8)]
+    # the loads of the whole file, so every cluster past 300 memberships shares its guests out
+    _, _, g_cl = SD.assign_with_guests(x.astype(np.float32), centroids, 0.9, member_cos=member_cos)
+    plan = SF.plan_groups(np.bincount(primary, minlength=30), np.bincount(g_cl, minlength=30), 300)
+    assert (plan.slices > 1).sum() >= 3 and plan.n_buckets > 30
+    SF.assign_file(str(tmp_path / "e.npz"), "emb", centroids, member_cos, 0.9, plan, out, store)
+    found = [
+        SF.group_pairs([out], g, plan.first, centroids, 0.9, basis, store) for g in range(plan.n_buckets)
+    ]
     where = {u: k for k, u in enumerate(uids.astype(str)[order].tolist())}  # positions in uid order
     i, j = (
         np.array([where[u] for u in pa.concat_arrays(c).to_pylist()])
@@ -274,3 +281,18 @@ def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     assert set(zip(np.minimum(i, j).tolist(), np.maximum(i, j).tolist(), strict=True)) == set(
         zip(bi.tolist(), bj.tolist(), strict=True)
     )
+    assert len(i) == len(bi)  # no pair found twice
+
+
+def test_group_plan_packs_clusters_and_shares_a_wide_clusters_guests_out():
+    """Clusters packed in order within the budget; a cluster past it alone, over as many groups as keep
+    each within it; a cluster whose members take most of the budget gets half of it for guests a group."""
+    from pipeline.dedup import semantic_files as SF
+
+    plan = SF.plan_groups(np.array([40, 40, 30, 10, 60, 90, 20]), np.array([0, 10, 0, 500, 0, 80, 0]), 100)
+    #  clusters 0+1 (90), 2 (30; 2+3 > 100), 3 alone: 500 guests over ceil(500 / 90) = 6, 4 (60),
+    #  5 alone: 90 members, 80 guests in groups of 50 → 2, 6 (20)
+    np.testing.assert_array_equal(plan.first, [0, 0, 1, 2, 8, 9, 11])
+    np.testing.assert_array_equal(plan.slices, [1, 1, 1, 6, 1, 2, 1])
+    assert plan.n_buckets == 12
+    assert SF.plan_groups(np.zeros(0), np.zeros(0), 100).n_buckets == 0
