@@ -45,7 +45,7 @@ from bench.memory import PeakAnon, PeakAnonWorkers, anon_kb
 from bench.schema import write_records
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "bench" / "results" / "curation_scale.json"
+RESULTS = ROOT / "bench" / "results"
 FILE_ROWS = 250_000
 BUCKET_ROWS = 500_000
 BLOB = 1000
@@ -187,7 +187,7 @@ def run_stage(folder: Path, n: int, cluster_rows: int, threshold: float) -> dict
     leak_found = sum(leak_of.get(u) == f"task/{k}" for u, k in leaks.tolist())
     return {
         "n": n, "files": meta["files"], "buckets": meta["n_buckets"], "wall_s": wall,
-        "driver_growth_mb": (drv.peak - base) / 1024, "worker_peak_mb": wk.peak / 1024,
+        "driver_growth_mb": (drv.peak - base) / 1024, "worker_peak_mb": wk.peak / 1024, "worker_peak_task": wk.title,
         "clusters": cand.n_clusters, "pairs": len(cand.pair_i), "dropped": out.n_semantic,
         "copy_recall": found / len(pairs), "leak_recall": leak_found / len(leaks),
         "flagged": sum(out.leaks_by_task.values()), "memberships_per_row": _memberships() / n,
@@ -225,6 +225,14 @@ def fit(rows: list[dict]) -> tuple[float, float]:
     return float(a), float(b)
 
 
+def _flags(args) -> str:
+    return "".join(
+        f" --{name} {value}"
+        for name, value, default in (("dim", args.dim, 64), ("eval", args.eval, 50_000))
+        if value != default
+    )
+
+
 def records(rows: list[dict], args) -> dict:
     date = datetime.date.today().isoformat()
     recs = []
@@ -232,9 +240,10 @@ def records(rows: list[dict], args) -> dict:
         recs.append(
             {
                 "what": f"curation stage on Ray, {r['n']:,} rows ({r['files']} files, {r['buckets']} uid buckets)",
-                "command": f"python -m bench.curation_scale --sizes {r['n']}",
+                "command": f"python -m bench.curation_scale --sizes {r['n']}" + _flags(args),
                 "figure": f"{r['wall_s']:.0f} s ({r['wall_s'] / r['n'] * 1e6:.0f} µs a row); driver +"
-                f"{r['driver_growth_mb']:.0f} MiB, largest worker {r['worker_peak_mb']:.0f} MiB",
+                f"{r['driver_growth_mb']:.0f} MiB, largest worker {r['worker_peak_mb']:.0f} MiB"
+                + (f" ({r['worker_peak_task'].removeprefix('ray::')})" if r.get("worker_peak_task") else ""),
                 "spread": f"{r['clusters']} clusters, {r['memberships_per_row']:.1f} memberships a row (home and "
                 f"guests), {r['pairs']:,} pairs, {r['dropped']:,} dropped; planted "
                 f"copies found {100 * r['copy_recall']:.1f}%, leaks {100 * r['leak_recall']:.1f}%",
@@ -248,13 +257,16 @@ def records(rows: list[dict], args) -> dict:
     recs.append(
         {
             "what": "extrapolated to 12.8M (small) and 128M (medium) rows on this machine's cores",
-            "command": "python -m bench.curation_scale",
+            "command": "python -m bench.curation_scale" + _flags(args),
             "figure": f"{at[0] / 3600:.1f} h and {at[1] / 3600:.0f} h (t = {a * 1e6:.1f} µs·n"
             + (f" + {b * 1e12:.3f} ps·n²)" if b else ")")
-            + "; the driver stays at the sizes' figure; the largest worker (a cluster group's task) grows "
-            "with the memberships a row, which grow with k on these blobs (decision 0103)",
-            "spread": f"least squares over {sizes} rows; the n² term is the assignment's k centroids a row (two "
-            "passes) and k-means' 256·k-row sample, which stops growing at 2²¹ rows "
+            + "; the driver stays at the sizes' figure. The largest worker is named at each size: the k-means "
+            "fit holds its sample (256·k rows, at most 2²¹: 6 GiB at 768-d); a cluster group's task holds "
+            "~44 MiB of bucket (decision 0104) and every file's footer, whose row groups grow with the "
+            "groups; a uid bucket's task holds its ≤ 500,000 part rows",
+            "spread": f"least squares over {sizes} rows; the n² term is the assignment's k centroids a row (three "
+            "passes), the memberships a row where they grow with k (blobs that crowd the sphere, decision 0103) "
+            "and k-means' 256·k-row sample, which stops growing at 2²¹ rows "
             f"({(1 << 21) // 256 * args.cluster_rows / 1e6:.1f}M rows at this cluster size), so the 128M figure "
             "overstates the fit; the work divides over a cluster's cores (tasks per file, group and bucket)",
             "load": "see the rows above",
@@ -262,9 +274,9 @@ def records(rows: list[dict], args) -> dict:
         }
     )
     return {
-        "title": "Curation at scale through the Ray stages (bench/curation_scale.py)",
-        "doc": f"Synthetic {args.dim}-d float16 embeddings in .npz files of {FILE_ROWS:,} rows (at 768-d the "
-        "products cost 12× and 16M rows would need 24 GiB of input and several times that of bucket files), "
+        "title": f"Curation at scale through the Ray stages, {args.dim}-d (bench/curation_scale.py)",
+        "doc": f"Synthetic {args.dim}-d float16 embeddings in .npz files of {FILE_ROWS:,} rows (16M rows at "
+        "768-d would need 24 GiB of input and more of bucket files; the products cost 12× those at 64-d), "
         "blobs of 1,000 "
         f"(cosine ≈ 0.7 within one), 2% planted near-copies, cosine threshold {args.threshold}, "
         f"~{args.cluster_rows:,} rows per k-means cluster, an eval reference of {args.eval:,} pictures with "
@@ -282,12 +294,17 @@ def main() -> int:
     p.add_argument("--eval", type=int, default=50_000)
     p.add_argument("--cluster-rows", type=int, default=1000)
     p.add_argument("--threshold", type=float, default=0.9)
-    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument(
+        "--out", default="", help="default: bench/results/curation_scale.json at 64-d, else _<dim>d"
+    )
     p.add_argument("--append", action="store_true", help="keep the sizes already in --out")
     p.add_argument("--one", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--synth", default="", help=argparse.SUPPRESS)
     p.add_argument("--stage", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.out = args.out or str(
+        RESULTS / ("curation_scale.json" if args.dim == 64 else f"curation_scale_{args.dim}d.json")
+    )
     if args.synth:
         meta = synth(args.one, args.dim, args.eval, Path(args.synth))
         (Path(args.synth) / "meta.json").write_text(json.dumps(meta))

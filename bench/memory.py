@@ -40,6 +40,15 @@ class PeakAnon:
         self.peak = max(self.peak, anon_kb())
 
 
+def _title(pid: str) -> str:
+    """A process's title (Ray titles a worker by the task it runs: ``ray::group_pairs``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read(200).split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _titled(prefix: str) -> list[str]:
     """PIDs of the processes whose command line starts with ``prefix`` (Ray names its workers ``ray::…``)."""
     import os
@@ -71,8 +80,12 @@ class PeakAnonWorkers(PeakAnon):
         return self
 
     def _watch(self):
+        self.title = ""
         while not self.stop.wait(self.every_s):
-            self.peak = max([self.peak, *(anon_kb(p) for p in _titled(self.prefix))])
+            for pid in _titled(self.prefix):
+                kb = anon_kb(pid)
+                if kb > self.peak:
+                    self.peak, self.title = kb, _title(pid)
 
     def __exit__(self, *exc):
         self.stop.set()

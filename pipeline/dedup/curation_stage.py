@@ -15,7 +15,7 @@ and 0102): the embedding half of decontamination; a count, then the k-means samp
 most ``_FIT_ROWS`` rows) that one task fits k-means and the guests' screen basis on; then the assignment
 of each row to its nearest cluster and as a guest to the clusters whose border it is near and whose
 members it can reach (``semantic.assign_with_guests``, after a pass for each cluster's extent), written
-to bucket files by cluster group (``_GROUP_MEMBERSHIPS`` members and guests as a sample estimates them;
+to bucket files by cluster group (``_GROUP_BYTES`` of members and guests as a sample estimates them;
 a wide cluster's guests shared over several groups: docs/decisions/0104), on ``scratch``. One task per group reads
 its bucket and returns the pairs above the threshold as uid pairs (guests screened in the basis:
 docs/decisions/0096). These candidates
@@ -49,7 +49,8 @@ from pipeline.dedup import semantic as SD
 from pipeline.dedup import semantic_files as SF
 from pipeline.stages.buckets import uid_buckets
 
-_GROUP_MEMBERSHIPS = 1 << 18  # memberships (members and guests) of one task's clusters, as estimated
+_GROUP_BYTES = 44 << 20  # bucket bytes of one task's memberships (members and guests), as estimated
+_MEMBERSHIP_BYTES = 48  # a membership's bytes besides its float16 vector (uid, home, cluster, bucket)
 _ESTIMATE_ROWS = 1 << 17  # sample rows each cluster's members and guests are estimated on
 _FIT_ROWS = 1 << 21  # k-means and the screen's basis see at most this many rows (a sampled fit)
 
@@ -378,8 +379,8 @@ def _pairs(
     n_rows: int,
 ) -> tuple[pa.Array, pa.Array, np.ndarray]:
     """Assignment in one task per file into bucket files of cluster groups (``SF.plan_groups`` over the
-    ``sample``'s estimate of each cluster's members and guests among ``n_rows``: ``_GROUP_MEMBERSHIPS``
-    a group), then one task per group → the union of their pairs (uid, uid, cosine)."""
+    ``sample``'s estimate of each cluster's members and guests among ``n_rows``: ``_GROUP_BYTES`` of
+    bucket a group, whatever the vectors' width), then one task per group → the union of their pairs (uid, uid, cosine)."""
     import ray
 
     t0 = time.perf_counter()
@@ -392,7 +393,8 @@ def _pairs(
     members, guests = ray.get(est)  # on a sample: scaled to the pool
     scale = n_rows / max(1.0, members.sum())
     members, guests = members * scale, guests * scale
-    plan = SF.plan_groups(members, guests, _GROUP_MEMBERSHIPS)
+    budget = _GROUP_BYTES / (2 * centroids.shape[1] + _MEMBERSHIP_BYTES)  # float16 vectors
+    plan = SF.plan_groups(members, guests, budget)
     log(
         f"semantic dedup: ~{(members.sum() + guests.sum()) / max(1.0, n_rows):.1f} memberships a row in a sample, "
         f"{plan.n_buckets} groups ({int((plan.slices > 1).sum())} clusters over several)"

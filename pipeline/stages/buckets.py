@@ -29,6 +29,7 @@ from pipeline.source.row_checks import valid_uids
 
 BUCKET = "_bucket"
 FLUSH_ROWS = 1 << 18  # rows a BucketWriter buffers before writing them out
+FLUSH_BYTES = 64 << 20  # or bytes, whichever comes first (a row with a 768-d vector is ~1.6 KB)
 _READ_THREADS = 8  # files of one bucket read at once (object-store latency, not CPU)
 
 
@@ -38,7 +39,7 @@ class BucketWriter:
     def __init__(self, path: str, store: Storage, flush_rows: int = FLUSH_ROWS) -> None:
         self.path, self.store, self.flush_rows = path, store, flush_rows
         self._pending: list[pa.Table] = []
-        self._rows = 0
+        self._rows = self._bytes = 0
         self._out = None
         self._writer: pq.ParquetWriter | None = None
         self.schema: pa.Schema | None = None
@@ -51,14 +52,15 @@ class BucketWriter:
             self.schema = table.schema
         self._pending.append(table.cast(self.schema) if table.schema != self.schema else table)
         self._rows += table.num_rows
-        if self._rows >= self.flush_rows:
+        self._bytes += table.nbytes
+        if self._rows >= self.flush_rows or self._bytes >= FLUSH_BYTES:
             self._flush()
 
     def _flush(self) -> None:
         if not self._pending:
             return
         table = pa.concat_tables(self._pending)
-        self._pending, self._rows = [], 0
+        self._pending, self._rows, self._bytes = [], 0, 0
         if not table.num_rows:
             return
         if self._writer is None:

@@ -147,7 +147,7 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(
 
     uids, vectors, _ = continuum(3000, d, seed=9)
     priority = np.random.default_rng(9).random(len(uids))
-    monkeypatch.setattr(CS, "_GROUP_MEMBERSHIPS", group_memberships)
+    monkeypatch.setattr(CS, "_GROUP_BYTES", group_memberships * (2 * d + CS._MEMBERSHIP_BYTES))
     rows = np.arange(len(uids))[::-1]  # the stage sees rows in any order
     files = [str(tmp_path / f"{f}.npz") for f in range(2)]
     for f, path in enumerate(files):  # every other row in each file, so both files feed every cluster
