@@ -35,9 +35,8 @@ from pipeline.filters import embedding as E
 from pipeline.filters.datacomp import uid_hash
 from pipeline.stages.buckets import BucketWriter, read_bucket
 
-_BLOCK = (
-    1 << 14
-)  # rows read, normalized and assigned at once (50 MB of float32 at 768-d); memberships a table
+# rows read, normalized and assigned at once (50 MB of float32 at 768-d); memberships in a table
+_BLOCK = 1 << 14
 _SAMPLE_SALT = 0x5EED  # the fit sample's uid hash differs from every other use of uid_hash
 _SLICE_SALT = 0x511CE  # and so does the hash that shares a wide cluster's guests out
 
