@@ -432,9 +432,7 @@ def _cluster_loads(
     x = SF.fit_sample(sample, m)
     primary, _, g_cl = SD.assign_with_guests(x, centroids, threshold, member_cos=member_cos)
     k = len(centroids)
-    return np.bincount(primary, minlength=k).astype(np.float64), np.bincount(g_cl, minlength=k).astype(
-        np.float64
-    )
+    return np.bincount(primary, minlength=k) * 1.0, np.bincount(g_cl, minlength=k) * 1.0
 
 
 def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, np.ndarray | None]:

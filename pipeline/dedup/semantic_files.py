@@ -186,12 +186,14 @@ def _assign_rows(
     copies = plan.slices[primary]
     home_rows = np.repeat(np.arange(len(uids)), copies)
     nth = np.arange(len(home_rows)) - np.repeat(np.cumsum(copies) - copies, copies)
-    share = uid_hash(uids, _SLICE_SALT)[g_row] % plan.slices[g_cl].astype(np.uint64)
+    share = np.zeros(len(g_row), np.int64)  # which of its cluster's groups a guest goes to
+    sliced = plan.slices[g_cl] > 1
+    if sliced.any():  # the uids hashed only where a cluster spans several groups
+        h = uid_hash(uids.take(pa.array(g_row[sliced])), _SLICE_SALT)
+        share[sliced] = (h % plan.slices[g_cl[sliced]].astype(np.uint64)).astype(np.int64)
     every = np.concatenate([home_rows, g_row])
     clusters = np.concatenate([primary[home_rows], g_cl])
-    buckets = np.concatenate(
-        [plan.first[primary][home_rows] + nth, plan.first[g_cl] + share.astype(np.int64)]
-    )
+    buckets = np.concatenate([plan.first[primary][home_rows] + nth, plan.first[g_cl] + share])
     half = vec.astype(np.float16)
     for a in range(0, len(every), _BLOCK):  # bounded tables
         rows, cluster = every[a : a + _BLOCK], clusters[a : a + _BLOCK]

@@ -1,8 +1,8 @@
 """What one download actor's threads may hold at once while decoding, and glibc's large-buffer release.
 
 ``PixelBudget`` bounds the decoded pixels in flight (docs/download.md, "Decode memory: bounded by design");
-``return_large_buffers_to_os`` and ``pipeline.common.process_memory.release_free_memory`` keep an actor's idle size flat between large
-images without mapping fresh pages for every image.
+``return_large_buffers_to_os`` and ``pipeline.common.process_memory.release_free_memory`` keep an actor's
+idle size flat between large images without mapping fresh pages for every image.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 def return_large_buffers_to_os(threshold: int = MMAP_THRESHOLD, keep: int = TRIM_THRESHOLD) -> bool:
     """Ask glibc to serve allocations ≥ ``threshold`` with their own mmap, returned to the OS on free, and
-    to keep up to ``keep`` bytes of freed heap for reuse (``process_memory.release_free_memory`` returns them).
+    to keep up to ``keep`` bytes of freed heap for reuse (``process_memory.release_free_memory`` returns
+    them).
 
     By default glibc raises the mmap threshold after freeing a large buffer (up to 32 MiB), after which
     Pillow's 16 MiB blocks land in per-thread heaps that are rarely given back: an actor's idle size then

@@ -63,9 +63,7 @@ class BucketWriter:
         self._pending, self._rows, self._bytes = [], 0, 0
         if not table.num_rows:
             return
-        if self._writer is None:
-            self._out = self.store.open_output(self.path)
-            self._writer = self._parquet_writer()
+        self._open()
         order = pc.sort_indices(table.column(BUCKET)).to_numpy()
         b = table.column(BUCKET).to_numpy()[order]
         starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1]])) if len(b) else np.zeros(0, int)
@@ -73,19 +71,19 @@ class BucketWriter:
         for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
             self._writer.write_table(table.take(pa.array(order[s:e])), row_group_size=e - s)
 
-    def _parquet_writer(self) -> pq.ParquetWriter:
-        # statistics of the bucket column only: a reader parses the footer of every row group, and the
-        # other columns' (a vector column's min and max above all) made it 6× larger in memory
-        return pq.ParquetWriter(self._out, self.schema, write_statistics=[BUCKET])
+    def _open(self) -> None:
+        if self._writer is None:
+            self._out = self.store.open_output(self.path)
+            # statistics of the bucket column only: every reader reads the footer, which the other
+            # columns' min and max (a vector column's above all) made twice as large
+            self._writer = pq.ParquetWriter(self._out, self.schema, write_statistics=[BUCKET])
 
     def close(self, schema: pa.Schema | None = None) -> None:
         """Write what is buffered and publish the file (an empty table of ``schema`` if nothing was added)."""
         if self.schema is None:
             self.schema = (schema or pa.schema([])).append(pa.field(BUCKET, pa.int32()))
         self._flush()
-        if self._writer is None:
-            self._out = self.store.open_output(self.path)
-            self._writer = self._parquet_writer()
+        self._open()
         self._writer.close()
         self._out.close()
 
