@@ -18,6 +18,7 @@ into what an uninterrupted run gives. A point costs one environment lookup when 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 
@@ -43,15 +44,21 @@ def point(name: str) -> None:
     if not entries:
         return
     for entry in entries:
-        if int(entry.partition("@")[2] or 1) != _hits[name] or _fired(entry):
+        if int(entry.partition("@")[2] or 1) != _hits[name]:
             continue
         state = env.get(STATE)
-        if state:
-            with open(state, "a") as f:
-                f.write(entry + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-        os.kill(os.getpid(), signal.SIGKILL)
+        if not state:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(state, "a+") as f:
+            # two ranks at the same point at once: the lock lets one of them fire, held until it dies
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.seek(0)
+            if entry in {line.strip() for line in f}:
+                continue
+            f.write(entry + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fired(entry: str) -> bool:
