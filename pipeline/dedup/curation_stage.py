@@ -12,7 +12,7 @@ The image embeddings are DataComp's precomputed ones (``l14_img`` in the ``.npz`
 parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer), read in
 place, a block at a time, by one task per file over all its rows (``semantic_files``; docs/decisions/0097
 and 0102): the embedding half of decontamination; a count, then the k-means sample drawn by uid hash (at
-most ``_FIT_ROWS`` rows) that one task fits k-means and the guests' screen basis on; then the assignment
+most ``_FIT_BYTES`` of float32, whatever the pool's size: docs/decisions/0105) that one task fits k-means and the guests' screen basis on; then the assignment
 of each row to its nearest cluster and as a guest to the clusters whose border it is near and whose
 members it can reach (``semantic.assign_with_guests``, after a pass for each cluster's extent), written
 to bucket files by cluster group (``_GROUP_BYTES`` of members and guests as a sample estimates them;
@@ -52,7 +52,7 @@ from pipeline.stages.buckets import uid_buckets
 _GROUP_BYTES = 44 << 20  # bucket bytes of one task's memberships (members and guests), as estimated
 _MEMBERSHIP_BYTES = 48  # a membership's bytes besides its float16 vector (uid, home, cluster, bucket)
 _ESTIMATE_ROWS = 1 << 17  # sample rows each cluster's members and guests are estimated on
-_FIT_ROWS = 1 << 21  # k-means and the screen's basis see at most this many rows (a sampled fit)
+_FIT_BYTES = 512 << 20  # float32 sample that k-means and the screen's basis see (decision 0105)
 
 
 @dataclass
@@ -348,7 +348,8 @@ def semantic_pairs(
     if n < 2:
         return none, min(n, 1), n
     k = max(1, -(-n // cfg.semantic_cluster_rows))
-    m = min(n, 256 * k, _FIT_ROWS)
+    width = max(ray.get([_task(SF.width_file).remote(s, key, store) for s in sources]))
+    m = max(k, min(n, 256 * k, _FIT_BYTES // (4 * max(1, width))))
     # an upper bound on the rate (the fit task trims to the m smallest hashes): 1% more than m/n asks
     cut = 1 << 64 if m >= n else min(int(min(1.0, 1.01 * m / n + 64 / n) * float(1 << 64)), (1 << 64) - 1)
     sample_task = _task(SF.sample_file)
@@ -442,4 +443,6 @@ def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, n
 
 def _fit(sample: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
     """One task: k-means centroids and the guests' screen basis from the bounded sample."""
-    return SD.kmeans_centroids(sample, k, seed), SD.screen_basis(sample[SD.screen_sample(len(sample), seed)])
+    return SD.kmeans_centroids(sample, k, seed, unit=True), SD.screen_basis(
+        sample[SD.screen_sample(len(sample), seed)]
+    )

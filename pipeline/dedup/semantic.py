@@ -38,11 +38,14 @@ def normalize(vectors: np.ndarray) -> np.ndarray:
     return v / np.where(norms > 0, norms, 1.0)
 
 
-def kmeans_centroids(vectors: np.ndarray, k: int, seed: int = 0, niter: int = 20) -> np.ndarray:
-    """``k`` spherical k-means centroids (faiss), trained on at most 256·k rows drawn with ``seed``."""
+def kmeans_centroids(
+    vectors: np.ndarray, k: int, seed: int = 0, niter: int = 20, unit: bool = False
+) -> np.ndarray:
+    """``k`` spherical k-means centroids (faiss), trained on at most 256·k rows drawn with ``seed``;
+    ``unit``: the rows are unit float32 already and are trained on in place (no copy of the sample)."""
     import faiss
 
-    x = normalize(vectors)
+    x = np.ascontiguousarray(vectors, dtype=np.float32) if unit else normalize(vectors)
     k = max(1, min(int(k), len(x)))
     if k == 1:
         c = x.mean(axis=0, keepdims=True)

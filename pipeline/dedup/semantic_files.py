@@ -4,7 +4,7 @@ Every task works on all of its file's rows and names them by uid, so no task nee
 build curates (which rows count is decided from the uid buckets afterwards) and no task or driver copies
 the pool's vectors anywhere but into the clusters' bucket files (docs/decisions/0097):
 
-- ``count_file``: the file's rows (its uids only);
+- ``count_file``: the file's rows (its uids only); ``width_file``: its vectors' width (one block);
 - ``sample_file``: those whose uid hash falls under the fit's rate, as float16 rows (the k-means sample
   is drawn by uid, so it does not depend on how the files split the pool);
 - ``leak_file``: decontamination by embedding of the file's rows;
@@ -53,6 +53,11 @@ def count_file(src: str, store: Storage) -> int:
     return sum(len(uids) for uids, _ in E.iter_embedding_blocks(src, (), store, _BLOCK))
 
 
+def width_file(src: str, key: str, store: Storage) -> int:
+    """The width of the file's vectors (its first block read; 0 when it has no rows)."""
+    return next((vec.shape[1] for _, vec in rows_of(src, key, store)), 0)
+
+
 def sample_hash(uids: pa.Array, seed: int) -> np.ndarray:
     return uid_hash(uids, seed ^ _SAMPLE_SALT)
 
@@ -69,11 +74,20 @@ def sample_file(src: str, key: str, cut: int, seed: int, store: Storage) -> tupl
 
 
 def fit_sample(parts: Sequence[tuple[np.ndarray, np.ndarray]], m: int) -> np.ndarray:
-    """The files' samples → the ``m`` rows of smallest uid hash, in hash order (float32)."""
+    """The files' samples → the ``m`` rows of smallest uid hash, in hash order, as unit float32 rows
+    written straight into the one array the fit holds (no float16 copy of the whole sample)."""
     h = np.concatenate([p[0] for p in parts])
-    vec = np.concatenate([p[1] for p in parts if len(p[1])])
-    keep = np.argsort(h, kind="stable")[:m]
-    return vec[keep].astype(np.float32)
+    order = np.argsort(h, kind="stable")[:m]
+    starts = np.cumsum([0] + [len(p[0]) for p in parts])
+    part = np.searchsorted(starts, order, side="right") - 1
+    width = next((p[1].shape[1] for p in parts if len(p[1])), 0)
+    out = np.empty((len(order), width), np.float32)
+    for i, (_, vec) in enumerate(parts):
+        at = np.flatnonzero(part == i)
+        out[at] = vec[order[at] - starts[i]]
+    for a in range(0, len(out), _BLOCK):
+        out[a : a + _BLOCK] = SD.normalize(out[a : a + _BLOCK])
+    return out
 
 
 def leak_file(

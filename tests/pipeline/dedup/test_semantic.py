@@ -296,3 +296,22 @@ def test_group_plan_packs_clusters_and_shares_a_wide_clusters_guests_out():
     np.testing.assert_array_equal(plan.slices, [1, 1, 1, 6, 1, 2, 1])
     assert plan.n_buckets == 12
     assert SF.plan_groups(np.zeros(0), np.zeros(0), 100).n_buckets == 0
+
+
+def test_fit_sample_is_the_smallest_hashes_as_unit_rows():
+    """The fit's sample from the files' parts: the ``m`` rows of smallest uid hash over all parts, in hash
+    order, each the unit float32 row of its float16 vector."""
+    from pipeline.dedup import semantic_files as SF
+
+    rng = np.random.default_rng(3)
+    parts = []
+    for n in (700, 0, 1300, 50):
+        vec = (rng.normal(size=(n, 24)) * 3).astype(np.float16)
+        parts.append((rng.integers(0, 1 << 63, n, dtype=np.uint64), vec))
+    h = np.concatenate([p[0] for p in parts])
+    vec = np.concatenate([p[1] for p in parts]).astype(np.float32)
+    for m in (1, 999, 5000):
+        want = SD.normalize(vec[np.argsort(h, kind="stable")[:m]])
+        got = SF.fit_sample(parts, m)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
