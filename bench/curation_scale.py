@@ -19,8 +19,8 @@ machine's cores and runs the stage on it.
   shared pages are not anonymous); the planted pairs of which a row was dropped, and the leaks found.
 
 The time is fitted as t = a·n + b·n² by least squares over the sizes (k = n / cluster_rows clusters: the
-assignment scans k centroids per row and k-means fits min(256·k, 2²¹) rows against k; both grow as n²
-until the sample reaches its cap, linearly after), and evaluated at 12.8M and 128M. Writes ``--out`` in
+assignment scans k centroids per row, as n²; k-means fits min(256·k, 512 MiB of float32) rows against k,
+as n² until the sample reaches its cap, linearly after), and evaluated at 12.8M and 128M. Writes ``--out`` in
 the recorded-figures format of bench/benchmarks_doc.py.
 
 Usage: python -m bench.curation_scale [--sizes 250000,500000,1000000,2000000] [--dim 64] [--out FILE]
@@ -191,6 +191,7 @@ def run_stage(folder: Path, n: int, cluster_rows: int, threshold: float) -> dict
         "clusters": cand.n_clusters, "pairs": len(cand.pair_i), "dropped": out.n_semantic,
         "copy_recall": found / len(pairs), "leak_recall": leak_found / len(leaks),
         "flagged": sum(out.leaks_by_task.values()), "memberships_per_row": _memberships() / n,
+        "said": list(_SAID),  # the stage's progress lines, each phase's time in it
     }  # fmt: skip
 
 
@@ -261,14 +262,15 @@ def records(rows: list[dict], args) -> dict:
             "figure": f"{at[0] / 3600:.1f} h and {at[1] / 3600:.0f} h (t = {a * 1e6:.1f} µs·n"
             + (f" + {b * 1e12:.3f} ps·n²)" if b else ")")
             + "; the driver stays at the sizes' figure. The largest worker is named at each size: the k-means "
-            "fit holds its sample (256·k rows, at most 2²¹: 6 GiB at 768-d); a cluster group's task holds "
-            "~44 MiB of bucket (decision 0104) and every file's footer, whose row groups grow with the "
-            "groups; a uid bucket's task holds its ≤ 500,000 part rows",
+            "fit holds its sample (256·k rows, at most 512 MiB of float32, decision 0106); a cluster group's "
+            "task ~44 MiB of bucket (decision 0104) and each file's index (decision 0105); a uid bucket's task "
+            "its ≤ 500,000 part rows",
             "spread": f"least squares over {sizes} rows; the n² term is the assignment's k centroids a row (three "
             "passes), the memberships a row where they grow with k (blobs that crowd the sphere, decision 0103) "
-            "and k-means' 256·k-row sample, which stops growing at 2²¹ rows "
-            f"({(1 << 21) // 256 * args.cluster_rows / 1e6:.1f}M rows at this cluster size), so the 128M figure "
-            "overstates the fit; the work divides over a cluster's cores (tasks per file, group and bucket)",
+            "and k-means' 256·k-row sample, which stops growing at 512 MiB "
+            f"({(512 << 20) // (4 * args.dim) // 256 * args.cluster_rows / 1e6:.2f}M rows at this width and "
+            "cluster size), past which the fit grows as n; the work divides over a cluster's cores (tasks per "
+            "file, group and bucket)",
             "load": "see the rows above",
             "date": date,
         }

@@ -12,16 +12,16 @@ The image embeddings are DataComp's precomputed ones (``l14_img`` in the ``.npz`
 parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer), read in
 place, a block at a time, by one task per file over all its rows (``semantic_files``; docs/decisions/0097
 and 0102): the embedding half of decontamination; a count, then the k-means sample drawn by uid hash (at
-most ``_FIT_BYTES`` of float32, whatever the pool's size: docs/decisions/0105) that one task fits k-means and the guests' screen basis on; then the assignment
-of each row to its nearest cluster and as a guest to the clusters whose border it is near and whose
-members it can reach (``semantic.assign_with_guests``, after a pass for each cluster's extent), written
-to bucket files by cluster group (``_GROUP_BYTES`` of members and guests as a sample estimates them;
-a wide cluster's guests shared over several groups: docs/decisions/0104), on ``scratch``. One task per group reads
-its bucket and returns the pairs above the threshold as uid pairs (guests screened in the basis:
-docs/decisions/0096). These candidates
-(uid pairs and leaks) are then checked per uid bucket by one task each (``bucket_facts``: which named
-uids are rows the build still holds as ``success``, their keep-first score, and the bucket's pHash
-leaks), and ``decide`` runs the greedy rule over the pairs whose two ends remain (docs/decisions/0087).
+most ``_FIT_BYTES`` of float32, whatever the pool's size: docs/decisions/0106) that one task fits k-means
+and the guests' screen basis on; then the assignment of each row to its nearest cluster and as a guest to
+the clusters whose border it is near and whose members it can reach (``semantic.assign_with_guests``, after
+a pass for each cluster's extent), written to bucket files by cluster group (``_GROUP_BYTES`` of members and
+guests as a sample estimates them; a wide cluster's guests shared over several groups: docs/decisions/0104),
+on ``scratch``. One task per group reads its bucket and returns the pairs above the threshold as uid pairs
+(guests screened in the basis: docs/decisions/0096). These candidates (uid pairs and leaks) are then checked
+per uid bucket by one task each (``bucket_facts``: which named uids are rows the build still holds as
+``success``, their keep-first score, and the bucket's pHash leaks), and ``decide`` runs the greedy rule over
+the pairs whose two ends remain (docs/decisions/0087).
 No process holds a column of the pool: the stage holds the candidates, the centroids and per-bucket facts.
 """
 
@@ -52,7 +52,7 @@ from pipeline.stages.buckets import uid_buckets
 _GROUP_BYTES = 44 << 20  # bucket bytes of one task's memberships (members and guests), as estimated
 _MEMBERSHIP_BYTES = 48  # a membership's bytes besides its float16 vector (uid, home, cluster, bucket)
 _ESTIMATE_ROWS = 1 << 17  # sample rows each cluster's members and guests are estimated on
-_FIT_BYTES = 512 << 20  # float32 sample that k-means and the screen's basis see (decision 0105)
+_FIT_BYTES = 512 << 20  # float32 sample that k-means and the screen's basis see (decision 0106)
 
 
 @dataclass
@@ -386,7 +386,7 @@ def _pairs(
 
     t0 = time.perf_counter()
     t = cfg.semantic_threshold
-    paths = [storage.join(root, "assign", f"{f:05d}.parquet") for f in range(len(sources))]
+    paths = [storage.join(root, "assign", f"{f:05d}.bkt") for f in range(len(sources))]
     cen = ray.put(centroids)
     cosines = _task(SF.cosines_file)
     member_cos = np.min(np.stack(ray.get([cosines.remote(s, key, cen, store) for s in sources])), axis=0)

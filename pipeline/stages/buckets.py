@@ -1,11 +1,16 @@
 """Bucketed files: the shuffle between the build's map and reduce tasks, on the run's storage.
 
-A map task writes one parquet file whose row groups each hold the rows of one bucket (a ``_bucket``
-column; row group statistics say which), however many buckets it has rows for; a reduce task reads,
-from each map task's file, only the row groups of its bucket (the footer, then ranged reads). So a
+A map task writes one file whose record batches each hold the rows of one bucket, however many buckets
+it has rows for; a reduce task reads, from each map task's file, only the batches of its bucket. So a
 shuffle of ``M`` map tasks into ``R`` buckets is ``M`` files, not ``M·R``, and no task ever holds more
 than its own input and one bucket. ``BucketWriter`` streams: it buffers at most ``flush_rows`` rows
-before writing them out as row groups, so a map task's memory does not grow with its input.
+before writing them out as batches, so a map task's memory does not grow with its input.
+
+The file is an Arrow IPC file (buffers zstd-compressed) followed by an index: the bucket of every
+batch (int32), the IPC file's length, the number of batches and a magic word. A reader reads the index
+and the IPC footer (24 bytes a batch) and then only its bucket's batches, so what it parses does not grow
+with the buckets of the file (a parquet footer is ~4 KiB a row group, and every reduce task read every
+file's: docs/decisions/0105).
 
 Bucket functions live here too, so every stage computes a key's bucket the same way:
 ``uid_buckets`` range-partitions 32-hex uids by their leading 64 bits (bucket order is uid order, so
@@ -20,37 +25,41 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
+import pyarrow.ipc as ipc
 
 from pipeline.common.hashing import splitmix64
 from pipeline.common.storage import Storage
 from pipeline.filters.datacomp import uid_hash
 from pipeline.source.row_checks import valid_uids
 
-BUCKET = "_bucket"
 FLUSH_ROWS = 1 << 18  # rows a BucketWriter buffers before writing them out
 FLUSH_BYTES = 64 << 20  # or bytes, whichever comes first (a row with a 768-d vector is ~1.6 KB)
 _READ_THREADS = 8  # files of one bucket read at once (object-store latency, not CPU)
+_MAGIC = b"PROLIPB1"  # ends a bucket file, after its index
+_TAIL = 24  # the IPC file's length, the number of batches, the magic word
+_OPTIONS = ipc.IpcWriteOptions(compression="zstd")
 
 
 class BucketWriter:
-    """Rows with their bucket numbers → one parquet file of single-bucket row groups (see module doc)."""
+    """Rows with their bucket numbers → one bucket file of single-bucket batches (see module doc)."""
 
     def __init__(self, path: str, store: Storage, flush_rows: int = FLUSH_ROWS) -> None:
         self.path, self.store, self.flush_rows = path, store, flush_rows
         self._pending: list[pa.Table] = []
+        self._buckets: list[np.ndarray] = []  # the bucket of each pending row
         self._rows = self._bytes = 0
         self._out = None
-        self._writer: pq.ParquetWriter | None = None
+        self._writer: ipc.RecordBatchFileWriter | None = None
+        self._index: list[int] = []  # the bucket of each batch written
         self.schema: pa.Schema | None = None
 
     def add(self, table: pa.Table, buckets: np.ndarray) -> None:
         if table.num_rows == 0 and self.schema is not None:
             return
-        table = table.append_column(BUCKET, pa.array(np.asarray(buckets, np.int32), pa.int32()))
         if self.schema is None:
             self.schema = table.schema
         self._pending.append(table.cast(self.schema) if table.schema != self.schema else table)
+        self._buckets.append(np.asarray(buckets, np.int32))
         self._rows += table.num_rows
         self._bytes += table.nbytes
         if self._rows >= self.flush_rows or self._bytes >= FLUSH_BYTES:
@@ -59,43 +68,43 @@ class BucketWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        table = pa.concat_tables(self._pending)
-        self._pending, self._rows, self._bytes = [], 0, 0
+        table = pa.concat_tables(self._pending).combine_chunks()
+        b = np.concatenate(self._buckets)
+        self._pending, self._buckets, self._rows, self._bytes = [], [], 0, 0
         if not table.num_rows:
             return
         self._open()
-        order = pc.sort_indices(table.column(BUCKET)).to_numpy()
-        b = table.column(BUCKET).to_numpy()[order]
-        starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1]])) if len(b) else np.zeros(0, int)
+        order = np.argsort(b, kind="stable")
+        b = b[order]
+        starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1]]))
         ends = np.append(starts[1:], len(b))
         for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-            self._writer.write_table(table.take(pa.array(order[s:e])), row_group_size=e - s)
+            for batch in table.take(pa.array(order[s:e])).to_batches():
+                self._writer.write_batch(batch)
+                self._index.append(int(b[s]))
 
     def _open(self) -> None:
         if self._writer is None:
             self._out = self.store.open_output(self.path)
-            # statistics of the bucket column only: every reader reads the footer, which the other
-            # columns' min and max (a vector column's above all) made twice as large
-            self._writer = pq.ParquetWriter(self._out, self.schema, write_statistics=[BUCKET])
+            self._writer = ipc.new_file(self._out, self.schema, options=_OPTIONS)
 
     def close(self, schema: pa.Schema | None = None) -> None:
-        """Write what is buffered and publish the file (an empty table of ``schema`` if nothing was added)."""
+        """Write what is buffered, then the index, and publish the file (no batch, of ``schema``, if
+        nothing was added)."""
         if self.schema is None:
-            self.schema = (schema or pa.schema([])).append(pa.field(BUCKET, pa.int32()))
+            self.schema = schema or pa.schema([])
         self._flush()
         self._open()
         self._writer.close()
+        length = self._out.tell()
+        self._out.write(np.asarray(self._index, "<i4").tobytes())
+        self._out.write(np.asarray([length, len(self._index)], "<u8").tobytes() + _MAGIC)
         self._out.close()
 
     def abort(self) -> None:
-        if self._writer is not None:
-            try:  # the footer goes to the discarded file: a writer left open would write on collection
-                self._writer.close()
-            except (OSError, ValueError):
-                pass
-            self._writer = None
         if self._out is not None:
             self._out.abort()
+        self._writer = None
 
 
 def write_buckets(table: pa.Table, buckets: np.ndarray, path: str, store: Storage) -> None:
@@ -109,22 +118,23 @@ def write_buckets(table: pa.Table, buckets: np.ndarray, path: str, store: Storag
         raise
 
 
-def _bucket_of_file(path: str, bucket: int, store: Storage, columns: Sequence[str] | None) -> pa.Table | None:
-    fs, p = store.resolve(path)
-    with fs.open_input_file(p) as fh:
-        pf = pq.ParquetFile(fh)
-        col = pf.schema_arrow.get_field_index(BUCKET)
-        groups = []
-        for g in range(pf.num_row_groups):
-            stats = pf.metadata.row_group(g).column(col).statistics
-            if stats is not None and stats.has_min_max and stats.min == bucket:
-                groups.append(g)
-        names = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
-        empty = (
-            pf.schema_arrow.empty_table() if names is None else pf.schema_arrow.empty_table().select(names)
-        )
-        table = pf.read_row_groups(groups, columns=names) if groups else empty
-    return table.drop_columns([BUCKET]) if BUCKET in table.column_names else table
+def _bucket_of_file(path: str, bucket: int, store: Storage, columns: Sequence[str] | None) -> pa.Table:
+    with store.open_input(path) as fh:
+        size = fh.size()
+        if size < _TAIL:
+            raise ValueError(f"{path}: not a bucket file ({size} bytes)")
+        fh.seek(size - _TAIL)
+        tail = fh.read(_TAIL)
+        length, n = (int(v) for v in np.frombuffer(tail[:16], "<u8"))
+        if tail[16:] != _MAGIC or length + 4 * n + _TAIL != size:
+            raise ValueError(f"{path}: not a bucket file (no index at its end)")
+        fh.seek(length)
+        index = np.frombuffer(fh.read(4 * n), "<i4")
+        reader = ipc.open_file(fh, footer_offset=length)
+        batches = [reader.get_batch(i) for i in np.flatnonzero(index == bucket).tolist()]
+        table = pa.Table.from_batches(batches, schema=reader.schema)
+    names = None if columns is None else [c for c in columns if c in table.column_names]
+    return table if names is None else table.select(names)
 
 
 def read_bucket(

@@ -83,13 +83,13 @@ class FilterJob:
         return storage.join(self.filters_dir, f"{b:05d}.parquet")
 
     def vectors_file(self, q: int, s: int, block: int) -> str:
-        return self.finish.parts.at("embedding_scores", f"{q:03d}", f"{s:06d}-{block:04d}.parquet")
+        return self.finish.parts.at("embedding_scores", f"{q:03d}", f"{s:06d}-{block:04d}.bkt")
 
     def group_file(self, q: int, g: int) -> str:
-        return self.finish.parts.at("embedding_groups", f"{q:03d}", f"{g:06d}.parquet")
+        return self.finish.parts.at("embedding_groups", f"{q:03d}", f"{g:06d}.bkt")
 
     def scores_file(self, q: int, s: int) -> str:
-        return self.finish.parts.at("embedding_scores", f"{q:03d}", f"{s:06d}.parquet")
+        return self.finish.parts.at("embedding_scores", f"{q:03d}", f"{s:06d}.bkt")
 
 
 def cut_keys(job: FilterJob) -> dict[str, tuple[str, dict]]:

@@ -51,7 +51,7 @@ class Pool:
 
     def scan(self, f: int) -> str:
         """File ``f``'s rows, bucketed by uid."""
-        return self.at("scan", f"{f:05d}.parquet")
+        return self.at("scan", f"{f:05d}.bkt")
 
     def order(self, f: int) -> str:
         """File ``f``'s per-row content digests in file order."""
@@ -63,15 +63,15 @@ class Pool:
 
     def urls(self, b: int) -> str:
         """Bucket ``b``'s rows still going on, bucketed by URL."""
-        return self.at("urls", f"{b:05d}.parquet")
+        return self.at("urls", f"{b:05d}.bkt")
 
     def decided(self, b: int) -> str:
         """Bucket ``b``'s rows decided before download, bucketed by file."""
-        return self.at("decided", f"{b:05d}.parquet")
+        return self.at("decided", f"{b:05d}.bkt")
 
     def url_dups(self, c: int, by: str) -> str:
         """URL bucket ``c``'s duplicate rows, bucketed ``by`` "file" or "uid"."""
-        return self.at(f"url_dups_by_{by}", f"{c:05d}.parquet")
+        return self.at(f"url_dups_by_{by}", f"{c:05d}.bkt")
 
     def live(self, f: int) -> str:
         """File ``f``'s live row numbers, raw little-endian int64 (ranged reads by the download actors)."""
@@ -110,29 +110,29 @@ class Parts:
         return storage.join(self.parts_dir, f"part-{part:06d}.{self.tokens[part]}.{ext}")
 
     def by_uid(self, g: int) -> str:
-        return self.at("part_rows", f"{g:05d}.parquet")
+        return self.at("part_rows", f"{g:05d}.bkt")
 
     def by_sha(self, g: int) -> str:
-        return self.at("by_sha", f"{g:05d}.parquet")
+        return self.at("by_sha", f"{g:05d}.bkt")
 
     def exact(self, e: int) -> str:
-        return self.at("exact", f"{e:05d}.parquet")
+        return self.at("exact", f"{e:05d}.bkt")
 
     def by_band(self, b: int) -> str:
-        return self.at("by_band", f"{b:05d}.parquet")
+        return self.at("by_band", f"{b:05d}.bkt")
 
     def pairs(self, n: int) -> str:
         return self.at("pairs", f"{n:05d}.parquet")
 
     def near_dups(self) -> str:
-        return self.at("near", "dups.parquet")
+        return self.at("near", "dups.bkt")
 
     def curated(self) -> str:
-        return self.at("curated", "relabels.parquet")
+        return self.at("curated", "relabels.bkt")
 
     def survivors(self, b: int) -> str:
         """Bucket ``b``'s successes, bucketed by part group."""
-        return self.at("survivors", f"{b:05d}.parquet")
+        return self.at("survivors", f"{b:05d}.bkt")
 
     def group_survivors(self, g: int) -> str:
         """Group ``g``'s successes, by part and uid."""

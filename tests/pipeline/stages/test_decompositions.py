@@ -27,21 +27,50 @@ def test_bucketed_files_give_back_each_buckets_rows_in_order(tmp_path):
     rng = np.random.default_rng(0)
     paths = []
     for f in range(3):
-        w = BucketWriter(str(tmp_path / f"{f}.parquet"), LOCAL, flush_rows=7)  # several flushes a file
+        w = BucketWriter(str(tmp_path / f"{f}.bkt"), LOCAL, flush_rows=7)  # several flushes a file
         for start in range(0, 40, 10):
             rows = np.arange(start, start + 10)
             w.add(pa.table({"f": np.full(10, f), "row": rows}), rng.integers(0, 5, 10))
         w.close()
-        paths.append(str(tmp_path / f"{f}.parquet"))
+        paths.append(str(tmp_path / f"{f}.bkt"))
     write_buckets(pa.table({"f": pa.array([], pa.int64()), "row": pa.array([], pa.int64())}), np.zeros(0),
-                  str(tmp_path / "empty.parquet"), LOCAL)  # fmt: skip
+                  str(tmp_path / "empty.bkt"), LOCAL)  # fmt: skip
     seen = []
     for b in range(5):
-        t = read_bucket([*paths, str(tmp_path / "empty.parquet")], b, LOCAL)
+        t = read_bucket([*paths, str(tmp_path / "empty.bkt")], b, LOCAL)
         pairs = list(zip(t.column("f").to_pylist(), t.column("row").to_pylist(), strict=True))
         assert pairs == sorted(pairs)  # file order, then the order added
         seen += pairs
     assert sorted(seen) == [(f, r) for f in range(3) for r in range(40)]
+
+
+def test_a_bucket_file_of_many_buckets_gives_one_back_and_refuses_what_is_not_one(tmp_path):
+    """2,000 buckets over three flushes: a bucket's rows, the columns asked for, nothing of the others; a
+    truncated file and a parquet file are refused in one line that names them."""
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(2)
+    path = str(tmp_path / "many.bkt")
+    w = BucketWriter(path, LOCAL, flush_rows=10_000)
+    n = 30_000
+    buckets = rng.integers(0, 2000, n)
+    vec = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(n * 4, dtype=np.float32)), 4)
+    w.add(pa.table({"row": np.arange(n), "vec": vec}), buckets)
+    w.close()
+    for b in (0, 777, 1999):
+        t = read_bucket([path], b, LOCAL)
+        assert t.column_names == ["row", "vec"]
+        assert t.column("row").to_pylist() == np.flatnonzero(buckets == b).tolist()
+        assert read_bucket([path], b, LOCAL, ["row"]).column_names == ["row"]
+    assert read_bucket([path], 2000, LOCAL).num_rows == 0
+    data = open(path, "rb").read()
+    for name, body in (("cut.bkt", data[:-5]), ("short.bkt", b"x")):
+        (tmp_path / name).write_bytes(body)
+        with pytest.raises(ValueError, match=f"{name}: not a bucket file"):
+            read_bucket([str(tmp_path / name)], 0, LOCAL)
+    pq.write_table(pa.table({"row": [1, 2]}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match="other.parquet: not a bucket file"):
+        read_bucket([str(tmp_path / "other.parquet")], 0, LOCAL)
 
 
 def test_uid_buckets_are_ranges_in_uid_order():
