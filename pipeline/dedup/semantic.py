@@ -83,13 +83,20 @@ _SCREEN_CHUNK = 4096  # guests screened at once against all of a cluster's membe
 _SCREEN_PASS = 0.02  # above this fraction of a block let through, its exact cosines cost more than a product
 SCREEN_SAMPLE = 20_000  # rows the guests' screen basis is fitted on (it moves cost, never a decision)
 _SCREEN = 1e-4  # float32 screen margin below the threshold; the decision is the float64 cosine
+_TEMP_BYTES = 64 << 20  # a block's temporaries: at 768-d 2¹⁶ pairs gathered in float64 were 1.2 GB
+
+
+def _rows_for(row_bytes: int) -> int:
+    """Rows of a block whose temporaries take ``row_bytes`` a row: within ``_TEMP_BYTES``, at least 64."""
+    return max(64, _TEMP_BYTES // max(1, row_bytes))
 
 
 def _exact_cosines(x: np.ndarray, y: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
     """Cosines of the pairs (x[i], y[j]) in float64: one rule for every path, independent of blocking."""
     out = np.empty(len(i), dtype=np.float64)
-    for a in range(0, len(i), 1 << 16):
-        sl = slice(a, a + (1 << 16))
+    step = _rows_for(x.shape[1] * 24)  # both ends gathered in float32, then float64
+    for a in range(0, len(i), step):
+        sl = slice(a, a + step)
         out[sl] = np.einsum("ij,ij->i", x[i[sl]].astype(np.float64), y[j[sl]].astype(np.float64))
     return out
 
@@ -107,8 +114,9 @@ def _unit_pairs(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``cross_pairs`` of rows already unit float32."""
     found_i, found_j = [], []
-    for a in range(0, len(x), _BLOCK):
-        sims = x[a : a + _BLOCK] @ y.T  # (B, m)
+    block = min(_BLOCK, _rows_for(len(y) * 5))  # float32 products and their mask
+    for a in range(0, len(x), block):
+        sims = x[a : a + block] @ y.T  # (B, m)
         i, j = np.nonzero(sims > threshold - _SCREEN)
         i += a
         keep = j > i if same else np.ones(len(i), bool)
@@ -299,8 +307,9 @@ def cluster_candidates(
     gi_all, gj_all, gs_all = [], [], []
     if screen is not None and len(guests) and len(members):
         qm, qg = screen
-        for lo in range(0, len(qg), _SCREEN_CHUNK):
-            hi = min(lo + _SCREEN_CHUNK, len(qg))
+        chunk = min(_SCREEN_CHUNK, _rows_for(len(qm) * 6))  # float32 products, their mask and its copy
+        for lo in range(0, len(qg), chunk):
+            hi = min(lo + chunk, len(qg))
             passed = qg[lo:hi] @ qm.T > threshold - _SCREEN
             some = np.flatnonzero(passed.any(axis=1))  # most guests have no partner at all
             gi, gj = np.nonzero(passed[some])

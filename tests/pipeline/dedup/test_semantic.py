@@ -315,3 +315,25 @@ def test_fit_sample_is_the_smallest_hashes_as_unit_rows():
         got = SF.fit_sample(parts, m)
         assert got.dtype == np.float32 and got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+
+
+def test_pairs_and_cosines_do_not_depend_on_the_block_size(monkeypatch):
+    """The products and the float64 cosines in blocks of 64 rows (``_TEMP_BYTES`` of 1 byte) give the very
+    pairs and cosines, bit for bit, of blocks of thousands: a block's size moves memory, never a decision."""
+    uids, vectors, _ = continuum(3000, 96, seed=4)
+    mem, gst = vectors[:1500], vectors[1500:]
+    basis = SD.screen_basis(vectors, dims=16)
+    screen = SD.project(SD.normalize(mem), basis), SD.project(SD.normalize(gst), basis)
+    args = np.zeros(1500, np.int64), 1, SD.normalize(vectors[:2]), 0.9
+
+    def every_path():
+        return [SD.cross_pairs(vectors, vectors, 0.9, same=True), *SD.cluster_candidates(mem, gst, *args),
+                *SD.cluster_candidates(mem, gst, *args, screen=screen)]  # fmt: skip
+
+    want = every_path()
+    monkeypatch.setattr(SD, "_TEMP_BYTES", 1)
+    got = every_path()
+    assert len(want[0][0]) > 100 and len(want[2][0]) > 10 and len(want[4][0]) > 10
+    for a, b in zip(want, got, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
