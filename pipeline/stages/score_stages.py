@@ -36,7 +36,7 @@ STREAMED = ("norm_sim", "image_based", "neg_clip_loss")  # read per embeddings f
 RANKED = ("norm_sim", "neg_clip_loss")  # of those, the ones cut at a rank over the buckets
 GROUPED = ("neg_clip_loss",)  # of those, the ones whose batches span a uid range: scored per range
 _VECTOR_BYTES = 64 << 20  # vectors a grouping task buffers before writing them out
-RANGES_PER_FILE = 64  # a vectors file's uid ranges: its footer lists flushes × this many row groups
+RANGES_PER_FILE = 64  # uid ranges a vectors file holds: a range task reads one file of each source (0098)
 _SOURCES = 1_000_000  # a scoring task's key: streamed filter · _SOURCES + embeddings file
 
 
