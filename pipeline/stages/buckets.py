@@ -102,9 +102,14 @@ class BucketWriter:
         self._out.close()
 
     def abort(self) -> None:
+        if self._writer is not None:
+            try:  # its footer goes to the discarded file: a writer left open would write on collection
+                self._writer.close()
+            except (OSError, ValueError, pa.ArrowException):
+                pass
+            self._writer = None
         if self._out is not None:
             self._out.abort()
-        self._writer = None
 
 
 def write_buckets(table: pa.Table, buckets: np.ndarray, path: str, store: Storage) -> None:
@@ -130,8 +135,11 @@ def _bucket_of_file(path: str, bucket: int, store: Storage, columns: Sequence[st
             raise ValueError(f"{path}: not a bucket file (no index at its end)")
         fh.seek(length)
         index = np.frombuffer(fh.read(4 * n), "<i4")
-        reader = ipc.open_file(fh, footer_offset=length)
-        batches = [reader.get_batch(i) for i in np.flatnonzero(index == bucket).tolist()]
+        try:
+            reader = ipc.open_file(fh, footer_offset=length)
+            batches = [reader.get_batch(i) for i in np.flatnonzero(index == bucket).tolist()]
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ValueError(f"{path}: not a bucket file ({e})") from e
         table = pa.Table.from_batches(batches, schema=reader.schema)
     names = None if columns is None else [c for c in columns if c in table.column_names]
     return table if names is None else table.select(names)

@@ -46,7 +46,7 @@ def test_bucketed_files_give_back_each_buckets_rows_in_order(tmp_path):
 
 def test_a_bucket_file_of_many_buckets_gives_one_back_and_refuses_what_is_not_one(tmp_path):
     """2,000 buckets over three flushes: a bucket's rows, the columns asked for, nothing of the others; a
-    truncated file and a parquet file are refused in one line that names them."""
+    truncated or garbled file and a parquet file are refused in one line that names them."""
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(2)
@@ -64,7 +64,8 @@ def test_a_bucket_file_of_many_buckets_gives_one_back_and_refuses_what_is_not_on
         assert read_bucket([path], b, LOCAL, ["row"]).column_names == ["row"]
     assert read_bucket([path], 2000, LOCAL).num_rows == 0
     data = open(path, "rb").read()
-    for name, body in (("cut.bkt", data[:-5]), ("short.bkt", b"x")):
+    garbled = data[:100] + bytes(len(data) - 130) + data[-30:]  # its tail intact, all else zeroed
+    for name, body in (("cut.bkt", data[:-5]), ("short.bkt", b"x"), ("garbled.bkt", garbled)):
         (tmp_path / name).write_bytes(body)
         with pytest.raises(ValueError, match=f"{name}: not a bucket file"):
             read_bucket([str(tmp_path / name)], 0, LOCAL)
