@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pipeline.common import storage
 from pipeline.common.storage import Storage
 
-VERSION = 1  # bump when a stage's output format changes: earlier stage files are then not reused
+VERSION = 2  # bump when a stage's output format changes: earlier stage files are then not reused
 
 
 def digest(obj: object) -> str:

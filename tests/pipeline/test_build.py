@@ -235,6 +235,36 @@ def test_rerun_reuses_the_filters_until_a_spec_or_the_status_table_changes(built
     assert sizes["no_filter"]["metadata"] == res.subset_sizes["no_filter"]["metadata"]
 
 
+def test_another_stage_layout_version_runs_the_stages_again_and_keeps_the_parts(built, tmp_path, monkeypatch):
+    """A re-run under another stage layout version (``stages.layout.VERSION``, bumped when a stage's files
+    change format) reads none of the earlier stage files and removes them, downloads nothing again and
+    gives the same status table and subsets."""
+    import pipeline.build as B
+    from pipeline.build import run_paths
+    from pipeline.source import run_state as R
+
+    cfg, first = built
+    shutil.copytree(cfg.output, tmp_path / "run")
+    again_cfg = merge(cfg, {"output": str(tmp_path / "run")})
+    paths = run_paths(again_cfg.output)
+    before = {k: m.token for k, m in R.committed_markers(paths["parts"], LOCAL).items()}
+    stages = Path(paths["work"]) / "stages"
+    old = {p.name for p in stages.iterdir()}
+    monkeypatch.setattr(B, "VERSION", B.VERSION + 1)
+    logs: list[str] = []
+    again = build(again_cfg, log=logs.append)
+    (fresh,) = {p.name for p in stages.iterdir()} - old  # the stages ran in a root of their own
+    assert (stages / fresh / "scan" / "stage.json").exists(), logs
+    assert not [p for name in old for p in (stages / name).rglob("*") if p.is_file()]  # their files removed
+    assert {k: m.token for k, m in R.committed_markers(paths["parts"], LOCAL).items()} == before
+    assert pq.read_table(paths["status"]).sort_by(S.UID) == pq.read_table(
+        run_paths(cfg.output)["status"]
+    ).sort_by(S.UID)
+    assert {n: Path(p).read_bytes() for n, p in again.subsets.items()} == {
+        n: Path(p).read_bytes() for n, p in first.subsets.items()
+    }
+
+
 def test_rerun_keeps_the_tokenizer_until_the_captions_change(built, tmp_path):
     """A finished build's re-run does not retrain the tokenizer (the one step whose cost grows with the
     pool); a changed status table (another set of successful captions) retrains it."""
