@@ -79,12 +79,13 @@ def fit_sample(parts: Sequence[tuple[np.ndarray, np.ndarray]], m: int) -> np.nda
     h = np.concatenate([p[0] for p in parts])
     order = np.argsort(h, kind="stable")[:m]
     starts = np.cumsum([0] + [len(p[0]) for p in parts])
-    part = np.searchsorted(starts, order, side="right") - 1
+    at = np.argsort(order, kind="stable")  # output positions by input row, so by part
+    cut = np.searchsorted(order[at], starts)
     width = next((p[1].shape[1] for p in parts if len(p[1])), 0)
     out = np.empty((len(order), width), np.float32)
     for i, (_, vec) in enumerate(parts):
-        at = np.flatnonzero(part == i)
-        out[at] = vec[order[at] - starts[i]]
+        mine = at[cut[i] : cut[i + 1]]
+        out[mine] = vec[order[mine] - starts[i]]
     for a in range(0, len(out), _BLOCK):
         out[a : a + _BLOCK] = SD.normalize(out[a : a + _BLOCK])
     return out

@@ -68,7 +68,7 @@ class BucketWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        table = pa.concat_tables(self._pending).combine_chunks()
+        table = pa.concat_tables(self._pending)
         b = np.concatenate(self._buckets)
         self._pending, self._buckets, self._rows, self._bytes = [], [], 0, 0
         if not table.num_rows:
@@ -78,8 +78,9 @@ class BucketWriter:
         b = b[order]
         starts = np.flatnonzero(np.concatenate([[True], b[1:] != b[:-1]]))
         ends = np.append(starts[1:], len(b))
+        ordered = table.take(pa.array(order))  # one gather per flush, then a slice per bucket
         for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
-            for batch in table.take(pa.array(order[s:e])).to_batches():
+            for batch in ordered.slice(s, e - s).to_batches():
                 self._writer.write_batch(batch)
                 self._index.append(int(b[s]))
 

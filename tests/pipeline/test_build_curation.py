@@ -132,9 +132,9 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(
 ):
     """The Ray stage on a continuum k-means splits, its vectors read in place from two embeddings files by
     the tasks: the exact rule's decisions, however many tasks, with the guests compared in full (32-d) and
-    screened in a basis (160-d), fitted on a third of the rows, in groups of 400 memberships (wide clusters' guests over several) and in
-    one; a row no file holds stays and is not counted; rows the build no longer
-    holds as successes (every seventh) are found in pairs but take no part in the rule."""
+    screened in a basis (160-d), fitted on a third of the rows, in groups of 400 memberships (wide
+    clusters' guests over several) and in one; a row no file holds stays and is not counted; rows the
+    build no longer holds as successes (every seventh) are found in pairs but take no part in the rule."""
     import numpy as np
     import pyarrow as pa
 
