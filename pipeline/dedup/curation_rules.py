@@ -16,6 +16,7 @@ decision depends only on its pairs with the other remaining rows (docs/decisions
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,10 +44,13 @@ def _strings(values) -> pa.Array:
 
 @dataclass
 class Candidates:
-    """What the embeddings files say, over all their rows (uids, not positions)."""
+    """What the embeddings files say, over all their rows: the pairs above the semantic threshold as
+    positions in the sorted uids they name (24 B a pair and each uid once, not two uid strings a pair:
+    docs/decisions/0107), and the leaks by embedding."""
 
-    pair_i: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
-    pair_j: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
+    pair_names: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))
+    pair_i: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    pair_j: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     pair_s: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
     leak_uid: pa.Array = field(default_factory=lambda: pa.array([], pa.string()))  # by embedding
     leak_task: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
@@ -56,8 +60,29 @@ class Candidates:
 
     def named(self) -> pa.Array:
         """Every uid a candidate names, once, sorted: what the uid buckets are asked about."""
-        every = pa.concat_arrays([_strings(self.pair_i), _strings(self.pair_j), _strings(self.leak_uid)])
-        return pc.unique(every).sort() if len(every) else every
+        names = _strings(self.pair_names)
+        if not len(self.leak_uid):
+            return names  # sorted and once each already
+        every = pa.concat_arrays([names, _strings(self.leak_uid)])
+        return pc.unique(every).sort()
+
+
+def merge_pairs(found: Sequence[tuple]) -> tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of pairs, each (its sorted uids, positions i and j in them, cosine) → one piece over the
+    sorted union of their uids (positions int64)."""
+    found = [f for f in found if len(f[1])]
+    if not found:
+        return pa.array([], pa.string()), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    every = pa.concat_arrays([_strings(f[0]) for f in found])
+    names = pc.unique(every).sort()
+    where = pc.index_in(every, value_set=names).to_numpy().astype(np.int64)
+    del every
+    starts = np.cumsum([0] + [len(f[0]) for f in found[:-1]])
+    pieces = list(zip(found, starts.tolist(), strict=True))
+    i = np.concatenate([where[lo + np.asarray(f[1], np.int64)] for f, lo in pieces])
+    j = np.concatenate([where[lo + np.asarray(f[2], np.int64)] for f, lo in pieces])
+    s = np.concatenate([np.asarray(f[3], np.float64) for f in found])
+    return names, i, j, s
 
 
 @dataclass
@@ -177,23 +202,25 @@ def _last_of_each(uids: pa.Array) -> np.ndarray:
 
 
 def _greedy(cand: Candidates, alive: pa.Array, score: np.ndarray) -> tuple[pa.Array, pa.Array]:
-    """The greedy rule over the candidate pairs between ``alive`` uids → (duplicates, the uid each copies)."""
-    i, j = _strings(cand.pair_i), _strings(cand.pair_j)
-    both = pc.and_(
-        pc.and_(pc.is_in(i, value_set=alive), pc.is_in(j, value_set=alive)), pc.not_equal(i, j)
-    ).to_numpy(zero_copy_only=False)
-    i, j, s = i.filter(pa.array(both)), j.filter(pa.array(both)), cand.pair_s[both]
+    """The greedy rule over the candidate pairs between ``alive`` uids (``score``: theirs, in that order)
+    → (duplicates, the uid each copies)."""
+    names = _strings(cand.pair_names)
+    at = pc.index_in(names, value_set=alive)  # each named uid's place among the alive ones
+    ok = at.is_valid().to_numpy(zero_copy_only=False)
+    i, j, s = cand.pair_i, cand.pair_j, cand.pair_s
+    both = ok[i] & ok[j] & (i != j)
+    if not both.all():
+        i, j, s = i[both], j[both], s[both]
+    del both
     if not len(i):
         return pa.array([], pa.string()), pa.array([], pa.string())
-    names = pc.unique(pa.concat_arrays([i, j])).sort()
-    pi = pc.index_in(i, value_set=names).to_numpy().astype(np.int64)
-    pj = pc.index_in(j, value_set=names).to_numpy().astype(np.int64)
-    del i, j
-    at = pc.index_in(names, value_set=alive).to_numpy().astype(np.int64)
-    key = np.where(np.isfinite(score[at]), -score[at], np.inf)  # score descending, NaN last, then uid
+    named_score = np.asarray(score, np.float64)[pc.fill_null(at, 0).to_numpy().astype(np.int64)]
+    named_score[~ok] = np.nan  # a uid no pair left keeps a place in the order, and decides nothing
+    key = np.where(np.isfinite(named_score), -named_score, np.inf)  # score descending, NaN last, then uid
     order = pc.sort_indices(pa.table({"k": key, "u": names}), [("k", "ascending"), ("u", "ascending")])
     rank = np.empty(len(names), dtype=np.int64)
     rank[order.to_numpy()] = np.arange(len(names))
-    target = SD.greedy_duplicates(rank, pi, pj, np.asarray(s, np.float64))
+    del order, key, named_score
+    target = SD.greedy_duplicates(rank, i, j, np.asarray(s, np.float64))
     hit = np.flatnonzero(target >= 0)
     return names.take(pa.array(hit)), names.take(pa.array(target[hit]))

@@ -13,12 +13,14 @@ parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s out
 place, a block at a time, by one task per file over all its rows (``semantic_files``; docs/decisions/0097
 and 0102): the embedding half of decontamination; a count, then the k-means sample drawn by uid hash (at
 most ``_FIT_BYTES`` of float32, whatever the pool's size: docs/decisions/0106) that one task fits k-means
-and the guests' screen basis on; then the assignment of each row to its nearest cluster and as a guest to
+and the guests' screen basis on (past 256 rows a centroid, coarse cells, and a fit a cell on a larger
+sample routed to it: docs/decisions/0108); then the assignment of each row to its nearest cluster and as a guest to
 the clusters whose border it is near and whose members it can reach (``semantic.assign_with_guests``, after
 a pass for each cluster's extent), written to bucket files by cluster group (``_GROUP_BYTES`` of members and
 guests as a sample estimates them; a wide cluster's guests shared over several groups: docs/decisions/0104),
-on ``scratch``. One task per group reads its bucket and returns the pairs above the threshold as uid pairs
-(guests screened in the basis: docs/decisions/0096). These candidates (uid pairs and leaks) are then checked
+on ``scratch``. One task per group reads its bucket and returns the pairs above the threshold (guests screened
+in the basis: docs/decisions/0096) as positions in the uids they name, merged here over the union of those
+uids (docs/decisions/0107). These candidates (the named uids, pairs and leaks) are then checked
 per uid bucket by one task each (``bucket_facts``: which named uids are rows the build still holds as
 ``success``, their keep-first score, and the bucket's pHash leaks), and ``decide`` runs the greedy rule over
 the pairs whose two ends remain (docs/decisions/0087).
@@ -177,8 +179,8 @@ def find_candidates(
         ref_ref = ray.put(ref)
         leaks = [leak_task.remote(s, key, ref_ref, cfg.decontam.embedding_threshold, store) for s in sources]
     if cfg.dedupe.semantic:
-        (cand.pair_i, cand.pair_j, cand.pair_s), cand.n_clusters, cand.n_rows = semantic_pairs(
-            sources, key, cfg.dedupe, store, scratch, log
+        (cand.pair_names, cand.pair_i, cand.pair_j, cand.pair_s), cand.n_clusters, cand.n_rows = (
+            semantic_pairs(sources, key, cfg.dedupe, store, scratch, log)
         )
     if leaks:
         found = ray.get(leaks)  # in file order: a uid two files hold takes the later file's answer
@@ -336,13 +338,14 @@ def semantic_pairs(
     store: Storage,
     scratch: str | None = None,
     log: Callable[[str], None] = lambda m: None,
-) -> tuple[tuple[pa.Array, pa.Array, np.ndarray], int, int]:
-    """SemDeDup's candidates over every row of ``sources``, by tasks: the uid pairs above the threshold
-    with their cosines (docs/decisions/0087); the number of clusters; the number of rows the files hold."""
+) -> tuple[tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray], int, int]:
+    """SemDeDup's candidates over every row of ``sources``, by tasks: the pairs above the threshold with
+    their cosines (docs/decisions/0087) as (the sorted uids they name, positions i, j in them, cosine:
+    ``curation_rules.merge_pairs``); the number of clusters; the number of rows the files hold."""
     import ray
 
     t0 = time.perf_counter()
-    none = (pa.array([], pa.string()), pa.array([], pa.string()), np.zeros(0, np.float64))
+    none = CR.merge_pairs([])
     count = _task(SF.count_file)
     n = int(sum(ray.get([count.remote(s, store) for s in sources])))
     if n < 2:
@@ -350,21 +353,67 @@ def semantic_pairs(
     k = max(1, -(-n // cfg.semantic_cluster_rows))
     width = max(ray.get([_task(SF.width_file).remote(s, key, store) for s in sources]))
     m = max(k, min(n, 256 * k, _FIT_BYTES // (4 * max(1, width))))
-    # an upper bound on the rate (the fit task trims to the m smallest hashes): 1% more than m/n asks
-    cut = 1 << 64 if m >= n else min(int(min(1.0, 1.01 * m / n + 64 / n) * float(1 << 64)), (1 << 64) - 1)
     sample_task = _task(SF.sample_file)
-    outs = [sample_task.remote(src, key, cut, cfg.semantic_seed, store) for src in sources]
-    fit = _task(_fit_files).remote(m, k, cfg.semantic_seed, *outs)
-    centroids, basis = ray.get(fit)
-    log(f"semantic dedup: {n} rows in {len(sources)} files, {k} clusters fitted on {m} ({_since(t0)})")
+    outs = [sample_task.remote(src, key, _cut(m, n), cfg.semantic_seed, store) for src in sources]
     own = scratch is None
     root = tempfile.mkdtemp(prefix="prolip-semdedup-") if own else scratch
     try:
+        want = min(n, 256 * k)  # rows the fit should see: 256 a centroid, faiss's own cap
+        if want <= m:
+            centroids, basis = ray.get(_task(_fit_files).remote(m, k, cfg.semantic_seed, *outs))
+            log(
+                f"semantic dedup: {n} rows in {len(sources)} files, {k} clusters fitted on {m} ({_since(t0)})"
+            )
+        else:
+            centroids, basis = _fit_in_cells(
+                sources, key, k, m, want, n, cfg.semantic_seed, outs, root, store
+            )
+            log(
+                f"semantic dedup: {n} rows in {len(sources)} files, {len(centroids)} clusters fitted in cells "
+                f"on ~{want} ({_since(t0)})"
+            )
         pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, outs, n)
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
     return pairs, len(centroids), n
+
+
+def _cut(m: int, n: int) -> int:
+    """The uid-hash cut that samples a little more than ``m`` of ``n`` rows (1% more than m/n asks; the
+    fit trims to the m smallest hashes)."""
+    return 1 << 64 if m >= n else min(int(min(1.0, 1.01 * m / n + 64 / n) * float(1 << 64)), (1 << 64) - 1)
+
+
+def _fit_in_cells(
+    sources: Sequence[str],
+    key: str,
+    k: int,
+    m: int,
+    want: int,
+    n: int,
+    seed: int,
+    sample: Sequence,
+    root: str,
+    store: Storage,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """k-means that sees ``want`` rows when one task holds ``m`` (docs/decisions/0108): coarse cells fitted
+    on the ``sample`` (each cell expected to get a quarter of ``m``), a sample of ``want`` routed to the
+    cells in bucket files, then one fit a cell of its share of the ``k`` clusters."""
+    import ray
+
+    cells = min(k, 4 * -(-want // m))
+    coarse, basis = ray.get(_task(_fit_files).remote(m, cells, seed, *sample))
+    paths = [storage.join(root, "cells", f"{f:05d}.bkt") for f in range(len(sources))]
+    route = _task(SF.cell_sample_file)
+    coarse_ref = ray.put(coarse)
+    rows = sum(ray.get([route.remote(s, key, _cut(want, n), seed, coarse_ref, p, store)
+                        for s, p in zip(sources, paths, strict=True)]))  # fmt: skip
+    share = SF.cell_clusters(rows, k)
+    fit = _task(SF.cell_fit)
+    found = ray.get([fit.remote(paths, c, m, int(share[c]), seed, store) for c in np.flatnonzero(share)])
+    store.remove_files(paths)
+    return np.concatenate(found), basis
 
 
 def _pairs(
@@ -378,10 +427,10 @@ def _pairs(
     log: Callable[[str], None],
     sample: Sequence,
     n_rows: int,
-) -> tuple[pa.Array, pa.Array, np.ndarray]:
+) -> tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray]:
     """Assignment in one task per file into bucket files of cluster groups (``SF.plan_groups`` over the
     ``sample``'s estimate of each cluster's members and guests among ``n_rows``: ``_GROUP_BYTES`` of
-    bucket a group, whatever the vectors' width), then one task per group → the union of their pairs (uid, uid, cosine)."""
+    bucket a group, whatever the vectors' width), then one task per group → the union of their pairs."""
     import ray
 
     t0 = time.perf_counter()
@@ -417,13 +466,9 @@ def _pairs(
     found = ray.get([pairs.remote(paths, g, first, cen, t, basis, store) for g in groups])
     store.remove_files(paths)
     log(
-        f"semantic dedup: {sum(len(f[0]) for f in found)} pairs above the threshold in {len(groups)} groups ({_since(t0)})"
+        f"semantic dedup: {sum(len(f[1]) for f in found)} pairs above the threshold in {len(groups)} groups ({_since(t0)})"
     )
-    return (
-        pa.concat_arrays([f[0] for f in found]),
-        pa.concat_arrays([f[1] for f in found]),
-        np.concatenate([f[2] for f in found]),
-    )
+    return CR.merge_pairs(found)
 
 
 def _cluster_loads(

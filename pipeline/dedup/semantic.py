@@ -83,6 +83,7 @@ _SCREEN_CHUNK = 4096  # guests screened at once against all of a cluster's membe
 _SCREEN_PASS = 0.02  # above this fraction of a block let through, its exact cosines cost more than a product
 SCREEN_SAMPLE = 20_000  # rows the guests' screen basis is fitted on (it moves cost, never a decision)
 _SCREEN = 1e-4  # float32 screen margin below the threshold; the decision is the float64 cosine
+_GREEDY_CHUNK = 1 << 16  # rows the greedy walks between conversions of their pair ranges to Python ints
 _TEMP_BYTES = 64 << 20  # a block's temporaries: at 768-d 2¹⁶ pairs gathered in float64 were 1.2 GB
 
 
@@ -143,20 +144,33 @@ def greedy_duplicates(rank: np.ndarray, i: np.ndarray, j: np.ndarray, s: np.ndar
     dup_of = np.full(len(rank), -1, dtype=np.int64)
     if not len(i):
         return dup_of
-    a = np.where(rank[i] < rank[j], i, j)  # the better-ranked end
-    b = np.where(rank[i] < rank[j], j, i)
-    by = np.lexsort((-s, rank[a], rank[b]))
+    ri, rj = rank[i], rank[j]
+    swap = rj < ri
+    a, b = np.where(swap, j, i), np.where(swap, i, j)  # the better-ranked end, the other
+    ra, rb = np.where(swap, rj, ri), np.where(swap, ri, rj)
+    del ri, rj, swap  # temporaries freed as they go: the planning task's bytes a pair (decision 0107)
+    by = np.lexsort((-s, ra, rb))
+    del ra, rb
     a, b, s = a[by], b[by], s[by]
+    del by
     starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
-    ends = np.r_[starts[1:], len(b)]
+    ends = np.append(starts[1:], len(b))
     kept = np.ones(len(rank), dtype=bool)
-    for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
-        alive = kept[a[lo:hi]]
-        if alive.any():
-            cand = np.arange(lo, hi)[alive]
-            best = cand[np.argmax(s[cand])]  # the most similar kept row (first on a tie: better rank)
-            kept[b[lo]] = False
-            dup_of[b[lo]] = a[best]
+    for c in range(0, len(starts), _GREEDY_CHUNK):  # Python ints a chunk at a time, not a list per row
+        for lo, hi in zip(
+            starts[c : c + _GREEDY_CHUNK].tolist(), ends[c : c + _GREEDY_CHUNK].tolist(), strict=True
+        ):
+            if hi - lo == 1:  # one better-ranked neighbour: most rows
+                if kept[a[lo]]:
+                    kept[b[lo]] = False
+                    dup_of[b[lo]] = a[lo]
+                continue
+            alive = kept[a[lo:hi]]
+            if alive.any():
+                cand = np.arange(lo, hi)[alive]
+                best = cand[np.argmax(s[cand])]  # the most similar kept row (first on a tie: better rank)
+                kept[b[lo]] = False
+                dup_of[b[lo]] = a[best]
     return dup_of
 
 

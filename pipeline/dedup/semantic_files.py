@@ -6,13 +6,16 @@ the pool's vectors anywhere but into the clusters' bucket files (docs/decisions/
 
 - ``count_file``: the file's rows (its uids only); ``width_file``: its vectors' width (one block);
 - ``sample_file``: those whose uid hash falls under the fit's rate, as float16 rows (the k-means sample
-  is drawn by uid, so it does not depend on how the files split the pool);
+  is drawn by uid, so it does not depend on how the files split the pool); past what one fit holds,
+  ``cell_sample_file`` routes a larger sample to coarse cells and ``cell_fit`` fits each cell's share
+  of the clusters (docs/decisions/0108);
 - ``leak_file``: decontamination by embedding of the file's rows;
 - ``cosines_file``: how far each cluster's members of the file lie from its direction;
 - ``assign_file``: each row to its nearest cluster and as a guest to the clusters whose border it is
   near and whose members it can reach (``semantic.assign_with_guests``), written to one bucketed file,
   a bucket per cluster group of the ``GroupPlan``;
-- ``group_pairs``: one group's bucket → its clusters' pairs above the threshold, as uid pairs.
+- ``group_pairs``: one group's bucket → its clusters' pairs above the threshold, as positions in the
+  sorted uids they name.
 
 The ``GroupPlan`` packs clusters into groups of a bounded number of memberships by a sample's estimate
 of each cluster's members and guests, and splits a cluster with more guests than a group holds over
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pipeline.common.storage import Storage
 from pipeline.dedup import eval_leaks as EL
@@ -118,6 +122,63 @@ def _vector_column(vec: np.ndarray) -> pa.Array:
     return pa.FixedSizeBinaryArray.from_buffers(
         pa.binary(raw.shape[1] * 2), len(raw), [None, pa.py_buffer(raw.tobytes())]
     )
+
+
+def _vectors_of(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A ``_vector_column`` read back: float16 rows, a view of the column's buffer."""
+    raw = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    width = raw.type.byte_width
+    buf = np.frombuffer(raw.buffers()[1], np.uint8)[raw.offset * width : (raw.offset + len(raw)) * width]
+    return buf.view(np.float16).reshape(len(raw), -1)
+
+
+def cell_sample_file(
+    src: str, key: str, cut: int, seed: int, coarse: np.ndarray, out: str, store: Storage
+) -> np.ndarray:
+    """The file's rows whose uid hash is below ``cut``, each with the coarse cell nearest it, as (hash,
+    float16 vector) into the bucket file ``out``, a bucket a cell → the rows each cell got
+    (docs/decisions/0108)."""
+    counts = np.zeros(len(coarse), np.int64)
+    w = BucketWriter(out, store)
+    try:
+        for uids, vec in rows_of(src, key, store):
+            h = sample_hash(uids, seed)
+            take = h < np.uint64(cut) if cut < (1 << 64) else np.ones(len(h), bool)
+            if not take.any():
+                continue
+            cell = SD.assign_clusters(vec[take], coarse)
+            counts += np.bincount(cell, minlength=len(coarse))
+            w.add(pa.table({"hash": h[take], "vec": _vector_column(vec[take])}), cell)
+        w.close(pa.schema([("hash", pa.uint64()), ("vec", pa.binary(2 * coarse.shape[1]))]))
+    except BaseException:
+        w.abort()
+        raise
+    return counts
+
+
+def cell_clusters(rows: np.ndarray, k: int) -> np.ndarray:
+    """``k`` clusters shared over cells by their sampled ``rows`` (largest remainders, ties to the lower
+    cell), none to an empty cell and never more than a cell's rows."""
+    rows = np.asarray(rows, np.int64)
+    total = int(rows.sum())
+    if total == 0:
+        return np.zeros(len(rows), np.int64)
+    quota = k * rows / total
+    out = np.floor(quota).astype(np.int64)
+    extra = np.lexsort((np.arange(len(rows)), -(quota - out)))[: k - int(out.sum())]
+    out[extra] += 1
+    return np.minimum(out, rows)
+
+
+def cell_fit(paths: Sequence[str], c: int, m: int, k: int, seed: int, store: Storage) -> np.ndarray:
+    """Cell ``c``'s sample from every file → ``k`` k-means centroids fitted on its ``m`` rows of
+    smallest hash (``fit_sample``: unit float32, in hash order, whatever order the files came in)."""
+    t = read_bucket(paths, c, store)
+    if not t.num_rows or k < 1:
+        return np.zeros((0, 0), np.float32)
+    x = fit_sample([(t.column("hash").to_numpy(), _vectors_of(t.column("vec")))], m)
+    del t
+    return SD.kmeans_centroids(x, k, seed, unit=True)
 
 
 @dataclass(frozen=True)
@@ -226,10 +287,11 @@ def group_pairs(
     threshold: float,
     basis: np.ndarray | None,
     store: Storage,
-) -> tuple[pa.Array, pa.Array, np.ndarray]:
-    """Group ``g``'s bucket from every file → its clusters' pairs above the threshold (uid, uid, cosine);
-    member–member pairs only of the clusters whose first group it is (``GroupPlan.first``)."""
-    none = pa.array([], pa.string()), pa.array([], pa.string()), np.zeros(0, np.float64)
+) -> tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray]:
+    """Group ``g``'s bucket from every file → its clusters' pairs above the threshold as (the uids they
+    name, sorted and once each; positions i, j in them as int32; cosine); member–member pairs only of the
+    clusters whose first group it is (``GroupPlan.first``)."""
+    none = pa.array([], pa.string()), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float64)
     t = read_bucket(paths, g, store)
     if not t.num_rows:
         return none
@@ -237,10 +299,7 @@ def group_pairs(
     row = np.arange(t.num_rows)
     home = t.column("home").to_numpy().astype(np.int64)
     cluster = t.column("cluster").to_numpy().astype(np.int64)
-    raw = t.column("vec").combine_chunks()
-    width = raw.type.byte_width
-    buf = np.frombuffer(raw.buffers()[1], np.uint8)[raw.offset * width : (raw.offset + len(raw)) * width]
-    vec = buf.view(np.float16).reshape(len(raw), -1)
+    vec = _vectors_of(t.column("vec"))
     order = np.lexsort((row, home != cluster, cluster))  # per cluster its members, then its guests, by row
     ids, starts = np.unique(cluster[order], return_index=True)
     ends = np.append(starts[1:], len(order))
@@ -261,7 +320,14 @@ def group_pairs(
         vec[idx].astype(np.float32), row[idx], home[idx], sizes, keep, centroids, threshold, basis, own
     )
     uids = t.column("uid").combine_chunks()
-    return uids.take(pa.array(i)), uids.take(pa.array(j)), s
+    # a uid is a member and a guest in one group: rows sorted by uid, so equal uids are neighbours
+    same = np.zeros(len(uids), bool)
+    same[1:] = pc.equal(uids.slice(1), uids.slice(0, len(uids) - 1)).to_numpy(zero_copy_only=False)
+    name = np.cumsum(~same) - 1  # each row's uid, numbered in uid order
+    used, at = np.unique(np.concatenate([name[i], name[j]]), return_inverse=True)
+    rows = np.flatnonzero(~same)[used]  # a row of each named uid
+    at = at.astype(np.int32)
+    return uids.take(pa.array(rows)), at[: len(i)], at[len(i) :], s
 
 
 def pairs_group(
