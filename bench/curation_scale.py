@@ -19,8 +19,8 @@ machine's cores and runs the stage on it.
   shared pages are not anonymous); the planted pairs of which a row was dropped, and the leaks found.
 
 The time is fitted as t = a·n + b·n² by least squares over the sizes (k = n / cluster_rows clusters: the
-assignment scans k centroids per row, as n²; k-means sees 256·k rows, in one fit up to 512 MiB of float32
-(as n²), then in coarse cells of a fit each), and evaluated at 12.8M and 128M. Writes ``--out`` in
+assignment scans k centroids per row, as n²; k-means fits min(256·k, 512 MiB of float32) rows against k,
+as n² until the sample reaches its cap, linearly after), and evaluated at 12.8M and 128M. Writes ``--out`` in
 the recorded-figures format of bench/benchmarks_doc.py.
 
 Usage: python -m bench.curation_scale [--sizes 250000,500000,1000000,2000000] [--dim 64] [--out FILE]
@@ -262,15 +262,14 @@ def records(rows: list[dict], args) -> dict:
             "figure": f"{at[0] / 3600:.1f} h and {at[1] / 3600:.0f} h (t = {a * 1e6:.1f} µs·n"
             + (f" + {b * 1e12:.3f} ps·n²)" if b else ")")
             + "; the driver stays at the sizes' figure. The largest worker is named at each size: the k-means "
-            "fit holds its sample (256·k rows, at most 512 MiB of float32, decision 0106; past that, a fit a "
-            "coarse cell, decision 0108); a cluster group's "
+            "fit holds its sample (256·k rows, at most 512 MiB of float32, decision 0106); a cluster group's "
             "task ~44 MiB of bucket (decision 0104) and each file's index (decision 0105); a uid bucket's task "
             "its ≤ 500,000 part rows",
             "spread": f"least squares over {sizes} rows; the n² term is the assignment's k centroids a row (three "
             "passes), the memberships a row where they grow with k (blobs that crowd the sphere, decision 0103) "
-            "and k-means' 256·k-row sample, which one fit holds up to 512 MiB "
+            "and k-means' 256·k-row sample, which stops growing at 512 MiB "
             f"({(512 << 20) // (4 * args.dim) // 256 * args.cluster_rows / 1e6:.2f}M rows at this width and "
-            "cluster size), past which it is fitted in coarse cells, a task each; the work divides over a cluster's cores (tasks per "
+            "cluster size), past which the fit grows as n; the work divides over a cluster's cores (tasks per "
             "file, group and bucket)",
             "load": "see the rows above",
             "date": date,

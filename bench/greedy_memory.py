@@ -2,8 +2,8 @@
 
 The semantic dedup's candidate pairs meet in one planning task (docs/decisions/0107): the greedy rule is
 sequential in keep-first order. This measures that task's work on synthetic group results at ``--pairs``
-sizes: each size in a fresh process, its peak RSS over what it held before the pairs arrived (bytes a
-pair) and its seconds. ``--baseline REF`` runs the same measurement on the code at a git commit (a
+sizes: each size in a fresh process, its peak RSS over what it held with the group tasks' results in
+hand (VmHWM reset there; bytes a pair) and its seconds. ``--baseline REF`` runs the same measurement on the code at a git commit (a
 worktree made for the run) in turn with today's, round by round (bench/alternate.py's method), so the
 ratio compares the two on the same load. Pairs are drawn as cluster groups yield them: groups of ~1,500
 uids with ~4,000 pairs each, a tenth of a group's uids shared with the next group; cosines in [0.9, 1).
@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -54,11 +53,16 @@ def _pieces(n_pairs: int, seed: int = 0):
     return out
 
 
-def _rss_kib() -> int:
+def _status_kib(field: str) -> int:
     for line in Path(f"/proc/{os.getpid()}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
+
+
+def _reset_peak() -> None:
+    """The process's peak RSS (VmHWM) set back to what it holds now: what came before is not measured."""
+    Path(f"/proc/{os.getpid()}/clear_refs").write_text("5")
 
 
 def worker(n_pairs: int) -> dict:
@@ -74,19 +78,22 @@ def worker(n_pairs: int) -> dict:
     names = pc.unique(pa.concat_arrays([p[0] for p in pieces]))
     live = CR.BucketFacts(pa.array([], pa.string()), np.zeros(0, object), np.zeros(0, object), names,
                           np.random.default_rng(1).uniform(0, 1, len(names)))  # fmt: skip
-    start = _rss_kib()
+    positions = "pair_names" in CR.Candidates.__dataclass_fields__
+    if not positions:  # the code before: the group tasks' pairs arrived as two uid strings each
+        pieces = [(p[0].take(pa.array(p[1])), p[0].take(pa.array(p[2])), p[3]) for p in pieces]
+    _reset_peak()
+    start = _status_kib("VmRSS")  # the group results held, as the planning task holds them
     t0 = time.perf_counter()
-    if "pair_names" in CR.Candidates.__dataclass_fields__:  # pairs as positions in the uids they name
+    if positions:
         cand = CR.Candidates(*CR.merge_pairs(pieces))
-    else:  # pairs as two uid strings each
-        cand = CR.Candidates(pa.concat_arrays([p[0].take(pa.array(p[1])) for p in pieces]),
-                             pa.concat_arrays([p[0].take(pa.array(p[2])) for p in pieces]),
-                             np.concatenate([p[3] for p in pieces]))  # fmt: skip
+    else:
+        cand = CR.Candidates(*(pa.concat_arrays([p[k] for p in pieces]) for k in (0, 1)),
+                             np.concatenate([p[2] for p in pieces]))  # fmt: skip
     del pieces
     named = cand.named()  # what the stage sends the uid buckets
     out = CR.decide(cand, [live], True)
     wall = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _status_kib("VmHWM")
     return {"pairs": n, "named": len(named), "dropped": out.n_semantic, "wall_s": wall,
             "peak_over_start_b_per_pair": (peak - start) * 1024 / n}  # fmt: skip
 
@@ -127,6 +134,7 @@ def main() -> None:
     loads = [r[c]["load"] for rs in results.values() for r in rs for c in r]
     records = []
     for rounds in results.values():
+
         def s(case, key, rounds=rounds):
             return spread([r[case][key] for r in rounds])
 

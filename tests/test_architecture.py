@@ -67,13 +67,14 @@ MAX_MODULE_LINES = 400
 MAX_FOLDER_MODULES = 10
 
 # Library modules allowed to import Ray: the builders of Ray datasets (the build, its download phase, the
-# runner of its stages' tasks and its curation stage, whose clusters run as tasks;
+# runner of its stages' tasks and its curation stage with its SemDeDup half, whose clusters run as tasks;
 # the shard reads, training ingest and its counters actor), the Ray Train loop and trainer, the one
 # batch-inference builder, and the eval reference's pass over the eval sets.
 # Everything else is plain Python/numpy/torch, testable without a cluster.
 RAY_MODULES = {
     "pipeline.build",
     "pipeline.dedup.curation_stage",
+    "pipeline.dedup.semantic_stage",
     "pipeline.common.shared_storage",
     "pipeline.download.phase",
     "pipeline.ingest.dataset",

@@ -10,28 +10,17 @@ rows still ``success``, and relabels some of them, so every input row keeps exac
 
 The image embeddings are DataComp's precomputed ones (``l14_img`` in the ``.npz`` beside each metadata
 parquet) or any uid-keyed file (``dedupe.embeddings``, e.g. ``jobs.embed``'s output of our scorer), read in
-place, a block at a time, by one task per file over all its rows (``semantic_files``; docs/decisions/0097
-and 0102): the embedding half of decontamination; a count, then the k-means sample drawn by uid hash (at
-most ``_FIT_BYTES`` of float32, whatever the pool's size: docs/decisions/0106) that one task fits k-means
-and the guests' screen basis on (past 256 rows a centroid, coarse cells, and a fit a cell on a larger
-sample routed to it: docs/decisions/0108); then the assignment of each row to its nearest cluster and as a guest to
-the clusters whose border it is near and whose members it can reach (``semantic.assign_with_guests``, after
-a pass for each cluster's extent), written to bucket files by cluster group (``_GROUP_BYTES`` of members and
-guests as a sample estimates them; a wide cluster's guests shared over several groups: docs/decisions/0104),
-on ``scratch``. One task per group reads its bucket and returns the pairs above the threshold (guests screened
-in the basis: docs/decisions/0096) as positions in the uids they name, merged here over the union of those
-uids (docs/decisions/0107). These candidates (the named uids, pairs and leaks) are then checked
-per uid bucket by one task each (``bucket_facts``: which named uids are rows the build still holds as
-``success``, their keep-first score, and the bucket's pHash leaks), and ``decide`` runs the greedy rule over
-the pairs whose two ends remain (docs/decisions/0087).
+place, a block at a time, by tasks over every row of each file (``semantic_files``; docs/decisions/0097
+and 0102): the embedding half of decontamination here, SemDeDup's candidate pairs in ``semantic_stage``.
+These candidates (the named uids, pairs and leaks) are then checked per uid bucket by one task each
+(``bucket_facts``: which named uids are rows the build still holds as ``success``, their keep-first score,
+and the bucket's pHash leaks), and ``decide`` runs the greedy rule over the pairs whose two ends remain
+(docs/decisions/0087).
 No process holds a column of the pool: the stage holds the candidates, the centroids and per-bucket facts.
 """
 
 from __future__ import annotations
 
-import functools
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,19 +31,13 @@ import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.common import storage
-from pipeline.common.process_memory import release_free_memory
 from pipeline.common.storage import Storage
-from pipeline.config import BuildConfig, DedupeConfig
+from pipeline.config import BuildConfig
 from pipeline.dedup import curation_rules as CR
 from pipeline.dedup import eval_leaks as EL
-from pipeline.dedup import semantic as SD
 from pipeline.dedup import semantic_files as SF
+from pipeline.dedup.semantic_stage import ray_task, semantic_pairs, since
 from pipeline.stages.buckets import uid_buckets
-
-_GROUP_BYTES = 44 << 20  # bucket bytes of one task's memberships (members and guests), as estimated
-_MEMBERSHIP_BYTES = 48  # a membership's bytes besides its float16 vector (uid, home, cluster, bucket)
-_ESTIMATE_ROWS = 1 << 17  # sample rows each cluster's members and guests are estimated on
-_FIT_BYTES = 512 << 20  # float32 sample that k-means and the screen's basis see (decision 0106)
 
 
 @dataclass
@@ -175,7 +158,7 @@ def find_candidates(
     key = cfg.dedupe.embedding_key
     leaks = []
     if ref is not None and ref.vectors is not None and len(ref.task):
-        leak_task = _task(SF.leak_file)
+        leak_task = ray_task(SF.leak_file)
         ref_ref = ray.put(ref)
         leaks = [leak_task.remote(s, key, ref_ref, cfg.decontam.embedding_threshold, store) for s in sources]
     if cfg.dedupe.semantic:
@@ -187,27 +170,8 @@ def find_candidates(
         cand.leak_uid = pa.concat_arrays([f[0] for f in found])
         cand.leak_task = np.concatenate([f[1] for f in found])
         cand.leak_key = np.concatenate([f[2] for f in found])
-        log(f"curation: {len(cand.leak_uid)} rows copy an eval picture by embedding ({_since(t0)})")
+        log(f"curation: {len(cand.leak_uid)} rows copy an eval picture by embedding ({since(t0)})")
     return cand
-
-
-def _since(t0: float) -> str:
-    return f"{time.perf_counter() - t0:.1f} s"
-
-
-def _task(fn: Callable):
-    """``fn`` as a one-CPU Ray task that hands its worker's freed memory back when it ends, so the next
-    task on that worker starts from what the worker holds, not from the largest task before it."""
-    import ray
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            release_free_memory()
-
-    return ray.remote(num_cpus=1)(run)
 
 
 def curate_buckets(
@@ -237,7 +201,7 @@ def curate_buckets(
     at = uid_buckets(named, n_buckets)
     by_bucket = np.argsort(at, kind="stable")
     edges = np.searchsorted(at[by_bucket], np.arange(n_buckets + 1))
-    facts_task = _task(_bucket_facts)
+    facts_task = ray_task(_bucket_facts)
     # the buckets match by pHash only: their reference carries no vectors (700k × 768 float32 is 2 GB)
     ref_ref = ray.put(None if ref is None else EL.EvalReference(ref.task, ref.key, ref.phash))
     facts = ray.get(
@@ -252,7 +216,7 @@ def curate_buckets(
             for b in range(n_buckets)
         ]
     )
-    log(f"curation: {len(named)} named uids checked in {n_buckets} uid buckets ({_since(t0)})")
+    log(f"curation: {len(named)} named uids checked in {n_buckets} uid buckets ({since(t0)})")
     out = CR.decide(cand, facts, want_semantic)
     _log_counts(log, cfg, out, cand, want_leaks, want_semantic)
     return out, cand
@@ -329,165 +293,3 @@ class _Rows:
 
     def __call__(self, b: int) -> pa.Table:
         return self.table
-
-
-def semantic_pairs(
-    sources: Sequence[str],
-    key: str,
-    cfg: DedupeConfig,
-    store: Storage,
-    scratch: str | None = None,
-    log: Callable[[str], None] = lambda m: None,
-) -> tuple[tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray], int, int]:
-    """SemDeDup's candidates over every row of ``sources``, by tasks: the pairs above the threshold with
-    their cosines (docs/decisions/0087) as (the sorted uids they name, positions i, j in them, cosine:
-    ``curation_rules.merge_pairs``); the number of clusters; the number of rows the files hold."""
-    import ray
-
-    t0 = time.perf_counter()
-    none = CR.merge_pairs([])
-    count = _task(SF.count_file)
-    n = int(sum(ray.get([count.remote(s, store) for s in sources])))
-    if n < 2:
-        return none, min(n, 1), n
-    k = max(1, -(-n // cfg.semantic_cluster_rows))
-    width = max(ray.get([_task(SF.width_file).remote(s, key, store) for s in sources]))
-    m = max(k, min(n, 256 * k, _FIT_BYTES // (4 * max(1, width))))
-    sample_task = _task(SF.sample_file)
-    outs = [sample_task.remote(src, key, _cut(m, n), cfg.semantic_seed, store) for src in sources]
-    own = scratch is None
-    root = tempfile.mkdtemp(prefix="prolip-semdedup-") if own else scratch
-    try:
-        want = min(n, 256 * k)  # rows the fit should see: 256 a centroid, faiss's own cap
-        if want <= m:
-            centroids, basis = ray.get(_task(_fit_files).remote(m, k, cfg.semantic_seed, *outs))
-            log(
-                f"semantic dedup: {n} rows in {len(sources)} files, {k} clusters fitted on {m} ({_since(t0)})"
-            )
-        else:
-            centroids, basis = _fit_in_cells(
-                sources, key, k, m, want, n, cfg.semantic_seed, outs, root, store
-            )
-            log(
-                f"semantic dedup: {n} rows in {len(sources)} files, {len(centroids)} clusters fitted in cells "
-                f"on ~{want} ({_since(t0)})"
-            )
-        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, outs, n)
-    finally:
-        if own:
-            shutil.rmtree(root, ignore_errors=True)
-    return pairs, len(centroids), n
-
-
-def _cut(m: int, n: int) -> int:
-    """The uid-hash cut that samples a little more than ``m`` of ``n`` rows (1% more than m/n asks; the
-    fit trims to the m smallest hashes)."""
-    return 1 << 64 if m >= n else min(int(min(1.0, 1.01 * m / n + 64 / n) * float(1 << 64)), (1 << 64) - 1)
-
-
-def _fit_in_cells(
-    sources: Sequence[str],
-    key: str,
-    k: int,
-    m: int,
-    want: int,
-    n: int,
-    seed: int,
-    sample: Sequence,
-    root: str,
-    store: Storage,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """k-means that sees ``want`` rows when one task holds ``m`` (docs/decisions/0108): coarse cells fitted
-    on the ``sample`` (each cell expected to get a quarter of ``m``), a sample of ``want`` routed to the
-    cells in bucket files, then one fit a cell of its share of the ``k`` clusters."""
-    import ray
-
-    cells = min(k, 4 * -(-want // m))
-    coarse, basis = ray.get(_task(_fit_files).remote(m, cells, seed, *sample))
-    paths = [storage.join(root, "cells", f"{f:05d}.bkt") for f in range(len(sources))]
-    route = _task(SF.cell_sample_file)
-    coarse_ref = ray.put(coarse)
-    rows = sum(ray.get([route.remote(s, key, _cut(want, n), seed, coarse_ref, p, store)
-                        for s, p in zip(sources, paths, strict=True)]))  # fmt: skip
-    share = SF.cell_clusters(rows, k)
-    fit = _task(SF.cell_fit)
-    found = ray.get([fit.remote(paths, c, m, int(share[c]), seed, store) for c in np.flatnonzero(share)])
-    store.remove_files(paths)
-    return np.concatenate(found), basis
-
-
-def _pairs(
-    sources: Sequence[str],
-    key: str,
-    centroids: np.ndarray,
-    basis: np.ndarray | None,
-    cfg: DedupeConfig,
-    root: str,
-    store: Storage,
-    log: Callable[[str], None],
-    sample: Sequence,
-    n_rows: int,
-) -> tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray]:
-    """Assignment in one task per file into bucket files of cluster groups (``SF.plan_groups`` over the
-    ``sample``'s estimate of each cluster's members and guests among ``n_rows``: ``_GROUP_BYTES`` of
-    bucket a group, whatever the vectors' width), then one task per group → the union of their pairs."""
-    import ray
-
-    t0 = time.perf_counter()
-    t = cfg.semantic_threshold
-    paths = [storage.join(root, "assign", f"{f:05d}.bkt") for f in range(len(sources))]
-    cen = ray.put(centroids)
-    cosines = _task(SF.cosines_file)
-    member_cos = np.min(np.stack(ray.get([cosines.remote(s, key, cen, store) for s in sources])), axis=0)
-    est = _task(_cluster_loads).remote(_ESTIMATE_ROWS, cen, member_cos, t, *sample)
-    members, guests = ray.get(est)  # on a sample: scaled to the pool
-    scale = n_rows / max(1.0, members.sum())
-    members, guests = members * scale, guests * scale
-    budget = _GROUP_BYTES / (2 * centroids.shape[1] + _MEMBERSHIP_BYTES)  # float16 vectors
-    plan = SF.plan_groups(members, guests, budget)
-    log(
-        f"semantic dedup: ~{(members.sum() + guests.sum()) / max(1.0, n_rows):.1f} memberships a row in a sample, "
-        f"{plan.n_buckets} groups ({int((plan.slices > 1).sum())} clusters over several)"
-    )
-    log(f"semantic dedup: the clusters' extents measured ({_since(t0)})")
-    t0 = time.perf_counter()
-    assign = _task(SF.assign_file)
-    n = ray.get(
-        [
-            assign.remote(s, key, cen, member_cos, t, plan, p, store)
-            for s, p in zip(sources, paths, strict=True)
-        ]
-    )
-    log(f"semantic dedup: {sum(n)} cluster memberships (homes and guests) written ({_since(t0)})")
-    t0 = time.perf_counter()
-    pairs = _task(SF.group_pairs)
-    groups = range(plan.n_buckets)
-    first = ray.put(plan.first)
-    found = ray.get([pairs.remote(paths, g, first, cen, t, basis, store) for g in groups])
-    store.remove_files(paths)
-    log(
-        f"semantic dedup: {sum(len(f[1]) for f in found)} pairs above the threshold in {len(groups)} groups ({_since(t0)})"
-    )
-    return CR.merge_pairs(found)
-
-
-def _cluster_loads(
-    m: int, centroids: np.ndarray, member_cos: np.ndarray, threshold: float, *sample
-) -> tuple[np.ndarray, np.ndarray]:
-    """One task: per cluster, the members and the guests the first ``m`` rows of the fit's sample give it."""
-    x = SF.fit_sample(sample, m)
-    primary, _, g_cl = SD.assign_with_guests(x, centroids, threshold, member_cos=member_cos)
-    k = len(centroids)
-    return np.bincount(primary, minlength=k) * 1.0, np.bincount(g_cl, minlength=k) * 1.0
-
-
-def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, np.ndarray | None]:
-    """One task: the files' samples trimmed to ``m`` rows, then ``_fit``."""
-    return _fit(SF.fit_sample(sample, m), k, seed)
-
-
-def _fit(sample: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """One task: k-means centroids and the guests' screen basis from the bounded sample."""
-    return SD.kmeans_centroids(sample, k, seed, unit=True), SD.screen_basis(
-        sample[SD.screen_sample(len(sample), seed)]
-    )

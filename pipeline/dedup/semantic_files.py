@@ -6,9 +6,7 @@ the pool's vectors anywhere but into the clusters' bucket files (docs/decisions/
 
 - ``count_file``: the file's rows (its uids only); ``width_file``: its vectors' width (one block);
 - ``sample_file``: those whose uid hash falls under the fit's rate, as float16 rows (the k-means sample
-  is drawn by uid, so it does not depend on how the files split the pool); past what one fit holds,
-  ``cell_sample_file`` routes a larger sample to coarse cells and ``cell_fit`` fits each cell's share
-  of the clusters (docs/decisions/0108);
+  is drawn by uid, so it does not depend on how the files split the pool);
 - ``leak_file``: decontamination by embedding of the file's rows;
 - ``cosines_file``: how far each cluster's members of the file lie from its direction;
 - ``assign_file``: each row to its nearest cluster and as a guest to the clusters whose border it is
@@ -130,55 +128,6 @@ def _vectors_of(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     width = raw.type.byte_width
     buf = np.frombuffer(raw.buffers()[1], np.uint8)[raw.offset * width : (raw.offset + len(raw)) * width]
     return buf.view(np.float16).reshape(len(raw), -1)
-
-
-def cell_sample_file(
-    src: str, key: str, cut: int, seed: int, coarse: np.ndarray, out: str, store: Storage
-) -> np.ndarray:
-    """The file's rows whose uid hash is below ``cut``, each with the coarse cell nearest it, as (hash,
-    float16 vector) into the bucket file ``out``, a bucket a cell → the rows each cell got
-    (docs/decisions/0108)."""
-    counts = np.zeros(len(coarse), np.int64)
-    w = BucketWriter(out, store)
-    try:
-        for uids, vec in rows_of(src, key, store):
-            h = sample_hash(uids, seed)
-            take = h < np.uint64(cut) if cut < (1 << 64) else np.ones(len(h), bool)
-            if not take.any():
-                continue
-            cell = SD.assign_clusters(vec[take], coarse)
-            counts += np.bincount(cell, minlength=len(coarse))
-            w.add(pa.table({"hash": h[take], "vec": _vector_column(vec[take])}), cell)
-        w.close(pa.schema([("hash", pa.uint64()), ("vec", pa.binary(2 * coarse.shape[1]))]))
-    except BaseException:
-        w.abort()
-        raise
-    return counts
-
-
-def cell_clusters(rows: np.ndarray, k: int) -> np.ndarray:
-    """``k`` clusters shared over cells by their sampled ``rows`` (largest remainders, ties to the lower
-    cell), none to an empty cell and never more than a cell's rows."""
-    rows = np.asarray(rows, np.int64)
-    total = int(rows.sum())
-    if total == 0:
-        return np.zeros(len(rows), np.int64)
-    quota = k * rows / total
-    out = np.floor(quota).astype(np.int64)
-    extra = np.lexsort((np.arange(len(rows)), -(quota - out)))[: k - int(out.sum())]
-    out[extra] += 1
-    return np.minimum(out, rows)
-
-
-def cell_fit(paths: Sequence[str], c: int, m: int, k: int, seed: int, store: Storage) -> np.ndarray:
-    """Cell ``c``'s sample from every file → ``k`` k-means centroids fitted on its ``m`` rows of
-    smallest hash (``fit_sample``: unit float32, in hash order, whatever order the files came in)."""
-    t = read_bucket(paths, c, store)
-    if not t.num_rows or k < 1:
-        return np.zeros((0, 0), np.float32)
-    x = fit_sample([(t.column("hash").to_numpy(), _vectors_of(t.column("vec")))], m)
-    del t
-    return SD.kmeans_centroids(x, k, seed, unit=True)
 
 
 @dataclass(frozen=True)

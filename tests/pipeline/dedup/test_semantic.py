@@ -242,7 +242,7 @@ def test_the_clusters_extent_keeps_guests_off_clusters_they_cannot_reach(data):
 
 
 def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
-    """The Ray stage's task bodies without Ray (``curation_stage._fit``, ``semantic_files.assign_file``
+    """The Ray stage's task bodies without Ray (``semantic_stage._fit``, ``semantic_files.assign_file``
     and ``group_pairs``) on the float16 rows they compare, screened in the fitted basis, with the rows
     read from an embeddings file and shuffled through bucket files by cluster group, the wide clusters'
     guests shared over several groups: exactly the brute-force pairs of those rows, named by uid, each
@@ -250,15 +250,15 @@ def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     import pyarrow as pa
 
     from pipeline.common.storage import Storage
-    from pipeline.dedup import curation_stage as CS
     from pipeline.dedup import semantic_files as SF
+    from pipeline.dedup import semantic_stage as SS
 
     uids, vectors, _ = continuum(3000, 160, seed=9)
     np.savez(tmp_path / "e.npz", uid=uids, emb=vectors)
     order = np.argsort(uids.astype(str), kind="stable")
     x = SD.normalize(vectors).astype(np.float16)[order]
     sample = np.sort(np.random.default_rng(0).choice(len(x), 2000, replace=False))
-    centroids, basis = CS._fit(x[sample].astype(np.float32), 30, 0)
+    centroids, basis = SS._fit(x[sample].astype(np.float32), 30, 0)
     assert basis is not None and basis.shape == (160, 64)
     primary, _, _ = SD.assign_with_guests(x.astype(np.float32), centroids, 0.9)
     store, out = Storage(), str(tmp_path / "assign.parquet")
@@ -340,61 +340,3 @@ def test_pairs_and_cosines_do_not_depend_on_the_block_size(monkeypatch):
     for a, b in zip(want, got, strict=True):
         for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)
-
-
-def test_clusters_are_shared_over_cells_by_their_rows():
-    from pipeline.dedup import semantic_files as SF
-
-    share = SF.cell_clusters(np.array([500, 0, 250, 250, 3]), 40)
-    np.testing.assert_array_equal(share, [20, 0, 10, 10, 0])
-    share = SF.cell_clusters(np.array([10, 10, 10]), 4)  # remainders: the lower cell first
-    np.testing.assert_array_equal(share, [2, 1, 1])
-    np.testing.assert_array_equal(SF.cell_clusters(np.array([2, 90]), 50), [1, 49])
-    np.testing.assert_array_equal(SF.cell_clusters(np.array([1, 1]), 5), [1, 1])  # never past a cell's rows
-    assert SF.cell_clusters(np.zeros(3, np.int64), 5).sum() == 0
-
-
-def test_cells_get_the_sampled_rows_nearest_them_and_fit_the_same_however_the_files_split(tmp_path):
-    """``cell_sample_file`` routes exactly the rows under the cut to their nearest coarse cell; each cell's
-    fit sees its rows of smallest hash, so one file or three (rows in another order) give the same
-    centroids."""
-    import pyarrow as pa
-
-    from pipeline.common.storage import Storage
-    from pipeline.dedup import semantic_files as SF
-
-    uids, vectors, _ = continuum(2400, 48, seed=4)
-    store, seed = Storage(), 3
-    coarse = SD.kmeans_centroids(vectors[:600], 5, 0)
-    cut = 1 << 63  # about half the rows
-    x = SD.normalize(vectors).astype(np.float16).astype(np.float32)
-    h = SF.sample_hash(pa.array(uids.tolist()), seed)
-    under = h < np.uint64(cut)
-    cell = SD.assign_clusters(x[under], coarse)
-    splits = {
-        "one": [np.arange(len(uids))],
-        "three": np.array_split(np.random.default_rng(0).permutation(len(uids)), 3),
-    }
-    fitted = {}
-    for name, parts in splits.items():
-        paths = []
-        rows = np.zeros(5, np.int64)
-        for f, idx in enumerate(parts):
-            np.savez(tmp_path / f"{name}{f}.npz", uid=uids[idx], emb=vectors[idx])
-            paths.append(str(tmp_path / f"{name}{f}.bkt"))
-            rows += SF.cell_sample_file(
-                str(tmp_path / f"{name}{f}.npz"), "emb", cut, seed, coarse, paths[-1], store
-            )
-        np.testing.assert_array_equal(rows, np.bincount(cell, minlength=5))
-        share = SF.cell_clusters(rows, 12)
-        fitted[name] = [SF.cell_fit(paths, c, 150, int(share[c]), 0, store) for c in range(5) if share[c]]
-        assert sum(len(c) for c in fitted[name]) == 12
-    for a, b in zip(fitted["one"], fitted["three"], strict=True):
-        np.testing.assert_array_equal(a, b)
-    # a cell's fit on its 150 smallest hashes: the centroids fitted on those rows directly
-    c0 = np.flatnonzero(SF.cell_clusters(np.bincount(cell, minlength=5), 12))[0]
-    mine = np.flatnonzero(under)[cell == c0]
-    mine = mine[np.argsort(h[mine], kind="stable")[:150]]
-    share0 = int(SF.cell_clusters(np.bincount(cell, minlength=5), 12)[c0])
-    want = SD.kmeans_centroids(SD.normalize(x[mine]), share0, 0, unit=True)
-    np.testing.assert_allclose(fitted["one"][0], want, atol=1e-6)

@@ -1,0 +1,177 @@
+"""SemDeDup's candidate pairs on Ray, over every row of the embeddings files (the curation stage's half
+that compares vectors: ``curation_stage`` decides on what it finds).
+
+The files are read in place, a block at a time, by one task per file over all its rows (``semantic_files``;
+docs/decisions/0097 and 0102): a count, then the k-means sample drawn by uid hash (at most ``_FIT_BYTES`` of
+float32, whatever the pool's size: docs/decisions/0106) that one task fits k-means and the guests' screen
+basis on; then the assignment of each row to its nearest cluster and as a guest to the
+clusters whose border it is near and whose members it can reach (``semantic.assign_with_guests``, after a
+pass for each cluster's extent), written to bucket files by cluster group (``_GROUP_BYTES`` of members and
+guests as a sample estimates them; a wide cluster's guests shared over several groups: docs/decisions/0104),
+on ``scratch``. One task per group reads its bucket and returns the pairs above the threshold (guests
+screened in the basis: docs/decisions/0096) as positions in the uids they name, merged over the union of
+those uids (docs/decisions/0107).
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.common import storage
+from pipeline.common.process_memory import release_free_memory
+from pipeline.common.storage import Storage
+from pipeline.config import DedupeConfig
+from pipeline.dedup import curation_rules as CR
+from pipeline.dedup import semantic as SD
+from pipeline.dedup import semantic_files as SF
+
+_GROUP_BYTES = 44 << 20  # bucket bytes of one task's memberships (members and guests), as estimated
+_MEMBERSHIP_BYTES = 48  # a membership's bytes besides its float16 vector (uid, home, cluster, bucket)
+_ESTIMATE_ROWS = 1 << 17  # sample rows each cluster's members and guests are estimated on
+_FIT_BYTES = 512 << 20  # float32 sample that k-means and the screen's basis see (decision 0106)
+
+
+def since(t0: float) -> str:
+    """Seconds since ``t0`` as the stage's progress lines print them."""
+    return f"{time.perf_counter() - t0:.1f} s"
+
+
+def ray_task(fn: Callable):
+    """``fn`` as a one-CPU Ray task that hands its worker's freed memory back when it ends, so the next
+    task on that worker starts from what the worker holds, not from the largest task before it."""
+    import ray
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            release_free_memory()
+
+    return ray.remote(num_cpus=1)(run)
+
+
+def semantic_pairs(
+    sources: Sequence[str],
+    key: str,
+    cfg: DedupeConfig,
+    store: Storage,
+    scratch: str | None = None,
+    log: Callable[[str], None] = lambda m: None,
+) -> tuple[tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray], int, int]:
+    """SemDeDup's candidates over every row of ``sources``, by tasks: the pairs above the threshold with
+    their cosines (docs/decisions/0087) as (the sorted uids they name, positions i, j in them, cosine:
+    ``curation_rules.merge_pairs``); the number of clusters; the number of rows the files hold."""
+    import ray
+
+    t0 = time.perf_counter()
+    none = CR.merge_pairs([])
+    count = ray_task(SF.count_file)
+    n = int(sum(ray.get([count.remote(s, store) for s in sources])))
+    if n < 2:
+        return none, min(n, 1), n
+    k = max(1, -(-n // cfg.semantic_cluster_rows))
+    width = max(ray.get([ray_task(SF.width_file).remote(s, key, store) for s in sources]))
+    m = max(k, min(n, 256 * k, _FIT_BYTES // (4 * max(1, width))))
+    sample_task = ray_task(SF.sample_file)
+    outs = [sample_task.remote(src, key, _cut(m, n), cfg.semantic_seed, store) for src in sources]
+    own = scratch is None
+    root = tempfile.mkdtemp(prefix="prolip-semdedup-") if own else scratch
+    try:
+        centroids, basis = ray.get(ray_task(_fit_files).remote(m, k, cfg.semantic_seed, *outs))
+        log(f"semantic dedup: {n} rows in {len(sources)} files, {k} clusters fitted on {m} ({since(t0)})")
+        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, outs, n)
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    return pairs, len(centroids), n
+
+
+def _cut(m: int, n: int) -> int:
+    """The uid-hash cut that samples a little more than ``m`` of ``n`` rows (1% more than m/n asks; the
+    fit trims to the m smallest hashes)."""
+    return 1 << 64 if m >= n else min(int(min(1.0, 1.01 * m / n + 64 / n) * float(1 << 64)), (1 << 64) - 1)
+
+
+def _pairs(
+    sources: Sequence[str],
+    key: str,
+    centroids: np.ndarray,
+    basis: np.ndarray | None,
+    cfg: DedupeConfig,
+    root: str,
+    store: Storage,
+    log: Callable[[str], None],
+    sample: Sequence,
+    n_rows: int,
+) -> tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray]:
+    """Assignment in one task per file into bucket files of cluster groups (``SF.plan_groups`` over the
+    ``sample``'s estimate of each cluster's members and guests among ``n_rows``: ``_GROUP_BYTES`` of
+    bucket a group, whatever the vectors' width), then one task per group → the union of their pairs."""
+    import ray
+
+    t0 = time.perf_counter()
+    t = cfg.semantic_threshold
+    paths = [storage.join(root, "assign", f"{f:05d}.bkt") for f in range(len(sources))]
+    cen = ray.put(centroids)
+    cosines = ray_task(SF.cosines_file)
+    member_cos = np.min(np.stack(ray.get([cosines.remote(s, key, cen, store) for s in sources])), axis=0)
+    est = ray_task(_cluster_loads).remote(_ESTIMATE_ROWS, cen, member_cos, t, *sample)
+    members, guests = ray.get(est)  # on a sample: scaled to the pool
+    scale = n_rows / max(1.0, members.sum())
+    members, guests = members * scale, guests * scale
+    budget = _GROUP_BYTES / (2 * centroids.shape[1] + _MEMBERSHIP_BYTES)  # float16 vectors
+    plan = SF.plan_groups(members, guests, budget)
+    log(
+        f"semantic dedup: ~{(members.sum() + guests.sum()) / max(1.0, n_rows):.1f} memberships a row in a sample, "
+        f"{plan.n_buckets} groups ({int((plan.slices > 1).sum())} clusters over several)"
+    )
+    log(f"semantic dedup: the clusters' extents measured ({since(t0)})")
+    t0 = time.perf_counter()
+    assign = ray_task(SF.assign_file)
+    n = ray.get(
+        [
+            assign.remote(s, key, cen, member_cos, t, plan, p, store)
+            for s, p in zip(sources, paths, strict=True)
+        ]
+    )
+    log(f"semantic dedup: {sum(n)} cluster memberships (homes and guests) written ({since(t0)})")
+    t0 = time.perf_counter()
+    pairs = ray_task(SF.group_pairs)
+    groups = range(plan.n_buckets)
+    first = ray.put(plan.first)
+    found = ray.get([pairs.remote(paths, g, first, cen, t, basis, store) for g in groups])
+    store.remove_files(paths)
+    log(
+        f"semantic dedup: {sum(len(f[1]) for f in found)} pairs above the threshold in {len(groups)} groups ({since(t0)})"
+    )
+    return CR.merge_pairs(found)
+
+
+def _cluster_loads(
+    m: int, centroids: np.ndarray, member_cos: np.ndarray, threshold: float, *sample
+) -> tuple[np.ndarray, np.ndarray]:
+    """One task: per cluster, the members and the guests the first ``m`` rows of the fit's sample give it."""
+    x = SF.fit_sample(sample, m)
+    primary, _, g_cl = SD.assign_with_guests(x, centroids, threshold, member_cos=member_cos)
+    k = len(centroids)
+    return np.bincount(primary, minlength=k) * 1.0, np.bincount(g_cl, minlength=k) * 1.0
+
+
+def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, np.ndarray | None]:
+    """One task: the files' samples trimmed to ``m`` rows, then ``_fit``."""
+    return _fit(SF.fit_sample(sample, m), k, seed)
+
+
+def _fit(sample: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """One task: k-means centroids and the guests' screen basis from the bounded sample."""
+    return SD.kmeans_centroids(sample, k, seed, unit=True), SD.screen_basis(
+        sample[SD.screen_sample(len(sample), seed)]
+    )
