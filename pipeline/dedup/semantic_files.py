@@ -6,7 +6,8 @@ the pool's vectors anywhere but into the clusters' bucket files (docs/decisions/
 
 - ``count_file``: the file's rows (its uids only); ``width_file``: its vectors' width (one block);
 - ``sample_file``: those whose uid hash falls under the fit's rate, as float16 rows (the k-means sample
-  is drawn by uid, so it does not depend on how the files split the pool);
+  is drawn by uid, so it does not depend on how the files split the pool); ``centroid_sums``: a Lloyd
+  step over a larger sample drawn the same way, when the fit saw fewer than 256 rows a centroid;
 - ``leak_file``: decontamination by embedding of the file's rows;
 - ``cosines_file``: how far each cluster's members of the file lie from its direction;
 - ``assign_file``: each row to its nearest cluster and as a guest to the clusters whose border it is
@@ -91,6 +92,27 @@ def fit_sample(parts: Sequence[tuple[np.ndarray, np.ndarray]], m: int) -> np.nda
     for a in range(0, len(out), _BLOCK):
         out[a : a + _BLOCK] = SD.normalize(out[a : a + _BLOCK])
     return out
+
+
+def centroid_sums(
+    src: str, key: str, cut: int, seed: int, centroids: np.ndarray, store: Storage
+) -> tuple[np.ndarray, np.ndarray]:
+    """One Lloyd step over the file's rows whose uid hash is below ``cut``: per centroid the float64 sum
+    of those rows nearest it, and their count (k·d·8 bytes whatever the file's size)."""
+    sums = np.zeros(centroids.shape, np.float64)
+    counts = np.zeros(len(centroids), np.int64)
+    for uids, vec in rows_of(src, key, store):
+        h = sample_hash(uids, seed)
+        take = h < np.uint64(cut) if cut < (1 << 64) else np.ones(len(h), bool)
+        if not take.any():
+            continue
+        v = vec[take]
+        near = SD.assign_clusters(v, centroids)
+        order = np.argsort(near, kind="stable")
+        ids, starts = np.unique(near[order], return_index=True)
+        sums[ids] += np.add.reduceat(v[order].astype(np.float64), starts, axis=0)
+        counts += np.bincount(near, minlength=len(centroids))
+    return sums, counts
 
 
 def leak_file(

@@ -4,7 +4,8 @@ that compares vectors: ``curation_stage`` decides on what it finds).
 The files are read in place, a block at a time, by one task per file over all its rows (``semantic_files``;
 docs/decisions/0097 and 0102): a count, then the k-means sample drawn by uid hash (at most ``_FIT_BYTES`` of
 float32, whatever the pool's size: docs/decisions/0106) that one task fits k-means and the guests' screen
-basis on; then the assignment of each row to its nearest cluster and as a guest to the
+basis on, and where it saw fewer than 256 rows a centroid, one Lloyd step over a sample that size, one
+task a file (docs/decisions/0108); then the assignment of each row to its nearest cluster and as a guest to the
 clusters whose border it is near and whose members it can reach (``semantic.assign_with_guests``, after a
 pass for each cluster's extent), written to bucket files by cluster group (``_GROUP_BYTES`` of members and
 guests as a sample estimates them; a wide cluster's guests shared over several groups: docs/decisions/0104),
@@ -87,6 +88,10 @@ def semantic_pairs(
     try:
         centroids, basis = ray.get(ray_task(_fit_files).remote(m, k, cfg.semantic_seed, *outs))
         log(f"semantic dedup: {n} rows in {len(sources)} files, {k} clusters fitted on {m} ({since(t0)})")
+        want = min(n, 256 * k)  # 256 rows a centroid, faiss's own cap
+        if want > m:
+            centroids = _lloyd_step(sources, key, centroids, _cut(want, n), cfg.semantic_seed, store)
+            log(f"semantic dedup: a Lloyd step over ~{want} rows ({since(t0)})")
         pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, outs, n)
     finally:
         if own:
@@ -98,6 +103,27 @@ def _cut(m: int, n: int) -> int:
     """The uid-hash cut that samples a little more than ``m`` of ``n`` rows (1% more than m/n asks; the
     fit trims to the m smallest hashes)."""
     return 1 << 64 if m >= n else min(int(min(1.0, 1.01 * m / n + 64 / n) * float(1 << 64)), (1 << 64) - 1)
+
+
+def _lloyd_step(
+    sources: Sequence[str], key: str, centroids: np.ndarray, cut: int, seed: int, store: Storage
+) -> np.ndarray:
+    """The fit's centroids moved to the mean direction of their rows in a sample of 256 a centroid, one
+    task a file (docs/decisions/0108); a centroid no sampled row is nearest stays. The sums are added
+    in file order: the pairs never depend on the centroids, only the cost does."""
+    import ray
+
+    sums = ray_task(SF.centroid_sums)
+    cen = ray.put(centroids)
+    refs = [sums.remote(s, key, cut, seed, cen, store) for s in sources]
+    total, count = np.zeros(centroids.shape, np.float64), np.zeros(len(centroids), np.int64)
+    for ref in refs:  # one file's sums held at a time
+        s, c = ray.get(ref)
+        total += s
+        count += c
+        del s
+    moved = SD.normalize(total).astype(np.float32)
+    return np.where(count[:, None] > 0, moved, centroids).astype(np.float32)
 
 
 def _pairs(

@@ -163,6 +163,7 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(
     assert n == len(uids)
     split = [int(m.split("(")[1].split()[0]) for m in said if "clusters over several" in m]
     assert any("30 clusters fitted on 1000 (" in m for m in said), said
+    assert any("a Lloyd step over ~3000 rows" in m for m in said), said  # the fit saw 33 rows a centroid
     assert (split[0] > 0) == (group_memberships < 1000), said
     live = CR.BucketFacts(*_no_leaks(), pa.array(named.tolist()), np.append(priority[rows][~gone[rows]], 9.0))
     out = CR.decide(CR.Candidates(*pairs), [live], semantic=True)

@@ -340,3 +340,32 @@ def test_pairs_and_cosines_do_not_depend_on_the_block_size(monkeypatch):
     for a, b in zip(want, got, strict=True):
         for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+def test_a_lloyd_steps_sums_are_the_sampled_rows_nearest_each_centroid(tmp_path):
+    """``centroid_sums``: per centroid the float64 sum and count of the file's rows under the hash cut
+    nearest it; a pool split over two files sums to the same."""
+    import pyarrow as pa
+
+    from pipeline.common.storage import Storage
+    from pipeline.dedup import semantic_files as SF
+
+    uids, vectors, _ = continuum(3000, 40, seed=6)
+    centroids = SD.kmeans_centroids(vectors[:500], 12, 0)
+    cut, seed, store = 1 << 62, 5, Storage()  # about a quarter of the rows
+    np.savez(tmp_path / "all.npz", uid=uids, emb=vectors)
+    x = SD.normalize(vectors).astype(np.float16).astype(np.float32)  # as the tasks read rows
+    under = SF.sample_hash(pa.array(uids.tolist()), seed) < np.uint64(cut)
+    near = SD.assign_clusters(x[under], centroids)
+    want = np.zeros((12, 40))
+    np.add.at(want, near, x[under].astype(np.float64))
+    sums, counts = SF.centroid_sums(str(tmp_path / "all.npz"), "emb", cut, seed, centroids, store)
+    assert 500 < counts.sum() < 1000 and (counts > 0).sum() > 8
+    np.testing.assert_array_equal(counts, np.bincount(near, minlength=12))
+    np.testing.assert_allclose(sums, want, atol=1e-9)
+    half = []
+    for f in range(2):
+        np.savez(tmp_path / f"{f}.npz", uid=uids[f::2], emb=vectors[f::2])
+        half.append(SF.centroid_sums(str(tmp_path / f"{f}.npz"), "emb", cut, seed, centroids, store))
+    np.testing.assert_array_equal(half[0][1] + half[1][1], counts)
+    np.testing.assert_allclose(half[0][0] + half[1][0], sums, atol=1e-9)
