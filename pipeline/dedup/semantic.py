@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_ASSIGN_CELLS = 1 << 22  # rows × centroids per assignment block (32 MiB per float64 array, whatever k is)
-_GRAM_MAX = 4096  # up to this many centroids their (k, k) products are kept (128 MiB); past it, per block
+_ASSIGN_CELLS = 1 << 22  # rows × centroids per assignment block (16 MiB of float32 scores, whatever k is)
 _BLOCK = 4096  # query rows per similarity block: a (block, cluster) float32 matrix at a time
 
 
@@ -197,31 +196,77 @@ def reach(threshold: float) -> float:
     return float(np.sqrt(2.0 - 2.0 * threshold + 1e-5))
 
 
-def _nearest_block(x: np.ndarray, c: np.ndarray, cn: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(|x − c|² − |x|² for every centroid, (B, k)), the nearest centroid of each unit float64 row."""
-    dist2 = cn[None, :] - 2.0 * (x @ c.T)
-    return dist2, np.argmin(dist2, axis=1)
+class _Centroids:
+    """The centroids as the assignment meets rows: a row's score for centroid c is x·c − |c|²/2 (the
+    larger, the nearer). Float32 products over every centroid screen; float64 products over the few
+    candidates they leave decide (docs/decisions/0109). ``err`` bounds how far a float32 score of a unit
+    row lies from its exact one: γ_d·|x|·|c| for the product in any summation order, the subtraction's
+    rounding and the float32 copy of |c|²/2, twice over."""
+
+    def __init__(self, centroids: np.ndarray) -> None:
+        self.c = np.ascontiguousarray(centroids, dtype=np.float64)
+        self.cn = (self.c * self.c).sum(axis=1)
+        self.half = self.cn / 2.0
+        self.c32 = self.c.astype(np.float32)
+        self.half32 = self.half.astype(np.float32)
+        top = max(1.0, float(self.cn.max())) if len(self.c) else 1.0
+        self.err = 2.0 * (self.c.shape[1] + 8) * 2.0**-24 * top + 1e-12
+        self.tie = 4e-9 * top  # wider than cluster_cosines' tie on any best score
+
+    def scores(self, x: np.ndarray) -> np.ndarray:
+        """Float32 scores (B, k) of unit float64 rows ``x``, each within ``err`` of the exact one."""
+        v = x.astype(np.float32) @ self.c32.T
+        v -= self.half32[None, :]
+        return v
+
+    def exact(self, x: np.ndarray, r: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """The float64 scores of rows ``x[r]`` for centroids ``b``."""
+        return _row_dots(x, r, self.c, b) - self.half[b]
+
+    def dots(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """c[a] · c[b] in float64, for matched centroids."""
+        return _row_dots(self.c, a, self.c, b)
+
+    def nearest(
+        self, x: np.ndarray, v: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per row of ``x`` (scores ``v``) the centroids whose exact score may be within 10⁻⁸ of the row's
+        best, with their exact scores, as (rows r, centroids b, scores s), and per row the best exact
+        score and the lowest centroid that has it (the nearest)."""
+        r, b = np.nonzero(v >= (v.max(axis=1) - 2.0 * self.err - self.tie)[:, None])
+        s = self.exact(x, r, b)
+        order = np.lexsort((b, -s, r))
+        first = order[np.unique(r[order], return_index=True)[1]]
+        return r, b, s, s[first], b[first]
+
+
+def _row_dots(x: np.ndarray, i: np.ndarray, y: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """x[i] · y[j] in float64 for matched rows, gathered ~16 MiB at a time."""
+    out = np.empty(len(i), np.float64)
+    step = max(256, (16 << 20) // (8 * max(1, x.shape[1])))
+    for p in range(0, len(i), step):
+        out[p : p + step] = np.einsum("ij,ij->i", x[i[p : p + step]], y[j[p : p + step]])
+    return out
 
 
 def _block_rows(k: int, block: int) -> int:
-    return max(16, min(block, _ASSIGN_CELLS // max(1, k)))  # (block, k) float64 arrays flat in k
+    return max(16, min(block, _ASSIGN_CELLS // max(1, k)))  # (block, k) float32 arrays flat in k
 
 
 def cluster_cosines(vectors: np.ndarray, centroids: np.ndarray, block: int = 4096) -> np.ndarray:
     """Per cluster the smallest cosine of a member to its unit centroid (1 for an empty cluster), each row
-    counted in every cluster it is nearest to up to rounding, so any assignment of a tie is covered.
-    The minimum over several blocks or files is the minimum of their figures."""
-    c = np.ascontiguousarray(centroids, dtype=np.float64)
-    cn = (c * c).sum(axis=1)
-    unit = c / np.sqrt(np.maximum(cn, 1e-300))[:, None]
-    out = np.ones(len(c), dtype=np.float64)
-    step = _block_rows(len(c), block)
+    counted in every cluster it is nearest to up to rounding (an exact score within 10⁻⁹ of its best),
+    so any assignment of a tie is covered. The minimum over several blocks or files is the minimum of
+    their figures."""
+    cs = _Centroids(centroids)
+    out = np.ones(len(cs.c), dtype=np.float64)
+    step = _block_rows(len(cs.c), block)
     for lo in range(0, len(vectors), step):
         x = normalize(vectors[lo : lo + step]).astype(np.float64)
-        dist2, a = _nearest_block(x, c, cn)
-        best = dist2[np.arange(len(x)), a]
-        r, b = np.nonzero(dist2 <= best[:, None] + 1e-9 * (1.0 + np.abs(best[:, None])))
-        np.minimum.at(out, b, np.einsum("ij,ij->i", x[r], unit[b]))
+        r, b, s, best, _ = cs.nearest(x, cs.scores(x))
+        tie = s >= best[r] - 0.5e-9 * (1.0 + 2.0 * np.abs(best[r]))
+        r, b = r[tie], b[tie]
+        np.minimum.at(out, b, (s[tie] + cs.half[b]) / np.sqrt(np.maximum(cs.cn[b], 1e-300)))
     return out
 
 
@@ -243,34 +288,81 @@ def assign_with_guests(
     the angle from x to b's direction is at most angle(x, y) + angle(y, b) ≤ arccos(t) + R_b (the triangle
     inequality on the sphere), so the second test drops no such pair: it keeps rows off the borders of
     clusters they cannot reach, which the first alone lets in when clusters lie within the reach of each
-    other everywhere (unstructured or high-dimensional data; docs/decisions/0103)."""
-    c = np.ascontiguousarray(centroids, dtype=np.float64)
-    cn = (c * c).sum(axis=1)
-    d = reach(threshold)
+    other everywhere (unstructured or high-dimensional data; docs/decisions/0103).
+
+    Both tests are decided in float64 on the pairs that pass them in float32 with each score moved by its
+    error bound, so the float32 products only screen (docs/decisions/0109)."""
+    cs = _Centroids(centroids)
+    k, d = len(cs.c), reach(threshold)
+    ks = np.arange(k)
     cone = None
-    if member_cos is not None:
+    if member_cos is not None:  # x · c_b ≥ |c_b| cos(R_b + arccos t), as a score
         angle = np.arccos(np.clip(member_cos, -1.0, 1.0)) + np.arccos(np.clip(threshold, -1.0, 1.0)) + 1e-6
-        cone = np.where(angle >= np.pi, -2.0, np.cos(np.minimum(angle, np.pi))) * np.sqrt(np.maximum(cn, 0.0))
-    gram = c @ c.T if len(c) <= _GRAM_MAX else None
+        cone = np.where(angle >= np.pi, -2.0, np.cos(np.minimum(angle, np.pi))) * np.sqrt(
+            np.maximum(cs.cn, 0.0)
+        )
+        cone = cone - cs.half - 1e-9
     primary = np.empty(len(vectors), dtype=np.int64)
     g_row, g_cl = [], []
-    step = _block_rows(len(c), block)
+    step = _block_rows(k, block)
     for lo in range(0, len(vectors), step):
         x = normalize(vectors[lo : lo + step]).astype(np.float64)
-        dist2, a = _nearest_block(x, c, cn)
+        v = cs.scores(x)
+        _, _, _, sa, a = cs.nearest(x, v)
         primary[lo : lo + len(x)] = a
-        cc = gram[a] if gram is not None else c[a] @ c.T  # past _GRAM_MAX the block's rows of it
-        sep = np.sqrt(np.maximum(cn[a][:, None] + cn[None, :] - 2.0 * cc, 1e-300))  # |c_a − c_b|
-        gap = (dist2 - dist2[np.arange(len(x)), a][:, None]) / (2.0 * sep)
-        near = (gap <= d) & (np.arange(len(c))[None, :] > a[:, None])
-        if cone is not None:  # x · c_b = (cn_b − dist2) / 2 ≥ |c_b| cos(R_b + arccos t)
-            near &= (cn[None, :] - dist2) / 2.0 >= cone[None, :] - 1e-9
-        r, b = np.nonzero(near)
+        r, b = _guests_of_block(cs, x, v, a, sa, d, cone, ks)
         g_row.append(r + lo)
         g_cl.append(b)
     if not g_row:
         return primary, np.zeros(0, np.int64), np.zeros(0, np.int64)
     return primary, np.concatenate(g_row).astype(np.int64), np.concatenate(g_cl).astype(np.int64)
+
+
+_DENSE_SHARE = 1 / 32  # past this share of a block's cells through the cheap screen, decide in float32 first
+
+
+def _guests_of_block(
+    cs: _Centroids,
+    x: np.ndarray,
+    v: np.ndarray,
+    a: np.ndarray,
+    sa: np.ndarray,
+    d: float,
+    cone: np.ndarray | None,
+    ks: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``assign_with_guests``' tests on one block (float32 scores ``v``, homes ``a`` and their exact
+    scores ``sa``) → the (row, cluster) guest memberships, row-major. In scores the hyperplane test is
+    s_a − s_b ≤ d·|c_a − c_b| and the cone test s_b ≥ cone_b; a float32 score is within ``err`` of s."""
+    m = 3.0 * cs.err  # two scores' errors, and float32's rounding of the comparison itself
+    top = 2.0 * float(np.sqrt(cs.cn.max()))  # |c_a − c_b| ≤ |c_a| + |c_b|
+    va = v[np.arange(len(x)), a]
+    near = v >= (va - d * top - m)[:, None]
+    near &= ks[None, :] > a[:, None]
+    if cone is not None:
+        near &= v >= (cone - m).astype(np.float32)[None, :]
+    if np.count_nonzero(near) > _DENSE_SHARE * near.size:  # rows near many borders: the separations too
+        cc = cs.c32[a] @ cs.c32.T  # within err/2 of c_a · c_b, so |c_a − c_b|² within 2·err
+        sep2 = cs.cn[a].astype(np.float32)[:, None] + cs.cn.astype(np.float32)[None, :] - 2.0 * cc
+        gap = va[:, None] - v
+        sure = near & (gap + m <= d * np.sqrt(np.maximum(sep2 - 2.0 * cs.err, 0.0)))
+        near &= gap - m <= d * np.sqrt(sep2 + 2.0 * cs.err)
+        if cone is not None:
+            sure &= v >= (cone + m).astype(np.float32)[None, :]
+        del cc, sep2, gap
+    else:
+        sure = np.zeros_like(near)
+    r, b = np.nonzero(near)
+    keep = sure[r, b]
+    ask = np.flatnonzero(~keep)  # decided in float64
+    sb = cs.exact(x, r[ask], b[ask])
+    ca = a[r[ask]]
+    sep = np.sqrt(np.maximum(cs.cn[ca] + cs.cn[b[ask]] - 2.0 * cs.dots(ca, b[ask]), 1e-300))  # |c_a − c_b|
+    yes = (sa[r[ask]] - sb) / sep <= d
+    if cone is not None:
+        yes &= sb >= cone[b[ask]]
+    keep[ask] = yes
+    return r[keep], b[keep]
 
 
 def screen_basis(sample: np.ndarray, dims: int = 64) -> np.ndarray | None:

@@ -369,3 +369,93 @@ def test_a_lloyd_steps_sums_are_the_sampled_rows_nearest_each_centroid(tmp_path)
         half.append(SF.centroid_sums(str(tmp_path / f"{f}.npz"), "emb", cut, seed, centroids, store))
     np.testing.assert_array_equal(half[0][1] + half[1][1], counts)
     np.testing.assert_allclose(half[0][0] + half[1][0], sums, atol=1e-9)
+
+
+def _assignment_in_float64(x, centroids, threshold, member_cos=None):
+    """``assign_with_guests`` and ``cluster_cosines`` written out densely in float64: (nearest centroid,
+    guest (row, cluster) set, per-cluster smallest member cosine with ties up to 10⁻⁹ counted)."""
+    x = SD.normalize(x).astype(np.float64)
+    c = centroids.astype(np.float64)
+    cn = (c * c).sum(axis=1)
+    dist2 = cn[None, :] - 2.0 * x @ c.T  # |x − c|² − |x|²
+    a = np.argmin(dist2, axis=1)
+    best = dist2[np.arange(len(x)), a]
+    tie = dist2 <= best[:, None] + 1e-9 * (1.0 + np.abs(best[:, None]))
+    cos = (x @ c.T) / np.sqrt(cn)[None, :]
+    extent = np.where(tie.any(axis=0), np.where(tie, cos, 2.0).min(axis=0), 1.0)
+    sep = np.sqrt(np.maximum(cn[a][:, None] + cn[None, :] - 2.0 * (c[a] @ c.T), 1e-300))
+    guest = ((dist2 - best[:, None]) / (2.0 * sep) <= SD.reach(threshold)) & (np.arange(len(c)) > a[:, None])
+    if member_cos is not None:
+        angle = np.arccos(np.clip(member_cos, -1, 1)) + np.arccos(threshold) + 1e-6
+        bound = np.where(angle >= np.pi, -2.0, np.cos(np.minimum(angle, np.pi))) * np.sqrt(cn)
+        guest &= x @ c.T >= bound[None, :] - 1e-9
+    r, b = np.nonzero(guest)
+    return a, set(zip(r.tolist(), b.tolist(), strict=True)), extent
+
+
+@pytest.mark.parametrize("case", ["blobs-768", "crowded-64", "ties"])
+def test_assignment_screened_in_float32_equals_the_float64_rule(case):
+    """The assignment's float32 products only screen: the nearest centroids, guests and extents equal the
+    rule computed densely in float64, on data whose rows sit near few borders (the sparse path), near
+    many (the dense path), and exactly on centroids that appear twice (ties go to the lower one)."""
+    rng = np.random.default_rng(5)
+    if case == "blobs-768":
+        d, k, n = 768, 300, 3000
+        # centres in a 16-d subspace and around it, so clusters border each other
+        centre = rng.standard_normal((k, 16)) @ rng.standard_normal((16, d)) / 4 + 0.3 * rng.standard_normal(
+            (k, d)
+        )
+        pick = rng.integers(0, k, n)
+        x = SD.normalize(0.85 * centre[pick] + 0.55 * rng.standard_normal((n, d)))
+        centroids = SD.normalize(centre + 0.2 * rng.standard_normal((k, d)))
+    else:
+        d, k, n = 64, 120, 4000
+        x = SD.normalize(rng.standard_normal((n, d)))
+        centroids = SD.normalize(rng.standard_normal((k, d)))
+    if case == "ties":
+        centroids[7] = centroids[3]
+        x[:20] = centroids[3]
+    member_cos = SD.cluster_cosines(x, centroids)
+    a, _, extent = _assignment_in_float64(x, centroids, 0.9)
+    np.testing.assert_allclose(member_cos, extent, rtol=0, atol=1e-12)
+    for cos in (None, member_cos):
+        want_a, want_g, _ = _assignment_in_float64(x, centroids, 0.9, cos)
+        primary, g_row, g_cl = SD.assign_with_guests(x, centroids, 0.9, block=512, member_cos=cos)
+        np.testing.assert_array_equal(primary, want_a)
+        assert set(zip(g_row.tolist(), g_cl.tolist(), strict=True)) == want_g
+        assert len(want_g) > (2000 if case == "blobs-768" else 20 * n)
+    if case == "ties":
+        assert (a[:20] == 3).all()  # every row of 3 counts in 7's extent too, which has no row of its own
+        assert member_cos[7] == member_cos[3] < 0.9 and not (a == 7).any()
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_rows_on_a_border_or_a_tie_are_decided_in_float64(dense, monkeypatch):
+    """Rows whose distance to the bisecting hyperplane is the reach ± 10⁻⁹…10⁻⁵, and rows off the tie
+    between the two centroids by as little (far inside float32's error of a 768-d product): a guest
+    exactly when within the reach and home at the nearer centroid, as in float64, whichever path the
+    block takes (the separations screened in float32 or not)."""
+    monkeypatch.setattr(SD, "_DENSE_SHARE", 0.0 if dense else 1.0)
+    rng = np.random.default_rng(6)
+    d = 768
+    c = SD.normalize(rng.standard_normal((2, d))).astype(np.float64)
+    normal = (c[0] - c[1]) / np.linalg.norm(c[0] - c[1])
+    along = 0.4 * (c[0] + c[1]) / np.linalg.norm(c[0] + c[1])  # on the hyperplane, near both centroids
+    offsets = np.concatenate([-np.geomspace(1e-5, 1e-9, 40), np.geomspace(1e-9, 1e-5, 40)])
+    h = np.concatenate([SD.reach(0.9) + offsets, offsets])  # 80 rows on the border, 80 on the tie
+    w = rng.standard_normal((len(h), d))
+    for u in (normal, along / 0.4):  # directions off both
+        w -= (w @ u)[:, None] * u[None, :]
+    w /= np.linalg.norm(w, axis=1, keepdims=True)
+    rows = h[:, None] * normal[None, :] + along[None, :]
+    rows += np.sqrt(1.0 - (rows * rows).sum(axis=1))[:, None] * w
+    rows, cen = rows.astype(np.float32), c.astype(np.float32)
+    primary, g_row, g_cl = SD.assign_with_guests(rows, cen, 0.9)
+    want_a, want_g, _ = _assignment_in_float64(rows, cen, 0.9)
+    np.testing.assert_array_equal(primary, want_a)
+    assert set(zip(g_row.tolist(), g_cl.tolist(), strict=True)) == want_g
+    x, c = SD.normalize(rows).astype(np.float64), cen.astype(np.float64)
+    side = (c[1] @ c[1] - 2 * x @ c[1]) - (c[0] @ c[0] - 2 * x @ c[0])  # |x − c1|² − |x − c0|²
+    assert (want_a == np.where(side >= 0, 0, 1)).all() and 10 < want_a[80:].sum() < 70
+    inside = {i for i, _ in want_g if i < 80}  # as placed, past the rows' rounding to float32 (~5·10⁻⁸)
+    assert set(range(19)) <= inside and not inside & set(range(61, 80))
