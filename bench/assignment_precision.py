@@ -64,7 +64,9 @@ def worker(rows: int, k: int) -> dict:
 
 def _run(root: Path, rows: int, k: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    code = f"import json; from bench.assignment_precision import worker; print(json.dumps(worker({rows}, {k})))"
+    code = (
+        f"import json; from bench.assignment_precision import worker; print(json.dumps(worker({rows}, {k})))"
+    )
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(res.stderr[-2000:])
