@@ -11,12 +11,17 @@ core, not the slowdown of sharing caches and memory bandwidth).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import resource
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 MIN_ROUNDS = 3
@@ -103,3 +108,60 @@ def results_path(out: Path, default: Path, max_load: float, cores: int, allow_lo
             print(f"loaded machine: not overwriting {default} (pass --allow-loaded to force)")
             return Path(tempfile.gettempdir()) / default.name
     return out
+
+
+def baseline_flags(ap, ref: str, what: str, result: Path) -> None:
+    """The flags of a benchmark run against the code at a commit: ``--baseline``, ``--rounds``, ``--out``,
+    ``--allow-loaded``."""
+    ap.add_argument("--baseline", default=ref, help=f"a commit whose {what} is the baseline")
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS)
+    ap.add_argument("--out", type=Path, default=result)
+    ap.add_argument("--allow-loaded", action="store_true")
+
+
+def head_commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def against_baseline(ref: str, bench_file: str, calls: dict[str, str], rounds: int) -> dict[str, list[dict]]:
+    """Each of ``calls`` (a key → code for ``run_fresh``) run on today's code and on the code at ``ref``
+    in turn, ``rounds`` times → per key its rounds as {"today": …, "baseline": …}."""
+    assert rounds >= MIN_ROUNDS
+    root = Path(__file__).resolve().parents[1]
+    out: dict[str, list[dict]] = {}
+    with baseline_tree(ref, bench_file) as tree:
+        for key, code in calls.items():
+            out[key] = [
+                {"today": run_fresh(root, code), "baseline": run_fresh(tree, code)} for _ in range(rounds)
+            ]
+            t, b = out[key][-1]["today"], out[key][-1]["baseline"]
+            print(f"{key}: today {json.dumps(t)}\n{key}: baseline {json.dumps(b)}", flush=True)
+    return out
+
+
+@contextlib.contextmanager
+def baseline_tree(ref: str, bench_file: str) -> Iterator[Path]:
+    """A git worktree of the code at ``ref`` with today's ``bench_file`` copied in, so the same measurement
+    runs on the old code; removed afterwards."""
+    root = Path(__file__).resolve().parents[1]
+    tree = Path(tempfile.mkdtemp(prefix="prolip-bench-baseline-"))
+    subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=root, check=True)
+    for harness in (bench_file, __file__, Path(__file__).with_name("schema.py")):  # today's harness there
+        shutil.copy(harness, tree / "bench" / Path(harness).name)
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=root, check=False)
+
+
+def run_fresh(root: Path, code: str) -> dict:
+    """``code`` (which prints one JSON object last) in a fresh Python process on the code under ``root`` →
+    that object, with the 1-minute load average when it ended."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(res.stderr[-2000:])
+    return {**json.loads(res.stdout.strip().splitlines()[-1]), "load": os.getloadavg()[0]}

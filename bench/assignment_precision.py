@@ -16,16 +16,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.alternate import MIN_ROUNDS, results_path, spread
+from bench.alternate import against_baseline, baseline_flags, head_commit, results_path, spread
 from bench.schema import write_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,44 +57,18 @@ def worker(rows: int, k: int) -> dict:
             "guests": len(g_row), "digest": digest, "extent_sum": float(extent.sum())}  # fmt: skip
 
 
-def _run(root: Path, rows: int, k: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    code = (
-        f"import json; from bench.assignment_precision import worker; print(json.dumps(worker({rows}, {k})))"
-    )
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    if res.returncode:
-        raise RuntimeError(res.stderr[-2000:])
-    return {**json.loads(res.stdout.strip().splitlines()[-1]), "load": os.getloadavg()[0]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32768)
     ap.add_argument("--clusters", default="4000,16000")
-    ap.add_argument("--baseline", default="884c38f", help="a commit whose assignment is the baseline")
-    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS)
-    ap.add_argument("--out", type=Path, default=RESULT)
-    ap.add_argument("--allow-loaded", action="store_true")
+    baseline_flags(ap, "884c38f", "assignment", RESULT)
     args = ap.parse_args()
-    assert args.rounds >= MIN_ROUNDS
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    tree = Path(tempfile.mkdtemp(prefix="prolip-bench-baseline-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], cwd=ROOT, check=True)
-    shutil.copy(__file__, tree / "bench" / "assignment_precision.py")  # the same measurement on the old code
-    results: dict = {}
-    try:
-        for k in (int(x) for x in args.clusters.split(",")):
-            rounds = [{"today": _run(ROOT, args.rows, k), "baseline": _run(tree, args.rows, k)}
-                      for _ in range(args.rounds)]  # fmt: skip
-            results[str(k)] = rounds
-            for r in rounds:  # the same decisions, so the ratio compares equal work
-                t, b = r["today"], r["baseline"]
-                assert t["digest"] == b["digest"] and abs(t["extent_sum"] - b["extent_sum"]) < 1e-9, (t, b)
-            print(f"k={k}: extents {t['extents_s']:.2f} vs {b['extents_s']:.2f} s, assignment "
-                  f"{t['assign_s']:.2f} vs {b['assign_s']:.2f} s, {t['guests']} guests", flush=True)  # fmt: skip
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+    code = "import json; from bench.assignment_precision import worker; print(json.dumps(worker({}, {})))"
+    calls = {k: code.format(args.rows, int(k)) for k in args.clusters.split(",")}
+    results = against_baseline(args.baseline, __file__, calls, args.rounds)
+    for r in (r for rounds in results.values() for r in rounds):  # the same decisions: equal work compared
+        t, b = r["today"], r["baseline"]
+        assert t["digest"] == b["digest"] and abs(t["extent_sum"] - b["extent_sum"]) < 1e-9, (t, b)
     date = datetime.date.today().isoformat()
     loads = [r[c]["load"] for rs in results.values() for r in rs for c in r]
     records = []
@@ -111,7 +80,7 @@ def main() -> None:
             ratio = spread([r["baseline"][key] / r["today"][key] for r in rounds])
             records.append({
                 "what": f"{name}, {args.rows:,} rows of 768-d blobs against {int(k):,} centroids: seconds, today "
-                        f"({head.stdout.strip()}) vs {args.baseline}, the same decisions",
+                        f"({head_commit()}) vs {args.baseline}, the same decisions",
                 "command": f"python -m bench.assignment_precision --rows {args.rows} --clusters {args.clusters}",
                 "figure": f"{t['median']:.2f} s vs {b['median']:.2f} s ({ratio['median']:.2f}× faster; "
                           f"{args.rows / t['median']:,.0f} rows/s)",

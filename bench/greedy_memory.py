@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench.alternate import MIN_ROUNDS, results_path, spread
+from bench.alternate import against_baseline, baseline_flags, head_commit, results_path, spread
 from bench.schema import write_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,38 +93,14 @@ def worker(n_pairs: int) -> dict:
             "peak_over_start_b_per_pair": (peak - start) * 1024 / n}  # fmt: skip
 
 
-def _run(root: Path, n_pairs: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    code = f"import json; from bench.greedy_memory import worker; print(json.dumps(worker({n_pairs})))"
-    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    if res.returncode:
-        raise RuntimeError(res.stderr[-2000:])
-    return {**json.loads(res.stdout.strip().splitlines()[-1]), "load": os.getloadavg()[0]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", default="1000000,4000000")
-    ap.add_argument("--baseline", default="e31f6ab", help="a commit whose planning task is the baseline")
-    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS)
-    ap.add_argument("--out", type=Path, default=RESULT)
-    ap.add_argument("--allow-loaded", action="store_true")
+    baseline_flags(ap, "e31f6ab", "planning task", RESULT)
     args = ap.parse_args()
-    assert args.rounds >= MIN_ROUNDS
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    tree = Path(tempfile.mkdtemp(prefix="prolip-bench-baseline-"))
-    subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], cwd=ROOT, check=True)
-    shutil.copy(__file__, tree / "bench" / "greedy_memory.py")  # the same measurement on the old code
-    results: dict = {}
-    try:
-        for n in (int(x) for x in args.pairs.split(",")):
-            rounds = [{"today": _run(ROOT, n), "baseline": _run(tree, n)} for _ in range(args.rounds)]
-            results[str(n)] = rounds
-            t, b = rounds[-1]["today"], rounds[-1]["baseline"]
-            print(f"{t['pairs']} pairs: {t['peak_over_start_b_per_pair']:.0f} vs {b['peak_over_start_b_per_pair']:.0f} "
-                  f"B a pair, {t['wall_s']:.1f} vs {b['wall_s']:.1f} s", flush=True)  # fmt: skip
-    finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+    code = "import json; from bench.greedy_memory import worker; print(json.dumps(worker({})))"
+    calls = {x: code.format(int(x)) for x in args.pairs.split(",")}
+    results = against_baseline(args.baseline, __file__, calls, args.rounds)
     date = datetime.date.today().isoformat()
     loads = [r[c]["load"] for rs in results.values() for r in rs for c in r]
     records = []
@@ -146,7 +117,7 @@ def main() -> None:
         pairs = rounds[0]["today"]["pairs"]
         records.append({
             "what": f"curation planning task, {pairs:,} candidate pairs ({rounds[0]['today']['named']:,} uids): "
-                    f"peak bytes a pair and seconds, today ({head.stdout.strip()}) vs {args.baseline}",
+                    f"peak bytes a pair and seconds, today ({head_commit()}) vs {args.baseline}",
             "command": f"python -m bench.greedy_memory --pairs {args.pairs} --baseline {args.baseline}",
             "figure": f"{t['median']:.0f} B a pair, {tw['median']:.1f} s vs {b['median']:.0f} B, {bw['median']:.1f} s "
                       f"({mem['median']:.1f}× less memory, {wall['median']:.1f}× faster)",
