@@ -230,14 +230,18 @@ class _Centroids:
     def nearest(
         self, x: np.ndarray, v: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Per row of ``x`` (scores ``v``) the centroids whose exact score may be within 10⁻⁸ of the row's
-        best, with their exact scores, as (rows r, centroids b, scores s), and per row the best exact
-        score and the lowest centroid that has it (the nearest)."""
+        """Per row of ``x`` (scores ``v``) the centroids whose exact score may tie with the row's best (within
+        twice ``err`` and the tie tolerance in float32), with their exact scores, as (rows r, centroids b,
+        scores s); and per row the best exact score and the lowest centroid that has it (the nearest). A
+        row with no finite score (a non-finite vector) goes to centroid 0 with a NaN score, so it is
+        nobody's guest and no cosine with it passes a threshold."""
         r, b = np.nonzero(v >= (v.max(axis=1) - 2.0 * self.err - self.tie)[:, None])
         s = self.exact(x, r, b)
         order = np.lexsort((b, -s, r))
         first = order[np.unique(r[order], return_index=True)[1]]
-        return r, b, s, s[first], b[first]
+        best, home = np.full(len(x), np.nan), np.zeros(len(x), np.int64)
+        best[r[first]], home[r[first]] = s[first], b[first]
+        return r, b, s, best, home
 
 
 def _row_dots(x: np.ndarray, i: np.ndarray, y: np.ndarray, j: np.ndarray) -> np.ndarray:

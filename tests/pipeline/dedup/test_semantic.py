@@ -394,10 +394,12 @@ def _assignment_in_float64(x, centroids, threshold, member_cos=None):
 
 
 @pytest.mark.parametrize("case", ["blobs-768", "crowded-64", "ties"])
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
 def test_assignment_screened_in_float32_equals_the_float64_rule(case):
     """The assignment's float32 products only screen: the nearest centroids, guests and extents equal the
     rule computed densely in float64, on data whose rows sit near few borders (the sparse path), near
-    many (the dense path), and exactly on centroids that appear twice (ties go to the lower one)."""
+    many (the dense path), and exactly on centroids that appear twice (ties go to the lower one), with
+    two non-finite rows among them."""
     rng = np.random.default_rng(5)
     if case == "blobs-768":
         d, k, n = 768, 300, 3000
@@ -415,6 +417,7 @@ def test_assignment_screened_in_float32_equals_the_float64_rule(case):
     if case == "ties":
         centroids[7] = centroids[3]
         x[:20] = centroids[3]
+        x[20], x[21] = np.nan, np.inf  # vectors no cosine is defined for: home 0, nobody's guest
     member_cos = SD.cluster_cosines(x, centroids)
     a, _, extent = _assignment_in_float64(x, centroids, 0.9)
     np.testing.assert_allclose(member_cos, extent, rtol=0, atol=1e-12)
@@ -427,6 +430,7 @@ def test_assignment_screened_in_float32_equals_the_float64_rule(case):
     if case == "ties":
         assert (a[:20] == 3).all()  # every row of 3 counts in 7's extent too, which has no row of its own
         assert member_cos[7] == member_cos[3] < 0.9 and not (a == 7).any()
+        assert (primary[20:22] == 0).all() and not np.isin(g_row, [20, 21]).any()
 
 
 @pytest.mark.parametrize("dense", [False, True])
