@@ -94,9 +94,11 @@ def committed_parts(store: Storage, output: str) -> list[str]:
 
 
 def wait_for(what: str, until, timeout: float = 300, every: float = 0.3, failed=lambda: False):
+    """``until()``'s first truthy value, polled; ``failed()`` truthy (a reason, or True) gives up at once."""
     deadline = time.monotonic() + timeout
     while not (value := until()):
-        assert not failed(), f"gave up waiting for {what}"
+        why = failed()
+        assert not why, f"gave up waiting for {what}" + ("" if why is True else f": {why}")
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(every)
     return value

@@ -69,8 +69,15 @@ def built(cluster):
     """The demo build; while its pool is being served, what every host listens on."""
     out = cluster.s3.url("build")
     cluster.submit(build_args(out, POOL), "build", wait=False)
+
+    def ended() -> str:  # the job's status and its log's tail, once it is neither pending nor running
+        info = cluster.job("build")
+        return (
+            "" if info["status"] in ("RUNNING", "PENDING") else f"{info}\n{cluster.job_logs('build')[-4000:]}"
+        )
+
     serving = wait_for("the pool's server", lambda: re.search(r"served at http://([\d.]+):(\d+)", cluster.job_logs("build")),
-                       failed=lambda: cluster.job("build")["status"] != "RUNNING" and cluster.job("build")["status"] != "PENDING")  # fmt: skip
+                       failed=ended)  # fmt: skip
     sockets = {name: listeners(h.ns) for name, h in cluster.hosts.items()}
     sockets["s3"] = [r for r in listeners_here() if f"-ip={cluster.bridge_ip}" in r["cmd"]]
     info = cluster.wait_job("build")
