@@ -345,6 +345,7 @@ def _guests_of_block(
     near &= ks[None, :] > a[:, None]
     if cone is not None:
         near &= v >= (cone - m).astype(np.float32)[None, :]
+    sure = None  # pairs the float32 separations already decide
     if np.count_nonzero(near) > _DENSE_SHARE * near.size:  # rows near many borders: the separations too
         cc = cs.c32[a] @ cs.c32.T  # within err/2 of c_a · c_b, so |c_a − c_b|² within 2·err
         sep2 = cs.cn[a].astype(np.float32)[:, None] + cs.cn.astype(np.float32)[None, :] - 2.0 * cc
@@ -354,10 +355,8 @@ def _guests_of_block(
         if cone is not None:
             sure &= v >= (cone + m).astype(np.float32)[None, :]
         del cc, sep2, gap
-    else:
-        sure = np.zeros_like(near)
     r, b = np.nonzero(near)
-    keep = sure[r, b]
+    keep = sure[r, b] if sure is not None else np.zeros(len(r), bool)
     ask = np.flatnonzero(~keep)  # decided in float64
     sb = cs.exact(x, r[ask], b[ask])
     ca = a[r[ask]]
