@@ -5,10 +5,13 @@ restore that falls back past an unusable one, checked against its checksums firs
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -89,12 +92,76 @@ def restore(module: Any, directory: str) -> tuple[dict[str, Any], dict[str, Any]
     return load_extra(directory), saved
 
 
+SCRATCH_PREFIX = "prolip-restore-"
+
+
+def scratch_path(name: str) -> str:
+    """Where the copy of a checkpoint named ``name`` lies while a restore reads it."""
+    return os.path.join(tempfile.gettempdir(), SCRATCH_PREFIX + name)
+
+
+@contextlib.contextmanager
+def restore_scratch(name: str) -> Iterator[str]:
+    """``scratch_path(name)``, made for one candidate's copy and removed after, held under an exclusive
+    ``flock`` on ``<dir>.lock`` meanwhile: a copy left by a process killed mid-restore (the kernel frees its
+    lock) is removed by the next restore on this machine, and a live one is never touched."""
+    sweep_abandoned_scratch()
+    path = scratch_path(name)
+    lock = path + ".lock"
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                break  # still the file at that path: a sweeper did not remove it while this one waited
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        os.makedirs(path, exist_ok=True)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        os.unlink(lock)
+        os.close(fd)
+
+
+def sweep_abandoned_scratch() -> list[str]:
+    """Remove every restore copy in the temp dir whose lock no process holds (its restorer was killed);
+    the directories removed."""
+    root = tempfile.gettempdir()
+    removed = []
+    for entry in os.listdir(root):
+        if not (entry.startswith(SCRATCH_PREFIX) and entry.endswith(".lock")):
+            continue
+        lock = os.path.join(root, entry)
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # held: a restore in progress
+        try:
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                shutil.rmtree(lock.removesuffix(".lock"), ignore_errors=True)
+                os.unlink(lock)
+                removed.append(lock.removesuffix(".lock"))
+        except FileNotFoundError:
+            pass  # its owner finished and removed it meanwhile
+        finally:
+            os.close(fd)
+    return removed
+
+
 class SingleProcess:
     """How one process restores alone: a private temp copy per candidate, its own verdict."""
 
     @contextlib.contextmanager
     def shared_dir(self, index: int) -> Iterator[str]:
-        with tempfile.TemporaryDirectory(prefix="prolip-restore-") as d:
+        with restore_scratch(uuid.uuid4().hex) as d:
             yield d
 
     def agree(self, check: Callable[[], str | None]) -> str | None:

@@ -29,8 +29,6 @@ import contextlib
 import logging
 import os
 import posixpath
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -50,7 +48,7 @@ from pipeline.ingest.masking import drop_masked_tokens
 from pipeline.ingest.prefetch import device_batches
 from pipeline.ingest.transforms import DecodedCache, MaskedVariants, TrainCollate, tokenizer_from_state
 from training.config import from_plain
-from training.train.checkpointing import restore_with_fallback, save_state
+from training.train.checkpointing import restore_scratch, restore_with_fallback, save_state, scratch_path
 from training.train.distributed import EpochEnd, local_batch_sizes
 from training.train.metrics import Window, window_metrics
 from training.train.run_checkpoints import fresh_name, local_save_dir, upload_checkpoint
@@ -148,19 +146,17 @@ class NodeGroup:
         self.device = device if device.type == "cuda" else torch.device("cpu")
         token = [uuid.uuid4().hex[:12]]
         dist.broadcast_object_list(token, src=0, device=self.device if device.type == "cuda" else None)
-        self.prefix = os.path.join(tempfile.gettempdir(), f"prolip-restore-{token[0]}-n{ctx.get_node_rank()}")
+        self.name = f"{token[0]}-n{ctx.get_node_rank()}"
 
     @contextlib.contextmanager
     def shared_dir(self, index: int) -> Iterator[str]:
-        path = f"{self.prefix}-{index}"
-        if self.leader:
-            os.makedirs(path, exist_ok=True)
-        try:
-            yield path
-        finally:
-            dist.barrier()  # every worker of the node has read the copy (or given up on it)
-            if self.leader:
-                shutil.rmtree(path, ignore_errors=True)
+        name = f"{self.name}-{index}"
+        # The leader makes and removes the copy (and holds its lock, so a killed run's copy is swept).
+        with restore_scratch(name) if self.leader else contextlib.nullcontext(scratch_path(name)) as path:
+            try:
+                yield path
+            finally:
+                dist.barrier()  # every worker of the node has read the copy (or given up on it)
 
     def agree(self, check: Callable[[], str | None]) -> str | None:
         problem = check() if self.leader else None

@@ -1,9 +1,15 @@
 """Restoring a run from real checkpoint directories: a corrupt latest one falls back to the previous kept
-one with a warning naming it; none usable is an error naming every checkpoint, never a temp copy."""
+one with a warning naming it; none usable is an error naming every checkpoint, never a temp copy; the copy
+of a restore killed midway is removed by the next restore on the machine, a live one's never."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -15,7 +21,12 @@ from pipeline.ingest.tokenizer import train_tokenizer
 from tests.fixtures.checkpoints import DEMO_CAPTIONS
 from training.config import TRAIN_PRESETS
 from training.model.checkpoint import CheckpointError
-from training.train.checkpointing import restore_with_fallback, save_state
+from training.train.checkpointing import (
+    restore_scratch,
+    restore_with_fallback,
+    save_state,
+    sweep_abandoned_scratch,
+)
 from training.train.loop import checkpoint_candidates
 from training.train.step import setup_state
 
@@ -84,3 +95,45 @@ def test_no_usable_checkpoint_is_an_error_naming_each(run_dir, tmp_path) -> None
     msg = str(err.value)
     assert str(copy / "checkpoint_00000004") in msg and str(copy / "checkpoint_00000002") in msg
     assert "prolip-restore-" not in msg and len(warnings) == 2
+
+
+_HOLD_A_COPY = """
+import sys, time
+from training.train.checkpointing import restore_scratch
+with restore_scratch(sys.argv[1]) as d:
+    open(d + "/weights.pt", "wb").write(b"w" * 4096)
+    print(d, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_copy_of_a_killed_restore_is_removed_by_the_next_and_a_live_one_is_kept(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    root = Path(__file__).resolve().parents[3]
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _HOLD_A_COPY, name],
+            cwd=root, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        for name in ("killed", "live")
+    }  # fmt: skip
+    try:
+        dirs = {name: p.stdout.readline().strip() for name, p in procs.items()}
+        assert all(os.path.isfile(d + "/weights.pt") for d in dirs.values()), dirs
+        os.killpg(procs["killed"].pid, signal.SIGKILL)
+        procs["killed"].wait()
+        assert os.path.isdir(dirs["killed"])  # nothing ran its cleanup
+        with restore_scratch("next") as d:
+            assert os.path.isdir(d) and not os.path.exists(dirs["killed"])
+            assert not os.path.exists(dirs["killed"] + ".lock")
+            assert os.path.isfile(dirs["live"] + "/weights.pt")  # its restorer still holds the lock
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            os.path.basename(dirs["live"]) + s for s in ("", ".lock")
+        )
+    finally:
+        os.killpg(procs["live"].pid, signal.SIGKILL)
+        procs["live"].wait()
+    assert sweep_abandoned_scratch() == [dirs["live"]] and os.listdir(tmp_path) == []
