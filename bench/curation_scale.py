@@ -23,7 +23,7 @@ assignment scans k centroids per row, as n²; k-means fits min(256·k, 512 MiB o
 as n² until the sample reaches its cap, linearly after), and evaluated at 12.8M and 128M. Writes ``--out`` in
 the recorded-figures format of bench/benchmarks_doc.py.
 
-Usage: python -m bench.curation_scale [--sizes 1000000,4000000,16000000] [--dim 256] [--eval 5000] [--out FILE]
+Usage: python -m bench.curation_scale [--sizes 1000000,4000000,8000000] [--dim 256] [--eval 5000] [--out FILE]
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ BUCKET_ROWS = 500_000
 BLOB = 1000
 TARGETS = (12_800_000, 128_000_000)
 WIDTH = (
-    "DataComp's L/14 embeddings are 768-d; 16M rows at 768-d would need ~24 GiB of input and ~72 GB of "
-    "bucket files, so the sweep to 16M runs at 256-d, and 768-d stops at 4M"
+    "DataComp's L/14 embeddings are 768-d; on this machine's disk (~60-80 GB free) 16M rows fit neither at "
+    "768-d (~24 GiB of input, ~72 GB of bucket files) nor at 256-d (the sample predicted ~9 memberships a row, "
+    "~80 GB of buckets: decision 0110), so the 256-d sweep stops at 8M and the 768-d one at 4M"
 )
 
 
@@ -266,7 +267,7 @@ def records(rows: list[dict], args) -> dict:
             + _flags(args),
             "figure": f"{at[0] / 3600:.1f} h and {at[1] / 3600:.0f} h (t = {a * 1e6:.1f} µs·n"
             + (f" + {b * 1e12:.3f} ps·n²)" if b else ")")
-            + "; the driver stays at the sizes' figure. The largest worker is named at each size: the k-means "
+            + "; the driver's growth is in the rows above. The largest worker is named at each size: the k-means "
             "fit holds its sample (256·k rows, at most 512 MiB of float32, decision 0106); a cluster group's "
             "task ~44 MiB of bucket (decision 0104) and each file's index (decision 0105); a uid bucket's task "
             "its ≤ 500,000 part rows",
@@ -295,7 +296,7 @@ def records(rows: list[dict], args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="1000000,4000000,16000000")
+    p.add_argument("--sizes", default="1000000,4000000,8000000")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--eval", type=int, default=5_000)
     p.add_argument("--cluster-rows", type=int, default=1000)
