@@ -17,10 +17,11 @@ those uids (docs/decisions/0107).
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -115,15 +116,23 @@ def _lloyd_step(
 
     sums = ray_task(SF.centroid_sums)
     cen = ray.put(centroids)
-    refs = [sums.remote(s, key, cut, seed, cen, store) for s in sources]
     total, count = np.zeros(centroids.shape, np.float64), np.zeros(len(centroids), np.int64)
-    for ref in refs:  # one file's sums held at a time
-        s, c = ray.get(ref)
+    for s, c in _in_order([sums.remote(src, key, cut, seed, cen, store) for src in sources]):
         total += s
         count += c
-        del s
     moved = SD.normalize(total).astype(np.float32)
     return np.where(count[:, None] > 0, moved, centroids).astype(np.float32)
+
+
+def _in_order(refs: list) -> Iterator:
+    """The tasks' results in submission order, each released from the object store once the next is asked
+    for: the store holds the results not yet reached, not every file's (k·d float64 a file for the Lloyd
+    step: 2 GiB at 16M rows of 256-d, ~400 GB at 128M of 768-d)."""
+    import ray
+
+    refs.reverse()
+    while refs:
+        yield ray.get(refs.pop())
 
 
 def _pairs(
@@ -148,7 +157,9 @@ def _pairs(
     paths = [storage.join(root, "assign", f"{f:05d}.bkt") for f in range(len(sources))]
     cen = ray.put(centroids)
     cosines = ray_task(SF.cosines_file)
-    member_cos = np.min(np.stack(ray.get([cosines.remote(s, key, cen, store) for s in sources])), axis=0)
+    member_cos = np.ones(len(centroids))
+    for c in _in_order([cosines.remote(src, key, cen, store) for src in sources]):
+        member_cos = np.minimum(member_cos, c)
     est = ray_task(_cluster_loads).remote(_ESTIMATE_ROWS, cen, member_cos, t, *sample)
     members, guests = ray.get(est)  # on a sample: scaled to the pool
     scale = n_rows / max(1.0, members.sum())
@@ -160,6 +171,7 @@ def _pairs(
         f"{plan.n_buckets} groups ({int((plan.slices > 1).sum())} clusters over several)"
     )
     log(f"semantic dedup: the clusters' extents measured ({since(t0)})")
+    bucket_space(root, members.sum() + guests.sum() + members @ (plan.slices - 1), centroids.shape[1])
     t0 = time.perf_counter()
     assign = ray_task(SF.assign_file)
     n = ray.get(
@@ -179,6 +191,25 @@ def _pairs(
         f"semantic dedup: {sum(len(f[1]) for f in found)} pairs above the threshold in {len(groups)} groups ({since(t0)})"
     )
     return CR.merge_pairs(found)
+
+
+def bucket_space(root: str, memberships: float, width: int) -> None:
+    """Refuse before the assignment when a local ``root`` has not the room for the bucket files the
+    sample predicts (float16 vectors and ``_MEMBERSHIP_BYTES`` a membership): an error now names the
+    need, a full disk an hour later names none. Storage on S3 is not checked."""
+    if storage.is_s3(root):
+        return
+    each = 2 * width + _MEMBERSHIP_BYTES
+    path = os.path.abspath(root)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    free = shutil.disk_usage(path).free
+    if memberships * each > free:
+        raise OSError(
+            f"semantic dedup: the cluster buckets need ~{memberships * each / 1e9:.1f} GB under {root} "
+            f"(~{memberships:,.0f} memberships of {each} B, estimated on a sample) and it has "
+            f"{free / 1e9:.1f} GB free: give it more room (the build's storage) or use storage on S3"
+        )
 
 
 def _cluster_loads(

@@ -463,3 +463,18 @@ def test_rows_on_a_border_or_a_tie_are_decided_in_float64(dense, monkeypatch):
     assert (want_a == np.where(side >= 0, 0, 1)).all() and 10 < want_a[80:].sum() < 70
     inside = {i for i, _ in want_g if i < 80}  # as placed, past the rows' rounding to float32 (~5·10⁻⁸)
     assert set(range(19)) <= inside and not inside & set(range(61, 80))
+
+
+def test_bucket_space_refuses_a_disk_that_cannot_hold_the_predicted_buckets(tmp_path):
+    import shutil
+
+    from pipeline.dedup import semantic_stage as SS
+
+    free = shutil.disk_usage(tmp_path).free
+    each = 2 * 768 + SS._MEMBERSHIP_BYTES
+    SS.bucket_space(str(tmp_path / "scratch" / "not-made-yet"), free / each / 2, 768)  # room for them
+    with pytest.raises(OSError) as err:
+        SS.bucket_space(str(tmp_path / "scratch"), 2 * free / each, 768)
+    said = str(err.value)
+    assert f"need ~{2 * free / 1e9:.1f} GB under {tmp_path / 'scratch'}" in said and "GB free" in said
+    SS.bucket_space("s3://bucket/scratch", 1e15, 768)  # the object store's room is not ours to measure
