@@ -257,20 +257,70 @@ def _block_rows(k: int, block: int) -> int:
     return max(16, min(block, _ASSIGN_CELLS // max(1, k)))  # (block, k) float32 arrays flat in k
 
 
-def cluster_cosines(vectors: np.ndarray, centroids: np.ndarray, block: int = 4096) -> np.ndarray:
+def cluster_cosines(
+    vectors: np.ndarray, centroids: np.ndarray, block: int = 4096, subs: np.ndarray | None = None
+) -> np.ndarray:
     """Per cluster the smallest cosine of a member to its unit centroid (1 for an empty cluster), each row
     counted in every cluster it is nearest to up to rounding (an exact score within 10⁻⁹ of its best),
-    so any assignment of a tie is covered. The minimum over several blocks or files is the minimum of
-    their figures."""
+    so any assignment of a tie is covered. Given ``subs`` (k, s, d: ``sub_directions``), (k, 1 + s):
+    then column 1 + j holds the smallest product with b's sub-direction j of the members nearest to it
+    among b's (2 where none is). The minimum over several blocks or files is the minimum of their figures."""
     cs = _Centroids(centroids)
-    out = np.ones(len(cs.c), dtype=np.float64)
-    step = _block_rows(len(cs.c), block)
+    k = len(cs.c)
+    out = np.ones(k if subs is None else (k, 1 + subs.shape[1]), dtype=np.float64)
+    if subs is not None:
+        out[:, 1:] = 2.0  # no member near it: its cone holds nobody's neighbour
+    step = _block_rows(k, block)
     for lo in range(0, len(vectors), step):
         x = normalize(vectors[lo : lo + step]).astype(np.float64)
         r, b, s, best, _ = cs.nearest(x, cs.scores(x))
         tie = s >= best[r] - 0.5e-9 * (1.0 + 2.0 * np.abs(best[r]))
         r, b = r[tie], b[tie]
-        np.minimum.at(out, b, (s[tie] + cs.half[b]) / np.sqrt(np.maximum(cs.cn[b], 1e-300)))
+        cos = (s[tie] + cs.half[b]) / np.sqrt(np.maximum(cs.cn[b], 1e-300))
+        if subs is None:
+            np.minimum.at(out, b, cos)
+            continue
+        np.minimum.at(out[:, 0], b, cos)
+        near = _sub_cosines(x, r, b, subs)
+        j = np.argmax(near, axis=1)
+        np.minimum.at(out, (b, 1 + j), near[np.arange(len(r)), j])
+    return out
+
+
+def _sub_cosines(x: np.ndarray, r: np.ndarray, b: np.ndarray, subs: np.ndarray) -> np.ndarray:
+    """x[r] · subs[b, j] in float64 (of the float32 directions as they are), (len(r), s)."""
+    return np.stack([_row_dots(x, r, subs[:, j], b) for j in range(subs.shape[1])], axis=1)
+
+
+def sub_directions(
+    sample: np.ndarray, centroids: np.ndarray, s: int = 2, rounds: int = 5, unit: bool = False
+) -> np.ndarray:
+    """(k, s, d) unit directions per cluster that its members split between (docs/decisions/0111): a few
+    rounds of spherical s-means over the ``sample``'s members of each cluster, started from the member
+    farthest from the centroid and then each next farthest from those chosen. A cluster that spans two
+    concepts has a wide cone about its centroid but two narrow ones about these; any directions keep the
+    guests complete (their extents are measured over every member), good ones keep them few. ``unit``: the
+    rows are unit float32 already (no copy of the sample)."""
+    x = np.ascontiguousarray(sample, dtype=np.float32) if unit else normalize(sample)
+    c = normalize(centroids)
+    home = assign_clusters(x, c)
+    order = np.argsort(home, kind="stable")
+    edges = np.searchsorted(home[order], np.arange(len(c) + 1))
+    out = np.repeat(c[:, None, :], s, axis=1)
+    for b in range(len(c)):
+        m = x[order[edges[b] : edges[b + 1]]]
+        if len(m) < 2:
+            continue
+        pick = [int(np.argmin(m @ c[b]))]
+        for _ in range(s - 1):
+            pick.append(int(np.argmin((m @ m[pick].T).max(axis=1))))
+        d = m[pick].copy()
+        for _ in range(rounds):
+            near = np.argmax(m @ d.T, axis=1)
+            for j in range(s):
+                if (near == j).any():
+                    d[j] = normalize(m[near == j].sum(axis=0, keepdims=True))[0]
+        out[b] = d
     return out
 
 
@@ -280,32 +330,38 @@ def assign_with_guests(
     threshold: float,
     block: int = 4096,
     member_cos: np.ndarray | None = None,
+    subs: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row its nearest centroid (``primary``), and the rows' guest memberships (``guest_row``,
     ``guest_cluster``): row x of cluster a is a guest of cluster b > a when its distance to the bisecting
     hyperplane of c_a and c_b, (|x − c_b|² − |x − c_a|²) / (2|c_a − c_b|), is at most ``reach(threshold)``
     and, given ``member_cos`` (``cluster_cosines``: every member of b within angle R_b of b's direction),
-    its angle to b's direction is at most R_b + arccos(t).
+    its angle to b's direction is at most R_b + arccos(t); given ``subs`` too (``member_cos`` then from
+    ``cluster_cosines(…, subs=subs)``: every member of b within R_bj of one of b's sub-directions s_bj),
+    its angle to some s_bj is at most R_bj + arccos(t) (docs/decisions/0111).
 
     Complete: for a pair x ∈ a, y ∈ b, a ≠ b, closer than the reach, the segment xy crosses the hyperplane,
     so both ends lie within the reach of it; the lower-numbered cluster's end is a guest of the other. And
     the angle from x to b's direction is at most angle(x, y) + angle(y, b) ≤ arccos(t) + R_b (the triangle
-    inequality on the sphere), so the second test drops no such pair: it keeps rows off the borders of
-    clusters they cannot reach, which the first alone lets in when clusters lie within the reach of each
-    other everywhere (unstructured or high-dimensional data; docs/decisions/0103).
+    inequality on the sphere), so the second test drops no such pair, nor the third (y lies within R_bj of
+    its own s_bj): they keep rows off the borders of clusters they cannot reach, which the first alone lets
+    in when clusters lie within the reach of each other everywhere (unstructured or high-dimensional data;
+    docs/decisions/0103).
 
-    Both tests are decided in float64 on the pairs that pass them in float32 with each score moved by its
+    The tests are decided in float64 on the pairs that pass them in float32 with each score moved by its
     error bound, so the float32 products only screen (docs/decisions/0109)."""
     cs = _Centroids(centroids)
     k, d = len(cs.c), reach(threshold)
     ks = np.arange(k)
-    cone = None
+    cone = sub_lim = None
     if member_cos is not None:  # x · c_b ≥ |c_b| cos(R_b + arccos t), as a score
-        angle = np.arccos(np.clip(member_cos, -1.0, 1.0)) + np.arccos(np.clip(threshold, -1.0, 1.0)) + 1e-6
-        cone = np.where(angle >= np.pi, -2.0, np.cos(np.minimum(angle, np.pi))) * np.sqrt(
-            np.maximum(cs.cn, 0.0)
-        )
+        whole = member_cos if subs is None else member_cos[:, 0]
+        cone = _cone_cos(whole, threshold) * np.sqrt(np.maximum(cs.cn, 0.0))
         cone = cone - cs.half - 1e-9
+        if subs is not None:  # x · s_bj ≥ |s_bj| cos(R_bj + arccos t), the float32 s_bj's norm exactly
+            norm = np.sqrt(np.einsum("kjd,kjd->kj", subs, subs, dtype=np.float64))
+            sub_lim = _cone_cos(member_cos[:, 1:] / np.maximum(norm, 1e-300), threshold) * norm - 1e-9
+            sub_lim[member_cos[:, 1:] > 1.5] = np.inf
     primary = np.empty(len(vectors), dtype=np.int64)
     g_row, g_cl = [], []
     step = _block_rows(k, block)
@@ -315,11 +371,20 @@ def assign_with_guests(
         _, _, _, sa, a = cs.nearest(x, v)
         primary[lo : lo + len(x)] = a
         r, b = _guests_of_block(cs, x, v, a, sa, d, cone, ks)
+        if sub_lim is not None and len(r):
+            inside = (_sub_cosines(x, r, b, subs) >= sub_lim[b]).any(axis=1)
+            r, b = r[inside], b[inside]
         g_row.append(r + lo)
         g_cl.append(b)
     if not g_row:
         return primary, np.zeros(0, np.int64), np.zeros(0, np.int64)
     return primary, np.concatenate(g_row).astype(np.int64), np.concatenate(g_cl).astype(np.int64)
+
+
+def _cone_cos(member_cos: np.ndarray, threshold: float) -> np.ndarray:
+    """cos(R + arccos t) for extents cos R, widened by 10⁻⁶ rad; −2 (every row) where it reaches π."""
+    angle = np.arccos(np.clip(member_cos, -1.0, 1.0)) + np.arccos(np.clip(threshold, -1.0, 1.0)) + 1e-6
+    return np.where(angle >= np.pi, -2.0, np.cos(np.minimum(angle, np.pi)))
 
 
 _DENSE_SHARE = 1 / 32  # past this share of a block's cells through the cheap screen, decide in float32 first
@@ -516,8 +581,9 @@ def semantic_duplicates(
         return SemanticResult(out, np.zeros(0, np.int64), 0)
     canon, x, centroids = _clustered(uids, vectors, cluster_rows, seed)
     basis = screen_basis(x[screen_sample(n, seed)])
+    subs = sub_directions(x[screen_sample(n, seed, 256 * len(centroids))], centroids)
     primary, g_row, g_cl = assign_with_guests(
-        x, centroids, threshold, member_cos=cluster_cosines(x, centroids)
+        x, centroids, threshold, member_cos=cluster_cosines(x, centroids, subs=subs), subs=subs
     )
     i, j, s = candidate_pairs_of(x, primary, g_row, g_cl, centroids, threshold, basis=basis)
     order = rank_order(uids[canon], None if priority is None else np.asarray(priority)[canon])

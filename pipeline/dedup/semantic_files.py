@@ -9,7 +9,8 @@ the pool's vectors anywhere but into the clusters' bucket files (docs/decisions/
   is drawn by uid, so it does not depend on how the files split the pool); ``centroid_sums``: a Lloyd
   step over a larger sample drawn the same way, when the fit saw fewer than 256 rows a centroid;
 - ``leak_file``: decontamination by embedding of the file's rows;
-- ``cosines_file``: how far each cluster's members of the file lie from its direction;
+- ``cosines_file``: how far each cluster's members of the file lie from its direction and its
+  sub-directions;
 - ``assign_file``: each row to its nearest cluster and as a guest to the clusters whose border it is
   near and whose members it can reach (``semantic.assign_with_guests``), written to one bucketed file,
   a bucket per cluster group of the ``GroupPlan``;
@@ -129,11 +130,14 @@ def leak_file(
     return pa.concat_arrays(uid_), np.concatenate(task_), np.concatenate(key_)
 
 
-def cosines_file(src: str, key: str, centroids: np.ndarray, store: Storage) -> np.ndarray:
-    """Per cluster the smallest cosine of the file's members to its direction (``semantic.cluster_cosines``)."""
-    out = np.ones(len(centroids), dtype=np.float64)
+def cosines_file(
+    src: str, key: str, centroids: np.ndarray, store: Storage, subs: np.ndarray | None = None
+) -> np.ndarray:
+    """Per cluster the smallest cosine of the file's members to its direction, and to its sub-directions
+    given ``subs`` (``semantic.cluster_cosines``)."""
+    out = SD.cluster_cosines(np.zeros((0, centroids.shape[1]), np.float32), centroids, subs=subs)  # no rows'
     for _, vec in rows_of(src, key, store):
-        out = np.minimum(out, SD.cluster_cosines(vec, centroids))
+        out = np.minimum(out, SD.cluster_cosines(vec, centroids, subs=subs))
     return out
 
 
@@ -195,6 +199,7 @@ def assign_file(
     plan: GroupPlan,
     out: str,
     store: Storage,
+    subs: np.ndarray | None = None,
 ) -> int:
     """The file's rows' cluster memberships (home, then guest ones), bucketed by the ``plan``'s groups
     into ``out`` → the number of memberships written (a wide cluster's members once for each of its
@@ -207,7 +212,7 @@ def assign_file(
             lo = 0
             while lo < len(block_uids):
                 uids, vec = block_uids[lo : lo + rows_at_once], block[lo : lo + rows_at_once]
-                written = _assign_rows(uids, vec, centroids, member_cos, threshold, plan, w)
+                written = _assign_rows(uids, vec, centroids, member_cos, threshold, plan, w, subs)
                 n, lo = n + written, lo + len(uids)
                 # a row may be a guest of many clusters: the next rows sized to ~_BLOCK memberships
                 rows_at_once = int(np.clip(_BLOCK * len(uids) // max(1, written), 256, _BLOCK))
@@ -227,9 +232,10 @@ def _assign_rows(
     threshold: float,
     plan: GroupPlan,
     w: BucketWriter,
+    subs: np.ndarray | None,
 ) -> int:
     """``assign_file`` for one block of rows → the memberships it wrote."""
-    primary, g_row, g_cl = SD.assign_with_guests(vec, centroids, threshold, member_cos=member_cos)
+    primary, g_row, g_cl = SD.assign_with_guests(vec, centroids, threshold, member_cos=member_cos, subs=subs)
     copies = plan.slices[primary]
     home_rows = np.repeat(np.arange(len(uids)), copies)
     nth = np.arange(len(home_rows)) - np.repeat(np.cumsum(copies) - copies, copies)

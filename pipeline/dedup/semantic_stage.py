@@ -3,11 +3,11 @@ that compares vectors: ``curation_stage`` decides on what it finds).
 
 The files are read in place, a block at a time, by one task per file over all its rows (``semantic_files``;
 docs/decisions/0097 and 0102): a count, then the k-means sample drawn by uid hash (at most ``_FIT_BYTES`` of
-float32, whatever the pool's size: docs/decisions/0106) that one task fits k-means and the guests' screen
-basis on, and where it saw fewer than 256 rows a centroid, one Lloyd step over a sample that size, one
+float32, whatever the pool's size: docs/decisions/0106) that one task fits k-means, the guests' screen
+basis and each cluster's two sub-directions on (docs/decisions/0111), and where it saw fewer than 256 rows a centroid, one Lloyd step over a sample that size, one
 task a file (docs/decisions/0108); then the assignment of each row to its nearest cluster and as a guest to the
 clusters whose border it is near and whose members it can reach (``semantic.assign_with_guests``, after a
-pass for each cluster's extent), written to bucket files by cluster group (``_GROUP_BYTES`` of members and
+pass for each cluster's extents about its centroid and its sub-directions), written to bucket files by cluster group (``_GROUP_BYTES`` of members and
 guests as a sample estimates them; a wide cluster's guests shared over several groups: docs/decisions/0104),
 on ``scratch``. One task per group reads its bucket and returns the pairs above the threshold (guests
 screened in the basis: docs/decisions/0096) as positions in the uids they name, merged over the union of
@@ -87,13 +87,13 @@ def semantic_pairs(
     own = scratch is None
     root = tempfile.mkdtemp(prefix="prolip-semdedup-") if own else scratch
     try:
-        centroids, basis = ray.get(ray_task(_fit_files).remote(m, k, cfg.semantic_seed, *outs))
+        centroids, basis, subs = ray.get(ray_task(_fit_files).remote(m, k, cfg.semantic_seed, *outs))
         log(f"semantic dedup: {n} rows in {len(sources)} files, {k} clusters fitted on {m} ({since(t0)})")
         want = min(n, 256 * k)  # 256 rows a centroid, faiss's own cap
         if want > m:
             centroids = _lloyd_step(sources, key, centroids, _cut(want, n), cfg.semantic_seed, store)
             log(f"semantic dedup: a Lloyd step over ~{want} rows ({since(t0)})")
-        pairs = _pairs(sources, key, centroids, basis, cfg, root, store, log, outs, n)
+        pairs = _pairs(sources, key, (centroids, subs), basis, cfg, root, store, log, outs, n)
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
@@ -138,7 +138,7 @@ def _in_order(refs: list) -> Iterator:
 def _pairs(
     sources: Sequence[str],
     key: str,
-    centroids: np.ndarray,
+    fitted: tuple[np.ndarray, np.ndarray],
     basis: np.ndarray | None,
     cfg: DedupeConfig,
     root: str,
@@ -154,13 +154,14 @@ def _pairs(
 
     t0 = time.perf_counter()
     t = cfg.semantic_threshold
+    centroids, subs = fitted
     paths = [storage.join(root, "assign", f"{f:05d}.bkt") for f in range(len(sources))]
-    cen = ray.put(centroids)
+    cen, sub = ray.put(centroids), ray.put(subs)
     cosines = ray_task(SF.cosines_file)
-    member_cos = np.ones(len(centroids))
-    for c in _in_order([cosines.remote(src, key, cen, store) for src in sources]):
-        member_cos = np.minimum(member_cos, c)
-    est = ray_task(_cluster_loads).remote(_ESTIMATE_ROWS, cen, member_cos, t, *sample)
+    member_cos = None
+    for c in _in_order([cosines.remote(src, key, cen, store, sub) for src in sources]):
+        member_cos = c if member_cos is None else np.minimum(member_cos, c)
+    est = ray_task(_cluster_loads).remote(_ESTIMATE_ROWS, cen, member_cos, t, sub, *sample)
     members, guests = ray.get(est)  # on a sample: scaled to the pool
     scale = n_rows / max(1.0, members.sum())
     members, guests = members * scale, guests * scale
@@ -176,7 +177,7 @@ def _pairs(
     assign = ray_task(SF.assign_file)
     n = ray.get(
         [
-            assign.remote(s, key, cen, member_cos, t, plan, p, store)
+            assign.remote(s, key, cen, member_cos, t, plan, p, store, sub)
             for s, p in zip(sources, paths, strict=True)
         ]
     )
@@ -213,22 +214,23 @@ def bucket_space(root: str, memberships: float, width: int) -> None:
 
 
 def _cluster_loads(
-    m: int, centroids: np.ndarray, member_cos: np.ndarray, threshold: float, *sample
+    m: int, centroids: np.ndarray, member_cos: np.ndarray, threshold: float, subs: np.ndarray, *sample
 ) -> tuple[np.ndarray, np.ndarray]:
     """One task: per cluster, the members and the guests the first ``m`` rows of the fit's sample give it."""
     x = SF.fit_sample(sample, m)
-    primary, _, g_cl = SD.assign_with_guests(x, centroids, threshold, member_cos=member_cos)
+    primary, _, g_cl = SD.assign_with_guests(x, centroids, threshold, member_cos=member_cos, subs=subs)
     k = len(centroids)
     return np.bincount(primary, minlength=k) * 1.0, np.bincount(g_cl, minlength=k) * 1.0
 
 
-def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, np.ndarray | None]:
+def _fit_files(m: int, k: int, seed: int, *sample: tuple) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """One task: the files' samples trimmed to ``m`` rows, then ``_fit``."""
     return _fit(SF.fit_sample(sample, m), k, seed)
 
 
-def _fit(sample: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """One task: k-means centroids and the guests' screen basis from the bounded sample."""
-    return SD.kmeans_centroids(sample, k, seed, unit=True), SD.screen_basis(
-        sample[SD.screen_sample(len(sample), seed)]
-    )
+def _fit(sample: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """One task: k-means centroids, the guests' screen basis and each cluster's sub-directions from the
+    bounded sample."""
+    centroids = SD.kmeans_centroids(sample, k, seed, unit=True)
+    basis = SD.screen_basis(sample[SD.screen_sample(len(sample), seed)])
+    return centroids, basis, SD.sub_directions(sample, centroids, unit=True)

@@ -258,16 +258,16 @@ def test_stage_tasks_on_float16_rows_find_every_pair_in_a_basis(tmp_path):
     order = np.argsort(uids.astype(str), kind="stable")
     x = SD.normalize(vectors).astype(np.float16)[order]
     sample = np.sort(np.random.default_rng(0).choice(len(x), 2000, replace=False))
-    centroids, basis = SS._fit(x[sample].astype(np.float32), 30, 0)
-    assert basis is not None and basis.shape == (160, 64)
+    centroids, basis, subs = SS._fit(x[sample].astype(np.float32), 30, 0)
+    assert basis is not None and basis.shape == (160, 64) and subs.shape == (30, 2, 160)
     primary, _, _ = SD.assign_with_guests(x.astype(np.float32), centroids, 0.9)
     store, out = Storage(), str(tmp_path / "assign.parquet")
-    member_cos = SF.cosines_file(str(tmp_path / "e.npz"), "emb", centroids, store)
-    # the loads of the whole file, so every cluster past 300 memberships shares its guests out
-    _, _, g_cl = SD.assign_with_guests(x.astype(np.float32), centroids, 0.9, member_cos=member_cos)
-    plan = SF.plan_groups(np.bincount(primary, minlength=30), np.bincount(g_cl, minlength=30), 300)
+    member_cos = SF.cosines_file(str(tmp_path / "e.npz"), "emb", centroids, store, subs)
+    # the loads of the whole file, so every cluster past 200 memberships shares its guests out
+    _, _, g_cl = SD.assign_with_guests(x.astype(np.float32), centroids, 0.9, member_cos=member_cos, subs=subs)
+    plan = SF.plan_groups(np.bincount(primary, minlength=30), np.bincount(g_cl, minlength=30), 200)
     assert (plan.slices > 1).sum() >= 3 and plan.n_buckets > 30
-    SF.assign_file(str(tmp_path / "e.npz"), "emb", centroids, member_cos, 0.9, plan, out, store)
+    SF.assign_file(str(tmp_path / "e.npz"), "emb", centroids, member_cos, 0.9, plan, out, store, subs)
     found = [
         SF.group_pairs([out], g, plan.first, centroids, 0.9, basis, store) for g in range(plan.n_buckets)
     ]
@@ -371,9 +371,10 @@ def test_a_lloyd_steps_sums_are_the_sampled_rows_nearest_each_centroid(tmp_path)
     np.testing.assert_allclose(half[0][0] + half[1][0], sums, atol=1e-9)
 
 
-def _assignment_in_float64(x, centroids, threshold, member_cos=None):
+def _assignment_in_float64(x, centroids, threshold, member_cos=None, subs=None):
     """``assign_with_guests`` and ``cluster_cosines`` written out densely in float64: (nearest centroid,
-    guest (row, cluster) set, per-cluster smallest member cosine with ties up to 10⁻⁹ counted)."""
+    guest (row, cluster) set, per-cluster smallest member cosine with ties up to 10⁻⁹ counted; given
+    ``subs``, per sub-direction the smallest product with the members nearest to it too)."""
     x = SD.normalize(x).astype(np.float64)
     c = centroids.astype(np.float64)
     cn = (c * c).sum(axis=1)
@@ -386,9 +387,25 @@ def _assignment_in_float64(x, centroids, threshold, member_cos=None):
     sep = np.sqrt(np.maximum(cn[a][:, None] + cn[None, :] - 2.0 * (c[a] @ c.T), 1e-300))
     guest = ((dist2 - best[:, None]) / (2.0 * sep) <= SD.reach(threshold)) & (np.arange(len(c)) > a[:, None])
     if member_cos is not None:
-        angle = np.arccos(np.clip(member_cos, -1, 1)) + np.arccos(threshold) + 1e-6
+        whole = member_cos if subs is None else member_cos[:, 0]
+        angle = np.arccos(np.clip(whole, -1, 1)) + np.arccos(threshold) + 1e-6
         bound = np.where(angle >= np.pi, -2.0, np.cos(np.minimum(angle, np.pi))) * np.sqrt(cn)
         guest &= x @ c.T >= bound[None, :] - 1e-9
+    if subs is not None:
+        dots = np.einsum("nd,kjd->nkj", x, subs.astype(np.float64))  # (rows, clusters, sub-directions)
+        mine = dots.argmax(axis=2)
+        low = np.full(subs.shape[:2], 2.0)
+        for j in range(subs.shape[1]):
+            here = tie & (mine == j)
+            low[:, j] = np.where(here.any(axis=0), np.where(here, dots[:, :, j], 2.0).min(axis=0), 2.0)
+        extent = np.concatenate([extent[:, None], low], axis=1)
+        if member_cos is not None:
+            norm = np.linalg.norm(subs.astype(np.float64), axis=2)
+            cos = np.clip(member_cos[:, 1:] / norm, -1, 1)
+            angle = np.arccos(cos) + np.arccos(threshold) + 1e-6
+            bound = np.where(angle >= np.pi, -2.0, np.cos(np.minimum(angle, np.pi))) * norm - 1e-9
+            bound[member_cos[:, 1:] > 1.5] = np.inf
+            guest &= (dots >= bound[None]).any(axis=2)
     r, b = np.nonzero(guest)
     return a, set(zip(r.tolist(), b.tolist(), strict=True)), extent
 
@@ -421,12 +438,20 @@ def test_assignment_screened_in_float32_equals_the_float64_rule(case):
     member_cos = SD.cluster_cosines(x, centroids)
     a, _, extent = _assignment_in_float64(x, centroids, 0.9)
     np.testing.assert_allclose(member_cos, extent, rtol=0, atol=1e-12)
-    for cos in (None, member_cos):
-        want_a, want_g, _ = _assignment_in_float64(x, centroids, 0.9, cos)
-        primary, g_row, g_cl = SD.assign_with_guests(x, centroids, 0.9, block=512, member_cos=cos)
+    subs = SD.sub_directions(x[np.isfinite(x).all(axis=1)], centroids)
+    sub_cos = SD.cluster_cosines(x, centroids, subs=subs)
+    np.testing.assert_allclose(
+        sub_cos, _assignment_in_float64(x, centroids, 0.9, subs=subs)[2], rtol=0, atol=1e-12
+    )
+    counts = []
+    for cos, sub in ((None, None), (member_cos, None), (sub_cos, subs)):
+        want_a, want_g, _ = _assignment_in_float64(x, centroids, 0.9, cos, sub)
+        primary, g_row, g_cl = SD.assign_with_guests(x, centroids, 0.9, block=512, member_cos=cos, subs=sub)
         np.testing.assert_array_equal(primary, want_a)
         assert set(zip(g_row.tolist(), g_cl.tolist(), strict=True)) == want_g
-        assert len(want_g) > (2000 if case == "blobs-768" else 20 * n)
+        counts.append(len(want_g))
+    print(case, "guests: hyperplane, + cone, + sub-cones", counts)
+    assert counts[1] > (2000 if case == "blobs-768" else 20 * n) and counts[2] > 200
     if case == "ties":
         assert (a[:20] == 3).all()  # every row of 3 counts in 7's extent too, which has no row of its own
         assert member_cos[7] == member_cos[3] < 0.9 and not (a == 7).any()
