@@ -71,6 +71,8 @@ def worker(n_pairs: int) -> dict:
     pieces = _pieces(n_pairs)
     n = sum(len(p[1]) for p in pieces)
     names = pc.unique(pa.concat_arrays([p[0] for p in pieces]))
+    if "live_at" in CR.BucketFacts.__dataclass_fields__:  # every named uid live, as positions among them
+        names = np.arange(len(names))
     live = CR.BucketFacts(pa.array([], pa.string()), np.zeros(0, object), np.zeros(0, object), names,
                           np.random.default_rng(1).uniform(0, 1, len(names)))  # fmt: skip
     positions = "pair_names" in CR.Candidates.__dataclass_fields__

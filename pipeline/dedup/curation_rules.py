@@ -60,11 +60,34 @@ class Candidates:
 
     def named(self) -> pa.Array:
         """Every uid a candidate names, once, sorted: what the uid buckets are asked about."""
+        return self.index()[0]
+
+    def index(self) -> tuple[pa.Array, np.ndarray]:
+        """``named()``, and the position in it of each of ``pair_names``."""
         names = _strings(self.pair_names)
         if not len(self.leak_uid):
-            return names  # sorted and once each already
-        every = pa.concat_arrays([names, _strings(self.leak_uid)])
-        return pc.unique(every).sort()
+            return names, np.arange(len(names))  # sorted and once each already
+        named, where = sorted_unique(pa.concat_arrays([names, _strings(self.leak_uid)]))
+        return named, where[: len(names)]
+
+
+def sorted_unique(values: pa.Array) -> tuple[pa.Array, np.ndarray]:
+    """``values`` → (its distinct strings sorted, each value's position among them), by one sort: a hash
+    table of the strings (``pc.unique``, ``pc.index_in``) peaks at ~300 B a string, the sort at ~60
+    (docs/decisions/0112)."""
+    values = _strings(values)
+    if not len(values):
+        return values, np.zeros(0, np.int64)
+    order = pc.sort_indices(values).to_numpy()
+    ordered = values.take(pa.array(order))
+    new = np.ones(len(ordered), bool)
+    new[1:] = pc.not_equal(ordered.slice(1), ordered.slice(0, len(ordered) - 1)).to_numpy(
+        zero_copy_only=False
+    )
+    where = np.empty(len(values), np.int64)
+    where[order] = np.cumsum(new) - 1
+    del order
+    return ordered.filter(pa.array(new)), where
 
 
 def merge_pairs(found: Sequence[tuple]) -> tuple[pa.Array, np.ndarray, np.ndarray, np.ndarray]:
@@ -73,10 +96,7 @@ def merge_pairs(found: Sequence[tuple]) -> tuple[pa.Array, np.ndarray, np.ndarra
     found = [f for f in found if len(f[1])]
     if not found:
         return pa.array([], pa.string()), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
-    every = pa.concat_arrays([_strings(f[0]) for f in found])
-    names = pc.unique(every).sort()
-    where = pc.index_in(every, value_set=names).to_numpy().astype(np.int64)
-    del every
+    names, where = sorted_unique(pa.concat_arrays([_strings(f[0]) for f in found]))
     starts = np.cumsum([0] + [len(f[0]) for f in found[:-1]])
     pieces = list(zip(found, starts.tolist(), strict=True))
     i = np.concatenate([where[lo + np.asarray(f[1], np.int64)] for f, lo in pieces])
@@ -92,7 +112,8 @@ class BucketFacts:
     phash_uid: pa.Array  # success rows leaking an eval picture by pHash
     phash_task: np.ndarray
     phash_key: np.ndarray
-    live_uid: pa.Array  # named uids that are success rows of the bucket
+    live_at: np.ndarray  # positions of the named uids that are success rows of the bucket (in those it was
+    # asked about; the stage maps them to positions in ``Candidates.named()``)
     live_priority: np.ndarray  # their keep-first score (NaN: none)
 
 
@@ -120,7 +141,7 @@ def bucket_facts(
             p_uid, p_task, p_key = uid.take(pa.array(hit)), task[task != ""], key[task != ""]
     at = pc.index_in(_strings(named), value_set=uid) if len(named) and len(uid) else None
     if at is None:
-        return BucketFacts(p_uid, p_task, p_key, pa.array([], pa.string()), np.zeros(0, np.float64))
+        return BucketFacts(p_uid, p_task, p_key, np.zeros(0, np.int64), np.zeros(0, np.float64))
     picked = pc.drop_null(at)
     score = (
         live.column(PRIORITY).combine_chunks().cast(pa.float64()) if PRIORITY in live.column_names else None
@@ -130,7 +151,8 @@ def bucket_facts(
         if score is not None
         else np.full(len(picked), np.nan)
     )
-    return BucketFacts(p_uid, p_task, p_key, uid.take(picked), priority.astype(np.float64))
+    live_at = np.flatnonzero(at.is_valid().to_numpy(zero_copy_only=False))
+    return BucketFacts(p_uid, p_task, p_key, live_at, priority.astype(np.float64))
 
 
 @dataclass
@@ -140,10 +162,21 @@ class Decisions:
     n_semantic: int
 
 
-def decide(cand: Candidates, facts: list[BucketFacts], semantic: bool) -> Decisions:
-    """The leaks, then the greedy rule over the pairs of remaining rows (module docstring)."""
-    live = pa.concat_arrays([_strings(f.live_uid) for f in facts]) if facts else pa.array([], pa.string())
-    score = np.concatenate([f.live_priority for f in facts]) if facts else np.zeros(0)
+def decide(
+    cand: Candidates,
+    facts: list[BucketFacts],
+    semantic: bool,
+    index: tuple[pa.Array, np.ndarray] | None = None,
+) -> Decisions:
+    """The leaks, then the greedy rule over the pairs of remaining rows (module docstring). ``facts``'
+    ``live_at`` are positions in ``cand.named()`` (``index``: ``cand.index()`` when the caller holds it).
+    Every step is a mask over the named uids or a hash of the leaks' few: no hash table of the named
+    uids (docs/decisions/0112)."""
+    named, pair_at = cand.index() if index is None else index
+    live, score = np.zeros(len(named), bool), np.full(len(named), np.nan)
+    for f in facts:
+        live[f.live_at] = True
+        score[f.live_at] = f.live_priority
     # leaks: pHash first (each bucket's), then the embedding candidates that are live rows without one
     p_uid = pa.concat_arrays([_strings(f.phash_uid) for f in facts]) if facts else pa.array([], pa.string())
     p_task = np.concatenate([f.phash_task for f in facts]) if facts else np.zeros(0, object)
@@ -151,8 +184,12 @@ def decide(cand: Candidates, facts: list[BucketFacts], semantic: bool) -> Decisi
     e_uid = _strings(cand.leak_uid)
     last = _last_of_each(e_uid)
     e_uid, e_task, e_key = e_uid.take(pa.array(last)), cand.leak_task[last], cand.leak_key[last]
-    keep = pc.and_(pc.is_in(e_uid, value_set=live), pc.invert(pc.is_in(e_uid, value_set=p_uid)))
-    keep = keep.to_numpy(zero_copy_only=False) if len(e_uid) else np.zeros(0, bool)
+    keep = np.zeros(len(e_uid), bool)
+    if len(e_uid):
+        at = np.flatnonzero(pc.is_in(named, value_set=e_uid).to_numpy(zero_copy_only=False))
+        mine = pc.index_in(named.take(pa.array(at)), value_set=e_uid).to_numpy().astype(np.int64)
+        keep[mine] = live[at]
+        keep &= ~pc.is_in(e_uid, value_set=p_uid).to_numpy(zero_copy_only=False)
     leak_uid = pa.concat_arrays([p_uid, e_uid.filter(pa.array(keep))])
     leak_task = np.concatenate([p_task, e_task[keep]]).astype(str)
     leak_key = np.concatenate([p_key, e_key[keep]]).astype(str)
@@ -173,10 +210,9 @@ def decide(cand: Candidates, facts: list[BucketFacts], semantic: bool) -> Decisi
     ]
     n_semantic = 0
     if semantic and len(cand.pair_i):
-        remain = pc.invert(pc.is_in(live, value_set=leak_uid)) if len(leak_uid) else None
-        alive = live.filter(remain) if remain is not None else live
-        alive_score = score[remain.to_numpy(zero_copy_only=False)] if remain is not None else score
-        dup, of = _greedy(cand, alive, alive_score)
+        if len(leak_uid):
+            live &= ~pc.is_in(named, value_set=leak_uid).to_numpy(zero_copy_only=False)
+        dup, of = _greedy(cand, live[pair_at], score[pair_at])
         n_semantic = len(dup)
         relabel.append(
             pa.table(
@@ -201,12 +237,10 @@ def _last_of_each(uids: pa.Array) -> np.ndarray:
     return np.sort(len(names) - 1 - first_rev)
 
 
-def _greedy(cand: Candidates, alive: pa.Array, score: np.ndarray) -> tuple[pa.Array, pa.Array]:
-    """The greedy rule over the candidate pairs between ``alive`` uids (``score``: theirs, in that order)
-    → (duplicates, the uid each copies)."""
+def _greedy(cand: Candidates, ok: np.ndarray, score: np.ndarray) -> tuple[pa.Array, pa.Array]:
+    """The greedy rule over the candidate pairs between the ``pair_names`` that are ``ok`` (live rows that
+    do not leak; ``score``: the keep-first score of each) → (duplicates, the uid each copies)."""
     names = _strings(cand.pair_names)
-    at = pc.index_in(names, value_set=alive)  # each named uid's place among the alive ones
-    ok = at.is_valid().to_numpy(zero_copy_only=False)
     i, j, s = cand.pair_i, cand.pair_j, cand.pair_s
     both = ok[i] & ok[j] & (i != j)
     if not both.all():
@@ -214,12 +248,11 @@ def _greedy(cand: Candidates, alive: pa.Array, score: np.ndarray) -> tuple[pa.Ar
     del both
     if not len(i):
         return pa.array([], pa.string()), pa.array([], pa.string())
-    named_score = np.asarray(score, np.float64)[pc.fill_null(at, 0).to_numpy().astype(np.int64)]
-    named_score[~ok] = np.nan  # a uid no pair left keeps a place in the order, and decides nothing
+    named_score = np.where(ok, np.asarray(score, np.float64), np.nan)  # a uid no pair left decides nothing
     key = np.where(np.isfinite(named_score), -named_score, np.inf)  # score descending, NaN last, then uid
-    order = pc.sort_indices(pa.table({"k": key, "u": names}), [("k", "ascending"), ("u", "ascending")])
+    order = np.argsort(key, kind="stable")  # the names are in uid order: a stable sort breaks ties by uid
     rank = np.empty(len(names), dtype=np.int64)
-    rank[order.to_numpy()] = np.arange(len(names))
+    rank[order] = np.arange(len(names))
     del order, key, named_score
     target = SD.greedy_duplicates(rank, i, j, np.asarray(s, np.float64))
     hit = np.flatnonzero(target >= 0)

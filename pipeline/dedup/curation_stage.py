@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 
 from pipeline import schema as S
 from pipeline.common import storage
+from pipeline.common.process_memory import release_free_memory
 from pipeline.common.storage import Storage
 from pipeline.config import BuildConfig
 from pipeline.dedup import curation_rules as CR
@@ -197,7 +198,7 @@ def curate_buckets(
         sources = _embedding_sources(cfg, metadata_files, store)
     cand = find_candidates(cfg, sources, ref, store, scratch, log)
     t0 = time.perf_counter()
-    named = cand.named()
+    named, pair_at = cand.index()
     at = uid_buckets(named, n_buckets)
     by_bucket = np.argsort(at, kind="stable")
     edges = np.searchsorted(at[by_bucket], np.arange(n_buckets + 1))
@@ -216,8 +217,12 @@ def curate_buckets(
             for b in range(n_buckets)
         ]
     )
+    for b, f in enumerate(facts):  # positions in the bucket's named uids → in all of them
+        f.live_at = by_bucket[edges[b] : edges[b + 1]][f.live_at]
     log(f"curation: {len(named)} named uids checked in {n_buckets} uid buckets ({since(t0)})")
-    out = CR.decide(cand, facts, want_semantic)
+    del at, by_bucket
+    release_free_memory()  # the allocators keep freed pages: not into the rule's peak
+    out = CR.decide(cand, facts, want_semantic, (named, pair_at))
     _log_counts(log, cfg, out, cand, want_leaks, want_semantic)
     return out, cand
 

@@ -191,7 +191,10 @@ def _pairs(
     log(
         f"semantic dedup: {sum(len(f[1]) for f in found)} pairs above the threshold in {len(groups)} groups ({since(t0)})"
     )
-    return CR.merge_pairs(found)
+    pairs = CR.merge_pairs(found)
+    del found
+    release_free_memory()  # the merge's sort, freed but kept by the allocators
+    return pairs
 
 
 def bucket_space(root: str, memberships: float, width: int) -> None:

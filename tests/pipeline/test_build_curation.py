@@ -136,7 +136,6 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(
     clusters' guests over several) and in one; a row no file holds stays and is not counted; rows the
     build no longer holds as successes (every seventh) are found in pairs but take no part in the rule."""
     import numpy as np
-    import pyarrow as pa
 
     from pipeline.common.storage import Storage
     from pipeline.config import DedupeConfig
@@ -165,8 +164,12 @@ def test_semantic_stage_on_tasks_equals_the_all_pairs_rule(
     assert any("30 clusters fitted on 1000 (" in m for m in said), said
     assert any("a Lloyd step over ~3000 rows" in m for m in said), said  # the fit saw 33 rows a centroid
     assert (split[0] > 0) == (group_memberships < 1000), said
-    live = CR.BucketFacts(*_no_leaks(), pa.array(named.tolist()), np.append(priority[rows][~gone[rows]], 9.0))
-    out = CR.decide(CR.Candidates(*pairs), [live], semantic=True)
+    cand = CR.Candidates(*pairs)
+    at = {u: k for k, u in enumerate(cand.named().to_pylist())}
+    asked = np.array([u in at for u in named])  # a bucket answers for the named uids only
+    live_at = np.array([at[u] for u in named[asked]], np.int64)
+    live = CR.BucketFacts(*_no_leaks(), live_at, np.append(priority[rows][~gone[rows]], 9.0)[asked])
+    out = CR.decide(cand, [live], semantic=True)
     rel = out.relabels.to_pydict()
     assert "f" * 32 not in rel[S.UID] and set(rel[S.STATUS]) == {S.STATUS_SEMANTIC_DUPLICATE}
     i, j, s = brute_force_pairs(vectors, 0.9)

@@ -54,8 +54,11 @@ def test_decisions_over_merged_pieces_equal_the_greedy_rule_over_uid_pairs():
     names, i, j, s = CR.merge_pairs(pieces)
     cand = CR.Candidates(names, i, j, s, leak_uid=pa.array(leaks.tolist()),
                          leak_task=np.array(["imagenet"] * 5, object), leak_key=np.arange(5).astype(str).astype(object))  # fmt: skip
+    at = {u: k for k, u in enumerate(cand.named().to_pylist())}
+    asked = np.array([u in at for u in live])  # a bucket answers for the named uids only
     facts = CR.BucketFacts(pa.array([], pa.string()), np.zeros(0, object), np.zeros(0, object),
-                           pa.array(live.tolist()), score)  # fmt: skip
+                           np.array([at[u] for u in live[asked]], np.int64), score[asked])  # fmt: skip
+    assert 0 < asked.sum() < len(live)
     out = CR.decide(cand, [facts], semantic=True)
     rel = out.relabels.to_pydict()
     got = {u: d for u, st, d in zip(rel[S.UID], rel[S.STATUS], rel[S.DUPLICATE_OF], strict=True)
