@@ -15,7 +15,8 @@ machine's cores and runs the stage on it.
   downloads, ``phash``, the keep-first score); an eval reference of ``--eval`` pictures of which 0.1% of
   the pool are perturbed copies (half of them by pHash too).
 - **measured**: wall time; the driver's peak anonymous memory (RssAnon, sampled every 0.2 s) above what
-  it held before the stage; the largest RssAnon any one Ray worker process reached (the object store's
+  it held before the stage, and at each of the stage's progress lines its growth then and its peak so
+  far (so the phase that reached the peak is named); the largest RssAnon any one Ray worker process reached (the object store's
   shared pages are not anonymous); the planted pairs of which a row was dropped, and the leaks found.
 
 The time is fitted as t = a·n + b·n² by least squares over the sizes (k = n / cluster_rows clusters: the
@@ -138,11 +139,29 @@ class BucketFiles:
 
 
 _SAID: list[str] = []
+_DRIVER: list = []  # (the driver's PeakAnon, its RssAnon before the stage) while the stage runs
+_AT: list[tuple[float, float]] = []  # per progress line: the driver's growth then, and its peak so far (MiB)
 
 
 def _progress(message: str) -> None:
     _SAID.append(message)
+    if _DRIVER:
+        drv, base = _DRIVER[0]
+        _AT.append(((anon_kb() - base) / 1024, (max(drv.peak, anon_kb()) - base) / 1024))
     print(message, file=sys.stderr, flush=True)  # stdout carries the figures
+
+
+def _phase(line: str) -> str:
+    """A progress line without its figures in parentheses, for the record."""
+    return line.split(" (")[0].split(" {")[0]
+
+
+def _peak_phase(said: list[str], at: list[tuple[float, float]], peak_mb: float) -> str:
+    """The progress line that ends the phase in which the driver's peak was reached (or "after the last")."""
+    for message, (_, peak) in zip(said, at, strict=False):
+        if peak >= peak_mb - 1.0:
+            return message
+    return "after the last progress line"
 
 
 def _memberships() -> int:
@@ -171,6 +190,7 @@ def run_stage(folder: Path, n: int, cluster_rows: int, threshold: float) -> dict
     try:
         base = anon_kb()
         with PeakAnon(every_s=0.2) as drv, PeakAnonWorkers() as wk:
+            _DRIVER.append((drv, base))
             t0 = time.perf_counter()
             out, cand = CS.curate_buckets(
                 cfg,
@@ -197,6 +217,8 @@ def run_stage(folder: Path, n: int, cluster_rows: int, threshold: float) -> dict
         "copy_recall": found / len(pairs), "leak_recall": leak_found / len(leaks),
         "flagged": sum(out.leaks_by_task.values()), "memberships_per_row": _memberships() / n,
         "said": list(_SAID),  # the stage's progress lines, each phase's time in it
+        "driver_at": list(_AT),  # per line: the driver's growth then and its peak so far, MiB
+        "driver_peak_phase": _peak_phase(_SAID, _AT, (drv.peak - base) / 1024),
     }  # fmt: skip
 
 
@@ -252,7 +274,12 @@ def records(rows: list[dict], args) -> dict:
                 + (f" ({r['worker_peak_task'].removeprefix('ray::')})" if r.get("worker_peak_task") else ""),
                 "spread": f"{r['clusters']} clusters, {r['memberships_per_row']:.1f} memberships a row (home and "
                 f"guests), {r['pairs']:,} pairs, {r['dropped']:,} dropped; planted "
-                f"copies found {100 * r['copy_recall']:.1f}%, leaks {100 * r['leak_recall']:.1f}%",
+                f"copies found {100 * r['copy_recall']:.1f}%, leaks {100 * r['leak_recall']:.1f}%"
+                + (
+                    f"; the driver's peak reached by: {_phase(r['driver_peak_phase'])}"
+                    if r.get("driver_peak_phase")
+                    else ""
+                ),
                 "load": f"{r['load_start']:.1f} → {r['load_end']:.1f}",
                 "date": date,
             }
