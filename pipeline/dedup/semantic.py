@@ -372,13 +372,35 @@ def assign_with_guests(
         primary[lo : lo + len(x)] = a
         r, b = _guests_of_block(cs, x, v, a, sa, d, cone, ks)
         if sub_lim is not None and len(r):
-            inside = (_sub_cosines(x, r, b, subs) >= sub_lim[b]).any(axis=1)
+            inside = _in_sub_cones(x, r, b, subs, sub_lim)
             r, b = r[inside], b[inside]
         g_row.append(r + lo)
         g_cl.append(b)
     if not g_row:
         return primary, np.zeros(0, np.int64), np.zeros(0, np.int64)
     return primary, np.concatenate(g_row).astype(np.int64), np.concatenate(g_cl).astype(np.int64)
+
+
+def _in_sub_cones(
+    x: np.ndarray, r: np.ndarray, b: np.ndarray, subs: np.ndarray, sub_lim: np.ndarray
+) -> np.ndarray:
+    """Per pair (row r of ``x``, cluster b): x · s_bj ≥ ``sub_lim[b, j]`` for some j. Screened by float32
+    products of the block's rows with the sub-directions of the clusters its pairs name (a product, not a
+    gather a pair), each within γ_d·|x|·|s| of the exact one; the pairs it leaves undecided in float64."""
+    x32 = x.astype(np.float32)  # exact: the rows are float32 values
+    used, at = np.unique(b, return_inverse=True)
+    top = float(np.sqrt(np.einsum("kjd,kjd->kj", subs[used], subs[used], dtype=np.float64).max()))
+    err = 2.0 * (x.shape[1] + 8) * 2.0**-24 * max(1.0, top) + 1e-12
+    inside, maybe = np.zeros(len(r), bool), np.zeros(len(r), bool)
+    for j in range(subs.shape[1]):
+        v = (x32 @ subs[used, j].T)[r, at].astype(np.float64)
+        lim = sub_lim[b, j]
+        inside |= v >= lim + err
+        maybe |= v >= lim - err
+    ask = np.flatnonzero(maybe & ~inside)
+    if len(ask):
+        inside[ask] = (_sub_cosines(x, r[ask], b[ask], subs) >= sub_lim[b[ask]]).any(axis=1)
+    return inside
 
 
 def _cone_cos(member_cos: np.ndarray, threshold: float) -> np.ndarray:

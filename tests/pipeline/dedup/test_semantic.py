@@ -490,6 +490,42 @@ def test_rows_on_a_border_or_a_tie_are_decided_in_float64(dense, monkeypatch):
     assert set(range(19)) <= inside and not inside & set(range(61, 80))
 
 
+def test_rows_on_a_sub_cones_edge_are_decided_in_float64():
+    """Rows on cluster 1's border whose product with its first sub-direction is the sub-cone's limit
+    ± 10⁻⁹…10⁻⁵ (within float32's error of a 768-d product): a guest exactly when the rule in float64
+    says so, and both sides of the edge occur; the second sub-direction has no member (nobody's cone)."""
+    rng = np.random.default_rng(8)
+    d = 768
+    c = SD.normalize(rng.standard_normal((2, d))).astype(np.float32)
+    subs = SD.normalize(rng.standard_normal((4, d))).astype(np.float32).reshape(2, 2, d)
+    member_cos = np.array([[-1.0, 2.0, 2.0], [-1.0, 0.35, 2.0]])  # centroid cones hold everyone
+    s, n = subs[1, 0].astype(np.float64), np.linalg.norm(subs[1, 0].astype(np.float64))
+    angle = np.arccos(0.35 / n) + np.arccos(0.9) + 1e-6
+    lim = np.cos(angle) * n - 1e-9
+    normal = (c[0] - c[1]).astype(np.float64)
+    normal /= np.linalg.norm(normal)
+    u = s - (s @ normal) * normal  # the part of s along the bisecting hyperplane
+    u /= np.linalg.norm(u)
+    offsets = np.concatenate([-np.geomspace(1e-3, 1e-9, 60), np.geomspace(1e-9, 1e-3, 60)])
+    w = rng.standard_normal((len(offsets), d))
+    for e in (normal, u):
+        w -= (w @ e)[:, None] * e[None, :]
+    w /= np.linalg.norm(w, axis=1, keepdims=True)
+    h = 1e-3  # just on centroid 0's side, well within the reach
+    a = ((lim + offsets) / n - h * (s @ normal) / n) / (u @ s / n)  # x · s = lim + offset, x along u by a
+    rows = h * normal[None, :] + a[:, None] * u[None, :]
+    rows += np.sqrt(1.0 - (rows * rows).sum(axis=1))[:, None] * w
+    rows = rows.astype(np.float32)
+    primary, g_row, g_cl = SD.assign_with_guests(rows, c, 0.9, member_cos=member_cos, subs=subs)
+    want_a, want_g, _ = _assignment_in_float64(rows, c, 0.9, member_cos, subs)
+    np.testing.assert_array_equal(primary, want_a)
+    assert (primary == 0).all()
+    assert set(zip(g_row.tolist(), g_cl.tolist(), strict=True)) == want_g
+    inside = {i for i, _ in want_g}
+    assert set(np.flatnonzero(offsets > 1e-6).tolist()) <= inside
+    assert not inside & set(np.flatnonzero(offsets < -1e-6).tolist())
+
+
 def test_bucket_space_refuses_a_disk_that_cannot_hold_the_predicted_buckets(tmp_path):
     import shutil
 
