@@ -303,7 +303,7 @@ def sub_directions(
     rows are unit float32 already (no copy of the sample)."""
     x = np.ascontiguousarray(sample, dtype=np.float32) if unit else normalize(sample)
     c = normalize(centroids)
-    home = assign_clusters(x, c)
+    home = assign_clusters(x, c, block=1 << 14)  # a block's unit copy, not the sample's
     order = np.argsort(home, kind="stable")
     edges = np.searchsorted(home[order], np.arange(len(c) + 1))
     out = np.repeat(c[:, None, :], s, axis=1)
@@ -381,19 +381,29 @@ def assign_with_guests(
     return primary, np.concatenate(g_row).astype(np.int64), np.concatenate(g_cl).astype(np.int64)
 
 
+_GATHER_SHARE = (
+    1 / 64
+)  # pairs per (row, cluster) cell of a block past which one product beats a gather a pair
+
+
 def _in_sub_cones(
     x: np.ndarray, r: np.ndarray, b: np.ndarray, subs: np.ndarray, sub_lim: np.ndarray
 ) -> np.ndarray:
     """Per pair (row r of ``x``, cluster b): x · s_bj ≥ ``sub_lim[b, j]`` for some j. Screened by float32
-    products of the block's rows with the sub-directions of the clusters its pairs name (a product, not a
-    gather a pair), each within γ_d·|x|·|s| of the exact one; the pairs it leaves undecided in float64."""
+    products, each within γ_d·|x|·|s| of the exact one — a gather a pair where the pairs are few, else the
+    product of the block's rows with the sub-directions of the clusters its pairs name (memory-bound
+    gathers cost more past ``_GATHER_SHARE`` of those cells) — and the pairs it leaves undecided in float64."""
     x32 = x.astype(np.float32)  # exact: the rows are float32 values
     used, at = np.unique(b, return_inverse=True)
     top = float(np.sqrt(np.einsum("kjd,kjd->kj", subs[used], subs[used], dtype=np.float64).max()))
     err = 2.0 * (x.shape[1] + 8) * 2.0**-24 * max(1.0, top) + 1e-12
+    dense = len(r) > _GATHER_SHARE * len(x) * len(used)
     inside, maybe = np.zeros(len(r), bool), np.zeros(len(r), bool)
     for j in range(subs.shape[1]):
-        v = (x32 @ subs[used, j].T)[r, at].astype(np.float64)
+        if dense:
+            v = (x32 @ subs[used, j].T)[r, at].astype(np.float64)
+        else:
+            v = _row_dots(x32, r, subs[:, j], b)
         lim = sub_lim[b, j]
         inside |= v >= lim + err
         maybe |= v >= lim - err

@@ -490,10 +490,13 @@ def test_rows_on_a_border_or_a_tie_are_decided_in_float64(dense, monkeypatch):
     assert set(range(19)) <= inside and not inside & set(range(61, 80))
 
 
-def test_rows_on_a_sub_cones_edge_are_decided_in_float64():
+@pytest.mark.parametrize("gather", [False, True])
+def test_rows_on_a_sub_cones_edge_are_decided_in_float64(gather, monkeypatch):
     """Rows on cluster 1's border whose product with its first sub-direction is the sub-cone's limit
     ± 10⁻⁹…10⁻⁵ (within float32's error of a 768-d product): a guest exactly when the rule in float64
-    says so, and both sides of the edge occur; the second sub-direction has no member (nobody's cone)."""
+    says so, and both sides of the edge occur; the second sub-direction has no member (nobody's cone);
+    screened by a product or by a gather a pair."""
+    monkeypatch.setattr(SD, "_GATHER_SHARE", np.inf if gather else 0.0)
     rng = np.random.default_rng(8)
     d = 768
     c = SD.normalize(rng.standard_normal((2, d))).astype(np.float32)
