@@ -147,8 +147,15 @@ def _progress(message: str) -> None:
     _SAID.append(message)
     if _DRIVER:
         drv, base = _DRIVER[0]
-        _AT.append(((anon_kb() - base) / 1024, (max(drv.peak, anon_kb()) - base) / 1024))
+        now = anon_kb()
+        drv.peak = max(drv.peak, now)  # a reading the sampler may have missed
+        _AT.append(((now - base) / 1024, (drv.peak - base) / 1024))
     print(message, file=sys.stderr, flush=True)  # stdout carries the figures
+
+
+def _driver_growth(r: dict) -> float:
+    """The driver's peak growth: the sampler's, or a progress line's reading when higher."""
+    return max([r["driver_growth_mb"]] + [peak for _, peak in r.get("driver_at", [])])
 
 
 def _phase(line: str) -> str:
@@ -270,14 +277,15 @@ def records(rows: list[dict], args) -> dict:
                 "what": f"curation stage on Ray, {r['n']:,} rows ({r['files']} files, {r['buckets']} uid buckets)",
                 "command": f"python -m bench.curation_scale --sizes {r['n']}" + _flags(args),
                 "figure": f"{r['wall_s']:.0f} s ({r['wall_s'] / r['n'] * 1e6:.0f} µs a row); driver +"
-                f"{r['driver_growth_mb']:.0f} MiB, largest worker {r['worker_peak_mb']:.0f} MiB"
+                f"{_driver_growth(r):.0f} MiB, largest worker {r['worker_peak_mb']:.0f} MiB"
                 + (f" ({r['worker_peak_task'].removeprefix('ray::')})" if r.get("worker_peak_task") else ""),
                 "spread": f"{r['clusters']} clusters, {r['memberships_per_row']:.1f} memberships a row (home and "
                 f"guests), {r['pairs']:,} pairs, {r['dropped']:,} dropped; planted "
                 f"copies found {100 * r['copy_recall']:.1f}%, leaks {100 * r['leak_recall']:.1f}%"
                 + (
-                    f"; the driver's peak reached by: {_phase(r['driver_peak_phase'])}"
-                    if r.get("driver_peak_phase")
+                    "; the driver's peak reached by: "
+                    + _phase(_peak_phase(r["said"], r["driver_at"], _driver_growth(r)))
+                    if r.get("driver_at")
                     else ""
                 ),
                 "load": f"{r['load_start']:.1f} → {r['load_end']:.1f}",
