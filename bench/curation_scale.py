@@ -52,9 +52,10 @@ BUCKET_ROWS = 500_000
 BLOB = 1000
 TARGETS = (12_800_000, 128_000_000)
 WIDTH = (
-    "DataComp's L/14 embeddings are 768-d; on this machine's disk (~60-80 GB free) 16M rows fit neither at "
-    "768-d (~24 GiB of input, ~72 GB of bucket files) nor at 256-d (the sample predicted ~9 memberships a row, "
-    "~80 GB of buckets: decision 0110), so the 256-d sweep stops at 8M and the 768-d one at 4M"
+    "DataComp's L/14 embeddings are 768-d; 16M rows of 768-d would need ~24 GiB of input; at 256-d, with the "
+    "guests held to sub-cones (decision 0111: ~1.2 memberships a row to 8M), 16M rows' buckets (~11 GB) fit this "
+    "disk, but the run takes ~1.5 h of its 2 cores, so the default sweep stops at 8M and 16M is run on its own "
+    "(--sizes 16000000 --append)"
 )
 
 
