@@ -308,7 +308,7 @@ def records(rows: list[dict], args) -> dict:
             "task ~44 MiB of bucket (decision 0104) and each file's index (decision 0105); a uid bucket's task "
             "its ≤ 500,000 part rows",
             "spread": f"least squares over {sizes} rows; the n² term is the assignment's k centroids a row (three "
-            "passes), the memberships a row where they grow with k (blobs that crowd the sphere, decision 0103) "
+            "passes; the memberships a row stay ~1.2 with the guests held to sub-cones, decision 0111) "
             "and k-means' 256·k-row sample, which stops growing at 512 MiB "
             f"({(512 << 20) // (4 * args.dim) // 256 * args.cluster_rows / 1e6:.2f}M rows at this width and "
             "cluster size), past which the fit grows as n; the work divides over a cluster's cores (tasks per "
