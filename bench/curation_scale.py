@@ -16,8 +16,9 @@ machine's cores and runs the stage on it.
   the pool are perturbed copies (half of them by pHash too).
 - **measured**: wall time; the driver's peak anonymous memory (RssAnon, sampled every 0.2 s) above what
   it held before the stage, and at each of the stage's progress lines its growth then and its peak so
-  far (so the phase that reached the peak is named); the largest RssAnon any one Ray worker process reached (the object store's
-  shared pages are not anonymous); the planted pairs of which a row was dropped, and the leaks found.
+  far (so the phase that reached the peak is named); the largest RssAnon any one Ray worker process
+  reached (the object store's shared pages are not anonymous); the planted pairs of which a row was
+  dropped, and the leaks found.
 
 The time is fitted as t = a·n + b·n² by least squares over the sizes (k = n / cluster_rows clusters: the
 assignment scans k centroids per row, as n²; k-means fits min(256·k, 512 MiB of float32) rows against k,
@@ -226,7 +227,6 @@ def run_stage(folder: Path, n: int, cluster_rows: int, threshold: float) -> dict
         "flagged": sum(out.leaks_by_task.values()), "memberships_per_row": _memberships() / n,
         "said": list(_SAID),  # the stage's progress lines, each phase's time in it
         "driver_at": list(_AT),  # per line: the driver's growth then and its peak so far, MiB
-        "driver_peak_phase": _peak_phase(_SAID, _AT, (drv.peak - base) / 1024),
     }  # fmt: skip
 
 

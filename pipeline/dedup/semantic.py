@@ -381,9 +381,8 @@ def assign_with_guests(
     return primary, np.concatenate(g_row).astype(np.int64), np.concatenate(g_cl).astype(np.int64)
 
 
-_GATHER_SHARE = (
-    1 / 64
-)  # pairs per (row, cluster) cell of a block past which one product beats a gather a pair
+# pairs per (row, cluster) cell of a block past which one product beats a gather a pair
+_GATHER_SHARE = 1 / 64
 
 
 def _in_sub_cones(

@@ -4,11 +4,12 @@ that compares vectors: ``curation_stage`` decides on what it finds).
 The files are read in place, a block at a time, by one task per file over all its rows (``semantic_files``;
 docs/decisions/0097 and 0102): a count, then the k-means sample drawn by uid hash (at most ``_FIT_BYTES`` of
 float32, whatever the pool's size: docs/decisions/0106) that one task fits k-means, the guests' screen
-basis and each cluster's two sub-directions on (docs/decisions/0111), and where it saw fewer than 256 rows a centroid, one Lloyd step over a sample that size, one
-task a file (docs/decisions/0108); then the assignment of each row to its nearest cluster and as a guest to the
-clusters whose border it is near and whose members it can reach (``semantic.assign_with_guests``, after a
-pass for each cluster's extents about its centroid and its sub-directions), written to bucket files by cluster group (``_GROUP_BYTES`` of members and
-guests as a sample estimates them; a wide cluster's guests shared over several groups: docs/decisions/0104),
+basis and each cluster's two sub-directions on (docs/decisions/0111), and where it saw fewer than 256 rows
+a centroid, one Lloyd step over a sample that size, one task a file (docs/decisions/0108); then the
+assignment of each row to its nearest cluster and as a guest to the clusters whose border it is near and
+whose members it can reach (``semantic.assign_with_guests``, after a pass for each cluster's extents about
+its centroid and its sub-directions), written to bucket files by cluster group (``_GROUP_BYTES`` of
+members and guests as a sample estimates them; a wide cluster's guests shared over several groups: docs/decisions/0104),
 on ``scratch``. One task per group reads its bucket and returns the pairs above the threshold (guests
 screened in the basis: docs/decisions/0096) as positions in the uids they name, merged over the union of
 those uids (docs/decisions/0107).
@@ -93,7 +94,7 @@ def semantic_pairs(
         if want > m:
             centroids = _lloyd_step(sources, key, centroids, _cut(want, n), cfg.semantic_seed, store)
             log(f"semantic dedup: a Lloyd step over ~{want} rows ({since(t0)})")
-        pairs = _pairs(sources, key, (centroids, subs), basis, cfg, root, store, log, outs, n)
+        pairs = _pairs(sources, key, centroids, subs, basis, cfg, root, store, log, outs, n)
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
@@ -138,7 +139,8 @@ def _in_order(refs: list) -> Iterator:
 def _pairs(
     sources: Sequence[str],
     key: str,
-    fitted: tuple[np.ndarray, np.ndarray],
+    centroids: np.ndarray,
+    subs: np.ndarray,
     basis: np.ndarray | None,
     cfg: DedupeConfig,
     root: str,
@@ -154,7 +156,6 @@ def _pairs(
 
     t0 = time.perf_counter()
     t = cfg.semantic_threshold
-    centroids, subs = fitted
     paths = [storage.join(root, "assign", f"{f:05d}.bkt") for f in range(len(sources))]
     cen, sub = ray.put(centroids), ray.put(subs)
     cosines = ray_task(SF.cosines_file)
