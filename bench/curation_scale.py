@@ -53,9 +53,9 @@ BUCKET_ROWS = 500_000
 BLOB = 1000
 TARGETS = (12_800_000, 128_000_000)
 WIDTH = (
-    "DataComp's L/14 embeddings are 768-d; 16M rows of 768-d would need ~24 GiB of input; at 256-d, with the "
-    "guests held to sub-cones (decision 0111: ~1.2 memberships a row to 8M), 16M rows' buckets (~11 GB) fit this "
-    "disk, but the run takes ~1.5 h of its 2 cores, so the default sweep stops at 8M and 16M is run on its own "
+    "DataComp's L/14 embeddings are 768-d; 16M rows of 768-d would need ~24 GiB of input and ~30 GB of buckets; "
+    "at 256-d, with the guests held to sub-cones (decision 0111), 16M rows' buckets (~13 GB) fit this disk, but "
+    "the run takes ~2.3 h of its 2 cores, so the default sweep stops at 8M and 16M is run on its own "
     "(--sizes 16000000 --append)"
 )
 
@@ -308,7 +308,7 @@ def records(rows: list[dict], args) -> dict:
             "task ~44 MiB of bucket (decision 0104) and each file's index (decision 0105); a uid bucket's task "
             "its ≤ 500,000 part rows",
             "spread": f"least squares over {sizes} rows; the n² term is the assignment's k centroids a row (three "
-            "passes; the memberships a row stay ~1.2 with the guests held to sub-cones, decision 0111) "
+            "passes; the memberships a row 1.1-1.5 with the guests held to sub-cones, decision 0111) "
             "and k-means' 256·k-row sample, which stops growing at 512 MiB "
             f"({(512 << 20) // (4 * args.dim) // 256 * args.cluster_rows / 1e6:.2f}M rows at this width and "
             "cluster size), past which the fit grows as n; the work divides over a cluster's cores (tasks per "
