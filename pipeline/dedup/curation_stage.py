@@ -199,6 +199,7 @@ def curate_buckets(
     cand = find_candidates(cfg, sources, ref, store, scratch, log)
     t0 = time.perf_counter()
     named, pair_at = cand.index()
+    release_free_memory()  # the sort's garbage (~150 B a named uid), not under the buckets' peak
     at = uid_buckets(named, n_buckets)
     by_bucket = np.argsort(at, kind="stable")
     edges = np.searchsorted(at[by_bucket], np.arange(n_buckets + 1))

@@ -79,6 +79,8 @@ def test_uid_buckets_are_ranges_in_uid_order():
     uids = pa.array(sorted(f"{hi:016x}{lo:016x}" for hi, lo in words.tolist()))
     b = uid_buckets(uids, 7)
     assert (np.diff(b) >= 0).all() and set(b.tolist()) == set(range(7))
+    step = -(-(1 << 64) // 7)  # the leading 64 bits, as Python integers: the range each uid falls in
+    assert b.tolist() == [int(u[:16], 16) // step for u in uids.to_pylist()]
     assert (uid_buckets(pa.array(["not a uid", "x"]), 7) < 7).all()
 
 
