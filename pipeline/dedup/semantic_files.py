@@ -135,9 +135,8 @@ def cosines_file(
 ) -> np.ndarray:
     """Per cluster the smallest cosine of the file's members to its direction, and to its sub-directions
     given ``subs`` (``semantic.cluster_cosines``)."""
-    out = SD.cluster_cosines(
-        np.zeros((0, centroids.shape[1]), np.float32), centroids, subs=subs
-    )  # no row yet
+    # no row yet: the "no member" value of every cell, in the shape the files' rows fold into
+    out = SD.cluster_cosines(np.zeros((0, centroids.shape[1]), np.float32), centroids, subs=subs)
     for _, vec in rows_of(src, key, store):
         out = np.minimum(out, SD.cluster_cosines(vec, centroids, subs=subs))
     return out
