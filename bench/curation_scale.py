@@ -53,7 +53,7 @@ BUCKET_ROWS = 500_000
 BLOB = 1000
 TARGETS = (12_800_000, 128_000_000)
 WIDTH = (
-    "DataComp's L/14 embeddings are 768-d; 16M rows of 768-d would need ~24 GiB of input and ~30 GB of buckets; "
+    "DataComp's L/14 embeddings are 768-d; 16M rows of 768-d would need ~24 GiB of input and 30-36 GB of buckets, most of this disk's ~68 GB free; "
     "at 256-d, with the guests held to sub-cones (decision 0111), 16M rows' buckets (~13 GB) fit this disk, but "
     "the run takes ~2 h of its 2 cores, so the default sweep stops at 8M and 16M is run on its own "
     "(--sizes 16000000 --append)"
